@@ -1,0 +1,272 @@
+"""The Python API behind `exporter build` and `exporter validate`."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__, data, files, manifest, profiles, report, validation, weights
+from .errors import UsageError
+from .formats import FORMATS, RuntimeUnavailable
+from .progress import Progress
+
+REPORT_FILES = ("manifest.json", "report.md", "labels.txt", "preprocessing.json")
+
+
+@dataclass
+class BuildRequest:
+    weight: str
+    target: str = "android"
+    out: Path | None = None
+    checkpoint: Path | None = None
+    verify: bool = True
+    labels: Path | None = None
+    data: Path | None = None
+    force: bool = False
+    thresholds: list[str] = field(default_factory=list)
+    formats: list[str] = field(default_factory=list)
+    calib_size: int | None = None
+    val_size: int | None = None
+    threads: int | None = None
+    warmup: int | None = None
+    iterations: int | None = None
+
+
+@dataclass
+class Session:
+    """What every artifact of one build is validated against."""
+
+    loaded: weights.LoadedModel
+    inputs: data.Inputs
+    reference: torch.Tensor
+    eager_accuracy: dict | None
+    latency: dict
+    thresholds: dict
+
+    def eager(self, x):
+        return self.loaded.model(x)
+
+
+def _check_out_dir(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UsageError(f"--out {out} is not empty; pass --force to overwrite")
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out} is not writable")
+
+
+def _load_inputs(path: Path | None, loaded: weights.LoadedModel, data_settings: dict) -> data.Inputs:
+    preprocess = loaded.weights.transforms()
+    size = (data_settings["calib_size"], data_settings["val_size"], data_settings["seed"])
+    if path is None:
+        return data.synthetic(preprocess, *size)
+    return data.from_imagefolder(Path(path), preprocess, *size, num_classes=loaded.num_classes)
+
+
+def _start_session(loaded, inputs, profile, progress: Progress) -> Session:
+    _, latency = profiles.settings(profile)
+    torch.set_num_threads(latency["threads"])
+    with progress.step("eager reference"):
+        reference = validation.run_all(loaded.model, inputs.validation)
+        eager_accuracy = validation.accuracy(reference, inputs.labels) if inputs.labels is not None else None
+    return Session(loaded, inputs, reference, eager_accuracy, latency, profile.get("thresholds", {}))
+
+
+def _validate(session: Session, entry: dict, out: Path, progress: Progress) -> None:
+    module = FORMATS[entry["format"]].load_module()
+    with progress.step(f"validate {entry['name']}"):
+        try:
+            runner = module.load(out / entry["path"], session.latency["threads"])
+        except RuntimeUnavailable as e:
+            entry.update(status="unavailable", reasons=[str(e)])
+            return
+        metrics = validation.evaluate(
+            runner,
+            session.eager,
+            session.inputs.validation,
+            session.reference,
+            session.inputs.labels,
+            session.eager_accuracy,
+            entry["thresholds"],
+            session.latency["warmup"],
+            session.latency["iterations"],
+        )
+        # the runner's own threads setting may have changed torch's; restore for eager
+        torch.set_num_threads(session.latency["threads"])
+    entry.update(metrics)
+
+
+def _export(session: Session, spec: dict, out: Path, progress: Progress) -> dict:
+    module = FORMATS[spec["format"]].load_module()
+    model_name = session.loaded.model_name
+    name = f"{spec['format']}_{spec['precision']}"
+    filename = f"{model_name}_{name}{module.SUFFIX}"
+    entry = {
+        "name": name,
+        "format": spec["format"],
+        "precision": spec["precision"],
+        "path": None,
+        "sha256": None,
+        "size_bytes": None,
+        "status": "failed",
+        "reasons": [],
+        "details": {},
+        "thresholds": dict(session.thresholds.get(spec["precision"], {})),
+        "fidelity": None,
+        "accuracy": None,
+        "latency_ms": None,
+        "eager_latency_ms": None,
+        "speedup_vs_eager": None,
+    }
+    if spec["precision"] not in module.PRECISIONS:
+        entry["reasons"] = [f"{spec['format']} does not offer {spec['precision']} (it offers {', '.join(module.PRECISIONS)})"]
+        return entry
+    label = f"export {name}"
+    try:
+        with progress.step(label), files.atomic_path(out / filename) as tmp:
+            entry["details"] = module.export(
+                session.loaded.model, session.inputs.example, spec["precision"], session.inputs.calibration, tmp
+            )
+    except UsageError:
+        raise
+    except Exception as e:  # a conversion failure is a finding about this artifact, not a crash
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        entry["reasons"] = [f"export failed: {type(e).__name__}: {first}"]
+        return entry
+    entry["export_s"] = progress.timings[label]
+    entry.update(path=filename, sha256=files.sha256(out / filename), size_bytes=files.size(out / filename))
+    _validate(session, entry, out, progress)
+    return entry
+
+
+def _overall_status(artifacts: list[dict]) -> str:
+    return "failed" if any(a["status"] == "failed" for a in artifacts) else "passed"
+
+
+def _finish(out: Path, doc: dict, progress: Progress) -> dict:
+    doc["status"] = _overall_status(doc["artifacts"])
+    doc["timings_s"] = dict(progress.timings)
+    manifest.write(out, doc)
+    files.write_text(out / "report.md", report.markdown(doc))
+    return doc
+
+
+def build(request: BuildRequest, progress: Progress | None = None) -> dict:
+    progress = progress or Progress(quiet=True)
+    # Everything that can be wrong with the request is checked before anything is written.
+    profile = profiles.with_overrides(
+        profiles.load(request.target),
+        thresholds=request.thresholds,
+        formats=request.formats,
+        calib_size=request.calib_size,
+        val_size=request.val_size,
+        threads=request.threads,
+        warmup=request.warmup,
+        iterations=request.iterations,
+    )
+    for spec in profile["artifacts"]:
+        FORMATS[spec["format"]].load_module()
+    with progress.step("load weights"):
+        loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels)
+    out = Path(request.out or Path("exports") / loaded.weight_name / profile["name"])
+    _check_out_dir(out, request.force)
+    data_settings, latency = profiles.settings(profile)
+    with progress.step("load data"):
+        inputs = _load_inputs(request.data, loaded, data_settings)
+    if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
+        if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
+            loaded.labels = list(inputs.classes)
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in REPORT_FILES:
+        (out / stale).unlink(missing_ok=True)
+    session = _start_session(loaded, inputs, profile, progress)
+    doc = {
+        "schema_version": manifest.SCHEMA_VERSION,
+        "exporter_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": list(sys.argv),
+        "status": "building",
+        "weight": {
+            "name": loaded.weight_name,
+            "model": loaded.model_name,
+            "num_classes": loaded.num_classes,
+            "meta": weights.meta_summary(loaded.weights),
+        },
+        "checkpoint": loaded.checkpoint,
+        "preprocessing": weights.preprocessing_spec(loaded.weights),
+        "labels": {"file": "labels.txt", "count": len(loaded.labels), "from_file": str(request.labels) if request.labels else None},
+        "target": {
+            "name": profile["name"],
+            "profile": profile["path"],
+            "artifacts": profile["artifacts"],
+            "thresholds": profile.get("thresholds", {}),
+            "data": data_settings,
+            "latency": latency,
+        },
+        "tools": manifest.tool_versions(),
+        "host": manifest.host(latency["threads"]),
+        "data": inputs.description,
+        "eager": {"accuracy": session.eager_accuracy},
+        "artifacts": [],
+        "timings_s": {},
+    }
+    files.write_text(out / "labels.txt", "".join(f"{label}\n" for label in loaded.labels))
+    files.write_text(out / "preprocessing.json", json.dumps(doc["preprocessing"], indent=2) + "\n")
+    manifest.write(out, doc)
+    for spec in profile["artifacts"]:
+        doc["artifacts"].append(_export(session, spec, out, progress))
+        doc["timings_s"] = dict(progress.timings)
+        manifest.write(out, doc)  # only complete artifacts are ever listed
+    return _finish(out, doc, progress)
+
+
+def validate_build(out: Path, data_dir: Path | None = None, thresholds: list[str] = (), progress: Progress | None = None) -> dict:
+    """Re-run the validation contract on an existing build directory."""
+    progress = progress or Progress(quiet=True)
+    out = Path(out)
+    if not (out / "manifest.json").is_file():
+        raise UsageError(f"{out} has no manifest.json; is it an exporter build directory?")
+    try:
+        doc = manifest.read(out)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise UsageError(f"cannot read {out / 'manifest.json'}: {e}") from None
+    for entry in doc["artifacts"]:
+        if entry.get("path"):
+            path = out / entry["path"]
+            if not path.exists() or files.sha256(path) != entry["sha256"]:
+                raise UsageError(f"{path} does not match the sha256 in its manifest (changed or truncated)")
+    profile = {"name": doc["target"]["name"], "path": doc["target"]["profile"], "artifacts": doc["target"]["artifacts"],
+               "thresholds": doc["target"]["thresholds"], "data": doc["target"]["data"], "latency": doc["target"]["latency"]}
+    profile = profiles.with_overrides(profile, thresholds=list(thresholds))
+    for spec in profile["artifacts"]:
+        FORMATS[spec["format"]].load_module()
+    with progress.step("load weights"):
+        checkpoint = doc["checkpoint"]
+        loaded = weights.load(doc["weight"]["name"], checkpoint["path"], verify=False)
+        if loaded.checkpoint["sha256"] != checkpoint["sha256"]:
+            raise UsageError(f"checkpoint {checkpoint['path']} changed since the build (sha256 differs)")
+    source = data_dir or (None if doc["data"]["source"] == "synthetic" else Path(doc["data"]["source"]))
+    with progress.step("load data"):
+        inputs = _load_inputs(source, loaded, profiles.settings(profile)[0])
+    session = _start_session(loaded, inputs, profile, progress)
+    doc["target"]["thresholds"] = profile.get("thresholds", {})
+    doc["data"] = inputs.description
+    doc["eager"] = {"accuracy": session.eager_accuracy}
+    for entry in doc["artifacts"]:
+        entry["thresholds"] = dict(session.thresholds.get(entry["precision"], {}))
+        if entry.get("path"):
+            entry.update(reasons=[], status="failed")
+            _validate(session, entry, out, progress)
+    doc["validated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return _finish(out, doc, progress)

@@ -1,0 +1,175 @@
+"""The `exporter` command line: parse the request, call the Python API, map outcomes to exit codes."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import click
+
+from .errors import UsageError
+
+EXIT_CODES = """Exit codes: 0 every artifact passed; 1 an artifact broke its thresholds
+(everything is still written); 2 bad input or environment (nothing is written)."""
+
+
+def _quiet_libraries() -> None:
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def one_line_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UsageError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+
+    return wrapper
+
+
+@click.group(epilog=EXIT_CODES)
+@click.version_option(package_name="exporter")
+def main():
+    """Turn a named torchvision weight into verified artifacts for phones and edge devices."""
+    _quiet_libraries()
+
+
+@main.command("list")
+@click.option("--task", default="classification", show_default=True, help="classification, detection, segmentation, video, optical_flow, quantization")
+@click.option("--max-params", type=int, default=None, help="Only weights with at most this many parameters.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@one_line_errors
+def list_cmd(task, max_params, as_json):
+    """Models and their weights, with acc@1, params, GFLOPS and file size from meta."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import weights
+
+    rows = weights.list_weights(task, max_params)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table("weight", "acc@1", "params (M)", "GFLOPS", "MB")
+    for r in rows:
+        table.add_row(
+            r["weight"],
+            f"{r['acc@1']:.3f}" if r["acc@1"] is not None else "—",
+            f"{r['params'] / 1e6:.1f}" if r["params"] else "—",
+            f"{r['gflops']:.2f}" if r["gflops"] is not None else "—",
+            f"{r['size_mb']:.1f}" if r["size_mb"] is not None else "—",
+        )
+    Console().print(table)
+
+
+@main.command()
+@click.argument("weight")
+@click.option("--json", "as_json", is_flag=True)
+@one_line_errors
+def inspect(weight, as_json):
+    """Meta, categories, exact preprocessing and checkpoint location of WEIGHT."""
+    from . import weights
+
+    w = weights.resolve(weight)
+    path = weights.hub_checkpoint_path(w)
+    info = {
+        "weight": weights.canonical_name(w),
+        "model": weights.model_name_of(w),
+        "task": weights.task_of(weights.model_name_of(w)),
+        "meta": weights.meta_summary(w),
+        "categories": len(w.meta.get("categories") or []),
+        "preprocessing": weights.preprocessing_spec(w),
+        "transforms": repr(w.transforms()),
+        "url": w.url,
+        "checkpoint_path": str(path),
+        "checkpoint_cached": path.is_file(),
+    }
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for key, value in info.items():
+        click.echo(f"{key:18} {value}")
+
+
+def _threshold_help() -> str:
+    return "Override a threshold: [PRECISION.]KEY=VALUE, e.g. int8.psnr_db=35 (repeatable). Keys: top1_agreement, top5_agreement, psnr_db, cosine, max_abs_error, accuracy_drop."
+
+
+def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
+    from . import manifest, report
+
+    if as_json:
+        click.echo(manifest.dumps(doc), nl=False)
+    elif not quiet:
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        Console(stderr=False).print(Markdown(report.markdown(doc)))
+        click.echo(f"report: {out / 'report.md'}\nmanifest: {out / 'manifest.json'}")
+    sys.exit(1 if doc["status"] == "failed" else 0)
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("weight")
+@click.option("--target", default="android", show_default=True, help="android, ios, jetson, or a path to a profile .toml")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Output directory [default: exports/<weight>/<target>]")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="State dict to load instead of the torch hub cache.")
+@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of a checkpoint whose file name carries one.")
+@click.option("--labels", type=click.Path(path_type=Path), default=None, help="Class names, one per line (fine-tuned checkpoints).")
+@click.option("--data", type=click.Path(path_type=Path), default=None, help="ImageFolder for calibration and labeled validation.")
+@click.option("--calib-size", type=click.IntRange(min=0), default=None)
+@click.option("--val-size", type=click.IntRange(min=1), default=None)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for eager and every runtime alike.")
+@click.option("--warmup", type=click.IntRange(min=0), default=None)
+@click.option("--iterations", type=click.IntRange(min=1), default=None, help="Timed iterations per runner.")
+@click.option("--threshold", "thresholds", multiple=True, help=_threshold_help())
+@click.option("--format", "formats", multiple=True, help="Only these formats, e.g. executorch or executorch:int8 (repeatable).")
+@click.option("--force", is_flag=True, help="Write into a non-empty output directory.")
+@click.option("--quiet", is_flag=True, help="No progress or report on the terminal.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest JSON on stdout.")
+@one_line_errors
+def build(weight, target, out, checkpoint, no_verify, labels, data, calib_size, val_size, threads, warmup, iterations,
+          thresholds, formats, force, quiet, as_json):
+    """Export WEIGHT for a target, validate every artifact against eager PyTorch, write manifest and report."""
+    from .build import BuildRequest, build as run_build
+    from .progress import Progress
+
+    request = BuildRequest(
+        weight=weight, target=target, out=out, checkpoint=checkpoint, verify=not no_verify, labels=labels,
+        data=data, force=force, thresholds=list(thresholds), formats=list(formats), calib_size=calib_size,
+        val_size=val_size, threads=threads, warmup=warmup, iterations=iterations,
+    )
+    doc = run_build(request, Progress(quiet=quiet or as_json))
+    from . import weights
+
+    out = out or Path("exports") / doc["weight"]["name"] / doc["target"]["name"]
+    _emit(doc, as_json, quiet, out)
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--data", type=click.Path(path_type=Path), default=None, help="Validate on this ImageFolder instead of the build's.")
+@click.option("--threshold", "thresholds", multiple=True, help=_threshold_help())
+@click.option("--quiet", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+@one_line_errors
+def validate(out_dir, data, thresholds, quiet, as_json):
+    """Re-run validation on an existing build directory and rewrite its manifest and report."""
+    from .build import validate_build
+    from .progress import Progress
+
+    doc = validate_build(out_dir, data, list(thresholds), Progress(quiet=quiet or as_json))
+    _emit(doc, as_json, quiet, out_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Export formats. Each is one module with the same small interface:
+
+    NAME, SUFFIX, PRECISIONS, EXTRA
+    export(model, example, precision, calib, path) -> dict   # writes `path`, returns details
+    load(path, threads) -> Runner                            # Runner(x: Tensor) -> Tensor
+
+No format knows about validation, targets or the CLI.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from ..errors import MissingExtraError
+
+Runner = Callable[[torch.Tensor], torch.Tensor]
+
+
+class RuntimeUnavailable(Exception):
+    """The artifact exists but cannot be run on this host (the reason is the message)."""
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    name: str
+    module: str
+    extra: str
+    requires: tuple[str, ...]
+
+    def load_module(self) -> ModuleType:
+        for package in self.requires:
+            try:
+                importlib.import_module(package)
+            except ImportError:
+                raise MissingExtraError(f"format '{self.name}'", self.extra) from None
+        return importlib.import_module(self.module)
+
+
+FORMATS = {
+    spec.name: spec
+    for spec in (
+        FormatSpec("executorch", "exporter.formats.executorch", "android", ("executorch",)),
+        FormatSpec("torchscript_lite", "exporter.formats.torchscript_lite", "android", ()),
+    )
+}

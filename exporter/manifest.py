@@ -1,0 +1,79 @@
+"""The build manifest: one versioned schema, written atomically."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from . import files
+
+SCHEMA_VERSION = 1
+SCHEMA_FILE = Path(__file__).parent / "schema" / "manifest.schema.json"
+TOOLS = ("exporter", "torch", "torchvision", "executorch", "torchao", "coremltools", "onnx", "onnxruntime", "tensorrt")
+
+
+def tool_versions() -> dict:
+    found = {}
+    for name in TOOLS:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host(threads: int) -> dict:
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "python": platform.python_version(),
+    }
+
+
+def _jsonable(value):
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def dumps(manifest: dict) -> str:
+    return json.dumps(_jsonable(manifest), indent=2, allow_nan=False) + "\n"
+
+
+def write(out_dir: Path, manifest: dict) -> Path:
+    path = Path(out_dir) / "manifest.json"
+    files.write_text(path, dumps(manifest))
+    return path
+
+
+def read(out_dir: Path) -> dict:
+    path = Path(out_dir) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema_version {manifest.get('schema_version')} (this exporter reads {SCHEMA_VERSION})")
+    return manifest
+
+
+def schema() -> dict:
+    return json.loads(SCHEMA_FILE.read_text())

@@ -1,0 +1,74 @@
+"""The human-readable report: the manifest as tables."""
+
+from __future__ import annotations
+
+import math
+
+
+def _num(value, fmt: str, missing: str = "—") -> str:
+    if value is None:
+        return missing
+    if value == "inf" or (isinstance(value, float) and math.isinf(value)):
+        return "∞"
+    return format(value, fmt)
+
+
+def rows(doc: dict) -> list[dict]:
+    table = []
+    for a in doc["artifacts"]:
+        fid, acc, lat = a.get("fidelity") or {}, a.get("accuracy") or {}, a.get("latency_ms") or {}
+        table.append(
+            {
+                "artifact": a["name"],
+                "status": a["status"],
+                "top-1 agree": _num(fid.get("top1_agreement"), ".1%"),
+                "PSNR dB": _num(fid.get("psnr_db"), ".1f"),
+                "acc@1 (drop)": f"{_num(acc.get('acc1'), '.2f')} ({_num(acc.get('drop_points'), '+.2f')})" if acc else "not measured",
+                "p50 ms": _num(lat.get("p50"), ".2f"),
+                "p90 ms": _num(lat.get("p90"), ".2f"),
+                "eager p50": _num((a.get("eager_latency_ms") or {}).get("p50"), ".2f"),
+                "speedup": _num(a.get("speedup_vs_eager"), ".2f", "—") + ("×" if a.get("speedup_vs_eager") else ""),
+                "MB": _num(a["size_bytes"] / 1e6 if a.get("size_bytes") else None, ".2f"),
+            }
+        )
+    return table
+
+
+def markdown(doc: dict) -> str:
+    host, data = doc["host"], doc["data"]
+    eager = doc["eager"].get("accuracy")
+    lines = [
+        f"# {doc['weight']['name']} → {doc['target']['name']}: **{doc['status'].upper()}**",
+        "",
+        f"- model: `{doc['weight']['model']}`, {doc['weight']['num_classes']} classes; checkpoint sha256 `{doc['checkpoint']['sha256'][:16]}…` ({doc['checkpoint']['source']})",
+        f"- host: {host['cpu']}, {host['cores']} cores; **{host['threads']} threads** for eager and every runtime",
+        f"- data: {data['source']}; {data['validation']} validation / {data['calibration']} calibration images (seed {data.get('seed')})",
+        "- eager acc@1 / acc@5: " + (f"{eager['acc1']:.2f}% / {eager['acc5']:.2f}%" if eager else "**not measured** (no labeled --data)"),
+        "",
+    ]
+    table = rows(doc)
+    if table:
+        headers = list(table[0])
+        lines.append("| " + " | ".join(headers) + " |")
+        lines.append("|" + "---|" * len(headers))
+        lines += ["| " + " | ".join(str(r[h]) for h in headers) + " |" for r in table]
+    notes = []
+    for a in doc["artifacts"]:
+        for reason in a.get("reasons", []):
+            notes.append(f"- `{a['name']}` {a['status']}: {reason}")
+        details = a.get("details") or {}
+        if "delegation" in details:
+            d = details["delegation"]
+            outside = ", ".join(f"{op}×{n}" for op, n in d["ops_outside_delegate"].items()) or "none"
+            notes.append(
+                f"- `{a['name']}`: {d['delegated_nodes']} nodes in {d['delegated_subgraphs']} {d['delegate']} subgraph(s); "
+                f"{d['non_delegated_nodes']} outside ({outside})"
+            )
+        if details.get("xnnpack_rewrite") == "unavailable":
+            notes.append(f"- `{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})")
+    if data.get("note"):
+        notes.append(f"- {data['note']}")
+    if notes:
+        lines += ["", "## Notes", *notes]
+    lines += ["", "Thresholds per precision: " + ", ".join(f"{p}: {t}" for p, t in doc["target"]["thresholds"].items()), ""]
+    return "\n".join(lines)
