@@ -16,7 +16,7 @@ from .errors import UsageError
 from .formats import FORMATS, RuntimeUnavailable
 from .progress import Progress
 
-REPORT_FILES = ("manifest.json", "report.md", "labels.txt", "preprocessing.json")
+REPORT_FILES = ("manifest.json", "report.md", "labels.txt", "preprocessing.json")  # removed first on --force
 
 
 @dataclass
@@ -31,6 +31,7 @@ class BuildRequest:
     force: bool = False
     thresholds: list[str] = field(default_factory=list)
     formats: list[str] = field(default_factory=list)
+    options: dict = field(default_factory=dict)  # format options, applied to every artifact that takes them
     calib_size: int | None = None
     val_size: int | None = None
     threads: int | None = None
@@ -48,6 +49,18 @@ class Session:
     eager_accuracy: dict | None
     latency: dict
     thresholds: dict
+
+    @property
+    def meta(self) -> dict:
+        return {
+            "weight": self.loaded.weight_name,
+            "model": self.loaded.model_name,
+            "labels": list(self.loaded.labels),
+            "preprocessing": weights.preprocessing_spec(self.loaded.weights),
+            "accuracy": weights.meta_summary(self.loaded.weights)["metrics"],
+            "recipe": self.loaded.weights.meta.get("recipe"),
+            "exporter_version": __version__,
+        }
 
     def eager(self, x):
         return self.loaded.model(x)
@@ -82,34 +95,45 @@ def _start_session(loaded, inputs, profile, progress: Progress) -> Session:
     return Session(loaded, inputs, reference, eager_accuracy, latency, profile.get("thresholds", {}))
 
 
+def _evaluate(session: Session, runner, thresholds: dict) -> dict:
+    metrics = validation.evaluate(
+        runner,
+        session.eager,
+        session.inputs.validation,
+        session.reference,
+        session.inputs.labels,
+        session.eager_accuracy,
+        thresholds,
+        session.latency["warmup"],
+        session.latency["iterations"],
+    )
+    # a runtime's own thread setting may have changed torch's; restore it for eager
+    torch.set_num_threads(session.latency["threads"])
+    return metrics
+
+
 def _validate(session: Session, entry: dict, out: Path, progress: Progress) -> None:
     module = FORMATS[entry["format"]].load_module()
     with progress.step(f"validate {entry['name']}"):
         try:
             runner = module.load(out / entry["path"], session.latency["threads"])
         except RuntimeUnavailable as e:
-            entry.update(status="unavailable", reasons=[str(e)])
+            entry.update(status="unavailable", reasons=[f"not validated: {e}"])
+            if hasattr(module, "proxies"):
+                # Stand-ins (e.g. the package's weights put back into eager): labelled proxy, never
+                # reported as the runtime's own numbers, and they do not decide the status.
+                entry["proxy"] = {
+                    label: _evaluate(session, proxy, entry["thresholds"])
+                    for label, proxy in module.proxies(out / entry["path"], session.loaded.model).items()
+                }
             return
-        metrics = validation.evaluate(
-            runner,
-            session.eager,
-            session.inputs.validation,
-            session.reference,
-            session.inputs.labels,
-            session.eager_accuracy,
-            entry["thresholds"],
-            session.latency["warmup"],
-            session.latency["iterations"],
-        )
-        # the runner's own threads setting may have changed torch's; restore for eager
-        torch.set_num_threads(session.latency["threads"])
-    entry.update(metrics)
+        entry.update(_evaluate(session, runner, entry["thresholds"]))
 
 
 def _export(session: Session, spec: dict, out: Path, progress: Progress) -> dict:
     module = FORMATS[spec["format"]].load_module()
     model_name = session.loaded.model_name
-    name = f"{spec['format']}_{spec['precision']}"
+    name = spec.get("name") or f"{spec['format']}_{spec['precision']}"
     filename = f"{model_name}_{name}{module.SUFFIX}"
     entry = {
         "name": name,
@@ -135,10 +159,19 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress) -> dict
     try:
         with progress.step(label), files.atomic_path(out / filename) as tmp:
             entry["details"] = module.export(
-                session.loaded.model, session.inputs.example, spec["precision"], session.inputs.calibration, tmp
+                session.loaded.model,
+                session.inputs.example,
+                spec["precision"],
+                session.inputs.calibration,
+                tmp,
+                session.meta,
+                **spec.get("options", {}),
             )
     except UsageError:
         raise
+    except RuntimeUnavailable as e:
+        entry.update(status="unavailable", reasons=[f"not built on this host: {e}"])
+        return entry
     except Exception as e:  # a conversion failure is a finding about this artifact, not a crash
         first = (str(e).strip().splitlines() or [""])[0][:300]
         entry["reasons"] = [f"export failed: {type(e).__name__}: {first}"]
@@ -147,6 +180,54 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress) -> dict
     entry.update(path=filename, sha256=files.sha256(out / filename), size_bytes=files.size(out / filename))
     _validate(session, entry, out, progress)
     return entry
+
+
+def _apply_options(profile: dict, options: dict) -> None:
+    unused = set(options)
+    for spec in profile["artifacts"]:
+        accepted = set(FORMATS[spec["format"]].load_module().OPTIONS)
+        for key in accepted & set(options):
+            spec.setdefault("options", {})[key] = options[key]
+            unused.discard(key)
+    if unused:
+        raise UsageError(f"option(s) {', '.join(sorted(unused))} apply to no format of target {profile['name']}")
+
+
+def _preflight(profile: dict) -> None:
+    """Missing extras and impossible options fail here, before anything is written."""
+    for spec in profile["artifacts"]:
+        module = FORMATS[spec["format"]].load_module()
+        if hasattr(module, "preflight"):
+            try:
+                module.preflight(spec["precision"], **spec.get("options", {}))
+            except RuntimeUnavailable:
+                pass  # reported per artifact by export
+            except TypeError as e:
+                raise UsageError(f"target {profile['name']}: bad options for {spec['format']}: {e}") from None
+
+
+def _write_golden(out: Path, session: Session, count: int = 8) -> None:
+    """A few preprocessed inputs and the eager logits for them, for on-device checks."""
+    import numpy as np
+
+    golden = out / "golden"
+    golden.mkdir(exist_ok=True)
+    n = min(count, len(session.inputs.validation))
+    for name, array in (("inputs.npy", session.inputs.validation[:n]), ("eager_logits.npy", session.reference[:n])):
+        with files.atomic_path(golden / name) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, array.numpy().astype(np.float32))
+    if session.inputs.labels is not None:
+        files.write_text(golden / "labels.json", json.dumps(session.inputs.labels[:n].tolist()) + "\n")
+
+
+def _post_build(profile: dict, out: Path, doc: dict, session: Session) -> None:
+    if not profile.get("post_build"):
+        return
+    import importlib
+
+    module_name, _, function = profile["post_build"].partition(":")
+    getattr(importlib.import_module(module_name), function)(out, doc, session)
 
 
 def _overall_status(artifacts: list[dict]) -> str:
@@ -174,8 +255,8 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
         warmup=request.warmup,
         iterations=request.iterations,
     )
-    for spec in profile["artifacts"]:
-        FORMATS[spec["format"]].load_module()
+    _apply_options(profile, request.options)
+    _preflight(profile)
     with progress.step("load weights"):
         loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels)
     out = Path(request.out or Path("exports") / loaded.weight_name / profile["name"])
@@ -224,10 +305,12 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
     files.write_text(out / "labels.txt", "".join(f"{label}\n" for label in loaded.labels))
     files.write_text(out / "preprocessing.json", json.dumps(doc["preprocessing"], indent=2) + "\n")
     manifest.write(out, doc)
+    _write_golden(out, session)
     for spec in profile["artifacts"]:
         doc["artifacts"].append(_export(session, spec, out, progress))
         doc["timings_s"] = dict(progress.timings)
         manifest.write(out, doc)  # only complete artifacts are ever listed
+    _post_build(profile, out, doc, session)
     return _finish(out, doc, progress)
 
 
@@ -249,8 +332,7 @@ def validate_build(out: Path, data_dir: Path | None = None, thresholds: list[str
     profile = {"name": doc["target"]["name"], "path": doc["target"]["profile"], "artifacts": doc["target"]["artifacts"],
                "thresholds": doc["target"]["thresholds"], "data": doc["target"]["data"], "latency": doc["target"]["latency"]}
     profile = profiles.with_overrides(profile, thresholds=list(thresholds))
-    for spec in profile["artifacts"]:
-        FORMATS[spec["format"]].load_module()
+    _preflight(profile)
     with progress.step("load weights"):
         checkpoint = doc["checkpoint"]
         loaded = weights.load(doc["weight"]["name"], checkpoint["path"], verify=False)

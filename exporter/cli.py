@@ -104,6 +104,29 @@ def _threshold_help() -> str:
     return "Override a threshold: [PRECISION.]KEY=VALUE, e.g. int8.psnr_db=35 (repeatable). Keys: top1_agreement, top5_agreement, psnr_db, cosine, max_abs_error, accuracy_drop."
 
 
+def _parse_value(raw: str):
+    lowered = raw.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def _options(raw: tuple[str, ...], **flags) -> dict:
+    options = {}
+    for text in raw:
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--option {text!r}: expected KEY=VALUE")
+        options[key.strip()] = _parse_value(value)
+    options.update({k: v for k, v in flags.items() if v is not None})
+    return options
+
+
 def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
     from . import manifest, report
 
@@ -133,12 +156,19 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--iterations", type=click.IntRange(min=1), default=None, help="Timed iterations per runner.")
 @click.option("--threshold", "thresholds", multiple=True, help=_threshold_help())
 @click.option("--format", "formats", multiple=True, help="Only these formats, e.g. executorch or executorch:int8 (repeatable).")
+@click.option("--option", "raw_options", multiple=True, help="Format option KEY=VALUE for every artifact that takes it (repeatable).")
+@click.option("--batch", default=None, help="TensorRT batch profile MIN:OPT:MAX.")
+@click.option("--workspace", type=click.IntRange(min=1), default=None, help="TensorRT workspace limit in MB.")
+@click.option("--dla-core", type=click.IntRange(min=0), default=None, help="Build TensorRT engines for this DLA core.")
+@click.option("--require-engine", is_flag=True, default=None, help="Exit 2 instead of reporting engines unavailable.")
+@click.option("--deployment-target", default=None, help="Core ML minimum deployment target, e.g. iOS17.")
 @click.option("--force", is_flag=True, help="Write into a non-empty output directory.")
 @click.option("--quiet", is_flag=True, help="No progress or report on the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest JSON on stdout.")
 @one_line_errors
 def build(weight, target, out, checkpoint, no_verify, labels, data, calib_size, val_size, threads, warmup, iterations,
-          thresholds, formats, force, quiet, as_json):
+          thresholds, formats, raw_options, batch, workspace, dla_core, require_engine, deployment_target, force, quiet,
+          as_json):
     """Export WEIGHT for a target, validate every artifact against eager PyTorch, write manifest and report."""
     from .build import BuildRequest, build as run_build
     from .progress import Progress
@@ -147,10 +177,10 @@ def build(weight, target, out, checkpoint, no_verify, labels, data, calib_size, 
         weight=weight, target=target, out=out, checkpoint=checkpoint, verify=not no_verify, labels=labels,
         data=data, force=force, thresholds=list(thresholds), formats=list(formats), calib_size=calib_size,
         val_size=val_size, threads=threads, warmup=warmup, iterations=iterations,
+        options=_options(raw_options, batch=batch, workspace_mb=workspace, dla_core=dla_core,
+                         require_engine=require_engine, deployment_target=deployment_target),
     )
     doc = run_build(request, Progress(quiet=quiet or as_json))
-    from . import weights
-
     out = out or Path("exports") / doc["weight"]["name"] / doc["target"]["name"]
     _emit(doc, as_json, quiet, out)
 

@@ -20,6 +20,8 @@ def atomic_path(final: Path):
     tmp.unlink()
     try:
         yield tmp
+        if tmp.is_dir() and final.is_dir():
+            shutil.rmtree(final)  # directory artifacts (.mlpackage) cannot be replaced in one step
         os.replace(tmp, final)
     finally:
         if tmp.is_dir():
@@ -34,6 +36,13 @@ def write_text(path: Path, text: str) -> None:
 
 
 def sha256(path: Path) -> str:
+    """Of a file's bytes; of a directory, over its files' relative paths and hashes, sorted."""
+    path = Path(path)
+    if path.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(f"{f.relative_to(path).as_posix()}\0{sha256(f)}\n".encode())
+        return h.hexdigest()
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

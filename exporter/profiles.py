@@ -20,10 +20,11 @@ SECTIONS = {
     "thresholds": dict,
     "data": dict,
     "latency": dict,
+    "post_build": str,  # "module:function" called with (out_dir, manifest, session) after the artifacts
 }
 DATA_KEYS = {"calib_size": int, "val_size": int, "seed": int}
 LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
-ARTIFACT_KEYS = {"format", "precision"}
+ARTIFACT_KEYS = {"name", "format", "precision", "options"}
 
 
 def available_targets() -> list[str]:
@@ -88,6 +89,8 @@ def check(profile: dict, where: str) -> None:
             raise UsageError(f"{where}: unknown format {art.get('format')!r}; known: {', '.join(FORMATS)}")
         if art.get("precision") not in ("fp32", "fp16", "int8"):
             raise UsageError(f"{where}: unknown precision {art.get('precision')!r}")
+        if not isinstance(art.get("options", {}), dict):
+            raise UsageError(f"{where}: [[artifacts]] options must be a table")
     for precision, table in profile.get("thresholds", {}).items():
         if not isinstance(table, dict):
             raise UsageError(f"{where}: [thresholds.{precision}] must be a table")

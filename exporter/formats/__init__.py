@@ -1,10 +1,18 @@
 """Export formats. Each is one module with the same small interface:
 
-    NAME, SUFFIX, PRECISIONS, EXTRA
-    export(model, example, precision, calib, path) -> dict   # writes `path`, returns details
-    load(path, threads) -> Runner                            # Runner(x: Tensor) -> Tensor
+    NAME, SUFFIX, PRECISIONS, OPTIONS (option names it accepts)
+    export(model, example, precision, calib, path, meta, **options) -> dict  # writes `path`, returns details
+    load(path, threads) -> Runner                                             # Runner(x: Tensor) -> Tensor
 
-No format knows about validation, targets or the CLI.
+`meta` describes the weight: {"weight", "model", "labels", "preprocessing", "exporter_version"}.
+
+Optional:
+    proxies(path, model) -> dict[str, Runner]   # stand-ins measured when the runtime is unavailable
+    preflight(precision, **options) -> None     # raise UsageError / RuntimeUnavailable before any work
+
+`options` come from the target profile's [[artifacts]] `options` table. Either function may
+raise RuntimeUnavailable (no GPU, no macOS): the artifact is then reported `unavailable`, not
+`failed`. No format knows about validation, targets or the CLI.
 """
 
 from __future__ import annotations

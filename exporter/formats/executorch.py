@@ -8,6 +8,7 @@ import torch
 
 NAME = "executorch"
 SUFFIX = ".pte"
+OPTIONS = ()
 PRECISIONS = ("fp32", "int8")
 
 
@@ -42,7 +43,7 @@ def _delegation(edge_program) -> dict:
     }
 
 
-def export(model, example, precision, calib, path: Path) -> dict:
+def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 

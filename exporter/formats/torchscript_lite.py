@@ -8,10 +8,11 @@ import torch
 
 NAME = "torchscript_lite"
 SUFFIX = ".ptl"
+OPTIONS = ()
 PRECISIONS = ("fp32",)
 
 
-def export(model, example, precision, calib, path: Path) -> dict:
+def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
     from torch.utils.mobile_optimizer import optimize_for_mobile
 
     scripted = torch.jit.trace(model, example)

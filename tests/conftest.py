@@ -1,0 +1,55 @@
+"""Shared fixtures: a really trained digits model (trained once, cached on disk) and one android build."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from exporter import digits
+from exporter.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("EXPORTER_TEST_CACHE", ROOT / ".cache" / "digits"))
+
+# Small but real: every number below is measured, only on fewer images and iterations.
+FAST = ["--calib-size", "64", "--val-size", "120", "--warmup", "2", "--iterations", "10"]
+
+
+@pytest.fixture(scope="session")
+def digits_model() -> digits.DigitsModel:
+    return digits.prepare(CACHE)
+
+
+@pytest.fixture(scope="session")
+def torch_home(tmp_path_factory, digits_model) -> Path:
+    """A TORCH_HOME whose hub cache holds the digits checkpoint under torchvision's file name."""
+    from torchvision.models import get_weight
+
+    home = tmp_path_factory.mktemp("torch_home")
+    checkpoints = home / "hub" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    shutil.copy(digits_model.checkpoint, checkpoints / Path(get_weight(digits_model.weight).url).name)
+    return home
+
+
+def run_cli(*args: str, env: dict | None = None):
+    result = CliRunner().invoke(main, [str(a) for a in args], env=env, catch_exceptions=True)
+    return result
+
+
+def build_args(model: digits.DigitsModel, out: Path, *extra: str) -> list[str]:
+    return [
+        "build", model.weight, "--checkpoint", model.checkpoint, "--data", model.data_dir,
+        "--labels", model.labels_file, "--out", out, "--quiet", *FAST, *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def android_build(tmp_path_factory, digits_model):
+    out = tmp_path_factory.mktemp("android") / "build"
+    result = run_cli(*build_args(digits_model, out, "--target", "android"))
+    return out, result
