@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,11 +71,14 @@ def _check_out_dir(out: Path, force: bool) -> None:
         raise UsageError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise UsageError(f"--out {out} is not empty; pass --force to overwrite")
-    probe = out
+    probe = out.absolute()
     while not probe.exists():
         probe = probe.parent
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out} is not writable")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError:
+        raise UsageError(f"--out {out} is not writable ({probe} does not accept new files)") from None
 
 
 def _load_inputs(path: Path | None, loaded: weights.LoadedModel, data_settings: dict) -> data.Inputs:

@@ -7,6 +7,8 @@ import time
 
 from rich.console import Console
 
+from .errors import UsageError
+
 
 class Progress:
     def __init__(self, quiet: bool = False):
@@ -19,17 +21,16 @@ class Progress:
         start = time.perf_counter()
         status = None
         if not self.quiet:
+            # a log (CI) gets one line per finished step; a terminal also gets a live spinner
             if self.console.is_terminal:
                 status = self.console.status(f"{label} …")
                 status.start()
-            else:
-                self.console.print(f"… {label}")
         try:
             yield
-        except BaseException:
+        except BaseException as e:
             if status:
                 status.stop()
-            if not self.quiet:
+            if not self.quiet and not isinstance(e, (UsageError, SystemExit)):
                 self.console.print(f"[red]✗[/red] {label} ({time.perf_counter() - start:.1f} s)")
             raise
         elapsed = time.perf_counter() - start

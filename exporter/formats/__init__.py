@@ -54,5 +54,6 @@ FORMATS = {
     for spec in (
         FormatSpec("executorch", "exporter.formats.executorch", "android", ("executorch",)),
         FormatSpec("torchscript_lite", "exporter.formats.torchscript_lite", "android", ()),
+        FormatSpec("coreml", "exporter.formats.coreml", "ios", ("coremltools",)),
     )
 }

@@ -1,0 +1,388 @@
+"""Core ML ML program (.mlpackage): an image classifier that returns label, probabilities and logits.
+
+The package takes an RGB image (or, with input="tensor", the normalized NCHW tensor) and carries
+the weight's mean/std inside the graph. Core ML's image preprocessing has one scale for all
+channels, so it only maps 0..255 to 0..1; a wrapper module then applies (x - mean) / std in the
+graph, the same arithmetic as torchvision's Normalize. Folding std into the first conv instead
+would not be exact: its zero padding would then pad raw pixels, not normalized ones.
+
+Core ML runs only on macOS. Elsewhere `load` raises RuntimeUnavailable and `proxies` offers
+labelled stand-ins: the package's own (decompressed) weights put back into eager PyTorch, and
+the eager model computed in half precision.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import UsageError
+from . import RuntimeUnavailable
+
+NAME = "coreml"
+SUFFIX = ".mlpackage"
+PRECISIONS = ("fp16", "fp32")  # Core ML compute precision
+OPTIONS = ("deployment_target", "input", "compression", "nbits")
+
+INPUTS = ("image", "tensor")
+COMPRESSIONS = ("none", "w8", "palettize")
+PALETTE_NBITS = (1, 2, 3, 4, 6, 8)  # what coremltools' palettizer accepts
+DEFAULT_TARGET = "iOS17"
+LABEL_OUTPUT = "classLabel"
+PROBS_OUTPUT = "classLabel_probs"
+LOGITS_OUTPUT = "logits"
+METADATA_PREFIX = "exporter."
+
+
+class ImageClassifier(nn.Module):
+    """Takes RGB in [0, 1] (Core ML scales the 0..255 image), normalizes as the weight's
+    transforms do, and returns (logits, probabilities)."""
+
+    def __init__(self, model: nn.Module, mean, std):
+        super().__init__()
+        self.model = model
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+    def forward(self, x):
+        logits = self.model(self.normalize(x))
+        return logits, torch.softmax(logits, 1)
+
+
+class TensorClassifier(nn.Module):
+    """Takes the already normalized tensor and returns (logits, probabilities)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        logits = self.model(x)
+        return logits, torch.softmax(logits, 1)
+
+
+def _ios_version(deployment_target: str) -> int:
+    match = re.fullmatch(r"ios(\d+)", str(deployment_target).strip().lower())
+    import coremltools as ct
+
+    known = [t.name for t in ct.target if t.name.startswith("iOS")]
+    if not match or f"iOS{match.group(1)}" not in known:
+        raise UsageError(f"coreml: unknown deployment target {deployment_target!r}; choose from {', '.join(known)}")
+    return int(match.group(1))
+
+
+def preflight(precision, deployment_target=DEFAULT_TARGET, input="image", compression="none", nbits=None) -> None:
+    version = _ios_version(deployment_target)
+    if version < 15:
+        raise UsageError(f"coreml: deployment target {deployment_target} is too old; ML programs need iOS15 or later")
+    if input not in INPUTS:
+        raise UsageError(f"coreml: input must be one of {', '.join(INPUTS)}, got {input!r}")
+    if compression not in COMPRESSIONS:
+        raise UsageError(f"coreml: unknown compression {compression!r}; choose from {', '.join(COMPRESSIONS)}")
+    if nbits is not None and (isinstance(nbits, bool) or nbits not in PALETTE_NBITS):
+        raise UsageError(f"coreml: nbits must be one of {', '.join(map(str, PALETTE_NBITS))}, got {nbits!r}")
+    if compression == "palettize" and nbits is None:
+        raise UsageError("coreml: compression=palettize needs nbits")
+    # coremltools would silently raise the package's deployment target instead of refusing
+    if compression != "none" and version < 16:
+        raise UsageError(f"coreml: compression={compression} needs deployment target iOS16 or later, got {deployment_target}")
+    if compression == "palettize" and nbits == 3 and version < 18:
+        raise UsageError(f"coreml: 3-bit palettization needs deployment target iOS18 or later, got {deployment_target}")
+
+
+def _convert(model, example, precision, meta, deployment_target, input):
+    import coremltools as ct
+
+    pre = meta["preprocessing"]
+    if input == "image":
+        wrapper = ImageClassifier(model, pre["mean"], pre["std"])
+        input_type = ct.ImageType(name="image", shape=tuple(example.shape), scale=1 / 255.0, bias=[0.0, 0.0, 0.0],
+                                  color_layout=ct.colorlayout.RGB)
+    else:
+        wrapper = TensorClassifier(model)
+        input_type = ct.TensorType(name="input", shape=tuple(example.shape), dtype=np.float32)
+    wrapper.eval()
+    with torch.no_grad():
+        exported = torch.export.export(wrapper, (example,)).run_decompositions({})
+    target = getattr(ct.target, f"iOS{_ios_version(deployment_target)}")
+    # Two steps because coremltools 9 fails (IndexError in get_func_output) when a classifier
+    # keeps a second output (the logits) in one ct.convert call with torch.export input.
+    program = ct.convert(
+        exported,
+        convert_to="milinternal",
+        inputs=[input_type],
+        outputs=[ct.TensorType(name=LOGITS_OUTPUT, dtype=np.float32), ct.TensorType(name="probabilities")],
+        minimum_deployment_target=target,
+        compute_precision=ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32,
+    )
+    program.functions["main"].set_output_types(None)
+    return ct.convert(
+        program,
+        convert_to="mlprogram",
+        minimum_deployment_target=target,
+        pass_pipeline=ct.PassPipeline.EMPTY,  # the passes already ran in the first step
+        classifier_config=ct.ClassifierConfig(list(meta["labels"]), predicted_feature_name=LABEL_OUTPUT,
+                                              predicted_probabilities_output="probabilities"),
+    )
+
+
+def _compress(mlmodel, compression, nbits):
+    from coremltools.optimize import coreml as cto
+
+    if compression == "w8":
+        config = cto.OptimizationConfig(global_config=cto.OpLinearQuantizerConfig(mode="linear_symmetric"))
+        return cto.linear_quantize_weights(mlmodel, config=config)
+    if compression == "palettize":
+        config = cto.OptimizationConfig(global_config=cto.OpPalettizerConfig(mode="kmeans", nbits=nbits))
+        return cto.palettize_weights(mlmodel, config=config)
+    return mlmodel
+
+
+def _describe(mlmodel, precision, meta, options) -> None:
+    mlmodel.short_description = f"{meta['model']} classifier from {meta['weight']} ({len(meta['labels'])} classes)"
+    mlmodel.version = meta["exporter_version"]
+    pre = meta["preprocessing"]
+    if options["input"] == "image":
+        h, w = pre["crop_size"][0], pre["crop_size"][-1]
+        mlmodel.input_description["image"] = (
+            f"RGB image, {w}x{h}, resized and center-cropped as the weight's transforms do; "
+            "mean/std normalization happens inside the model"
+        )
+    else:
+        mlmodel.input_description["input"] = (
+            f"NCHW float32 tensor, RGB in [0, 1] normalized with mean {pre['mean']} and std {pre['std']}"
+        )
+    mlmodel.output_description[LABEL_OUTPUT] = "most likely class"
+    mlmodel.output_description[PROBS_OUTPUT] = "softmax probability of every class"
+    mlmodel.output_description[LOGITS_OUTPUT] = "raw class scores, before softmax"
+    user = mlmodel.user_defined_metadata
+    for key, value in {
+        "weight": meta["weight"],
+        "model": meta["model"],
+        "accuracy": json.dumps(meta.get("accuracy")),
+        "recipe": meta.get("recipe") or "",
+        "exporter_version": meta["exporter_version"],
+        "preprocessing": json.dumps(pre),
+        "input": options["input"],
+        "compute_precision": precision,
+        "compression": options["compression"],
+        "nbits": str(options["nbits"] or ""),
+    }.items():
+        user[METADATA_PREFIX + key] = str(value)
+
+
+def _main_ops(spec):
+    function = spec.mlProgram.functions["main"]
+    return function.block_specializations[function.opset].operations
+
+
+def _argument(op, name):
+    arguments = op.inputs[name].arguments if name in op.inputs else []
+    return arguments[0].name if arguments and arguments[0].name else None
+
+
+def _classify_labels(spec) -> list[str]:
+    for op in _main_ops(spec):
+        if op.type == "classify":
+            return list(op.inputs["classes"].arguments[0].value.immediateValue.list.values[0].immediateValue.tensor.strings.values)
+    raise ValueError("the package has no classify op")
+
+
+def _layer_weights(mlmodel) -> list[dict]:
+    """Every conv/linear op of the package in program order, with its dense (decompressed) weights."""
+    from coremltools.optimize.coreml import decompress_weights, get_weights_metadata
+
+    dense = decompress_weights(mlmodel)
+    values = {name: meta.val for name, meta in get_weights_metadata(dense, weight_threshold=0).items()}
+    layers = []
+    for op in _main_ops(dense.get_spec()):
+        if op.type in ("conv", "linear"):
+            bias = _argument(op, "bias")
+            layers.append({
+                "op": op.outputs[0].name,
+                "type": op.type,
+                "weight": values[_argument(op, "weight")],
+                "bias": values[bias] if bias else None,
+            })
+    return layers
+
+
+def _compression_check(mlmodel, layers, compression, nbits) -> dict:
+    """What compression the weights really carry; raises when the one asked for is absent."""
+    producers = {out.name: op.type for op in _main_ops(mlmodel.get_spec()) for out in op.outputs}
+    constexpr_ops: dict[str, int] = {}
+    compressed = []
+    ops = [op for op in _main_ops(mlmodel.get_spec()) if op.type in ("conv", "linear")]
+    for op, layer in zip(ops, layers):
+        producer = producers.get(_argument(op, "weight"), "const")
+        if producer.startswith("constexpr_"):
+            constexpr_ops[producer] = constexpr_ops.get(producer, 0) + 1
+            compressed.append(layer["weight"])
+    check = {
+        "requested": compression,
+        "weights": len(layers),
+        "compressed_weights": len(compressed),
+        "compressed_by_op": constexpr_ops,
+        "compressed_parameters": int(sum(w.size for w in compressed)),
+        "parameters": int(sum(layer["weight"].size for layer in layers)),
+    }
+    if compression == "none":
+        if compressed:
+            raise ValueError(f"{len(compressed)} weights are compressed although no compression was asked for")
+        return check
+    if not compressed:
+        raise ValueError(f"compression={compression} asked for, but no weight in the package is compressed")
+    if compression == "w8":
+        # linear 8-bit: at most 256 levels in every output channel
+        levels = max(len(np.unique(channel)) for w in compressed for channel in w.reshape(w.shape[0], -1))
+        limit = 256
+    else:
+        levels = max(len(np.unique(w)) for w in compressed)
+        limit = 2**nbits
+        check["nbits"] = nbits
+    check["max_distinct_values"] = int(levels)
+    if levels > limit:
+        raise ValueError(f"compressed weights hold {levels} distinct values, more than {compression} allows ({limit})")
+    return check
+
+
+def _spec_check(path: Path, precision, meta, options, num_classes) -> dict:
+    """Reads the saved package back as a spec (works without the Core ML runtime) and checks it."""
+    import coremltools as ct
+
+    mlmodel = ct.models.MLModel(str(path), skip_model_load=True)
+    spec = mlmodel.get_spec()
+    description = spec.description
+    (model_input,) = description.input
+    expected_input = "image" if options["input"] == "image" else "input"
+    if model_input.name != expected_input:
+        raise ValueError(f"package input is {model_input.name!r}, expected {expected_input!r}")
+    if options["input"] == "image":
+        image = model_input.type.imageType
+        input_info = {"name": model_input.name, "type": "image", "color_space": ct.proto.FeatureTypes_pb2.ImageFeatureType.ColorSpace.Name(image.colorSpace),
+                      "width": image.width, "height": image.height}
+        if input_info["color_space"] != "RGB":
+            raise ValueError(f"package image input is {input_info['color_space']}, expected RGB")
+    else:
+        array = model_input.type.multiArrayType
+        input_info = {"name": model_input.name, "type": "multiarray", "shape": list(array.shape),
+                      "dtype": ct.proto.FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(array.dataType)}
+    outputs = {o.name: o.type.WhichOneof("Type") for o in description.output}
+    if outputs != {LABEL_OUTPUT: "stringType", PROBS_OUTPUT: "dictionaryType", LOGITS_OUTPUT: "multiArrayType"}:
+        raise ValueError(f"package outputs are {outputs}")
+    logits = next(o for o in description.output if o.name == LOGITS_OUTPUT).type.multiArrayType
+    labels = _classify_labels(spec)
+    if list(logits.shape) != [1, num_classes] or len(labels) != num_classes:
+        raise ValueError(f"package has {len(labels)} labels and logits {list(logits.shape)}; the model has {num_classes} classes")
+    if labels != list(meta["labels"]):
+        raise ValueError("package class labels differ from the build's labels")
+    layers = _layer_weights(mlmodel)
+    return {
+        "spec_version": spec.specificationVersion,
+        "deployment_target": f"iOS{_ios_version(options['deployment_target'])}",
+        "compute_precision": precision,
+        "input": input_info,
+        "outputs": {LABEL_OUTPUT: "label", PROBS_OUTPUT: "probabilities", LOGITS_OUTPUT: list(logits.shape)},
+        "labels": len(labels),
+        "compression": _compression_check(mlmodel, layers, options["compression"], options["nbits"]),
+        "weights_bytes": sum(f.stat().st_size for f in Path(path).rglob("*.bin")),
+        "runtime": "Core ML (macOS/iOS only)",
+    }
+
+
+def export(model, example, precision, calib, path: Path, meta: dict, deployment_target=DEFAULT_TARGET,
+           input="image", compression="none", nbits=None) -> dict:
+    preflight(precision, deployment_target, input, compression, nbits)
+    options = {"deployment_target": deployment_target, "input": input, "compression": compression,
+               "nbits": nbits if compression == "palettize" else None}
+    mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
+    _describe(mlmodel, precision, meta, options)
+    mlmodel.save(str(path))
+    with torch.no_grad():
+        num_classes = model(example).shape[1]
+    return _spec_check(path, precision, meta, options, num_classes)
+
+
+def _user_metadata(path: Path) -> dict:
+    import coremltools as ct
+
+    user = ct.models.MLModel(str(path), skip_model_load=True).user_defined_metadata
+    return {k[len(METADATA_PREFIX):]: v for k, v in user.items() if k.startswith(METADATA_PREFIX)}
+
+
+def load(path: Path, threads: int):
+    """On macOS: feeds what an app feeds (an 8-bit RGB image, or the tensor) and returns the
+    package's `logits` output, compared with eager logits like every other format. Core ML
+    has no thread setting; `threads` does not apply."""
+    if sys.platform != "darwin":
+        raise RuntimeUnavailable(f"Core ML predict needs macOS; this host is {sys.platform}")
+    import coremltools as ct
+    from PIL import Image
+
+    info = _user_metadata(path)
+    mlmodel = ct.models.MLModel(str(path), compute_units=ct.ComputeUnit.ALL)
+    if info["input"] == "tensor":
+        return lambda x: torch.from_numpy(np.asarray(mlmodel.predict({"input": x.numpy()})[LOGITS_OUTPUT], dtype=np.float32))
+    pre = json.loads(info["preprocessing"])
+    mean = torch.tensor(pre["mean"]).view(-1, 1, 1)
+    std = torch.tensor(pre["std"]).view(-1, 1, 1)
+
+    def run(x):
+        pixels = ((x[0] * std + mean) * 255).round().clamp(0, 255).to(torch.uint8)
+        image = Image.fromarray(pixels.permute(1, 2, 0).numpy(), mode="RGB")
+        return torch.from_numpy(np.asarray(mlmodel.predict({"image": image})[LOGITS_OUTPUT], dtype=np.float32))
+
+    return run
+
+
+def _with_package_weights(model: nn.Module, layers: list[dict]) -> nn.Module:
+    """A copy of `model` with BatchNorm folded into its convs (as Core ML does) and every
+    conv/linear weight replaced by the package's. Layers are paired in execution order by shape."""
+    from torch.fx.experimental.optimization import fuse
+
+    fused = fuse(copy.deepcopy(model).eval())
+    modules = dict(fused.named_modules())
+    free = [modules[n.target] for n in fused.graph.nodes
+            if n.op == "call_module" and isinstance(modules[n.target], (nn.Conv2d, nn.Linear))]
+    if len(free) != len(layers):
+        raise ValueError(f"the package has {len(layers)} conv/linear layers, the model {len(free)}")
+    with torch.no_grad():
+        for layer in layers:
+            shape = tuple(layer["weight"].shape)
+            module = next((m for m in free if tuple(m.weight.shape) == shape), None)
+            if module is None:
+                raise ValueError(f"no layer of the model matches package op {layer['op']} {shape}")
+            free.remove(module)
+            module.weight.copy_(torch.from_numpy(layer["weight"].astype(np.float32)))
+            if module.bias is not None:
+                bias = layer["bias"]
+                module.bias.copy_(torch.zeros_like(module.bias) if bias is None else torch.from_numpy(bias.astype(np.float32)))
+    return fused
+
+
+def proxies(path: Path, model: nn.Module) -> dict:
+    """Numerical stand-ins on hosts without Core ML; they are not Core ML's results.
+
+    weights: eager PyTorch (fp32) with the package's decompressed weights, so the effect of
+             fp16 storage and of the compression is measured, not fp16 arithmetic.
+    fp16:    the eager model computed in half precision on this CPU (fp16 packages only).
+    """
+    import coremltools as ct
+
+    mlmodel = ct.models.MLModel(str(path), skip_model_load=True)
+    weighted = _with_package_weights(model, _layer_weights(mlmodel))
+    runners = {"weights": lambda x: weighted(x)}
+    if _user_metadata(path)["compute_precision"] == "fp16":
+        half = copy.deepcopy(model).eval().half()
+        runners["fp16"] = lambda x: half(x.half()).float()
+    return runners

@@ -1,0 +1,137 @@
+"""End to end: the android target on a really trained model, through the CLI."""
+
+import json
+import shutil
+
+import jsonschema
+import pytest
+
+from exporter import files, manifest
+
+from .conftest import build_args, run_cli
+
+
+@pytest.fixture(scope="module")
+def doc(android_build):
+    out, result = android_build
+    assert result.exit_code == 0, result.output + str(result.exception)
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_manifest_matches_schema(doc):
+    jsonschema.validate(doc, manifest.schema())
+
+
+def test_every_artifact_passed_and_is_what_the_manifest_says(android_build, doc):
+    out, _ = android_build
+    by_name = {a["name"]: a for a in doc["artifacts"]}
+    assert set(by_name) == {"executorch_fp32", "executorch_int8", "torchscript_lite_fp32"}
+    for a in doc["artifacts"]:
+        assert a["status"] == "passed", a["reasons"]
+        path = out / a["path"]
+        assert files.sha256(path) == a["sha256"] and path.stat().st_size == a["size_bytes"]
+        assert a["latency_ms"]["p50"] <= a["latency_ms"]["p90"] <= a["latency_ms"]["p99"]
+        assert a["speedup_vs_eager"] == pytest.approx(a["eager_latency_ms"]["p50"] / a["latency_ms"]["p50"])
+    assert not list(out.glob(".*partial"))
+
+
+def test_fidelity_and_accuracy_on_trained_model(doc):
+    eager = doc["eager"]["accuracy"]
+    assert eager["acc1"] >= 95.0  # the digits model really learned
+    by_name = {a["name"]: a for a in doc["artifacts"]}
+    fp32 = by_name["executorch_fp32"]["fidelity"]
+    assert fp32["top1_agreement"] == 1.0 and fp32["psnr_db"] >= 60
+    int8 = by_name["executorch_int8"]
+    assert int8["fidelity"]["top1_agreement"] >= 0.97 and 30 <= int8["fidelity"]["psnr_db"] < 80
+    assert int8["accuracy"]["drop_points"] <= 1.0
+    # int8 must really be smaller: weights went from 4 bytes to 1
+    assert int8["size_bytes"] < 0.5 * by_name["executorch_fp32"]["size_bytes"]
+
+
+def test_delegation_is_recorded(doc):
+    for a in doc["artifacts"]:
+        if a["format"] == "executorch":
+            d = a["details"]["delegation"]
+            assert d["delegated_nodes"] > 50 and d["delegated_subgraphs"] >= 1
+            assert isinstance(d["ops_outside_delegate"], dict)
+            # every convolution runs inside XNNPACK
+            assert not any("convolution" in op for op in d["ops_outside_delegate"])
+
+
+def test_lite_interpreter_route_says_whether_xnnpack_rewrite_ran(doc):
+    lite = next(a for a in doc["artifacts"] if a["format"] == "torchscript_lite")
+    rewrite = lite["details"]["xnnpack_rewrite"]
+    assert rewrite in ("applied", "unavailable")
+    if rewrite == "unavailable":
+        assert "XNNPACK" in lite["details"]["xnnpack_rewrite_reason"]
+
+
+def test_manifest_records_provenance(doc, digits_model):
+    assert doc["weight"]["name"] == "MobileNet_V3_Small_Weights.IMAGENET1K_V1"
+    assert doc["checkpoint"]["sha256"] == files.sha256(digits_model.checkpoint)
+    assert doc["tools"]["torch"].startswith("2.14.1") and doc["tools"]["executorch"] == "1.5.1"
+    assert doc["host"]["threads"] >= 1
+    assert doc["data"]["labeled"] and doc["data"]["validation"] == 120 and doc["data"]["calibration"] == 64
+
+
+def test_report_and_side_files(android_build, doc):
+    out, _ = android_build
+    report = (out / "report.md").read_text()
+    for a in doc["artifacts"]:
+        assert a["name"] in report
+    assert (out / "labels.txt").read_text().splitlines()[7] == "digit 7"
+    assert json.loads((out / "preprocessing.json").read_text())["crop_size"] == [224]
+    import numpy as np
+
+    assert np.load(out / "golden" / "inputs.npy").shape == (8, 3, 224, 224)
+    assert np.load(out / "golden" / "eager_logits.npy").shape == (8, 10)
+
+
+def test_impossible_threshold_fails_with_exit_1(tmp_path, digits_model):
+    out = tmp_path / "strict"
+    result = run_cli(*build_args(digits_model, out, "--format", "torchscript_lite", "--threshold", "fp32.psnr_db=1000"))
+    assert result.exit_code == 1, result.output
+    doc = json.loads((out / "manifest.json").read_text())
+    (lite,) = doc["artifacts"]
+    assert lite["status"] == "failed" and lite["reasons"][0].startswith("psnr_db")
+    assert doc["status"] == "failed"
+    assert (out / lite["path"]).exists()  # everything is still written
+
+
+def test_validate_reruns_and_detects_tampering(tmp_path, android_build, doc):
+    out = tmp_path / "copy"
+    shutil.copytree(android_build[0], out)
+    result = run_cli("validate", out, "--quiet", "--threshold", "int8.psnr_db=200")
+    assert result.exit_code == 1
+    again = json.loads((out / "manifest.json").read_text())
+    statuses = {a["name"]: a["status"] for a in again["artifacts"]}
+    assert statuses == {"executorch_fp32": "passed", "executorch_int8": "failed", "torchscript_lite_fp32": "passed"}
+
+    pte = out / doc["artifacts"][0]["path"]
+    pte.write_bytes(pte.read_bytes()[:-100])
+    result = run_cli("validate", out, "--quiet")
+    assert result.exit_code == 2 and "does not match the sha256" in result.stderr
+
+
+def test_named_weight_through_torch_hub_cache(tmp_path, torch_home, digits_model):
+    out = tmp_path / "hub"
+    args = ["build", "mobilenet_v3_small", "--data", digits_model.data_dir, "--out", out, "--quiet",
+            "--format", "torchscript_lite", "--no-verify", "--calib-size", "8", "--val-size", "60",
+            "--warmup", "1", "--iterations", "5"]
+    result = run_cli(*args, env={"TORCH_HOME": str(torch_home)})
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "manifest.json").read_text())
+    assert doc["checkpoint"]["source"] == "torch-hub-cache" and doc["checkpoint"]["verified"] is False
+    assert doc["labels"]["count"] == 10 and doc["eager"]["accuracy"]["acc1"] >= 95
+
+
+def test_without_data_validates_on_synthetic_inputs(tmp_path, digits_model):
+    out = tmp_path / "nodata"
+    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--out", out,
+                     "--format", "torchscript_lite", "--val-size", "16", "--calib-size", "4", "--iterations", "5",
+                     "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["data"]["source"] == "synthetic" and doc["eager"]["accuracy"] is None
+    assert doc["artifacts"][0]["accuracy"] is None and doc["artifacts"][0]["fidelity"]["samples"] == 16
+    assert "not measured" in (out / "report.md").read_text()

@@ -1,0 +1,166 @@
+"""Every bad input: one line on stderr, exit code 2, no traceback, nothing written."""
+
+import importlib
+
+import pytest
+import torch
+
+from exporter import formats
+
+from .conftest import run_cli
+
+
+def assert_clean_refusal(result, out, *needles):
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert isinstance(result.exception, SystemExit)
+    # progress lines of steps that finished may precede it; the error itself is one line, last
+    *progress, error = result.stderr.strip().splitlines()
+    assert error.startswith("error: ") and all(line.startswith("✓") for line in progress), result.stderr
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in error, error
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.fixture
+def build(tmp_path, digits_model):
+    out = tmp_path / "out"
+
+    def run(*args, weight=None, checkpoint="default", env=None):
+        ckpt = [] if checkpoint is None else ["--checkpoint", digits_model.checkpoint if checkpoint == "default" else checkpoint]
+        return run_cli("build", weight or digits_model.weight, *ckpt, "--out", out, *args, env=env), out
+
+    run.out = out
+    return run
+
+
+def test_unknown_weight_suggests(build):
+    result, out = build(weight="mobilenet_v3_smal")
+    assert_clean_refusal(result, out, "unknown weight", "mobilenet_v3_small")
+
+
+def test_unknown_target(build):
+    result, out = build("--target", "symbian")
+    assert_clean_refusal(result, out, "unknown target 'symbian'", "android")
+
+
+def test_missing_extra(build, monkeypatch):
+    real = importlib.import_module
+
+    def without_executorch(name, *a, **k):
+        if name == "executorch":
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(formats.importlib, "import_module", without_executorch)
+    result, out = build()
+    assert_clean_refusal(result, out, "pip install 'exporter[android]'")
+
+
+def test_offline_without_cached_weights(build, tmp_path):
+    result, out = build(checkpoint=None, env={"TORCH_HOME": str(tmp_path / "empty")})
+    assert_clean_refusal(result, out, "mobilenet_v3_small-047dcff4.pth", "--checkpoint")
+
+
+def test_checkpoint_missing(build, tmp_path):
+    result, out = build(checkpoint=tmp_path / "nope.pth")
+    assert_clean_refusal(result, out, "does not exist")
+
+
+def test_checkpoint_truncated(build, tmp_path, digits_model):
+    cut = tmp_path / "cut.pth"
+    cut.write_bytes(digits_model.checkpoint.read_bytes()[:100_000])
+    result, out = build(checkpoint=cut)
+    assert_clean_refusal(result, out, "truncated or not a torch file")
+
+
+def test_checkpoint_not_a_state_dict(build, tmp_path):
+    path = tmp_path / "list.pth"
+    torch.save([torch.zeros(3)], path)
+    result, out = build(checkpoint=path)
+    assert_clean_refusal(result, out, "not a state dict")
+
+
+def test_checkpoint_wrong_architecture(build, digits_model):
+    result, out = build(weight="resnet18")
+    assert_clean_refusal(result, out, "does not fit resnet18", "missing keys")
+
+
+def test_checkpoint_hash_mismatch(build, tmp_path, digits_model):
+    renamed = tmp_path / "mobilenet_v3_small-deadbeef.pth"
+    renamed.write_bytes(digits_model.checkpoint.read_bytes())
+    result, out = build(checkpoint=renamed)
+    assert_clean_refusal(result, out, "hash check", "--no-verify")
+
+
+def test_pickle_rejected_by_weights_only(build, tmp_path):
+    path = tmp_path / "evil.pth"
+    torch.save({"weight": torch.zeros(1), "hook": print}, path)
+    result, out = build(checkpoint=path)
+    assert_clean_refusal(result, out, "weights_only=True")
+
+
+def test_data_dir_empty(build, tmp_path):
+    empty = tmp_path / "data"
+    empty.mkdir()
+    result, out = build("--data", empty)
+    assert_clean_refusal(result, out, "no images")
+
+
+def test_data_dir_without_images(build, tmp_path):
+    data = tmp_path / "data"
+    (data / "cat").mkdir(parents=True)
+    (data / "cat" / "notes.txt").write_text("not an image")
+    result, out = build("--data", data)
+    assert_clean_refusal(result, out, "no images")
+
+
+def test_out_dir_not_empty(build):
+    out = build.out
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result, _ = build()
+    assert result.exit_code == 2 and "--force" in result.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_out_dir_unwritable(digits_model):
+    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--out", "/proc/exporter/out")
+    assert result.exit_code == 2 and "not writable" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("int8.psnr_db=abc", "is not a number"),
+        ("top1_agreement=1.5", "fraction in [0, 1]"),
+        ("int8.speed=3", "unknown threshold 'speed'"),
+        ("int4.psnr_db=30", "unknown precision"),
+        ("psnr_db", "expected [PRECISION.]KEY=VALUE"),
+    ],
+)
+def test_bad_threshold(build, override, needle):
+    result, out = build("--threshold", override)
+    assert_clean_refusal(result, out, needle)
+
+
+def test_profile_with_unknown_keys(build, tmp_path):
+    profile = tmp_path / "custom.toml"
+    profile.write_text('[[artifacts]]\nformat = "executorch"\nprecision = "fp32"\n[latency]\nturbo = true\n')
+    result, out = build("--target", profile)
+    assert_clean_refusal(result, out, "unknown key(s) turbo")
+
+
+def test_real_entry_point_exits_2_without_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "exporter.cli", "build", "MobileNet_V3_Large_Weights.IMAGENET1K_V9", "--out", str(tmp_path / "o")],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: unknown weight 'MobileNet_V3_Large_Weights.IMAGENET1K_V9'; did you mean")
+    assert "MobileNet_V3_Large_Weights.IMAGENET1K_V1" in line
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,89 @@
+"""Resolving named weights, listing, inspecting and loading checkpoints (no model building needed)."""
+
+import json
+
+import pytest
+import torch
+
+from exporter import weights
+from exporter.errors import UsageError
+
+from .conftest import run_cli
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("MobileNet_V3_Large_Weights.IMAGENET1K_V1", "MobileNet_V3_Large_Weights.IMAGENET1K_V1"),
+        ("mobilenet_v3_large", "MobileNet_V3_Large_Weights.IMAGENET1K_V2"),  # DEFAULT
+        ("resnet50:IMAGENET1K_V2", "ResNet50_Weights.IMAGENET1K_V2"),
+        ("resnet50", "ResNet50_Weights.IMAGENET1K_V2"),
+    ],
+)
+def test_resolve_forms(name, expected):
+    assert weights.canonical_name(weights.resolve(name)) == expected
+
+
+@pytest.mark.parametrize(
+    "name, suggestion",
+    [
+        ("MobileNet_V3_Large_Weights.IMAGENET1K_V3", "MobileNet_V3_Large_Weights.IMAGENET1K_V1"),
+        ("mobilenet_v3_larg", "mobilenet_v3_large"),
+        ("resnet50:IMAGENET_V2", "resnet50:IMAGENET1K_V2"),
+    ],
+)
+def test_unknown_names_suggest(name, suggestion):
+    with pytest.raises(UsageError, match=suggestion):
+        weights.resolve(name)
+
+
+def test_list_filters_by_params():
+    rows = weights.list_weights("classification", max_params=3_000_000)
+    names = {r["weight"] for r in rows}
+    assert "MobileNet_V3_Small_Weights.IMAGENET1K_V1" in names
+    assert "ResNet50_Weights.IMAGENET1K_V1" not in names
+    assert all(r["params"] <= 3_000_000 for r in rows)
+    small = next(r for r in rows if r["weight"] == "MobileNet_V3_Small_Weights.IMAGENET1K_V1")
+    assert small["acc@1"] == pytest.approx(67.668)
+
+
+def test_list_cli_json():
+    result = run_cli("list", "--max-params", "2000000", "--json")
+    assert result.exit_code == 0
+    rows = json.loads(result.stdout)
+    assert rows and all(r["params"] <= 2_000_000 for r in rows)
+
+
+def test_inspect_reads_preprocessing_from_transforms(tmp_path):
+    result = run_cli("inspect", "resnet18", "--json", env={"TORCH_HOME": str(tmp_path)})
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    t = weights.resolve("resnet18").transforms()
+    assert info["preprocessing"]["resize_size"] == list(t.resize_size)
+    assert info["preprocessing"]["crop_size"] == list(t.crop_size)
+    assert info["checkpoint_path"] == str(tmp_path / "hub" / "checkpoints" / "resnet18-f37072fd.pth")
+    assert info["checkpoint_cached"] is False
+    assert info["categories"] == 1000
+
+
+def test_detection_weights_are_refused_clearly():
+    with pytest.raises(UsageError, match="only classification"):
+        weights.load("fasterrcnn_resnet50_fpn", checkpoint=None)
+
+
+def test_checkpoint_num_classes_and_labels(digits_model):
+    loaded = weights.load(digits_model.weight, digits_model.checkpoint, labels_file=digits_model.labels_file)
+    assert loaded.num_classes == 10
+    assert loaded.labels[3] == "digit 3"
+    assert loaded.checkpoint["verified"] is True
+    assert not loaded.model.training
+
+
+def test_hub_cache_is_used(torch_home, digits_model, monkeypatch):
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(torch_home / "hub"))
+    # the trained file sits under torchvision's name, whose hash prefix it cannot match
+    with pytest.raises(UsageError, match="hash check"):
+        weights.load(digits_model.weight)
+    loaded = weights.load(digits_model.weight, verify=False)
+    assert loaded.checkpoint["source"] == "torch-hub-cache"
+    assert loaded.num_classes == 10
