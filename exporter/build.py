@@ -317,7 +317,13 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
     return _finish(out, doc, progress)
 
 
-def validate_build(out: Path, data_dir: Path | None = None, thresholds: list[str] = (), progress: Progress | None = None) -> dict:
+def validate_build(
+    out: Path,
+    data_dir: Path | None = None,
+    thresholds: list[str] = (),
+    progress: Progress | None = None,
+    checkpoint: Path | None = None,
+) -> dict:
     """Re-run the validation contract on an existing build directory."""
     progress = progress or Progress(quiet=True)
     out = Path(out)
@@ -337,10 +343,10 @@ def validate_build(out: Path, data_dir: Path | None = None, thresholds: list[str
     profile = profiles.with_overrides(profile, thresholds=list(thresholds))
     _preflight(profile)
     with progress.step("load weights"):
-        checkpoint = doc["checkpoint"]
-        loaded = weights.load(doc["weight"]["name"], checkpoint["path"], verify=False)
-        if loaded.checkpoint["sha256"] != checkpoint["sha256"]:
-            raise UsageError(f"checkpoint {checkpoint['path']} changed since the build (sha256 differs)")
+        recorded = doc["checkpoint"]
+        loaded = weights.load(doc["weight"]["name"], checkpoint or recorded["path"], verify=False)
+        if loaded.checkpoint["sha256"] != recorded["sha256"]:
+            raise UsageError(f"checkpoint {loaded.checkpoint['path']} is not the one this build used (sha256 differs)")
     source = data_dir or (None if doc["data"]["source"] == "synthetic" else Path(doc["data"]["source"]))
     with progress.step("load data"):
         inputs = _load_inputs(source, loaded, profiles.settings(profile)[0])

@@ -133,10 +133,7 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
     if as_json:
         click.echo(manifest.dumps(doc), nl=False)
     elif not quiet:
-        from rich.console import Console
-        from rich.markdown import Markdown
-
-        Console(stderr=False).print(Markdown(report.markdown(doc)))
+        click.echo(report.markdown(doc))
         click.echo(f"report: {out / 'report.md'}\nmanifest: {out / 'manifest.json'}")
     sys.exit(1 if doc["status"] == "failed" else 0)
 
@@ -188,17 +185,36 @@ def build(weight, target, out, checkpoint, no_verify, labels, data, calib_size, 
 @main.command(epilog=EXIT_CODES)
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--data", type=click.Path(path_type=Path), default=None, help="Validate on this ImageFolder instead of the build's.")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="The build's checkpoint, where it lives on this host.")
 @click.option("--threshold", "thresholds", multiple=True, help=_threshold_help())
 @click.option("--quiet", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 @one_line_errors
-def validate(out_dir, data, thresholds, quiet, as_json):
+def validate(out_dir, data, checkpoint, thresholds, quiet, as_json):
     """Re-run validation on an existing build directory and rewrite its manifest and report."""
     from .build import validate_build
     from .progress import Progress
 
-    doc = validate_build(out_dir, data, list(thresholds), Progress(quiet=quiet or as_json))
+    doc = validate_build(out_dir, data, list(thresholds), Progress(quiet=quiet or as_json), checkpoint)
     _emit(doc, as_json, quiet, out_dir)
+
+
+@main.command("validate-device", epilog=EXIT_CODES)
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--runtime", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True,
+              help="auto: a TensorRT engine where tensorrt is installed, else ONNX Runtime.")
+@one_line_errors
+def validate_device(out_dir, runtime):
+    """Run a Jetson build's golden inputs through its ONNX (or engines) and compare to the golden eager logits."""
+    from . import device_validate
+
+    try:
+        results = device_validate.validate(out_dir, runtime)
+    except device_validate.BadInput as e:
+        raise UsageError(str(e)) from None
+    for result in results:
+        click.echo(device_validate.summary(result))
+    sys.exit(1 if any(r["status"] == "failed" for r in results) else 0)
 
 
 if __name__ == "__main__":

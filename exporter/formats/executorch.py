@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -64,10 +67,25 @@ def runtime_version() -> str:
     return version("executorch")
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """The runtime's C++ logging (cpuinfo probing, threadpool resets) writes straight to fd 2."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def load(path: Path, threads: int):
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
     from executorch.runtime import Runtime
 
-    _unsafe_reset_threadpool(threads)
-    method = Runtime.get().load_program(Path(path)).load_method("forward")
+    with _native_stderr_silenced():
+        _unsafe_reset_threadpool(threads)
+        method = Runtime.get().load_program(Path(path)).load_method("forward")
     return lambda x: method.execute([x.contiguous()])[0]
