@@ -54,6 +54,7 @@ FORMATS = {
     for spec in (
         FormatSpec("executorch", "exporter.formats.executorch", "android", ("executorch",)),
         FormatSpec("torchscript_lite", "exporter.formats.torchscript_lite", "android", ()),
+        FormatSpec("onnx", "exporter.formats.onnx", "jetson", ("onnx", "onnxruntime", "onnxscript")), FormatSpec("tensorrt", "exporter.formats.tensorrt", "jetson", ()),
         FormatSpec("coreml", "exporter.formats.coreml", "ios", ("coremltools",)),
     )
 }

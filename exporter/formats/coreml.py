@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def _convert(model, example, precision, meta, deployment_target, input):
         exported,
         convert_to="milinternal",
         inputs=[input_type],
-        outputs=[ct.TensorType(name=LOGITS_OUTPUT, dtype=np.float32), ct.TensorType(name="probabilities")],
+        outputs=[ct.TensorType(name=LOGITS_OUTPUT), ct.TensorType(name="probabilities")],
         minimum_deployment_target=target,
         compute_precision=ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32,
     )
@@ -194,7 +195,8 @@ def _argument(op, name):
 def _classify_labels(spec) -> list[str]:
     for op in _main_ops(spec):
         if op.type == "classify":
-            return list(op.inputs["classes"].arguments[0].value.immediateValue.list.values[0].immediateValue.tensor.strings.values)
+            values = op.inputs["classes"].arguments[0].value.immediateValue.list.values
+            return [label for v in values for label in v.immediateValue.tensor.strings.values]
     raise ValueError("the package has no classify op")
 
 
@@ -300,6 +302,17 @@ def _spec_check(path: Path, precision, meta, options, num_classes) -> dict:
     }
 
 
+def _save(mlmodel, path: Path) -> None:
+    # coremltools refuses to save an ML program under a name without the .mlpackage suffix,
+    # such as the build's temporary path; save beside it, then move it there.
+    staging = path.with_name(path.name + SUFFIX)
+    try:
+        mlmodel.save(str(staging))
+        staging.rename(path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def export(model, example, precision, calib, path: Path, meta: dict, deployment_target=DEFAULT_TARGET,
            input="image", compression="none", nbits=None) -> dict:
     preflight(precision, deployment_target, input, compression, nbits)
@@ -307,7 +320,7 @@ def export(model, example, precision, calib, path: Path, meta: dict, deployment_
                "nbits": nbits if compression == "palettize" else None}
     mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
     _describe(mlmodel, precision, meta, options)
-    mlmodel.save(str(path))
+    _save(mlmodel, path)
     with torch.no_grad():
         num_classes = model(example).shape[1]
     return _spec_check(path, precision, meta, options, num_classes)

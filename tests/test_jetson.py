@@ -1,0 +1,150 @@
+"""The Jetson target on the trained digits model: ONNX fp32/fp16/int8 built and validated here,
+TensorRT engines reported unavailable without a GPU, and the device kit (build script, validator)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from .conftest import build_args, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def jetson_build(tmp_path_factory, digits_model):
+    out = tmp_path_factory.mktemp("jetson") / "build"
+    result = run_cli(*build_args(digits_model, out, "--target", "jetson"))
+    assert result.exit_code == 0, result.output
+    return out, json.loads((out / "manifest.json").read_text())
+
+
+def _artifact(doc, name):
+    return next(a for a in doc["artifacts"] if a["name"] == name)
+
+
+def test_onnx_artifacts_pass_and_engines_are_unavailable(jetson_build):
+    out, doc = jetson_build
+    assert doc["status"] == "passed"
+    for precision in ("fp32", "fp16", "int8"):
+        onnx = _artifact(doc, f"onnx_{precision}")
+        assert onnx["status"] == "passed", onnx["reasons"]
+        assert (out / onnx["path"]).is_file()
+        assert onnx["details"]["opset"] == 18 and onnx["details"]["batch_check"]["batch"] == 8
+        engine = _artifact(doc, f"tensorrt_{precision}")
+        assert engine["status"] == "unavailable" and engine["path"] is None
+        assert engine["reasons"][0].startswith("not built on this host: ")
+    assert _artifact(doc, "onnx_fp32")["fidelity"]["psnr_db"] >= 60
+
+
+def test_int8_qdq_keeps_labeled_accuracy(jetson_build):
+    _, doc = jetson_build
+    int8 = _artifact(doc, "onnx_int8")
+    assert int8["details"]["quantized_nodes"] > 0
+    assert int8["accuracy"]["drop_points"] <= 1.0
+    assert int8["fidelity"]["top1_agreement"] >= 0.97
+
+
+def test_build_engine_script(jetson_build):
+    out, doc = jetson_build
+    script = (out / "build_engine.sh").read_text()
+    trt11, trt10 = script.split("\nelse\n")
+    for precision in ("fp32", "fp16", "int8"):
+        assert f"--onnx=mobilenet_v3_small_onnx_{precision}.onnx --saveEngine=mobilenet_v3_small_tensorrt_{precision}.engine" in script
+    assert "--minShapes=input:1x3x224x224 --optShapes=input:1x3x224x224 --maxShapes=input:8x3x224x224" in script
+    assert "--fp16" in trt10 and "--int8" in trt10
+    assert "--fp16" not in trt11 and "--int8" not in trt11  # TensorRT 11: the graph's types decide
+    assert script.count("--noTF32") == 2 and "--useDLACore" not in script
+    assert doc["jetson"]["warnings"] == []
+    assert (out / "golden" / "inputs.npy").is_file() and (out / "golden" / "eager_logits.npy").is_file()
+
+
+def _device_validate(directory):
+    """The copied validator, run as on a device: no torch and no exporter may be imported."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['device_validate.py', {str(directory)!r}, '--runtime', 'onnxruntime']\n"
+        "try:\n"
+        f"    runpy.run_path({str(directory / 'device_validate.py')!r}, run_name='__main__')\n"
+        "finally:\n"
+        "    assert not {'torch', 'exporter'} & set(sys.modules), 'device_validate imported torch or exporter'\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_device_validate_passes_on_the_build(jetson_build):
+    out, _ = jetson_build
+    result = _device_validate(out)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("PASSED onnx_") for line in lines)
+
+
+def test_device_validate_rejects_a_corrupted_onnx(jetson_build, tmp_path):
+    out, doc = jetson_build
+    copy = shutil.copytree(out, tmp_path / "copy")
+    (copy / _artifact(doc, "onnx_fp16")["path"]).write_bytes(b"not an onnx model")
+    result = _device_validate(copy)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "corrupted ONNX" in result.stderr
+
+
+def test_device_validate_rejects_golden_outputs_of_the_wrong_shape(jetson_build, tmp_path):
+    out, _ = jetson_build
+    copy = shutil.copytree(out, tmp_path / "copy")
+    np.save(copy / "golden" / "eager_logits.npy", np.zeros((8, 11), dtype=np.float32))
+    result = _device_validate(copy)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "shape" in result.stderr
+
+
+def test_validate_device_command(jetson_build):
+    out, _ = jetson_build
+    result = run_cli("validate-device", out, "--runtime", "onnxruntime")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("PASSED") == 3
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--target", "jetson", "--option", "opset=11"], "opset 11 is not supported"),
+        (["--target", "jetson", "--batch", "4:2:8"], "1 <= MIN <= OPT <= MAX"),
+        (["--target", "android", "--dla-core", "0"], "dla_core apply to no format"),
+        (["--target", "jetson", "--require-engine"], "--require-engine"),
+    ],
+)
+def test_bad_requests_exit_2_and_write_nothing(digits_model, tmp_path, extra, message):
+    out = tmp_path / "out"
+    result = run_cli(*build_args(digits_model, out, *extra))
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert result.output.strip().count("\n") == 0 and "Traceback" not in result.output
+    assert not out.exists()
+
+
+def _has_gpu_tensorrt() -> bool:
+    try:
+        import tensorrt  # noqa: F401
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu_tensorrt(), reason="needs the tensorrt package and a CUDA GPU")
+def test_tensorrt_engines_on_gpu(digits_model, tmp_path):
+    out = tmp_path / "gpu"
+    result = run_cli(*build_args(digits_model, out, "--target", "jetson", "--format", "tensorrt", "--require-engine"))
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "manifest.json").read_text())
+    for entry in doc["artifacts"]:
+        assert entry["status"] == "passed", entry["reasons"]
+        assert entry["details"]["gpu"] and entry["details"]["compute_capability"]
+    assert (out / "tensorrt_timing.cache").is_file()
