@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, data, files, manifest, profiles, report, validation, weights
+from . import __version__, data, files, html_report, manifest, profiles, report, validation, weights
 from .errors import UsageError
 from .formats import FORMATS, RuntimeUnavailable
 from .progress import Progress
 
-REPORT_FILES = ("manifest.json", "report.md", "labels.txt", "preprocessing.json")  # removed first on --force
+REPORT_FILES = ("manifest.json", "report.md", "report.html", "labels.txt", "preprocessing.json")  # removed first on --force
 
 
 @dataclass
@@ -242,6 +242,7 @@ def _finish(out: Path, doc: dict, progress: Progress) -> dict:
     doc["timings_s"] = dict(progress.timings)
     manifest.write(out, doc)
     files.write_text(out / "report.md", report.markdown(doc))
+    files.write_text(out / "report.html", html_report.render(doc))
     return doc
 
 

@@ -182,6 +182,23 @@ def build(weight, target, out, checkpoint, no_verify, labels, data, calib_size, 
     _emit(doc, as_json, quiet, out)
 
 
+@main.command()
+@click.option("--weight", "weight_names", multiple=True, required=True, help="A weight name (repeatable).")
+@click.option("--target", "targets", multiple=True, help="A target (repeatable); default: every target.")
+@one_line_errors
+def matrix(weight_names, targets):
+    """Print a JSON build matrix (weights x targets) for a CI system's matrix feature."""
+    from . import profiles, weights
+
+    known = profiles.available_targets()
+    for target in targets:
+        if target not in known:
+            raise UsageError(f"unknown target '{target}'; choose from {', '.join(known)}")
+    names = [weights.canonical_name(weights.resolve(w)) for w in weight_names]
+    include = [{"weight": w, "target": t} for w in names for t in (targets or known)]
+    click.echo(json.dumps({"include": include}))
+
+
 @main.command(epilog=EXIT_CODES)
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--data", type=click.Path(path_type=Path), default=None, help="Validate on this ImageFolder instead of the build's.")

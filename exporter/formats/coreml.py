@@ -221,12 +221,14 @@ def _layer_weights(mlmodel) -> list[dict]:
 
 def _compression_check(mlmodel, layers, compression, nbits) -> dict:
     """What compression the weights really carry; raises when the one asked for is absent."""
-    producers = {out.name: op.type for op in _main_ops(mlmodel.get_spec()) for out in op.outputs}
+    ops = _main_ops(mlmodel.get_spec())
+    producers = {out.name: op.type for op in ops for out in op.outputs}
+    weight_producer = {op.outputs[0].name: producers.get(_argument(op, "weight"), "const")
+                       for op in ops if op.type in ("conv", "linear")}
     constexpr_ops: dict[str, int] = {}
     compressed = []
-    ops = [op for op in _main_ops(mlmodel.get_spec()) if op.type in ("conv", "linear")]
-    for op, layer in zip(ops, layers):
-        producer = producers.get(_argument(op, "weight"), "const")
+    for layer in layers:
+        producer = weight_producer[layer["op"]]
         if producer.startswith("constexpr_"):
             constexpr_ops[producer] = constexpr_ops.get(producer, 0) + 1
             compressed.append(layer["weight"])

@@ -1,0 +1,118 @@
+"""OUT/report.html: one self-contained page (inline CSS and SVG, opens offline)."""
+
+from __future__ import annotations
+
+import html
+import math
+
+from .report import rows
+
+STATUS_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "unavailable": "#9a6700"}
+CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:2rem auto;max-width:1100px;color:#1f2328;padding:0 1rem}
+h1{font-size:1.4rem}h2{font-size:1.1rem;margin-top:2rem}
+table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums}
+th,td{border-bottom:1px solid #d0d7de;padding:.35rem .5rem;text-align:right;white-space:nowrap}
+th:first-child,td:first-child,td.status{text-align:left}
+.badge{color:#fff;border-radius:1rem;padding:.05rem .55rem;font-size:.85em}
+.meta{color:#57606a}.charts{display:flex;gap:2rem;flex-wrap:wrap}
+svg text{font:12px system-ui,sans-serif;fill:#1f2328}
+li{margin:.2rem 0}
+"""
+
+
+def _esc(value) -> str:
+    return html.escape(str(value))
+
+
+def _badge(status: str) -> str:
+    return f'<span class="badge" style="background:{STATUS_COLOURS.get(status, "#57606a")}">{_esc(status)}</span>'
+
+
+def latency_chart(doc: dict, width: int = 520) -> str:
+    """Horizontal bars: p50 of each artifact beside the eager p50 measured in the same run."""
+    bars = []
+    for a in doc["artifacts"]:
+        if a.get("latency_ms"):
+            bars.append((a["name"], a["latency_ms"]["p50"], "#0969da"))
+            bars.append((f"eager (vs {a['name']})", a["eager_latency_ms"]["p50"], "#8c959f"))
+    if not bars:
+        return "<p class=meta>No latency was measured on this host.</p>"
+    top = max(v for _, v, _ in bars)
+    label_w, row_h = 230, 20
+    height = row_h * len(bars) + 30
+    parts = [f'<svg role="img" aria-label="latency p50" width="{width}" height="{height}">']
+    for i, (label, value, colour) in enumerate(bars):
+        y = 10 + i * row_h
+        w = (width - label_w - 70) * value / top
+        parts.append(f'<text x="{label_w - 6}" y="{y + 13}" text-anchor="end">{_esc(label)}</text>')
+        parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 6}" fill="{colour}"/>')
+        parts.append(f'<text x="{label_w + w + 4:.1f}" y="{y + 13}">{value:.2f} ms</text>')
+    parts.append(f'<text x="{label_w}" y="{height - 4}" class="meta">p50 latency, batch 1, {doc["host"]["threads"]} threads</text>')
+    return "".join(parts) + "</svg>"
+
+
+def accuracy_size_chart(doc: dict, width: int = 420, height: int = 260) -> str:
+    points = [
+        (a["name"], a["size_bytes"] / 1e6, a["accuracy"]["acc1"])
+        for a in doc["artifacts"]
+        if a.get("accuracy") and a.get("size_bytes")
+    ]
+    if not points:
+        return "<p class=meta>Accuracy vs size needs labeled --data.</p>"
+    left, bottom, pad = 50, 30, 12
+    xs, ys = [p[1] for p in points], [p[2] for p in points]
+    x0, x1 = 0.0, max(xs) * 1.15
+    y0 = math.floor(min(ys) - 1)
+    y1 = math.ceil(max(ys) + 0.5)
+
+    def sx(x):
+        return left + (width - left - pad) * (x - x0) / (x1 - x0)
+
+    def sy(y):
+        return height - bottom - (height - bottom - pad) * (y - y0) / max(y1 - y0, 1e-9)
+
+    parts = [f'<svg role="img" aria-label="accuracy vs size" width="{width}" height="{height}">',
+             f'<line x1="{left}" y1="{height - bottom}" x2="{width - pad}" y2="{height - bottom}" stroke="#8c959f"/>',
+             f'<line x1="{left}" y1="{pad}" x2="{left}" y2="{height - bottom}" stroke="#8c959f"/>',
+             f'<text x="{left}" y="{height - 8}">size MB (0 – {x1:.1f})</text>',
+             f'<text x="4" y="{pad + 10}">{y1:.0f}%</text><text x="4" y="{height - bottom}">{y0:.0f}%</text>']
+    for name, x, y in points:
+        parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="#0969da"><title>{_esc(name)}: {y:.2f}% at {x:.2f} MB</title></circle>')
+        parts.append(f'<text x="{sx(x) + 7:.1f}" y="{sy(y) + 4:.1f}">{_esc(name)}</text>')
+    return "".join(parts) + "</svg>"
+
+
+def _reasons(doc: dict) -> str:
+    items = [f"<li><b>{_esc(a['name'])}</b> {_badge(a['status'])} {_esc(r)}</li>"
+             for a in doc["artifacts"] for r in a.get("reasons", [])]
+    return f"<h2>Why not passed</h2><ul>{''.join(items)}</ul>" if items else ""
+
+
+def render(doc: dict) -> str:
+    table = rows(doc)
+    head = "".join(f"<th>{_esc(h)}</th>" for h in table[0]) if table else ""
+    body = "".join(
+        "<tr>" + "".join(
+            f'<td class="status">{_badge(v)}</td>' if k == "status" else f"<td>{_esc(v)}</td>" for k, v in r.items()
+        ) + "</tr>"
+        for r in table
+    )
+    eager = doc["eager"].get("accuracy")
+    host, data = doc["host"], doc["data"]
+    eager_text = f"eager acc@1 {eager['acc1']:.2f}% / acc@5 {eager['acc5']:.2f}%" if eager else "labeled accuracy not measured (no --data)"
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{_esc(doc['weight']['name'])} → {_esc(doc['target']['name'])}</title>
+<style>{CSS}</style></head><body>
+<h1>{_esc(doc['weight']['name'])} → {_esc(doc['target']['name'])} {_badge(doc['status'])}</h1>
+<p class="meta">{_esc(doc['weight']['model'])}, {doc['weight']['num_classes']} classes · {_esc(eager_text)} ·
+{_esc(data['validation'])} validation images from {_esc(data['source'])} · {_esc(host['cpu'])}, {host['threads']} threads for every runtime ·
+exporter {_esc(doc['exporter_version'])}, torch {_esc(doc['tools'].get('torch'))}</p>
+<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
+{_reasons(doc)}
+<h2>Latency against eager (same run, same threads)</h2>
+<div class="charts">{latency_chart(doc)}</div>
+<h2>Accuracy against size</h2>
+<div class="charts">{accuracy_size_chart(doc)}</div>
+</body></html>
+"""

@@ -1,0 +1,187 @@
+"""The ios target on the trained digits model: Core ML packages built and checked on Linux,
+reported unavailable (Core ML predicts only on macOS) with labelled proxy measurements."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision.transforms.functional as TF
+from PIL import Image
+
+from exporter import formats, weights
+from exporter.formats import coreml
+
+from .conftest import ROOT, build_args, run_cli
+
+ct = pytest.importorskip("coremltools")
+
+# The shipped profile's thresholds, with only the packages these tests look at: building all
+# eight artifacts takes several minutes on two cores.
+KEPT = ("coreml_fp16", "coreml_fp16_w8", "coreml_fp16_palettized4")
+IOS_PROFILE = tomllib.loads((ROOT / "targets" / "ios.toml").read_text())
+
+
+@pytest.fixture(scope="module")
+def ios_build(tmp_path_factory, digits_model):
+    root = tmp_path_factory.mktemp("ios")
+    profile = dict(IOS_PROFILE, artifacts=[a for a in IOS_PROFILE["artifacts"] if a.get("name") in KEPT])
+    lines = [f"name = {json.dumps(profile['name'])}"]
+    for art in profile["artifacts"]:
+        lines += ["[[artifacts]]", *(f"{k} = {json.dumps(v)}" for k, v in art.items() if k != "options")]
+        lines += [f"options = {{ {', '.join(f'{k} = {json.dumps(v)}' for k, v in art.get('options', {}).items())} }}"]
+    for precision, table in profile["thresholds"].items():
+        lines += [f"[thresholds.{precision}]", *(f"{k} = {v}" for k, v in table.items())]
+    path = root / "ios.toml"
+    path.write_text("\n".join(lines) + "\n")
+    out = root / "build"
+    result = run_cli(*build_args(digits_model, out, "--target", path))
+    doc = json.loads((out / "manifest.json").read_text()) if (out / "manifest.json").exists() else None
+    return out, result, doc
+
+
+def _entry(doc, name):
+    return next(a for a in doc["artifacts"] if a["name"] == name)
+
+
+def test_build_exits_0_with_core_ml_unavailable_and_proxies(ios_build):
+    out, result, doc = ios_build
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert [a["name"] for a in doc["artifacts"]] == list(KEPT)
+    for entry in doc["artifacts"]:
+        assert entry["status"] == "unavailable"
+        assert entry["reasons"] == [f"not validated: Core ML predict needs macOS; this host is {sys.platform}"]
+        # nothing is reported as Core ML's own numbers
+        assert entry["fidelity"] is None and entry["latency_ms"] is None
+        assert set(entry["proxy"]) == {"weights", "fp16"}
+        for proxy in entry["proxy"].values():
+            assert proxy["fidelity"]["samples"] == doc["data"]["validation"]
+            assert proxy["accuracy"]["acc1"] > 90
+
+
+def test_packages_pass_the_structural_checks(ios_build, digits_model):
+    out, _, doc = ios_build
+    labels = [line.strip() for line in Path(digits_model.labels_file).read_text().splitlines() if line.strip()]
+    for entry in doc["artifacts"]:
+        details = entry["details"]
+        assert details["deployment_target"] == "iOS17" and details["compute_precision"] == "fp16"
+        assert details["input"] == {"name": "image", "type": "image", "color_space": "RGB", "width": 224, "height": 224}
+        assert details["outputs"]["logits"] == [1, 10] and details["labels"] == 10
+        package = ct.models.MLModel(str(out / entry["path"]), skip_model_load=True)
+        assert package.user_defined_metadata["exporter.weight"] == digits_model.weight
+        assert coreml._classify_labels(package.get_spec()) == labels
+    plain = _entry(doc, "coreml_fp16")["details"]["compression"]
+    w8 = _entry(doc, "coreml_fp16_w8")["details"]["compression"]
+    p4 = _entry(doc, "coreml_fp16_palettized4")["details"]["compression"]
+    assert plain["compressed_weights"] == 0
+    # coremltools leaves weights of at most 2048 elements uncompressed; they hold < 1% of the parameters
+    assert w8["compressed_by_op"] == {"constexpr_affine_dequantize": w8["compressed_weights"]}
+    assert w8["compressed_parameters"] > 0.99 * w8["parameters"] and w8["max_distinct_values"] <= 256
+    assert p4["compressed_by_op"] == {"constexpr_lut_to_dense": p4["compressed_weights"]}
+    assert p4["compressed_parameters"] > 0.99 * p4["parameters"] and p4["max_distinct_values"] <= 16
+
+
+def test_w8_proxy_within_profile_thresholds(ios_build):
+    _, _, doc = ios_build
+    entry = _entry(doc, "coreml_fp16_w8")
+    assert entry["thresholds"] == IOS_PROFILE["thresholds"]["fp16"]
+    for label in ("weights", "fp16"):
+        assert entry["proxy"][label]["status"] == "passed", entry["proxy"][label]["reasons"]
+
+
+def test_compressed_package_sizes(ios_build):
+    _, _, doc = ios_build
+    fp16 = _entry(doc, "coreml_fp16")["size_bytes"]
+    # measured on this model: 0.52 and 0.28 (small weights and the graph stay uncompressed)
+    assert 0.45 < _entry(doc, "coreml_fp16_w8")["size_bytes"] / fp16 < 0.58
+    assert 0.22 < _entry(doc, "coreml_fp16_palettized4")["size_bytes"] / fp16 < 0.33
+
+
+def test_folded_normalization_reproduces_eager_preprocessing(digits_model, ios_build):
+    loaded = weights.load(digits_model.weight, digits_model.checkpoint, True, None)
+    t = loaded.weights.transforms()
+    image_path = next(Path(digits_model.data_dir).rglob("*.png"))
+    with Image.open(image_path) as im:
+        rgb = im.convert("RGB")
+    eager_input = t(rgb)
+    crop = TF.center_crop(TF.resize(rgb, t.resize_size, interpolation=t.interpolation, antialias=t.antialias), t.crop_size)
+    unnormalized = TF.convert_image_dtype(TF.pil_to_tensor(crop), torch.float32)
+
+    wrapper = coreml.ImageClassifier(loaded.model, t.mean, t.std).eval()
+    first_conv = next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Conv2d))
+    seen = []
+    hook = first_conv.register_forward_hook(lambda m, i, o: seen.append(o))
+    with torch.no_grad():
+        wrapper(unnormalized[None])
+        loaded.model(eager_input[None])
+    hook.remove()
+    assert torch.equal(seen[0], seen[1])
+    # Core ML multiplies the 8-bit image by the scale 1/255 where torchvision divides by 255:
+    # the graph's input differs by at most one float32 rounding step
+    scaled = TF.pil_to_tensor(crop).float() * (1 / 255.0)
+    assert (scaled - unnormalized).abs().max() <= 2**-24
+
+    # and the package applies the same constants in front of its first conv (in fp16 here)
+    from coremltools.optimize.coreml import get_weights_metadata
+
+    package = ct.models.MLModel(str(ios_build[0] / _entry(ios_build[2], "coreml_fp16")["path"]), skip_model_load=True)
+    ops = [op for op in coreml._main_ops(package.get_spec()) if op.type in ("mul", "sub", "conv")][:4]
+    assert [op.type for op in ops] == ["mul", "sub", "mul", "conv"]  # * 1/255, - mean, * 1/std, first conv
+    values = {name: torch.from_numpy(m.val.astype("float32")).flatten() for name, m in get_weights_metadata(package, weight_threshold=0).items()}
+    torch.testing.assert_close(values[coreml._argument(ops[1], "y")], torch.tensor(t.mean), rtol=1e-3, atol=0)
+    torch.testing.assert_close(values[coreml._argument(ops[2], "y")], 1 / torch.tensor(t.std), rtol=1e-3, atol=0)
+
+
+# Bad inputs: one line on stderr, exit 2, no traceback, nothing written.
+
+
+def assert_clean_refusal(result, out, *needles):
+    assert result.exit_code == 2, (result.output, result.exception)
+    *progress, error = result.stderr.strip().splitlines()
+    assert error.startswith("error: ") and all(line.startswith("✓") for line in progress), result.stderr
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in error, error
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--deployment-target", "iOS14"], "ML programs need iOS15 or later"),
+        (["--option", "nbits=9"], "nbits must be one of 1, 2, 3, 4, 6, 8"),
+        (["--option", "compression=zip"], "unknown compression 'zip'"),
+    ],
+)
+def test_bad_coreml_options(tmp_path, digits_model, args, needle):
+    out = tmp_path / "out"
+    result = run_cli(*build_args(digits_model, out, "--target", "ios", "--format", "coreml", *args))
+    assert_clean_refusal(result, out, needle)
+
+
+def test_labels_count_differs_from_classes(tmp_path, digits_model):
+    labels = tmp_path / "labels.txt"
+    labels.write_text("".join(f"d{i}\n" for i in range(9)))
+    out = tmp_path / "out"
+    args = build_args(digits_model, out, "--target", "ios", "--format", "coreml")
+    args[args.index("--labels") + 1] = labels
+    assert_clean_refusal(run_cli(*args), out, "has 9 labels but the model has 10 classes")
+
+
+def test_missing_ios_extra(tmp_path, digits_model, monkeypatch):
+    real = importlib.import_module
+
+    def without_coremltools(name, *a, **k):
+        if name == "coremltools":
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(formats.importlib, "import_module", without_coremltools)
+    out = tmp_path / "out"
+    result = run_cli(*build_args(digits_model, out, "--target", "ios"))
+    assert_clean_refusal(result, out, "pip install 'exporter[ios]'")
