@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import warnings
 import tempfile
 import time
 from pathlib import Path
@@ -83,6 +85,8 @@ def main(argv=None) -> None:
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("exports/bench"))
     args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.getLogger().setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
     host = manifest.host(args.threads)
     print(f"host: {host['cpu']}, {host['cores']} cores, {args.threads} threads for every runtime; batch 1, 224x224")

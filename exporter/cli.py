@@ -234,5 +234,17 @@ def validate_device(out_dir, runtime):
     sys.exit(1 if any(r["status"] == "failed" for r in results) else 0)
 
 
+@main.command()
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--allow-failed", is_flag=True, help="Bundle a build whose selected artifacts failed validation.")
+@one_line_errors
+def bundle(out_dir, allow_failed):
+    """Write OUT_DIR/bundle/<target>/ and <target>.zip: the artifacts an app needs, labels, preprocessing, golden data."""
+    from .bundle import make_bundle, zip_path
+
+    directory = make_bundle(out_dir, allow_failed=allow_failed)
+    click.echo(f"bundle: {directory}\nzip: {zip_path(directory)}")
+
+
 if __name__ == "__main__":
     main()

@@ -14,7 +14,8 @@ from pathlib import Path
 def atomic_path(final: Path):
     """Yield a temporary path beside `final`; rename it into place only on success."""
     final = Path(final)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
+    # keep the real suffix last: some writers (coremltools) insist on it
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.stem}.", suffix=f".partial{final.suffix}", dir=final.parent)
     os.close(fd)
     tmp = Path(tmp)
     tmp.unlink()

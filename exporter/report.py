@@ -13,14 +13,22 @@ def _num(value, fmt: str, missing: str = "—") -> str:
     return format(value, fmt)
 
 
+def _measured(doc: dict):
+    """Each artifact, then its proxy rows (stand-ins measured where the runtime is unavailable)."""
+    for a in doc["artifacts"]:
+        yield a["name"], a["status"], a
+        for label, metrics in (a.get("proxy") or {}).items():
+            yield f"{a['name']} [proxy: {label}]", "proxy " + metrics["status"], {**metrics, "size_bytes": None}
+
+
 def rows(doc: dict) -> list[dict]:
     table = []
-    for a in doc["artifacts"]:
+    for name, status, a in _measured(doc):
         fid, acc, lat = a.get("fidelity") or {}, a.get("accuracy") or {}, a.get("latency_ms") or {}
         table.append(
             {
-                "artifact": a["name"],
-                "status": a["status"],
+                "artifact": name,
+                "status": status,
                 "top-1 agree": _num(fid.get("top1_agreement"), ".1%"),
                 "PSNR dB": _num(fid.get("psnr_db"), ".1f"),
                 "acc@1 (drop)": f"{_num(acc.get('acc1'), '.2f')} ({_num(acc.get('drop_points'), '+.2f')})" if acc else "not measured",
@@ -60,9 +68,11 @@ def markdown(doc: dict) -> str:
         if "delegation" in details:
             d = details["delegation"]
             outside = ", ".join(f"{op}×{n}" for op, n in d["ops_outside_delegate"].items()) or "none"
+            on_tensors = ", ".join(f"{op}×{n}" for op, n in d.get("ops_outside_on_tensors", {}).items())
             notes.append(
                 f"- `{a['name']}`: {d['delegated_nodes']} nodes in {d['delegated_subgraphs']} {d['delegate']} subgraph(s); "
-                f"{d['non_delegated_nodes']} outside ({outside})"
+                f"{d['non_delegated_nodes']} outside ({outside}); "
+                + (f"**on real tensors: {on_tensors}**" if on_tensors else "none of them on real tensors (scalar casts only)")
             )
         if details.get("xnnpack_rewrite") == "unavailable":
             notes.append(f"- `{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})")

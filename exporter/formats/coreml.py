@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -304,17 +303,6 @@ def _spec_check(path: Path, precision, meta, options, num_classes) -> dict:
     }
 
 
-def _save(mlmodel, path: Path) -> None:
-    # coremltools refuses to save an ML program under a name without the .mlpackage suffix,
-    # such as the build's temporary path; save beside it, then move it there.
-    staging = path.with_name(path.name + SUFFIX)
-    try:
-        mlmodel.save(str(staging))
-        staging.rename(path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 def export(model, example, precision, calib, path: Path, meta: dict, deployment_target=DEFAULT_TARGET,
            input="image", compression="none", nbits=None) -> dict:
     preflight(precision, deployment_target, input, compression, nbits)
@@ -322,7 +310,7 @@ def export(model, example, precision, calib, path: Path, meta: dict, deployment_
                "nbits": nbits if compression == "palettize" else None}
     mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
     _describe(mlmodel, precision, meta, options)
-    _save(mlmodel, path)
+    mlmodel.save(str(path))
     with torch.no_grad():
         num_classes = model(example).shape[1]
     return _spec_check(path, precision, meta, options, num_classes)

@@ -1,0 +1,265 @@
+"""App bundles: per target, a directory and a zip an app or device project can drop in.
+
+OUT/bundle/<target>/ holds the artifacts SELECTION picks from the build, labels.txt,
+preprocessing.json, the golden inputs and eager logits, the build's manifest.json, any device kit
+files the build wrote (Jetson: build_engine.sh, device_validate.py) and bundle.json, which lists
+every file with its sha256 and, per artifact, its validation results and the runtime it needs.
+OUT/bundle/<target>.zip holds the same files, built byte for byte reproducibly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import stat
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from . import files, manifest
+from .errors import UsageError
+
+BUNDLE_VERSION = 1
+
+# Per target, the artifacts a bundle carries, keyed by (format, precision) and listed in the order
+# an app should try them; the value is the artifact's role in bundle.json.
+SELECTION = {
+    "android": {
+        ("executorch", "int8"): "primary",
+        ("executorch", "fp32"): "fallback",
+        ("torchscript_lite", "fp32"): "alternative",
+    },
+    "ios": {
+        ("coreml", "fp16"): "primary",
+        ("coreml", "fp32"): "fallback",
+        ("executorch", "int8"): "alternative",
+        ("executorch", "fp32"): "alternative",
+    },
+    "jetson": {
+        ("onnx", "fp16"): "primary",
+        ("onnx", "fp32"): "fallback",
+        ("onnx", "int8"): "alternative",
+    },
+}
+
+# What a device needs to run each format: versions of the tools that wrote it (the manifest's
+# tools{}) and facts from the artifact's details (dotted paths).
+RUNTIME = {
+    "executorch": (("executorch",), {"delegate": "delegation.delegate"}),
+    "torchscript_lite": (("torch",), {}),
+    "coreml": (("coremltools",), {"minimum_deployment_target": "deployment_target", "spec_version": "spec_version"}),
+    "onnx": (("onnx", "onnxruntime"), {"opset": "opset"}),
+}
+
+SIDE_FILES = ("labels.txt", "preprocessing.json", "manifest.json")
+GOLDEN = {"inputs": "golden/inputs.npy", "eager_logits": "golden/eager_logits.npy", "labels": "golden/labels.json"}
+FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip can store: entries carry no build time
+
+
+def _read_build(out: Path) -> dict:
+    try:
+        doc = manifest.read(out)
+    except FileNotFoundError:
+        raise UsageError(f"{out} has no manifest.json; is it an exporter build directory?") from None
+    except (ValueError, json.JSONDecodeError) as e:
+        raise UsageError(f"cannot read {out / 'manifest.json'}: {e}") from None
+    if doc.get("status") == "building":
+        raise UsageError(f"{out} is an unfinished build (status 'building'); run the build again")
+    if doc["target"]["name"] not in SELECTION:
+        raise UsageError(f"no bundle selection for target {doc['target']['name']!r}; bundles exist for {', '.join(SELECTION)}")
+    return doc
+
+
+def _selected(doc: dict, allow_failed: bool) -> list[tuple[str, dict]]:
+    roles = SELECTION[doc["target"]["name"]]
+    matching = [(roles[key], a) for key in roles for a in doc["artifacts"] if (a["format"], a["precision"]) == key]
+    failed = [a for _, a in matching if a["status"] == "failed"]
+    if failed and not allow_failed:
+        names = "; ".join(f"{a['name']} ({', '.join(a['reasons']) or 'no reason recorded'})" for a in failed)
+        raise UsageError(f"artifacts failed: {names}; pass --allow-failed to bundle the rest anyway")
+    chosen = [(role, a) for role, a in matching if a.get("path")]  # a failed export has no file
+    if not chosen:
+        raise UsageError(f"{doc['target']['name']} build has none of the artifacts a bundle carries "
+                         f"({', '.join(f'{f}:{p}' for f, p in roles)})")
+    return chosen
+
+
+def _inside(root: Path, relative: str) -> Path:
+    """`root / relative`, refused unless it stays inside root (no absolute paths, no `..`)."""
+    path = PurePosixPath(relative)
+    if not relative or path.is_absolute() or ".." in path.parts or "\\" in relative or ":" in relative:
+        raise UsageError(f"path {relative!r} would leave the bundle directory")
+    return root / path
+
+
+def _copy(out: Path, stage: Path, relative: str, sha256: str | None = None) -> None:
+    source, target = _inside(out, relative), _inside(stage, relative)
+    if not source.exists():
+        raise UsageError(f"{source} is missing from the build")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if source.is_dir():
+        shutil.copytree(source, target, symlinks=True)  # links are refused when listed, never followed
+    else:
+        shutil.copyfile(source, target)
+        shutil.copymode(source, target)
+    # checked on the copy, so what is bundled is what was validated
+    if sha256 is not None and files.sha256(target) != sha256:
+        raise UsageError(f"{source} does not match the sha256 in its manifest (changed or truncated)")
+
+
+def _dig(details: dict, dotted: str):
+    for key in dotted.split("."):
+        details = details.get(key) if isinstance(details, dict) else None
+    return details
+
+
+def _runtime(doc: dict, entry: dict) -> dict:
+    tools, facts = RUNTIME[entry["format"]]
+    needs = {tool: doc["tools"].get(tool) for tool in tools}
+    needs.update({key: _dig(entry.get("details") or {}, path) for key, path in facts.items()})
+    return needs
+
+
+def _artifact(doc: dict, role: str, entry: dict) -> dict:
+    record = {
+        "name": entry["name"],
+        "role": role,
+        "file": entry["path"],
+        "format": entry["format"],
+        "precision": entry["precision"],
+        "status": entry["status"],
+        "reasons": entry["reasons"],
+        "sha256": entry["sha256"],
+        "size_bytes": entry["size_bytes"],
+        "thresholds": entry["thresholds"],
+        "fidelity": entry["fidelity"],
+        "accuracy": entry["accuracy"],
+        "runtime": _runtime(doc, entry),
+    }
+    if entry["format"] == "coreml":
+        record["input"] = entry["details"]["input"]
+    engine = next((e for e in doc.get("jetson", {}).get("engines", []) if e["onnx"] == entry["path"]), None)
+    if engine:
+        # built on the device by build_engine.sh: engines do not carry across GPUs or TensorRT versions
+        record["engine"] = {"file": engine["engine"], "batch_profile": engine["options"]["batch"],
+                            "tensorrt_major": sorted(int(m) for m in engine["trtexec"])}
+    return record
+
+
+def _listing(stage: Path) -> list[dict]:
+    listed = []
+    for path in sorted(stage.rglob("*")):
+        arcname = path.relative_to(stage).as_posix()
+        if path.is_symlink():
+            raise UsageError(f"{arcname} is a symbolic link; bundles hold regular files only")
+        if path.is_file():
+            _inside(stage, arcname)
+            listed.append({"path": arcname, "sha256": files.sha256(path), "size_bytes": path.stat().st_size})
+    return listed
+
+
+def _write_zip(stage: Path, path: Path) -> None:
+    with zipfile.ZipFile(path, "w") as zf:
+        for arcname in sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()):
+            source = _inside(stage, arcname)
+            info = zipfile.ZipInfo(arcname, date_time=FIXED_TIME)
+            info.create_system = 3  # unix, so the mode below is honoured on extraction
+            executable = source.stat().st_mode & stat.S_IXUSR
+            info.external_attr = (stat.S_IFREG | (0o755 if executable else 0o644)) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.file_size = source.stat().st_size  # decides zip64 up front for large artifacts
+            with open(source, "rb") as src, zf.open(info, "w") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def _describe(doc: dict, chosen: list[tuple[str, dict]], golden: dict, listed: list[dict]) -> dict:
+    return {
+        "bundle_version": BUNDLE_VERSION,
+        "target": doc["target"]["name"],
+        "weight": {k: doc["weight"][k] for k in ("name", "model", "num_classes")},
+        "build": {"exporter_version": doc["exporter_version"], "created": doc["created"],
+                  "validated": doc.get("validated"), "status": doc["status"], "manifest": "manifest.json"},
+        "labels": "labels.txt",
+        "preprocessing": "preprocessing.json",
+        "golden": golden,
+        "data": doc["data"],
+        "eager": doc["eager"],
+        "artifacts": [_artifact(doc, role, entry) for role, entry in chosen],
+        "files": listed,
+    }
+
+
+def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
+    """Write DEST/<target>/ and DEST/<target>.zip (DEST defaults to OUT/bundle); returns the directory."""
+    out = Path(out_dir)
+    doc = _read_build(out)
+    chosen = _selected(doc, allow_failed)
+    labels = (out / "labels.txt").read_text(encoding="utf-8").splitlines() if (out / "labels.txt").is_file() else []
+    if len(labels) != doc["labels"]["count"]:
+        raise UsageError(f"{out / 'labels.txt'} has {len(labels)} labels, the manifest says {doc['labels']['count']}")
+    golden = {key: path for key, path in GOLDEN.items() if (out / path).is_file()}
+    if {"inputs", "eager_logits"} - set(golden):
+        raise UsageError(f"{out / 'golden'} lacks inputs.npy or eager_logits.npy; run the build again")
+    dest = Path(dest) if dest is not None else out / "bundle"
+    fresh = not dest.exists()
+    dest.mkdir(parents=True, exist_ok=True)
+    target = doc["target"]["name"]
+    try:
+        with files.atomic_path(dest / target) as stage, files.atomic_path(dest / f"{target}.zip") as zip_tmp:
+            stage.mkdir()
+            for _, entry in chosen:
+                _copy(out, stage, entry["path"], entry["sha256"])
+            for name, sha256 in doc.get("jetson", {}).get("sha256", {}).items():
+                _copy(out, stage, name, sha256)
+            for name in (*SIDE_FILES, *golden.values()):
+                _copy(out, stage, name)
+            described = _describe(doc, chosen, golden, _listing(stage))
+            (stage / "bundle.json").write_text(json.dumps(described, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+            _write_zip(stage, zip_tmp)
+    except BaseException:
+        if fresh:  # a refused bundle leaves nothing behind
+            shutil.rmtree(dest, ignore_errors=True)
+        raise
+    return dest / target
+
+
+def zip_path(bundle_dir: Path) -> Path:
+    return Path(bundle_dir).with_name(Path(bundle_dir).name + ".zip")
+
+
+def extract_bundle(zip_file, dest) -> Path:
+    """Unpack a bundle zip into DEST (new or empty), refusing entries that would land outside it
+    and files that do not match bundle.json."""
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UsageError(f"{dest} exists and is not an empty directory")
+    try:
+        zf = zipfile.ZipFile(zip_file)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise UsageError(f"cannot open {zip_file}: {e}") from None
+    with zf:
+        for info in zf.infolist():
+            _inside(dest, info.filename.rstrip("/"))
+            if stat.S_ISLNK(info.external_attr >> 16):
+                raise UsageError(f"{zip_file}: entry {info.filename!r} is a symbolic link")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.exists():
+            dest.rmdir()
+        with files.atomic_path(dest) as stage:
+            zf.extractall(stage)
+            for info in zf.infolist():  # extractall drops the modes (build_engine.sh is executable)
+                mode = (info.external_attr >> 16) & 0o777
+                if info.create_system == 3 and mode and not info.is_dir():
+                    (stage / info.filename).chmod(mode)
+            _check_listing(stage, zip_file)
+    return dest
+
+
+def _check_listing(root: Path, source) -> None:
+    try:
+        listed = json.loads((root / "bundle.json").read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"{source} has no readable bundle.json: {e}") from None
+    for item in listed:
+        path = _inside(root, item["path"])
+        if not path.is_file() or files.sha256(path) != item["sha256"]:
+            raise UsageError(f"{source}: {item['path']} is missing or does not match its sha256 in bundle.json")
