@@ -7,6 +7,7 @@ Usage: python -m exporter.bench [--models m1,m2] [--threads N] [--iterations N] 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -44,7 +45,10 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
     example = torch.randn(1, 3, 224, 224)
     calib = [torch.randn(1, 3, 224, 224) for _ in range(8)]
     meta = {"weight": name, "model": name, "labels": [], "preprocessing": {}}
-    runners = {"eager": model}
+    # the same eager model in channels-last memory format (input converted once, outside the timing)
+    channels_last = copy.deepcopy(model).to(memory_format=torch.channels_last)
+    example_cl = example.contiguous(memory_format=torch.channels_last)
+    runners = {"eager": model, "eager NHWC": lambda _x: channels_last(example_cl)}
     build_s = {}
     for label, fmt, precision in RUNTIMES:
         module = _available(fmt)
@@ -63,7 +67,7 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
 
 
 def table(results: dict) -> str:
-    labels = ["eager"] + [label for label, _, _ in RUNTIMES]
+    labels = ["eager", "eager NHWC"] + [label for label, _, _ in RUNTIMES]
     lines = ["| model | " + " | ".join(f"{label} p50 ms" for label in labels) + " | pte fp32 / eager | pte int8 vs pte fp32 | ptl / eager |",
              "|---|" + "---|" * (len(labels) + 3)]
     for model, r in results.items():

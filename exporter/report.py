@@ -80,5 +80,8 @@ def markdown(doc: dict) -> str:
         notes.append(f"- {data['note']}")
     if notes:
         lines += ["", "## Notes", *notes]
+    if doc.get("timings_s"):
+        steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in doc["timings_s"].items())
+        lines += ["", f"Wall time per step: {steps}."]
     lines += ["", "Thresholds per precision: " + ", ".join(f"{p}: {t}" for p, t in doc["target"]["thresholds"].items()), ""]
     return "\n".join(lines)
