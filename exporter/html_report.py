@@ -52,7 +52,7 @@ def latency_chart(doc: dict, width: int = 520) -> str:
     return "".join(parts) + "</svg>"
 
 
-def accuracy_size_chart(doc: dict, width: int = 420, height: int = 260) -> str:
+def accuracy_size_chart(doc: dict, width: int = 640, height: int = 280) -> str:
     points = [
         (a["name"], a["size_bytes"] / 1e6, a["accuracy"]["acc1"])
         for a in doc["artifacts"]
@@ -77,9 +77,15 @@ def accuracy_size_chart(doc: dict, width: int = 420, height: int = 260) -> str:
              f'<line x1="{left}" y1="{pad}" x2="{left}" y2="{height - bottom}" stroke="#8c959f"/>',
              f'<text x="{left}" y="{height - 8}">size MB (0 – {x1:.1f})</text>',
              f'<text x="4" y="{pad + 10}">{y1:.0f}%</text><text x="4" y="{height - bottom}">{y0:.0f}%</text>']
+    together: dict[tuple[float, float], list[str]] = {}  # artifacts at the same point share one label
     for name, x, y in points:
-        parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="#0969da"><title>{_esc(name)}: {y:.2f}% at {x:.2f} MB</title></circle>')
-        parts.append(f'<text x="{sx(x) + 7:.1f}" y="{sy(y) + 4:.1f}">{_esc(name)}</text>')
+        together.setdefault((round(x, 2), round(y, 2)), []).append(name)
+    for (x, y), names in together.items():
+        label = ", ".join(names)
+        parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="#0969da"><title>{_esc(label)}: {y:.2f}% at {x:.2f} MB</title></circle>')
+        anchor = "end" if sx(x) > width / 2 else "start"
+        dx = -8 if anchor == "end" else 8
+        parts.append(f'<text x="{sx(x) + dx:.1f}" y="{sy(y) + 4:.1f}" text-anchor="{anchor}">{_esc(label)}</text>')
     return "".join(parts) + "</svg>"
 
 
