@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import sys
@@ -115,9 +116,9 @@ def _evaluate(session: Session, runner, thresholds: dict) -> dict:
     return metrics
 
 
-def _validate(session: Session, entry: dict, out: Path, progress: Progress) -> None:
+def _validate(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
     module = FORMATS[entry["format"]].load_module()
-    with progress.step(f"validate {entry['name']}"):
+    with progress.step(f"{prefix}validate {entry['name']}"):
         try:
             runner = module.load(out / entry["path"], session.latency["threads"])
         except RuntimeUnavailable as e:
@@ -133,7 +134,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress) -> N
         entry.update(_evaluate(session, runner, entry["thresholds"]))
 
 
-def _export(session: Session, spec: dict, out: Path, progress: Progress) -> dict:
+def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix: str = "") -> dict:
     module = FORMATS[spec["format"]].load_module()
     model_name = session.loaded.model_name
     name = spec.get("name") or f"{spec['format']}_{spec['precision']}"
@@ -158,7 +159,7 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress) -> dict
     if spec["precision"] not in module.PRECISIONS:
         entry["reasons"] = [f"{spec['format']} does not offer {spec['precision']} (it offers {', '.join(module.PRECISIONS)})"]
         return entry
-    label = f"export {name}"
+    label = f"{prefix}export {name}"
     try:
         with progress.step(label), files.atomic_path(out / filename) as tmp:
             entry["details"] = module.export(
@@ -181,19 +182,21 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress) -> dict
         return entry
     entry["export_s"] = progress.timings[label]
     entry.update(path=filename, sha256=files.sha256(out / filename), size_bytes=files.size(out / filename))
-    _validate(session, entry, out, progress)
+    _validate(session, entry, out, progress, prefix)
     return entry
 
 
-def _apply_options(profile: dict, options: dict) -> None:
+def _apply_options(plans: list[dict], options: dict) -> None:
     unused = set(options)
-    for spec in profile["artifacts"]:
-        accepted = set(FORMATS[spec["format"]].load_module().OPTIONS)
-        for key in accepted & set(options):
-            spec.setdefault("options", {})[key] = options[key]
-            unused.discard(key)
+    for profile in plans:
+        for spec in profile["artifacts"]:
+            accepted = set(FORMATS[spec["format"]].load_module().OPTIONS)
+            for key in accepted & set(options):
+                spec.setdefault("options", {})[key] = options[key]
+                unused.discard(key)
     if unused:
-        raise UsageError(f"option(s) {', '.join(sorted(unused))} apply to no format of target {profile['name']}")
+        names = ", ".join(p["name"] for p in plans)
+        raise UsageError(f"option(s) {', '.join(sorted(unused))} apply to no format of target {names}")
 
 
 def _preflight(profile: dict) -> None:
@@ -237,20 +240,30 @@ def _overall_status(artifacts: list[dict]) -> str:
     return "failed" if any(a["status"] == "failed" for a in artifacts) else "passed"
 
 
-def _finish(out: Path, doc: dict, progress: Progress) -> dict:
+def _timings(progress: Progress, prefix: str) -> dict:
+    """Shared steps plus this target's own (labels of other targets carry their prefix)."""
+    return {k: v for k, v in progress.timings.items() if k.startswith(prefix) or ": " not in k}
+
+
+def _finish(out: Path, doc: dict, progress: Progress, prefix: str = "") -> dict:
     doc["status"] = _overall_status(doc["artifacts"])
-    doc["timings_s"] = dict(progress.timings)
+    doc["timings_s"] = _timings(progress, prefix)
     manifest.write(out, doc)
     files.write_text(out / "report.md", report.markdown(doc))
-    files.write_text(out / "report.html", html_report.render(doc))
+    files.write_text(out / "report.html", html_report.render([doc]))
     return doc
 
 
-def build(request: BuildRequest, progress: Progress | None = None) -> dict:
-    progress = progress or Progress(quiet=True)
-    # Everything that can be wrong with the request is checked before anything is written.
-    profile = profiles.with_overrides(
-        profiles.load(request.target),
+def expand_targets(targets) -> list[str]:
+    targets = [targets] if isinstance(targets, (str, Path)) else list(targets)
+    if "all" in targets:
+        return profiles.available_targets()
+    return list(dict.fromkeys(str(t) for t in targets))
+
+
+def _profile(request: BuildRequest, target: str) -> dict:
+    return profiles.with_overrides(
+        profiles.load(target),
         thresholds=request.thresholds,
         formats=request.formats,
         calib_size=request.calib_size,
@@ -259,23 +272,59 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
         warmup=request.warmup,
         iterations=request.iterations,
     )
-    _apply_options(profile, request.options)
-    _preflight(profile)
+
+
+def build(request: BuildRequest, progress: Progress | None = None) -> dict:
+    """Build one target (request.target); returns its manifest."""
+    (doc,) = build_targets(request, [request.target], progress)
+    return doc
+
+
+def build_targets(request: BuildRequest, targets, progress: Progress | None = None) -> list[dict]:
+    """Build several targets sharing one model load, one calibration set and one eager reference run.
+
+    With one target its files go straight into --out; with several, into --out/<target>/, plus a
+    combined report.html in --out."""
+    progress = progress or Progress(quiet=True)
+    targets = expand_targets(targets)
+    # Everything that can be wrong with the request is checked before anything is written.
+    plans = [_profile(request, t) for t in targets]
+    _apply_options(plans, request.options)
+    for profile in plans:
+        _preflight(profile)
+    data_settings = {json.dumps(profiles.settings(p)[0], sort_keys=True) for p in plans}
+    if len(data_settings) > 1:
+        raise UsageError(f"targets {', '.join(targets)} ask for different [data] settings; pass --calib-size and --val-size to share one set")
     with progress.step("load weights"):
         loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels)
-    out = Path(request.out or Path("exports") / loaded.weight_name / profile["name"])
-    _check_out_dir(out, request.force)
-    data_settings, latency = profiles.settings(profile)
+    single = len(plans) == 1
+    base = Path(request.out or (Path("exports") / loaded.weight_name / (plans[0]["name"] if single else "")))
+    outs = [base] if single else [base / p["name"] for p in plans]
+    for out in ([base] if single else [base, *outs]):
+        _check_out_dir(out, request.force)
     with progress.step("load data"):
-        inputs = _load_inputs(request.data, loaded, data_settings)
+        inputs = _load_inputs(request.data, loaded, profiles.settings(plans[0])[0])
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
             loaded.labels = list(inputs.classes)
+    shared = _start_session(loaded, inputs, plans[0], progress)
+    docs = []
+    for profile, out in zip(plans, outs):
+        _, latency = profiles.settings(profile)
+        session = dataclasses.replace(shared, latency=latency, thresholds=profile.get("thresholds", {}))
+        prefix = "" if single else f"{profile['name']}: "
+        docs.append(_build_one(request, profile, session, out, progress, prefix))
+    if not single:
+        files.write_text(base / "report.html", html_report.render(docs))
+    return docs
 
+
+def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path, progress: Progress, prefix: str) -> dict:
+    loaded, inputs = session.loaded, session.inputs
+    data_settings, latency = profiles.settings(profile)
     out.mkdir(parents=True, exist_ok=True)
     for stale in REPORT_FILES:
         (out / stale).unlink(missing_ok=True)
-    session = _start_session(loaded, inputs, profile, progress)
     doc = {
         "schema_version": manifest.SCHEMA_VERSION,
         "exporter_version": __version__,
@@ -311,11 +360,11 @@ def build(request: BuildRequest, progress: Progress | None = None) -> dict:
     manifest.write(out, doc)
     _write_golden(out, session)
     for spec in profile["artifacts"]:
-        doc["artifacts"].append(_export(session, spec, out, progress))
-        doc["timings_s"] = dict(progress.timings)
+        doc["artifacts"].append(_export(session, spec, out, progress, prefix))
+        doc["timings_s"] = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
     _post_build(profile, out, doc, session)
-    return _finish(out, doc, progress)
+    return _finish(out, doc, progress, prefix)
 
 
 def validate_build(

@@ -140,7 +140,8 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 
 @main.command(epilog=EXIT_CODES)
 @click.argument("weight")
-@click.option("--target", default="android", show_default=True, help="android, ios, jetson, or a path to a profile .toml")
+@click.option("--target", "targets", multiple=True, default=["android"], show_default=True,
+              help="android, ios, jetson, all, or a profile .toml; repeat it to build several targets sharing one eager run")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Output directory [default: exports/<weight>/<target>]")
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="State dict to load instead of the torch hub cache.")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of a checkpoint whose file name carries one.")
@@ -163,23 +164,35 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--quiet", is_flag=True, help="No progress or report on the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest JSON on stdout.")
 @one_line_errors
-def build(weight, target, out, checkpoint, no_verify, labels, data, calib_size, val_size, threads, warmup, iterations,
+def build(weight, targets, out, checkpoint, no_verify, labels, data, calib_size, val_size, threads, warmup, iterations,
           thresholds, formats, raw_options, batch, workspace, dla_core, require_engine, deployment_target, force, quiet,
           as_json):
     """Export WEIGHT for a target, validate every artifact against eager PyTorch, write manifest and report."""
-    from .build import BuildRequest, build as run_build
+    from .build import BuildRequest, build_targets, expand_targets
     from .progress import Progress
 
     request = BuildRequest(
-        weight=weight, target=target, out=out, checkpoint=checkpoint, verify=not no_verify, labels=labels,
+        weight=weight, target=targets[0], out=out, checkpoint=checkpoint, verify=not no_verify, labels=labels,
         data=data, force=force, thresholds=list(thresholds), formats=list(formats), calib_size=calib_size,
         val_size=val_size, threads=threads, warmup=warmup, iterations=iterations,
         options=_options(raw_options, batch=batch, workspace_mb=workspace, dla_core=dla_core,
                          require_engine=require_engine, deployment_target=deployment_target),
     )
-    doc = run_build(request, Progress(quiet=quiet or as_json))
-    out = out or Path("exports") / doc["weight"]["name"] / doc["target"]["name"]
-    _emit(doc, as_json, quiet, out)
+    docs = build_targets(request, expand_targets(targets), Progress(quiet=quiet or as_json))
+    if len(docs) == 1:
+        _emit(docs[0], as_json, quiet, out or Path("exports") / docs[0]["weight"]["name"] / docs[0]["target"]["name"])
+    base = out or Path("exports") / docs[0]["weight"]["name"]
+    if as_json:
+        from . import manifest
+
+        click.echo(manifest.dumps({"builds": docs}), nl=False)
+    elif not quiet:
+        from . import report
+
+        for doc in docs:
+            click.echo(report.markdown(doc))
+        click.echo(f"report: {base / 'report.html'} (all targets); manifests: {base}/<target>/manifest.json")
+    sys.exit(1 if any(doc["status"] == "failed" for doc in docs) else 0)
 
 
 @main.command()

@@ -29,17 +29,24 @@ def _badge(status: str) -> str:
     return f'<span class="badge" style="background:{STATUS_COLOURS.get(status, "#57606a")}">{_esc(status)}</span>'
 
 
-def latency_chart(doc: dict, width: int = 520) -> str:
+def _named(docs: list[dict]):
+    """(display name, artifact): names carry the target when several targets share the page."""
+    for doc in docs:
+        for a in doc["artifacts"]:
+            yield (f"{doc['target']['name']}/{a['name']}" if len(docs) > 1 else a["name"]), a
+
+
+def latency_chart(docs: list[dict], width: int = 620) -> str:
     """Horizontal bars: p50 of each artifact beside the eager p50 measured in the same run."""
     bars = []
-    for a in doc["artifacts"]:
+    for name, a in _named(docs):
         if a.get("latency_ms"):
-            bars.append((a["name"], a["latency_ms"]["p50"], "#0969da"))
-            bars.append((f"eager (vs {a['name']})", a["eager_latency_ms"]["p50"], "#8c959f"))
+            bars.append((name, a["latency_ms"]["p50"], "#0969da"))
+            bars.append((f"eager (vs {name})", a["eager_latency_ms"]["p50"], "#8c959f"))
     if not bars:
         return "<p class=meta>No latency was measured on this host.</p>"
     top = max(v for _, v, _ in bars)
-    label_w, row_h = 230, 20
+    label_w, row_h = 300, 20
     height = row_h * len(bars) + 30
     parts = [f'<svg role="img" aria-label="latency p50" width="{width}" height="{height}">']
     for i, (label, value, colour) in enumerate(bars):
@@ -48,14 +55,14 @@ def latency_chart(doc: dict, width: int = 520) -> str:
         parts.append(f'<text x="{label_w - 6}" y="{y + 13}" text-anchor="end">{_esc(label)}</text>')
         parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 6}" fill="{colour}"/>')
         parts.append(f'<text x="{label_w + w + 4:.1f}" y="{y + 13}">{value:.2f} ms</text>')
-    parts.append(f'<text x="{label_w}" y="{height - 4}" class="meta">p50 latency, batch 1, {doc["host"]["threads"]} threads</text>')
+    parts.append(f'<text x="{label_w}" y="{height - 4}" class="meta">p50 latency, batch 1, {docs[0]["host"]["threads"]} threads</text>')
     return "".join(parts) + "</svg>"
 
 
-def accuracy_size_chart(doc: dict, width: int = 640, height: int = 280) -> str:
+def accuracy_size_chart(docs: list[dict], width: int = 640, height: int = 280) -> str:
     points = [
-        (a["name"], a["size_bytes"] / 1e6, a["accuracy"]["acc1"])
-        for a in doc["artifacts"]
+        (name, a["size_bytes"] / 1e6, a["accuracy"]["acc1"])
+        for name, a in _named(docs)
         if a.get("accuracy") and a.get("size_bytes")
     ]
     if not points:
@@ -89,14 +96,14 @@ def accuracy_size_chart(doc: dict, width: int = 640, height: int = 280) -> str:
     return "".join(parts) + "</svg>"
 
 
-def _reasons(doc: dict) -> str:
-    items = [f"<li><b>{_esc(a['name'])}</b> {_badge(a['status'])} {_esc(r)}</li>"
-             for a in doc["artifacts"] for r in a.get("reasons", [])]
+def _reasons(docs: list[dict]) -> str:
+    items = [f"<li><b>{_esc(name)}</b> {_badge(a['status'])} {_esc(r)}</li>"
+             for name, a in _named(docs) for r in a.get("reasons", [])]
     return f"<h2>Why not passed</h2><ul>{''.join(items)}</ul>" if items else ""
 
 
-def render(doc: dict) -> str:
-    table = rows(doc)
+def _table(docs: list[dict]) -> str:
+    table = [({"target": d["target"]["name"]} if len(docs) > 1 else {}) | r for d in docs for r in rows(d)]
     head = "".join(f"<th>{_esc(h)}</th>" for h in table[0]) if table else ""
     body = "".join(
         "<tr>" + "".join(
@@ -104,21 +111,29 @@ def render(doc: dict) -> str:
         ) + "</tr>"
         for r in table
     )
-    eager = doc["eager"].get("accuracy")
-    host, data = doc["host"], doc["data"]
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render(docs: list[dict]) -> str:
+    """One page for one build, or for several targets of the same weight side by side."""
+    first = docs[0]
+    status = "failed" if any(d["status"] == "failed" for d in docs) else "passed"
+    targets = ", ".join(d["target"]["name"] for d in docs)
+    eager = first["eager"].get("accuracy")
+    host, data = first["host"], first["data"]
     eager_text = f"eager acc@1 {eager['acc1']:.2f}% / acc@5 {eager['acc5']:.2f}%" if eager else "labeled accuracy not measured (no --data)"
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{_esc(doc['weight']['name'])} → {_esc(doc['target']['name'])}</title>
+<html lang="en"><head><meta charset="utf-8"><title>{_esc(first['weight']['name'])} → {_esc(targets)}</title>
 <style>{CSS}</style></head><body>
-<h1>{_esc(doc['weight']['name'])} → {_esc(doc['target']['name'])} {_badge(doc['status'])}</h1>
-<p class="meta">{_esc(doc['weight']['model'])}, {doc['weight']['num_classes']} classes · {_esc(eager_text)} ·
+<h1>{_esc(first['weight']['name'])} → {_esc(targets)} {_badge(status)}</h1>
+<p class="meta">{_esc(first['weight']['model'])}, {first['weight']['num_classes']} classes · {_esc(eager_text)} ·
 {_esc(data['validation'])} validation images from {_esc(data['source'])} · {_esc(host['cpu'])}, {host['threads']} threads for every runtime ·
-exporter {_esc(doc['exporter_version'])}, torch {_esc(doc['tools'].get('torch'))}</p>
-<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
-{_reasons(doc)}
+exporter {_esc(first['exporter_version'])}, torch {_esc(first['tools'].get('torch'))}</p>
+{_table(docs)}
+{_reasons(docs)}
 <h2>Latency against eager (same run, same threads)</h2>
-<div class="charts">{latency_chart(doc)}</div>
+<div class="charts">{latency_chart(docs)}</div>
 <h2>Accuracy against size</h2>
-<div class="charts">{accuracy_size_chart(doc)}</div>
+<div class="charts">{accuracy_size_chart(docs)}</div>
 </body></html>
 """
