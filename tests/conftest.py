@@ -36,6 +36,34 @@ def torch_home(tmp_path_factory, digits_model) -> Path:
     return home
 
 
+def hide_module(monkeypatch, hidden: str) -> None:
+    """Make the format registry's import of `hidden` fail, as when its extra is not installed."""
+    import importlib
+
+    from exporter import formats
+
+    real = importlib.import_module
+
+    def import_module(name, *args, **kwargs):
+        if name == hidden:
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(formats.importlib, "import_module", import_module)
+
+
+def assert_clean_refusal(result, out, *needles):
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert isinstance(result.exception, SystemExit)
+    # progress lines of steps that finished may precede it; the error itself is one line, last
+    *progress, error = result.stderr.strip().splitlines()
+    assert error.startswith("error: ") and all(line.startswith("✓") for line in progress), result.stderr
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in error, error
+    assert not out.exists() or not any(out.iterdir())
+
+
 def run_cli(*args: str, env: dict | None = None):
     result = CliRunner().invoke(main, [str(a) for a in args], env=env, catch_exceptions=True)
     return result

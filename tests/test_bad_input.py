@@ -1,25 +1,9 @@
 """Every bad input: one line on stderr, exit code 2, no traceback, nothing written."""
 
-import importlib
-
 import pytest
 import torch
 
-from exporter import formats
-
-from .conftest import run_cli
-
-
-def assert_clean_refusal(result, out, *needles):
-    assert result.exit_code == 2, (result.output, result.exception)
-    assert isinstance(result.exception, SystemExit)
-    # progress lines of steps that finished may precede it; the error itself is one line, last
-    *progress, error = result.stderr.strip().splitlines()
-    assert error.startswith("error: ") and all(line.startswith("✓") for line in progress), result.stderr
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in error, error
-    assert not out.exists() or not any(out.iterdir())
+from .conftest import assert_clean_refusal, hide_module, run_cli
 
 
 @pytest.fixture
@@ -45,14 +29,7 @@ def test_unknown_target(build):
 
 
 def test_missing_extra(build, monkeypatch):
-    real = importlib.import_module
-
-    def without_executorch(name, *a, **k):
-        if name == "executorch":
-            raise ImportError(name)
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(formats.importlib, "import_module", without_executorch)
+    hide_module(monkeypatch, "executorch")
     result, out = build()
     assert_clean_refusal(result, out, "pip install 'exporter[android]'")
 

@@ -3,7 +3,6 @@ reported unavailable (Core ML predicts only on macOS) with labelled proxy measur
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import tomllib
@@ -14,10 +13,10 @@ import torch
 import torchvision.transforms.functional as TF
 from PIL import Image
 
-from exporter import formats, weights
+from exporter import weights
 from exporter.formats import coreml
 
-from .conftest import ROOT, build_args, run_cli
+from .conftest import ROOT, assert_clean_refusal, build_args, hide_module, run_cli
 
 ct = pytest.importorskip("coremltools")
 
@@ -140,16 +139,6 @@ def test_folded_normalization_reproduces_eager_preprocessing(digits_model, ios_b
 # Bad inputs: one line on stderr, exit 2, no traceback, nothing written.
 
 
-def assert_clean_refusal(result, out, *needles):
-    assert result.exit_code == 2, (result.output, result.exception)
-    *progress, error = result.stderr.strip().splitlines()
-    assert error.startswith("error: ") and all(line.startswith("✓") for line in progress), result.stderr
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in error, error
-    assert not out.exists()
-
-
 @pytest.mark.parametrize(
     "args, needle",
     [
@@ -174,14 +163,7 @@ def test_labels_count_differs_from_classes(tmp_path, digits_model):
 
 
 def test_missing_ios_extra(tmp_path, digits_model, monkeypatch):
-    real = importlib.import_module
-
-    def without_coremltools(name, *a, **k):
-        if name == "coremltools":
-            raise ImportError(name)
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(formats.importlib, "import_module", without_coremltools)
+    hide_module(monkeypatch, "coremltools")
     out = tmp_path / "out"
     result = run_cli(*build_args(digits_model, out, "--target", "ios"))
     assert_clean_refusal(result, out, "pip install 'exporter[ios]'")
