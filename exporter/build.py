@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, data, files, html_report, manifest, profiles, report, validation, weights
+from . import __version__, cache, data, files, html_report, manifest, profiles, report, validation, weights
+from .cache import BuildCache
 from .errors import UsageError
 from .formats import FORMATS, RuntimeUnavailable
 from .progress import Progress
@@ -33,6 +36,8 @@ class BuildRequest:
     thresholds: list[str] = field(default_factory=list)
     formats: list[str] = field(default_factory=list)
     options: dict = field(default_factory=dict)  # format options, applied to every artifact that takes them
+    cache: bool = True
+    cache_dir: Path | None = None  # default: $EXPORTER_CACHE or ~/.cache/exporter
     calib_size: int | None = None
     val_size: int | None = None
     threads: int | None = None
@@ -50,6 +55,22 @@ class Session:
     eager_accuracy: dict | None
     latency: dict
     thresholds: dict
+    cache: BuildCache = field(default_factory=lambda: BuildCache(None))
+
+    @functools.cached_property
+    def digests(self) -> dict:
+        """What the cache keys hang on: the exact checkpoint and input tensors."""
+        labels = self.inputs.labels
+        return {
+            "checkpoint": self.loaded.checkpoint["sha256"],
+            "model": self.loaded.model_name,
+            "num_classes": self.loaded.num_classes,
+            "calibration": cache.tensors_digest(self.inputs.calibration),
+            "validation": cache.tensors_digest([self.inputs.validation]),
+            "labels": cache.tensors_digest([labels]) if labels is not None else None,
+            "tools": manifest.tool_versions(),
+            "exporter": __version__,
+        }
 
     @property
     def meta(self) -> dict:
@@ -90,13 +111,21 @@ def _load_inputs(path: Path | None, loaded: weights.LoadedModel, data_settings: 
     return data.from_imagefolder(Path(path), preprocess, *size, num_classes=loaded.num_classes)
 
 
-def _start_session(loaded, inputs, profile, progress: Progress) -> Session:
+def _start_session(loaded, inputs, profile, progress: Progress, build_cache: BuildCache | None = None) -> Session:
     _, latency = profiles.settings(profile)
     torch.set_num_threads(latency["threads"])
+    session = Session(loaded, inputs, None, None, latency, profile.get("thresholds", {}), build_cache or BuildCache(None))
+    reference_key = cache.key(kind="eager", **{k: session.digests[k] for k in ("checkpoint", "model", "validation", "tools")})
     with progress.step("eager reference"):
-        reference = validation.run_all(loaded.model, inputs.validation)
-        eager_accuracy = validation.accuracy(reference, inputs.labels) if inputs.labels is not None else None
-    return Session(loaded, inputs, reference, eager_accuracy, latency, profile.get("thresholds", {}))
+        session.reference = session.cache.fetch_tensor(reference_key)
+        if session.reference is None:
+            session.reference = validation.run_all(loaded.model, inputs.validation)
+            session.cache.store_tensor(reference_key, session.reference)
+        else:
+            session.cache.events.append("eager reference reused from the cache")
+    if inputs.labels is not None:
+        session.eager_accuracy = validation.accuracy(session.reference, inputs.labels)
+    return session
 
 
 def _evaluate(session: Session, runner, thresholds: dict) -> dict:
@@ -116,7 +145,27 @@ def _evaluate(session: Session, runner, thresholds: dict) -> dict:
     return metrics
 
 
+VALIDATION_FIELDS = ("status", "reasons", "fidelity", "accuracy", "latency_ms", "eager_latency_ms", "speedup_vs_eager", "proxy")
+
+
 def _validate(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
+    """Validation, reusing an earlier identical one (same artifact bytes, inputs, thresholds, host
+    and thread settings) from the cache; the manifest says when it did."""
+    digest = cache.key(
+        kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency,
+        cpu=manifest.host(session.latency["threads"])["cpu"],
+        **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint")},
+    )
+    cached = session.cache.fetch_json("validations", digest)
+    if cached is not None:
+        entry.update(cached, validation_reused_from_cache=True)
+        session.cache.events.append(f"{entry['name']}: validation results reused from the cache")
+        return
+    _run_validation(session, entry, out, progress, prefix)
+    session.cache.store_json("validations", digest, {k: entry[k] for k in VALIDATION_FIELDS if k in entry})
+
+
+def _run_validation(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
     module = FORMATS[entry["format"]].load_module()
     with progress.step(f"{prefix}validate {entry['name']}"):
         try:
@@ -160,17 +209,25 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix:
         entry["reasons"] = [f"{spec['format']} does not offer {spec['precision']} (it offers {', '.join(module.PRECISIONS)})"]
         return entry
     label = f"{prefix}export {name}"
+    digest = cache.key(kind="artifact", format=spec["format"], precision=spec["precision"], options=spec.get("options", {}),
+                       example=list(session.inputs.example.shape), **session.digests)
     try:
         with progress.step(label), files.atomic_path(out / filename) as tmp:
-            entry["details"] = module.export(
-                session.loaded.model,
-                session.inputs.example,
-                spec["precision"],
-                session.inputs.calibration,
-                tmp,
-                session.meta,
-                **spec.get("options", {}),
-            )
+            details = session.cache.fetch_artifact(digest, tmp)
+            if details is not None:
+                entry["details"], entry["artifact_reused_from_cache"] = details, True
+                session.cache.events.append(f"{name}: artifact reused from the cache")
+            else:
+                entry["details"] = module.export(
+                    session.loaded.model,
+                    session.inputs.example,
+                    spec["precision"],
+                    session.inputs.calibration,
+                    tmp,
+                    session.meta,
+                    **spec.get("options", {}),
+                )
+                session.cache.store_artifact(digest, tmp, entry["details"])
     except UsageError:
         raise
     except RuntimeUnavailable as e:
@@ -180,7 +237,7 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix:
         first = (str(e).strip().splitlines() or [""])[0][:300]
         entry["reasons"] = [f"export failed: {type(e).__name__}: {first}"]
         return entry
-    entry["export_s"] = progress.timings[label]
+    entry["export_s"] = progress.timings.get(label)
     entry.update(path=filename, sha256=files.sha256(out / filename), size_bytes=files.size(out / filename))
     _validate(session, entry, out, progress, prefix)
     return entry
@@ -307,7 +364,8 @@ def build_targets(request: BuildRequest, targets, progress: Progress | None = No
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
             loaded.labels = list(inputs.classes)
-    shared = _start_session(loaded, inputs, plans[0], progress)
+    build_cache = BuildCache((request.cache_dir or cache.default_root()) if request.cache else None)
+    shared = _start_session(loaded, inputs, plans[0], progress, build_cache)
     docs = []
     for profile, out in zip(plans, outs):
         _, latency = profiles.settings(profile)
@@ -325,6 +383,8 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
     out.mkdir(parents=True, exist_ok=True)
     for stale in REPORT_FILES:
         (out / stale).unlink(missing_ok=True)
+    for staging in out.glob(".*.partial"):  # left by a killed build
+        shutil.rmtree(staging, ignore_errors=True)
     doc = {
         "schema_version": manifest.SCHEMA_VERSION,
         "exporter_version": __version__,
@@ -364,6 +424,7 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
         doc["timings_s"] = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
     _post_build(profile, out, doc, session)
+    doc["cache"] = {"root": str(session.cache.root) if session.cache.root else None, "events": list(session.cache.events)}
     return _finish(out, doc, progress, prefix)
 
 

@@ -188,9 +188,8 @@ def _describe(doc: dict, chosen: list[tuple[str, dict]], golden: dict, listed: l
     }
 
 
-def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
-    """Write DEST/<target>/ and DEST/<target>.zip (DEST defaults to OUT/bundle); returns the directory."""
-    out = Path(out_dir)
+def _plan(out: Path, allow_failed: bool) -> tuple[dict, list[tuple[str, dict]], dict]:
+    """Everything that can be refused before a file is copied."""
     doc = _read_build(out)
     chosen = _selected(doc, allow_failed)
     labels = (out / "labels.txt").read_text(encoding="utf-8").splitlines() if (out / "labels.txt").is_file() else []
@@ -199,6 +198,26 @@ def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
     golden = {key: path for key, path in GOLDEN.items() if (out / path).is_file()}
     if {"inputs", "eager_logits"} - set(golden):
         raise UsageError(f"{out / 'golden'} lacks inputs.npy or eager_logits.npy; run the build again")
+    return doc, chosen, golden
+
+
+def make_bundles(out_dir, allow_failed: bool = False) -> list[Path]:
+    """Bundle one build directory, or every target of a several-target build (OUT/<target>/) into
+    OUT/bundle/. All targets are checked before any is written; each bundle is written whole or not
+    at all (a file that fails its sha256 while being copied stops at that target)."""
+    out = Path(out_dir)
+    builds = sorted(p.parent for p in out.glob("*/manifest.json"))
+    if (out / "manifest.json").is_file() or not builds:
+        return [make_bundle(out, allow_failed)]
+    for build in builds:
+        _plan(build, allow_failed)
+    return [make_bundle(build, allow_failed, dest=out / "bundle") for build in builds]
+
+
+def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
+    """Write DEST/<target>/ and DEST/<target>.zip (DEST defaults to OUT/bundle); returns the directory."""
+    out = Path(out_dir)
+    doc, chosen, golden = _plan(out, allow_failed)
     dest = Path(dest) if dest is not None else out / "bundle"
     fresh = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)

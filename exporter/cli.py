@@ -160,13 +160,15 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--dla-core", type=click.IntRange(min=0), default=None, help="Build TensorRT engines for this DLA core.")
 @click.option("--require-engine", is_flag=True, default=None, help="Exit 2 instead of reporting engines unavailable.")
 @click.option("--deployment-target", default=None, help="Core ML minimum deployment target, e.g. iOS17.")
+@click.option("--bundle", "make_bundle", is_flag=True, help="Also write app bundles (see `exporter bundle`) when every bundled artifact passed.")
+@click.option("--no-cache", is_flag=True, help="Rebuild and revalidate everything (cache: $EXPORTER_CACHE or ~/.cache/exporter).")
 @click.option("--force", is_flag=True, help="Write into a non-empty output directory.")
 @click.option("--quiet", is_flag=True, help="No progress or report on the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest JSON on stdout.")
 @one_line_errors
 def build(weight, targets, out, checkpoint, no_verify, labels, data, calib_size, val_size, threads, warmup, iterations,
-          thresholds, formats, raw_options, batch, workspace, dla_core, require_engine, deployment_target, force, quiet,
-          as_json):
+          thresholds, formats, raw_options, batch, workspace, dla_core, require_engine, deployment_target, make_bundle,
+          no_cache, force, quiet, as_json):
     """Export WEIGHT for a target, validate every artifact against eager PyTorch, write manifest and report."""
     from .build import BuildRequest, build_targets, expand_targets
     from .progress import Progress
@@ -177,11 +179,17 @@ def build(weight, targets, out, checkpoint, no_verify, labels, data, calib_size,
         val_size=val_size, threads=threads, warmup=warmup, iterations=iterations,
         options=_options(raw_options, batch=batch, workspace_mb=workspace, dla_core=dla_core,
                          require_engine=require_engine, deployment_target=deployment_target),
+        cache=not no_cache,
     )
     docs = build_targets(request, expand_targets(targets), Progress(quiet=quiet or as_json))
+    base = out or Path("exports") / docs[0]["weight"]["name"] / (docs[0]["target"]["name"] if len(docs) == 1 else "")
+    if make_bundle and all(doc["status"] == "passed" for doc in docs):
+        from .bundle import make_bundles, zip_path
+
+        for directory in make_bundles(base):
+            click.echo(f"bundle: {directory}  zip: {zip_path(directory)}", err=True)
     if len(docs) == 1:
-        _emit(docs[0], as_json, quiet, out or Path("exports") / docs[0]["weight"]["name"] / docs[0]["target"]["name"])
-    base = out or Path("exports") / docs[0]["weight"]["name"]
+        _emit(docs[0], as_json, quiet, base)
     if as_json:
         from . import manifest
 
@@ -252,11 +260,12 @@ def validate_device(out_dir, runtime):
 @click.option("--allow-failed", is_flag=True, help="Bundle a build whose selected artifacts failed validation.")
 @one_line_errors
 def bundle(out_dir, allow_failed):
-    """Write OUT_DIR/bundle/<target>/ and <target>.zip: the artifacts an app needs, labels, preprocessing, golden data."""
-    from .bundle import make_bundle, zip_path
+    """Write OUT_DIR/bundle/<target>/ and <target>.zip (each target of a several-target build): the
+    artifacts an app needs, labels, preprocessing, golden data."""
+    from .bundle import make_bundles, zip_path
 
-    directory = make_bundle(out_dir, allow_failed=allow_failed)
-    click.echo(f"bundle: {directory}\nzip: {zip_path(directory)}")
+    for directory in make_bundles(out_dir, allow_failed=allow_failed):
+        click.echo(f"bundle: {directory}\nzip: {zip_path(directory)}")
 
 
 if __name__ == "__main__":

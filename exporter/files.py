@@ -12,23 +12,21 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def atomic_path(final: Path):
-    """Yield a temporary path beside `final`; rename it into place only on success."""
+    """Yield a temporary path beside `final`; rename it into place only on success.
+
+    The temporary path carries the final file name (inside a hidden staging directory): some
+    writers insist on a suffix (coremltools) and some record their own file name (TorchScript
+    archives), which would otherwise make two identical builds differ."""
     final = Path(final)
-    # keep the real suffix last: some writers (coremltools) insist on it
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.stem}.", suffix=f".partial{final.suffix}", dir=final.parent)
-    os.close(fd)
-    tmp = Path(tmp)
-    tmp.unlink()
+    stage = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    tmp = stage / final.name
     try:
         yield tmp
         if tmp.is_dir() and final.is_dir():
             shutil.rmtree(final)  # directory artifacts (.mlpackage) cannot be replaced in one step
         os.replace(tmp, final)
     finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp.exists():
-            tmp.unlink()
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def write_text(path: Path, text: str) -> None:

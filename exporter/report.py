@@ -76,6 +76,8 @@ def markdown(doc: dict) -> str:
             )
         if details.get("xnnpack_rewrite") == "unavailable":
             notes.append(f"- `{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})")
+    for event in (doc.get("cache") or {}).get("events", []):
+        notes.append(f"- cache: {event}")
     if data.get("note"):
         notes.append(f"- {data['note']}")
     if notes:

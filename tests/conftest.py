@@ -19,6 +19,14 @@ CACHE = Path(os.environ.get("EXPORTER_TEST_CACHE", ROOT / ".cache" / "digits"))
 FAST = ["--calib-size", "64", "--val-size", "120", "--warmup", "2", "--iterations", "10"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def build_cache(tmp_path_factory) -> Path:
+    """Builds in the suite share a cache of their own, never the user's ~/.cache/exporter."""
+    root = tmp_path_factory.mktemp("exporter_cache")
+    os.environ["EXPORTER_CACHE"] = str(root)
+    return root
+
+
 @pytest.fixture(scope="session")
 def digits_model() -> digits.DigitsModel:
     return digits.prepare(CACHE)

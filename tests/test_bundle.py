@@ -161,6 +161,23 @@ def test_failed_build_is_refused_unless_allowed(android, tmp_path):
     assert statuses["executorch_fp32"] == "failed" and statuses["executorch_int8"] == "passed"
 
 
+def test_several_target_build_gets_one_bundle_per_target(android, jetson, tmp_path):
+    base = tmp_path / "several"  # the layout of `exporter build --target android --target jetson --out base`
+    shutil.copytree(android[0], base / "android", ignore=shutil.ignore_patterns("bundle"))
+    shutil.copytree(jetson[0], base / "jetson", ignore=shutil.ignore_patterns("bundle"))
+    result = run_cli("bundle", base)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [line for t in ("android", "jetson")
+                                          for line in (f"bundle: {base / 'bundle' / t}", f"zip: {base / 'bundle' / t}.zip")]
+    assert (base / "bundle" / "android.zip").read_bytes() == android[2].read_bytes()
+    assert json.loads((base / "bundle" / "jetson" / "bundle.json").read_text())["target"] == "jetson"
+    # a failed target refuses the lot, before android (which passes and comes first) is written
+    shutil.rmtree(base / "bundle")
+    assert run_cli("validate", base / "jetson", "--quiet", "--threshold", "fp32.psnr_db=1000").exit_code == 1
+    _refused(run_cli("bundle", base), "onnx_fp32", "--allow-failed")
+    assert not (base / "bundle").exists()
+
+
 @pytest.mark.parametrize("damage", ["append", "truncate"])
 def test_tampered_artifact_is_refused(android, tmp_path, damage):
     out, _, _, info = android

@@ -1,0 +1,117 @@
+"""Content-addressed build cache: artifacts, validation results and the eager reference.
+
+A key is the sha256 of everything that decides the result (checkpoint hash, format, precision,
+options, calibration and validation inputs, tool versions, ...). An entry is trusted only if its
+files still match the sha256 recorded when it was stored; a corrupt entry is dropped and rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from . import files
+
+
+def default_root() -> Path:
+    return Path(os.environ.get("EXPORTER_CACHE") or Path.home() / ".cache" / "exporter")
+
+
+def key(**parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def tensors_digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().contiguous().cpu()
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _copy(source: Path, target: Path) -> None:
+    if source.is_dir():
+        shutil.copytree(source, target)
+    else:
+        shutil.copyfile(source, target)
+
+
+class BuildCache:
+    def __init__(self, root: Path | None):
+        self.root = Path(root) if root else None
+        self.events: list[str] = []  # what was reused, stored or found corrupt, for the manifest
+
+    def _entry(self, kind: str, digest: str) -> Path:
+        return self.root / kind / digest[:2] / digest
+
+    def _drop(self, entry: Path, why: str) -> None:
+        self.events.append(f"corrupt cache entry {entry.name[:12]} dropped ({why}); rebuilt")
+        shutil.rmtree(entry, ignore_errors=True)
+
+    def _record(self, entry: Path):
+        try:
+            return json.loads((entry / "entry.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def fetch_artifact(self, digest: str, target: Path) -> dict | None:
+        """Copy a cached artifact to `target` (a temporary path); its details, or None on a miss."""
+        if self.root is None:
+            return None
+        entry = self._entry("artifacts", digest)
+        if not entry.exists():
+            return None
+        record = self._record(entry)
+        stored = entry / "artifact"
+        if record is None or not stored.exists() or files.sha256(stored) != record.get("sha256"):
+            self._drop(entry, "content does not match its recorded sha256")
+            return None
+        _copy(stored, target)
+        return record["details"]
+
+    def store_artifact(self, digest: str, path: Path, details: dict) -> None:
+        if self.root is None:
+            return
+        entry = self._entry("artifacts", digest)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with files.atomic_path(entry) as staging:
+            staging.mkdir()
+            _copy(path, staging / "artifact")
+            record = {"sha256": files.sha256(staging / "artifact"), "details": details}
+            (staging / "entry.json").write_text(json.dumps(record))
+
+    def fetch_json(self, kind: str, digest: str) -> dict | None:
+        if self.root is None:
+            return None
+        entry = self._entry(kind, digest)
+        if not entry.exists():
+            return None
+        record = self._record(entry)
+        body = json.dumps(record.get("value") if record else None, sort_keys=True)
+        if record is None or hashlib.sha256(body.encode()).hexdigest() != record.get("sha256"):
+            self._drop(entry, "record does not match its sha256")
+            return None
+        return record["value"]
+
+    def store_json(self, kind: str, digest: str, value) -> None:
+        if self.root is None:
+            return
+        entry = self._entry(kind, digest)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        body = json.dumps(value, sort_keys=True)
+        with files.atomic_path(entry) as staging:
+            staging.mkdir()
+            (staging / "entry.json").write_text(json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "value": value}))
+
+    def fetch_tensor(self, digest: str) -> torch.Tensor | None:
+        value = self.fetch_json("tensors", digest)
+        return torch.tensor(value) if value is not None else None
+
+    def store_tensor(self, digest: str, tensor: torch.Tensor) -> None:
+        self.store_json("tensors", digest, tensor.tolist())
