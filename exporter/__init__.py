@@ -1,10 +1,9 @@
-"""exporter: named torchvision weights to verified artifacts for phones and edge devices."""
+"""exporter: named torchvision weights to verified artifacts for phones and edge devices.
+
+The Python API (the CLI is a thin layer over it):
+
+    from exporter.build import BuildRequest, build, build_targets, validate_build
+    manifest = build(BuildRequest("mobilenet_v3_large", target="android", data=Path("val")))
+"""
 
 __version__ = "0.1.0"
-
-
-def build(request):
-    """See exporter.build.BuildRequest. Imported lazily: torch is heavy."""
-    from .build import build as _build
-
-    return _build(request)

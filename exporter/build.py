@@ -388,6 +388,7 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
     doc = {
         "schema_version": manifest.SCHEMA_VERSION,
         "exporter_version": __version__,
+        "exporter_commit": manifest.exporter_commit(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": list(sys.argv),
         "status": "building",

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -24,6 +25,20 @@ def tool_versions() -> dict:
         except PackageNotFoundError:
             found[name] = None
     return found
+
+
+def exporter_commit() -> str | None:
+    """The git commit exporter runs from (with "-dirty" for local changes), when it is a checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def _cpu_name() -> str:

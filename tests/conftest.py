@@ -72,6 +72,22 @@ def assert_clean_refusal(result, out, *needles):
     assert not out.exists() or not any(out.iterdir())
 
 
+def run_without_torch(script: Path, *args):
+    """Run a script as it runs on a device: it fails if it imported torch or the exporter package."""
+    import subprocess
+    import sys
+
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = [{script.name!r}, *{[str(a) for a in args]!r}]\n"
+        "try:\n"
+        f"    runpy.run_path({str(script)!r}, run_name='__main__')\n"
+        "finally:\n"
+        f"    assert not {{'torch', 'exporter'}} & set(sys.modules), '{script.name} imported torch or exporter'\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
 def run_cli(*args: str, env: dict | None = None):
     result = CliRunner().invoke(main, [str(a) for a in args], env=env, catch_exceptions=True)
     return result

@@ -70,7 +70,8 @@ def test_manifest_records_provenance(doc, digits_model):
     assert doc["weight"]["name"] == "MobileNet_V3_Small_Weights.IMAGENET1K_V1"
     assert doc["checkpoint"]["sha256"] == files.sha256(digits_model.checkpoint)
     assert doc["tools"]["torch"].startswith("2.14.1") and doc["tools"]["executorch"] == "1.5.1"
-    assert doc["host"]["threads"] >= 1
+    assert doc["host"]["threads"] >= 1 and doc["command"]
+    assert doc["exporter_commit"] is None or len(doc["exporter_commit"].split("-")[0]) == 40
     assert doc["data"]["labeled"] and doc["data"]["validation"] == 120 and doc["data"]["calibration"] == 64
 
 

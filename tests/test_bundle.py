@@ -18,7 +18,7 @@ from PIL import Image
 from exporter.bundle import extract_bundle, make_bundle
 from exporter.errors import UsageError
 
-from .conftest import ROOT, build_args, run_cli
+from .conftest import ROOT, build_args, run_cli, run_without_torch
 
 pytestmark = pytest.mark.slow
 
@@ -250,16 +250,7 @@ def test_jetson_bundle_carries_the_device_kit(jetson):
 
 
 def _app(*args):
-    """apps/jetson/app.py as on a device: it must not import torch or the exporter."""
-    code = (
-        "import runpy, sys\n"
-        f"sys.argv = ['app.py', *{[str(a) for a in args]!r}]\n"
-        "try:\n"
-        f"    runpy.run_path({str(APPS / 'jetson' / 'app.py')!r}, run_name='__main__')\n"
-        "finally:\n"
-        "    assert not {'torch', 'exporter'} & set(sys.modules), 'app.py imported torch or exporter'\n"
-    )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return run_without_torch(APPS / "jetson" / "app.py", *args)
 
 
 def test_jetson_app_reproduces_golden_top1(jetson):

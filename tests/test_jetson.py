@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from .conftest import assert_clean_refusal, build_args, run_cli
+from .conftest import assert_clean_refusal, run_without_torch, build_args, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -65,16 +63,7 @@ def test_build_engine_script(jetson_build):
 
 
 def _device_validate(directory):
-    """The copied validator, run as on a device: no torch and no exporter may be imported."""
-    code = (
-        "import runpy, sys\n"
-        f"sys.argv = ['device_validate.py', {str(directory)!r}, '--runtime', 'onnxruntime']\n"
-        "try:\n"
-        f"    runpy.run_path({str(directory / 'device_validate.py')!r}, run_name='__main__')\n"
-        "finally:\n"
-        "    assert not {'torch', 'exporter'} & set(sys.modules), 'device_validate imported torch or exporter'\n"
-    )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return run_without_torch(directory / "device_validate.py", directory, "--runtime", "onnxruntime")
 
 
 def test_device_validate_passes_on_the_build(jetson_build):
