@@ -370,6 +370,7 @@ def build_targets(request: BuildRequest, targets, progress: Progress | None = No
     for profile, out in zip(plans, outs):
         _, latency = profiles.settings(profile)
         session = dataclasses.replace(shared, latency=latency, thresholds=profile.get("thresholds", {}))
+        session.digests = shared.digests  # hashing the inputs once is enough
         prefix = "" if single else f"{profile['name']}: "
         docs.append(_build_one(request, profile, session, out, progress, prefix))
     if not single:

@@ -45,19 +45,15 @@ def torch_home(tmp_path_factory, digits_model) -> Path:
 
 
 def hide_module(monkeypatch, hidden: str) -> None:
-    """Make the format registry's import of `hidden` fail, as when its extra is not installed."""
-    import importlib
+    """Make the format registry see `hidden` as not installed, as when its extra is missing."""
+    import importlib.util
 
-    from exporter import formats
+    real = importlib.util.find_spec
 
-    real = importlib.import_module
+    def find_spec(name, *args, **kwargs):
+        return None if name == hidden else real(name, *args, **kwargs)
 
-    def import_module(name, *args, **kwargs):
-        if name == hidden:
-            raise ImportError(name)
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(formats.importlib, "import_module", import_module)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
 
 
 def assert_clean_refusal(result, out, *needles):

@@ -167,3 +167,7 @@ def test_missing_ios_extra(tmp_path, digits_model, monkeypatch):
     out = tmp_path / "out"
     result = run_cli(*build_args(digits_model, out, "--target", "ios"))
     assert_clean_refusal(result, out, "pip install 'exporter[ios]'")
+
+
+def test_known_deployment_targets_match_coremltools():
+    assert coreml.IOS_TARGETS == tuple(int(t.name[3:]) for t in ct.target if t.name.startswith("iOS"))

@@ -18,6 +18,7 @@ raise RuntimeUnavailable (no GPU, no macOS): the artifact is then reported `unav
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
@@ -42,10 +43,14 @@ class FormatSpec:
 
     def load_module(self) -> ModuleType:
         for package in self.requires:
+            # find_spec, not an import: coremltools and executorch take seconds to import, and a
+            # build whose artifacts all come from the cache never needs them
             try:
-                importlib.import_module(package)
-            except ImportError:
-                raise MissingExtraError(f"format '{self.name}'", self.extra) from None
+                found = importlib.util.find_spec(package) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise MissingExtraError(f"format '{self.name}'", self.extra)
         return importlib.import_module(self.module)
 
 

@@ -71,13 +71,16 @@ class TensorClassifier(nn.Module):
         return logits, torch.softmax(logits, 1)
 
 
+# coremltools 9's ct.target iOS members, listed here so that checking a request does not cost
+# the multi-second coremltools import (a test keeps the list equal to ct.target)
+IOS_TARGETS = (13, 14, 15, 16, 17, 18, 26)
+
+
 def _ios_version(deployment_target: str) -> int:
     match = re.fullmatch(r"ios(\d+)", str(deployment_target).strip().lower())
-    import coremltools as ct
-
-    known = [t.name for t in ct.target if t.name.startswith("iOS")]
-    if not match or f"iOS{match.group(1)}" not in known:
-        raise UsageError(f"coreml: unknown deployment target {deployment_target!r}; choose from {', '.join(known)}")
+    if not match or int(match.group(1)) not in IOS_TARGETS:
+        known = ", ".join(f"iOS{v}" for v in IOS_TARGETS)
+        raise UsageError(f"coreml: unknown deployment target {deployment_target!r}; choose from {known}")
     return int(match.group(1))
 
 
