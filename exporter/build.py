@@ -1,26 +1,15 @@
-"""The Python API behind `exporter build` and `exporter validate`."""
+"""The Python API behind `exporter build` and `exporter validate`.
+
+This module imports no torch: an unchanged re-run is answered from the build record in the cache
+(see build_record) in well under the seconds torch alone takes to import."""
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import functools
-import json
-import shutil
-import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from . import __version__, cache, data, files, html_report, manifest, profiles, report, validation, weights
-from .cache import BuildCache
-from .errors import UsageError
-from .formats import FORMATS, RuntimeUnavailable
+from . import cache, profiles
 from .progress import Progress
-
-REPORT_FILES = ("manifest.json", "report.md", "report.html", "labels.txt", "preprocessing.json")  # removed first on --force
 
 
 @dataclass
@@ -43,272 +32,6 @@ class BuildRequest:
     threads: int | None = None
     warmup: int | None = None
     iterations: int | None = None
-
-
-@dataclass
-class Session:
-    """What every artifact of one build is validated against."""
-
-    loaded: weights.LoadedModel
-    inputs: data.Inputs
-    reference: torch.Tensor
-    eager_accuracy: dict | None
-    latency: dict
-    thresholds: dict
-    cache: BuildCache = field(default_factory=lambda: BuildCache(None))
-
-    @functools.cached_property
-    def digests(self) -> dict:
-        """What the cache keys hang on: the exact checkpoint and input tensors."""
-        labels = self.inputs.labels
-        return {
-            "checkpoint": self.loaded.checkpoint["sha256"],
-            "model": self.loaded.model_name,
-            "num_classes": self.loaded.num_classes,
-            "calibration": cache.tensors_digest(self.inputs.calibration),
-            "validation": cache.tensors_digest([self.inputs.validation]),
-            "labels": cache.tensors_digest([labels]) if labels is not None else None,
-            "tools": manifest.tool_versions(),
-            "exporter": __version__,
-        }
-
-    @property
-    def meta(self) -> dict:
-        return {
-            "weight": self.loaded.weight_name,
-            "model": self.loaded.model_name,
-            "labels": list(self.loaded.labels),
-            "preprocessing": weights.preprocessing_spec(self.loaded.weights),
-            "accuracy": weights.meta_summary(self.loaded.weights)["metrics"],
-            "recipe": self.loaded.weights.meta.get("recipe"),
-            "exporter_version": __version__,
-        }
-
-    def eager(self, x):
-        return self.loaded.model(x)
-
-
-def _check_out_dir(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UsageError(f"--out {out} is not empty; pass --force to overwrite")
-    probe = out.absolute()
-    while not probe.exists():
-        probe = probe.parent
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError:
-        raise UsageError(f"--out {out} is not writable ({probe} does not accept new files)") from None
-
-
-def _load_inputs(path: Path | None, loaded: weights.LoadedModel, data_settings: dict) -> data.Inputs:
-    preprocess = loaded.weights.transforms()
-    size = (data_settings["calib_size"], data_settings["val_size"], data_settings["seed"])
-    if path is None:
-        return data.synthetic(preprocess, *size)
-    return data.from_imagefolder(Path(path), preprocess, *size, num_classes=loaded.num_classes)
-
-
-def _start_session(loaded, inputs, profile, progress: Progress, build_cache: BuildCache | None = None) -> Session:
-    _, latency = profiles.settings(profile)
-    torch.set_num_threads(latency["threads"])
-    session = Session(loaded, inputs, None, None, latency, profile.get("thresholds", {}), build_cache or BuildCache(None))
-    reference_key = cache.key(kind="eager", **{k: session.digests[k] for k in ("checkpoint", "model", "validation", "tools")})
-    with progress.step("eager reference"):
-        session.reference = session.cache.fetch_tensor(reference_key)
-        if session.reference is None:
-            session.reference = validation.run_all(loaded.model, inputs.validation)
-            session.cache.store_tensor(reference_key, session.reference)
-        else:
-            session.cache.events.append("eager reference reused from the cache")
-    if inputs.labels is not None:
-        session.eager_accuracy = validation.accuracy(session.reference, inputs.labels)
-    return session
-
-
-def _evaluate(session: Session, runner, thresholds: dict) -> dict:
-    metrics = validation.evaluate(
-        runner,
-        session.eager,
-        session.inputs.validation,
-        session.reference,
-        session.inputs.labels,
-        session.eager_accuracy,
-        thresholds,
-        session.latency["warmup"],
-        session.latency["iterations"],
-    )
-    # a runtime's own thread setting may have changed torch's; restore it for eager
-    torch.set_num_threads(session.latency["threads"])
-    return metrics
-
-
-VALIDATION_FIELDS = ("status", "reasons", "fidelity", "accuracy", "latency_ms", "eager_latency_ms", "speedup_vs_eager", "proxy")
-
-
-def _validate(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
-    """Validation, reusing an earlier identical one (same artifact bytes, inputs, thresholds, host
-    and thread settings) from the cache; the manifest says when it did."""
-    digest = cache.key(
-        kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency,
-        cpu=manifest.host(session.latency["threads"])["cpu"],
-        **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint")},
-    )
-    cached = session.cache.fetch_json("validations", digest)
-    if cached is not None:
-        entry.update(cached, validation_reused_from_cache=True)
-        session.cache.events.append(f"{entry['name']}: validation results reused from the cache")
-        return
-    _run_validation(session, entry, out, progress, prefix)
-    session.cache.store_json("validations", digest, {k: entry[k] for k in VALIDATION_FIELDS if k in entry})
-
-
-def _run_validation(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
-    module = FORMATS[entry["format"]].load_module()
-    with progress.step(f"{prefix}validate {entry['name']}"):
-        try:
-            runner = module.load(out / entry["path"], session.latency["threads"])
-        except RuntimeUnavailable as e:
-            entry.update(status="unavailable", reasons=[f"not validated: {e}"])
-            if hasattr(module, "proxies"):
-                # Stand-ins (e.g. the package's weights put back into eager): labelled proxy, never
-                # reported as the runtime's own numbers, and they do not decide the status.
-                entry["proxy"] = {
-                    label: _evaluate(session, proxy, entry["thresholds"])
-                    for label, proxy in module.proxies(out / entry["path"], session.loaded.model).items()
-                }
-            return
-        entry.update(_evaluate(session, runner, entry["thresholds"]))
-
-
-def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix: str = "") -> dict:
-    module = FORMATS[spec["format"]].load_module()
-    model_name = session.loaded.model_name
-    name = spec.get("name") or f"{spec['format']}_{spec['precision']}"
-    filename = f"{model_name}_{name}{module.SUFFIX}"
-    entry = {
-        "name": name,
-        "format": spec["format"],
-        "precision": spec["precision"],
-        "path": None,
-        "sha256": None,
-        "size_bytes": None,
-        "status": "failed",
-        "reasons": [],
-        "details": {},
-        "thresholds": dict(session.thresholds.get(spec["precision"], {})),
-        "fidelity": None,
-        "accuracy": None,
-        "latency_ms": None,
-        "eager_latency_ms": None,
-        "speedup_vs_eager": None,
-    }
-    if spec["precision"] not in module.PRECISIONS:
-        entry["reasons"] = [f"{spec['format']} does not offer {spec['precision']} (it offers {', '.join(module.PRECISIONS)})"]
-        return entry
-    label = f"{prefix}export {name}"
-    digest = cache.key(kind="artifact", format=spec["format"], precision=spec["precision"], options=spec.get("options", {}),
-                       example=list(session.inputs.example.shape), **session.digests)
-    try:
-        with progress.step(label), files.atomic_path(out / filename) as tmp:
-            details = session.cache.fetch_artifact(digest, tmp)
-            if details is not None:
-                entry["details"], entry["artifact_reused_from_cache"] = details, True
-                session.cache.events.append(f"{name}: artifact reused from the cache")
-            else:
-                entry["details"] = module.export(
-                    session.loaded.model,
-                    session.inputs.example,
-                    spec["precision"],
-                    session.inputs.calibration,
-                    tmp,
-                    session.meta,
-                    **spec.get("options", {}),
-                )
-                session.cache.store_artifact(digest, tmp, entry["details"])
-    except UsageError:
-        raise
-    except RuntimeUnavailable as e:
-        entry.update(status="unavailable", reasons=[f"not built on this host: {e}"])
-        return entry
-    except Exception as e:  # a conversion failure is a finding about this artifact, not a crash
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        entry["reasons"] = [f"export failed: {type(e).__name__}: {first}"]
-        return entry
-    entry["export_s"] = progress.timings.get(label)
-    entry.update(path=filename, sha256=files.sha256(out / filename), size_bytes=files.size(out / filename))
-    _validate(session, entry, out, progress, prefix)
-    return entry
-
-
-def _apply_options(plans: list[dict], options: dict) -> None:
-    unused = set(options)
-    for profile in plans:
-        for spec in profile["artifacts"]:
-            accepted = set(FORMATS[spec["format"]].load_module().OPTIONS)
-            for key in accepted & set(options):
-                spec.setdefault("options", {})[key] = options[key]
-                unused.discard(key)
-    if unused:
-        names = ", ".join(p["name"] for p in plans)
-        raise UsageError(f"option(s) {', '.join(sorted(unused))} apply to no format of target {names}")
-
-
-def _preflight(profile: dict) -> None:
-    """Missing extras and impossible options fail here, before anything is written."""
-    for spec in profile["artifacts"]:
-        module = FORMATS[spec["format"]].load_module()
-        if hasattr(module, "preflight"):
-            try:
-                module.preflight(spec["precision"], **spec.get("options", {}))
-            except RuntimeUnavailable:
-                pass  # reported per artifact by export
-            except TypeError as e:
-                raise UsageError(f"target {profile['name']}: bad options for {spec['format']}: {e}") from None
-
-
-def _write_golden(out: Path, session: Session, count: int = 8) -> None:
-    """A few preprocessed inputs and the eager logits for them, for on-device checks."""
-    import numpy as np
-
-    golden = out / "golden"
-    golden.mkdir(exist_ok=True)
-    n = min(count, len(session.inputs.validation))
-    for name, array in (("inputs.npy", session.inputs.validation[:n]), ("eager_logits.npy", session.reference[:n])):
-        with files.atomic_path(golden / name) as tmp:
-            with open(tmp, "wb") as f:
-                np.save(f, array.numpy().astype(np.float32))
-    if session.inputs.labels is not None:
-        files.write_text(golden / "labels.json", json.dumps(session.inputs.labels[:n].tolist()) + "\n")
-
-
-def _post_build(profile: dict, out: Path, doc: dict, session: Session) -> None:
-    if not profile.get("post_build"):
-        return
-    import importlib
-
-    module_name, _, function = profile["post_build"].partition(":")
-    getattr(importlib.import_module(module_name), function)(out, doc, session)
-
-
-def _overall_status(artifacts: list[dict]) -> str:
-    return "failed" if any(a["status"] == "failed" for a in artifacts) else "passed"
-
-
-def _timings(progress: Progress, prefix: str) -> dict:
-    """Shared steps plus this target's own (labels of other targets carry their prefix)."""
-    return {k: v for k, v in progress.timings.items() if k.startswith(prefix) or ": " not in k}
-
-
-def _finish(out: Path, doc: dict, progress: Progress, prefix: str = "") -> dict:
-    doc["status"] = _overall_status(doc["artifacts"])
-    doc["timings_s"] = _timings(progress, prefix)
-    manifest.write(out, doc)
-    files.write_text(out / "report.md", report.markdown(doc))
-    files.write_text(out / "report.html", html_report.render([doc]))
-    return doc
 
 
 def expand_targets(targets) -> list[str]:
@@ -341,136 +64,28 @@ def build_targets(request: BuildRequest, targets, progress: Progress | None = No
     """Build several targets sharing one model load, one calibration set and one eager reference run.
 
     With one target its files go straight into --out; with several, into --out/<target>/, plus a
-    combined report.html in --out."""
+    combined report.html in --out. A request identical to an earlier one (same checkpoint, data,
+    profiles, tools, exporter code and host) is answered from the cache without importing torch."""
+    from .build_record import BuildRecord
+
     progress = progress or Progress(quiet=True)
-    targets = expand_targets(targets)
-    # Everything that can be wrong with the request is checked before anything is written.
-    plans = [_profile(request, t) for t in targets]
-    _apply_options(plans, request.options)
-    for profile in plans:
-        _preflight(profile)
-    data_settings = {json.dumps(profiles.settings(p)[0], sort_keys=True) for p in plans}
-    if len(data_settings) > 1:
-        raise UsageError(f"targets {', '.join(targets)} ask for different [data] settings; pass --calib-size and --val-size to share one set")
-    with progress.step("load weights"):
-        loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels)
-    single = len(plans) == 1
-    base = Path(request.out or (Path("exports") / loaded.weight_name / (plans[0]["name"] if single else "")))
-    outs = [base] if single else [base / p["name"] for p in plans]
-    for out in ([base] if single else [base, *outs]):
-        _check_out_dir(out, request.force)
-    with progress.step("load data"):
-        inputs = _load_inputs(request.data, loaded, profiles.settings(plans[0])[0])
-    if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
-        if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
-            loaded.labels = list(inputs.classes)
-    build_cache = BuildCache((request.cache_dir or cache.default_root()) if request.cache else None)
-    shared = _start_session(loaded, inputs, plans[0], progress, build_cache)
-    docs = []
-    for profile, out in zip(plans, outs):
-        _, latency = profiles.settings(profile)
-        session = dataclasses.replace(shared, latency=latency, thresholds=profile.get("thresholds", {}))
-        session.digests = shared.digests  # hashing the inputs once is enough
-        prefix = "" if single else f"{profile['name']}: "
-        docs.append(_build_one(request, profile, session, out, progress, prefix))
-    if not single:
-        files.write_text(base / "report.html", html_report.render(docs))
+    plans = [_profile(request, t) for t in expand_targets(targets)]
+    record = BuildRecord(request.cache_dir or cache.default_root(), request, plans) if request.cache else None
+    if record is not None:
+        docs = record.restore(progress)
+        if docs is not None:
+            return docs
+    from . import pipeline
+
+    base, docs = pipeline.run(request, plans, record.cache_root if record else None, progress)
+    if record is not None:
+        record.store(base, docs)
     return docs
 
 
-def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path, progress: Progress, prefix: str) -> dict:
-    loaded, inputs = session.loaded, session.inputs
-    data_settings, latency = profiles.settings(profile)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in REPORT_FILES:
-        (out / stale).unlink(missing_ok=True)
-    for staging in out.glob(".*.partial"):  # left by a killed build
-        shutil.rmtree(staging, ignore_errors=True)
-    doc = {
-        "schema_version": manifest.SCHEMA_VERSION,
-        "exporter_version": __version__,
-        "exporter_commit": manifest.exporter_commit(),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": list(sys.argv),
-        "status": "building",
-        "weight": {
-            "name": loaded.weight_name,
-            "model": loaded.model_name,
-            "num_classes": loaded.num_classes,
-            "meta": weights.meta_summary(loaded.weights),
-        },
-        "checkpoint": loaded.checkpoint,
-        "preprocessing": weights.preprocessing_spec(loaded.weights),
-        "labels": {"file": "labels.txt", "count": len(loaded.labels), "from_file": str(request.labels) if request.labels else None},
-        "target": {
-            "name": profile["name"],
-            "profile": profile["path"],
-            "artifacts": profile["artifacts"],
-            "thresholds": profile.get("thresholds", {}),
-            "data": data_settings,
-            "latency": latency,
-        },
-        "tools": manifest.tool_versions(),
-        "host": manifest.host(latency["threads"]),
-        "data": inputs.description,
-        "eager": {"accuracy": session.eager_accuracy},
-        "artifacts": [],
-        "timings_s": {},
-    }
-    files.write_text(out / "labels.txt", "".join(f"{label}\n" for label in loaded.labels))
-    files.write_text(out / "preprocessing.json", json.dumps(doc["preprocessing"], indent=2) + "\n")
-    manifest.write(out, doc)
-    _write_golden(out, session)
-    for spec in profile["artifacts"]:
-        doc["artifacts"].append(_export(session, spec, out, progress, prefix))
-        doc["timings_s"] = _timings(progress, prefix)
-        manifest.write(out, doc)  # only complete artifacts are ever listed
-    _post_build(profile, out, doc, session)
-    doc["cache"] = {"root": str(session.cache.root) if session.cache.root else None, "events": list(session.cache.events)}
-    return _finish(out, doc, progress, prefix)
-
-
-def validate_build(
-    out: Path,
-    data_dir: Path | None = None,
-    thresholds: list[str] = (),
-    progress: Progress | None = None,
-    checkpoint: Path | None = None,
-) -> dict:
+def validate_build(out: Path, data_dir: Path | None = None, thresholds: list[str] = (), progress: Progress | None = None,
+                   checkpoint: Path | None = None) -> dict:
     """Re-run the validation contract on an existing build directory."""
-    progress = progress or Progress(quiet=True)
-    out = Path(out)
-    if not (out / "manifest.json").is_file():
-        raise UsageError(f"{out} has no manifest.json; is it an exporter build directory?")
-    try:
-        doc = manifest.read(out)
-    except (ValueError, json.JSONDecodeError) as e:
-        raise UsageError(f"cannot read {out / 'manifest.json'}: {e}") from None
-    for entry in doc["artifacts"]:
-        if entry.get("path"):
-            path = out / entry["path"]
-            if not path.exists() or files.sha256(path) != entry["sha256"]:
-                raise UsageError(f"{path} does not match the sha256 in its manifest (changed or truncated)")
-    profile = {"name": doc["target"]["name"], "path": doc["target"]["profile"], "artifacts": doc["target"]["artifacts"],
-               "thresholds": doc["target"]["thresholds"], "data": doc["target"]["data"], "latency": doc["target"]["latency"]}
-    profile = profiles.with_overrides(profile, thresholds=list(thresholds))
-    _preflight(profile)
-    with progress.step("load weights"):
-        recorded = doc["checkpoint"]
-        loaded = weights.load(doc["weight"]["name"], checkpoint or recorded["path"], verify=False)
-        if loaded.checkpoint["sha256"] != recorded["sha256"]:
-            raise UsageError(f"checkpoint {loaded.checkpoint['path']} is not the one this build used (sha256 differs)")
-    source = data_dir or (None if doc["data"]["source"] == "synthetic" else Path(doc["data"]["source"]))
-    with progress.step("load data"):
-        inputs = _load_inputs(source, loaded, profiles.settings(profile)[0])
-    session = _start_session(loaded, inputs, profile, progress)
-    doc["target"]["thresholds"] = profile.get("thresholds", {})
-    doc["data"] = inputs.description
-    doc["eager"] = {"accuracy": session.eager_accuracy}
-    for entry in doc["artifacts"]:
-        entry["thresholds"] = dict(session.thresholds.get(entry["precision"], {}))
-        if entry.get("path"):
-            entry.update(reasons=[], status="failed")
-            _validate(session, entry, out, progress)
-    doc["validated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return _finish(out, doc, progress)
+    from . import pipeline
+
+    return pipeline.validate(Path(out), data_dir, thresholds, progress or Progress(quiet=True), checkpoint)

@@ -12,10 +12,12 @@ import json
 import os
 import shutil
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import files
+
+if TYPE_CHECKING:
+    import torch
 
 
 def default_root() -> Path:
@@ -110,6 +112,8 @@ class BuildCache:
             (staging / "entry.json").write_text(json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "value": value}))
 
     def fetch_tensor(self, digest: str) -> torch.Tensor | None:
+        import torch  # not at the top: a re-run served whole from the cache never imports torch
+
         value = self.fetch_json("tensors", digest)
         return torch.tensor(value) if value is not None else None
 

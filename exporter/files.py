@@ -1,4 +1,4 @@
-"""Atomic writes: a reader never sees a half-written file."""
+"""Atomic writes (a reader never sees a half-written file), hashes, and output-directory checks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from .errors import UsageError
 
 
 @contextlib.contextmanager
@@ -54,3 +56,19 @@ def size(path: Path) -> int:
     if path.is_dir():
         return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     return path.stat().st_size
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    """Refuse an output directory that is a file, not empty (without --force), or not writable."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UsageError(f"--out {out} is not empty; pass --force to overwrite")
+    probe = out.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError:
+        raise UsageError(f"--out {out} is not writable ({probe} does not accept new files)") from None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .formats import FORMATS
-from .validation import THRESHOLD_KEYS
+from .thresholds import THRESHOLD_KEYS
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "targets"
 SECTIONS = {

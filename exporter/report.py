@@ -84,6 +84,7 @@ def markdown(doc: dict) -> str:
         lines += ["", "## Notes", *notes]
     if doc.get("timings_s"):
         steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in doc["timings_s"].items())
-        lines += ["", f"Wall time per step: {steps}."]
+        when = " of the build reused from the cache" if (doc.get("cache") or {}).get("build_record") else ""
+        lines += ["", f"Wall time per step{when}: {steps}."]
     lines += ["", "Thresholds per precision: " + ", ".join(f"{p}: {t}" for p, t in doc["target"]["thresholds"].items()), ""]
     return "\n".join(lines)

@@ -13,17 +13,9 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-Runner = Callable[[torch.Tensor], torch.Tensor]
+from .thresholds import breaches
 
-# threshold key -> (metric path, "min" or "max")
-THRESHOLD_KEYS = {
-    "top1_agreement": (("fidelity", "top1_agreement"), "min"),
-    "top5_agreement": (("fidelity", "top5_agreement"), "min"),
-    "psnr_db": (("fidelity", "psnr_db"), "min"),
-    "cosine": (("fidelity", "cosine"), "min"),
-    "max_abs_error": (("fidelity", "max_abs_error"), "max"),
-    "accuracy_drop": (("accuracy", "drop_points"), "max"),
-}
+Runner = Callable[[torch.Tensor], torch.Tensor]
 
 
 def run_all(runner: Runner, inputs: torch.Tensor) -> torch.Tensor:
@@ -98,25 +90,6 @@ def measure_latency(
                     run(example)
                     samples[name].append((time.perf_counter() - start) * 1e3)
     return {name: percentiles(s) for name, s in samples.items()}
-
-
-def _lookup(metrics: dict, path: tuple[str, str]):
-    section = metrics.get(path[0]) or {}
-    return section.get(path[1])
-
-
-def breaches(metrics: dict, thresholds: Mapping[str, float]) -> list[str]:
-    """Human-readable reasons, one per threshold the metrics break; [] means passed."""
-    reasons = []
-    for key, limit in thresholds.items():
-        path, kind = THRESHOLD_KEYS[key]
-        value = _lookup(metrics, path)
-        if value is None:
-            continue  # e.g. accuracy without labels: reported as not measured, not as a pass
-        if (kind == "min" and value < limit) or (kind == "max" and value > limit):
-            sign = ">=" if kind == "min" else "<="
-            reasons.append(f"{key} {value:.4g} (needs {sign} {limit:g})")
-    return reasons
 
 
 def evaluate(

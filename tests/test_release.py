@@ -1,15 +1,31 @@
 """Release properties: the build cache, byte-identical rebuilds, and a build killed half way."""
 
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 from exporter import files
+from exporter.build import BuildRequest, _profile
+from exporter.build_record import BuildRecord
+from exporter.progress import Progress
 
-from .conftest import build_args, run_cli
+from .conftest import FAST, build_args, run_cli
+
+WITHOUT_TORCH = """
+import sys
+class NoTorch:
+    def find_spec(self, name, *args):
+        if name.split(".")[0] in ("torch", "torchvision"):
+            raise ImportError("the warm re-run imported " + name)
+sys.meta_path.insert(0, NoTorch())
+from exporter.cli import main
+main()
+"""
 
 
 def _manifest(out):
@@ -20,6 +36,7 @@ def test_warm_rerun_reuses_artifacts_and_validation_and_rebuilds_a_corrupt_entry
     env = {"EXPORTER_CACHE": str(tmp_path / "cache")}
     cold, warm, repaired = tmp_path / "cold", tmp_path / "warm", tmp_path / "repaired"
     assert run_cli(*build_args(digits_model, cold, "--format", "torchscript_lite"), env=env).exit_code == 0
+    shutil.rmtree(tmp_path / "cache" / "builds")  # so that the per-artifact cache answers
     assert run_cli(*build_args(digits_model, warm, "--format", "torchscript_lite"), env=env).exit_code == 0
     first, second = _manifest(cold), _manifest(warm)
     assert not first["cache"]["events"]
@@ -33,6 +50,7 @@ def test_warm_rerun_reuses_artifacts_and_validation_and_rebuilds_a_corrupt_entry
     assert a["fidelity"] == b["fidelity"] and b["validation_reused_from_cache"]
     assert "cache: torchscript_lite_fp32: artifact reused" in (warm / "report.md").read_text()
 
+    shutil.rmtree(tmp_path / "cache" / "builds")
     (stored,) = (tmp_path / "cache" / "artifacts").glob("*/*/artifact")
     stored.write_bytes(stored.read_bytes()[:1000])  # a truncated cache entry
     assert run_cli(*build_args(digits_model, repaired, "--format", "torchscript_lite"), env=env).exit_code == 0
@@ -44,6 +62,60 @@ def test_warm_rerun_reuses_artifacts_and_validation_and_rebuilds_a_corrupt_entry
     nocache = tmp_path / "nocache"
     assert run_cli(*build_args(digits_model, nocache, "--format", "torchscript_lite", "--no-cache"), env=env).exit_code == 0
     assert _manifest(nocache)["cache"] == {"root": None, "events": []}
+
+
+def _tree(directory):
+    return {p.relative_to(directory).as_posix(): files.sha256(p) for p in directory.rglob("*") if p.is_file()}
+
+
+def test_unchanged_rerun_is_restored_whole_without_torch_and_any_input_change_is_seen(tmp_path, digits_model):
+    cache, data, labels = tmp_path / "cache", tmp_path / "data", tmp_path / "labels.txt"
+    shutil.copytree(digits_model.data_dir, data)
+    shutil.copy(digits_model.labels_file, labels)
+    env = {**os.environ, "EXPORTER_CACHE": str(cache)}
+    cold, warm = tmp_path / "cold", tmp_path / "warm"
+
+    def args(out):
+        return [str(a) for a in ["build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--data", data,
+                                 "--labels", labels, "--out", out, "--quiet", *FAST, "--format", "torchscript_lite"]]
+
+    assert run_cli(*args(cold), env={"EXPORTER_CACHE": str(cache)}).exit_code == 0
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args(warm)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    first, second = _manifest(cold), _manifest(warm)
+    assert second["cache"]["events"][0].startswith("whole build reused from the cache")
+    assert second["artifacts"] == first["artifacts"]
+    rendered = {"manifest.json", "report.md", "report.html"}
+    assert {k: v for k, v in _tree(warm).items() if k not in rendered} == {k: v for k, v in _tree(cold).items() if k not in rendered}
+    assert "whole build reused" in (warm / "report.md").read_text()
+
+    again = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args(warm)], capture_output=True, text=True, env=env)
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].startswith("error: --out"), again.stderr
+
+    request = BuildRequest(digits_model.weight, out=tmp_path / "probe", checkpoint=digits_model.checkpoint, data=data,
+                           labels=labels, calib_size=64, val_size=120, warmup=2, iterations=10, formats=["torchscript_lite"],
+                           cache_dir=cache)
+    plans = [_profile(request, "android")]
+
+    def restored():
+        shutil.rmtree(request.out, ignore_errors=True)
+        return BuildRecord(cache, request, plans).restore(Progress(quiet=True)) is not None
+
+    assert restored()
+    image = next(p for p in sorted(data.rglob("*")) if p.is_file())
+    original = image.read_bytes()
+    image.write_bytes(original + b"\0")
+    assert not restored()  # one changed data file
+    image.write_bytes(original)
+    assert restored()  # same bytes, new mtime: hashed again and found equal
+    labels.write_text(labels.read_text().replace("digit 3", "three"))
+    assert not restored()
+    shutil.copy(digits_model.labels_file, labels)
+    assert restored()
+    assert not BuildRecord(cache, dataclasses.replace(request, verify=False), plans).restore(Progress(quiet=True))
+    blob = max((cache / "blobs").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else 0)
+    blob.write_bytes(blob.read_bytes()[:100])
+    assert not restored()  # a damaged stored file is never restored
 
 
 def test_clean_builds_are_byte_identical(tmp_path, digits_model):

@@ -21,13 +21,14 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import MissingExtraError
 
-Runner = Callable[[torch.Tensor], torch.Tensor]
+if TYPE_CHECKING:  # the registry itself needs no torch
+    import torch
+
+    Runner = Callable[[torch.Tensor], torch.Tensor]
 
 
 class RuntimeUnavailable(Exception):
@@ -41,16 +42,17 @@ class FormatSpec:
     extra: str
     requires: tuple[str, ...]
 
+    def installed(self) -> bool:
+        # find_spec, not an import: coremltools and executorch take seconds to import, and a
+        # build whose artifacts all come from the cache never needs them
+        try:
+            return all(importlib.util.find_spec(package) is not None for package in self.requires)
+        except (ImportError, ValueError):
+            return False
+
     def load_module(self) -> ModuleType:
-        for package in self.requires:
-            # find_spec, not an import: coremltools and executorch take seconds to import, and a
-            # build whose artifacts all come from the cache never needs them
-            try:
-                found = importlib.util.find_spec(package) is not None
-            except (ImportError, ValueError):
-                found = False
-            if not found:
-                raise MissingExtraError(f"format '{self.name}'", self.extra)
+        if not self.installed():
+            raise MissingExtraError(f"format '{self.name}'", self.extra)
         return importlib.import_module(self.module)
 
 
@@ -59,7 +61,8 @@ FORMATS = {
     for spec in (
         FormatSpec("executorch", "exporter.formats.executorch", "android", ("executorch",)),
         FormatSpec("torchscript_lite", "exporter.formats.torchscript_lite", "android", ()),
-        FormatSpec("onnx", "exporter.formats.onnx", "jetson", ("onnx", "onnxruntime", "onnxscript")), FormatSpec("tensorrt", "exporter.formats.tensorrt", "jetson", ()),
+        FormatSpec("onnx", "exporter.formats.onnx", "jetson", ("onnx", "onnxruntime", "onnxscript")),
+        FormatSpec("tensorrt", "exporter.formats.tensorrt", "jetson", ()),
         FormatSpec("coreml", "exporter.formats.coreml", "ios", ("coremltools",)),
     )
 }

@@ -1,0 +1,187 @@
+"""Whole-build records: an unchanged re-run restores the earlier build's files, without torch.
+
+The key covers the request (paths made absolute), the resolved target profiles, the tool versions,
+which format packages are installed, the exporter's own source and the host. The record lists the
+input files the build read (checkpoint, labels, every file of the data folder) with their sha256,
+checked again at every lookup, and the files the build wrote, stored by content under blobs/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import os
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+from . import cache, files, html_report, manifest, report
+from .cache import BuildCache
+from .formats import FORMATS
+from .progress import Progress
+
+PACKAGE = Path(__file__).resolve().parent
+NOT_KEYED = ("out", "force", "cache", "cache_dir", "target")  # where and whether, not what
+RENDERED = ("manifest.json", "report.md", "report.html")  # written afresh at every restore
+
+
+def _absolute(value):
+    return str(Path(value).absolute()) if isinstance(value, Path) else value
+
+
+def _request_fields(request) -> dict:
+    fields = dataclasses.asdict(request)
+    return {k: _absolute(v) for k, v in fields.items() if k not in NOT_KEYED}
+
+
+def _source_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".json") and p.is_file()):
+        h.update(f"{path.relative_to(PACKAGE).as_posix()}\0{files.sha256(path)}\n".encode())
+    return h.hexdigest()
+
+
+def _environment() -> dict:
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return {
+        "tools": manifest.tool_versions(),
+        "installed": {name: spec.installed() for name, spec in FORMATS.items()},
+        "exporter_source": _source_digest(),
+        "host": {k: v for k, v in manifest.host(0).items() if k != "threads"},
+        "gpus": sorted(os.listdir(gpus)) if gpus.is_dir() else [],
+        # where torch looks for hub checkpoints when no --checkpoint is given
+        "hub": [os.environ.get(k) for k in ("TORCH_HOME", "XDG_CACHE_HOME")],
+    }
+
+
+def _tree(directory: Path, known: dict | None = None) -> dict:
+    """relative path -> [size, mtime_ns, sha256] of every file; a file whose size and mtime match
+    `known` keeps its recorded hash (as git's index does), any other is hashed."""
+    listing = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel, st = path.relative_to(directory).as_posix(), path.stat()
+        seen = (known or {}).get(rel)
+        same = seen is not None and seen[:2] == [st.st_size, st.st_mtime_ns]
+        listing[rel] = [st.st_size, st.st_mtime_ns, seen[2] if same else files.sha256(path)]
+    return listing
+
+
+def _inputs(request, docs: list[dict]) -> dict:
+    checkpoint = docs[0]["checkpoint"]
+    read = {checkpoint["path"]: checkpoint["sha256"]}
+    if request.labels:
+        read[str(Path(request.labels).absolute())] = files.sha256(request.labels)
+    trees = {str(Path(request.data).absolute()): _tree(Path(request.data))} if request.data else {}
+    return {"files": read, "trees": trees}
+
+
+def _inputs_unchanged(recorded: dict) -> bool:
+    for path, digest in recorded["files"].items():
+        if not Path(path).is_file() or files.sha256(path) != digest:
+            return False
+    for directory, listing in recorded["trees"].items():
+        if not Path(directory).is_dir():
+            return False
+        now = _tree(Path(directory), listing)
+        if {k: v[2] for k, v in now.items()} != {k: v[2] for k, v in listing.items()}:
+            return False
+    return True
+
+
+def _written(doc: dict) -> list[str]:
+    """The files a build wrote into its directory (as its manifest describes them), less those rendered at restore."""
+    names = [n for n in manifest.BUILD_FILES if n not in RENDERED] + ["golden", *(doc.get("jetson") or {}).get("sha256", {})]
+    names += [a["path"] for a in doc["artifacts"] if a.get("path")]
+    return names
+
+
+def _files_under(directory: Path, names: list[str]) -> list[Path]:
+    found = []
+    for name in names:
+        path = directory / name
+        found += sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+    return found
+
+
+class BuildRecord:
+    def __init__(self, cache_root: Path, request, plans: list[dict]):
+        self.cache_root = Path(cache_root)
+        self.request = request
+        self.cache = BuildCache(self.cache_root)
+        self.key = cache.key(kind="build", request=_request_fields(request), plans=plans, environment=_environment())
+
+    def _blob(self, digest: str) -> Path:
+        return self.cache_root / "blobs" / digest[:2] / digest
+
+    def _outs(self, base: Path, targets: list[str]) -> list[Path]:
+        return [base] if len(targets) == 1 else [base / t for t in targets]
+
+    def restore(self, progress: Progress) -> list[dict] | None:
+        """The earlier build's manifests, with its files restored into --out; None when there is none."""
+        record = self.cache.fetch_json("builds", self.key)
+        if record is None or not _inputs_unchanged(record["inputs"]):
+            return None
+        base = Path(self.request.out or record["default_out"])
+        outs = self._outs(base, record["targets"])
+        for out in dict.fromkeys([base, *outs]):
+            files.check_out_dir(out, self.request.force)
+        with progress.step("restore the identical earlier build from the cache"):
+            written = record["files"]
+            if any(not self._blob(f["sha256"]).is_file() or files.sha256(self._blob(f["sha256"])) != f["sha256"]
+                   for f in written.values()):
+                return None  # a blob went missing or was damaged: build again, which stores it anew
+            for out in outs:
+                for staging in out.glob(".*.partial") if out.is_dir() else ():  # left by a killed build
+                    shutil.rmtree(staging, ignore_errors=True)
+            for rel, f in written.items():
+                target = base / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with files.atomic_path(target) as tmp:
+                    shutil.copyfile(self._blob(f["sha256"]), tmp)
+                    if f["executable"]:
+                        tmp.chmod(0o755)
+            docs = record["docs"]
+            for doc, out in zip(docs, outs):
+                built = doc["created"]
+                doc.update(
+                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    command=list(sys.argv),
+                    exporter_commit=manifest.exporter_commit(),
+                )
+                doc["cache"] = {
+                    "root": str(self.cache_root),
+                    "events": [f"whole build reused from the cache (record {self.key[:12]}, built {built}): checkpoint, "
+                               "data, labels, target profile, tool versions, exporter code and host unchanged"],
+                    "build_record": self.key,
+                }
+                manifest.write(out, doc)
+                files.write_text(out / "report.md", report.markdown(doc))
+                files.write_text(out / "report.html", html_report.render([doc]))
+            if len(outs) > 1:
+                files.write_text(base / "report.html", html_report.render(docs))
+        return docs
+
+    def store(self, base: Path, docs: list[dict]) -> None:
+        if any(r.startswith("export failed") for doc in docs for a in doc["artifacts"] for r in a["reasons"]):
+            return  # a crash in a converter may not happen again; only settled outcomes are replayed
+        targets = [doc["target"]["name"] for doc in docs]
+        written = {}
+        for doc, out in zip(docs, self._outs(base, targets)):
+            for path in _files_under(out, _written(doc)):
+                digest = files.sha256(path)
+                blob = self._blob(digest)
+                if not blob.is_file():
+                    blob.parent.mkdir(parents=True, exist_ok=True)
+                    with files.atomic_path(blob) as tmp:
+                        shutil.copyfile(path, tmp)
+                executable = bool(path.stat().st_mode & stat.S_IXUSR)
+                written[path.relative_to(base).as_posix()] = {"sha256": digest, "executable": executable}
+        self.cache.store_json("builds", self.key, {
+            "inputs": _inputs(self.request, docs),
+            "default_out": None if self.request.out else str(base),
+            "targets": targets,
+            "files": written,
+            "docs": docs,
+        })

@@ -1,0 +1,34 @@
+"""Threshold names and the check of metrics against them (no torch: profiles are read without it)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+# threshold key -> (metric path, "min" or "max")
+THRESHOLD_KEYS = {
+    "top1_agreement": (("fidelity", "top1_agreement"), "min"),
+    "top5_agreement": (("fidelity", "top5_agreement"), "min"),
+    "psnr_db": (("fidelity", "psnr_db"), "min"),
+    "cosine": (("fidelity", "cosine"), "min"),
+    "max_abs_error": (("fidelity", "max_abs_error"), "max"),
+    "accuracy_drop": (("accuracy", "drop_points"), "max"),
+}
+
+
+def _lookup(metrics: dict, path: tuple[str, str]):
+    section = metrics.get(path[0]) or {}
+    return section.get(path[1])
+
+
+def breaches(metrics: dict, thresholds: Mapping[str, float]) -> list[str]:
+    """Human-readable reasons, one per threshold the metrics break; [] means passed."""
+    reasons = []
+    for key, limit in thresholds.items():
+        path, kind = THRESHOLD_KEYS[key]
+        value = _lookup(metrics, path)
+        if value is None:
+            continue  # e.g. accuracy without labels: reported as not measured, not as a pass
+        if (kind == "min" and value < limit) or (kind == "max" and value > limit):
+            sign = ">=" if kind == "min" else "<="
+            reasons.append(f"{key} {value:.4g} (needs {sign} {limit:g})")
+    return reasons
