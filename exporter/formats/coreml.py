@@ -13,10 +13,13 @@ the eager model computed in half precision.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
 import json
 import re
 import sys
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +42,7 @@ LABEL_OUTPUT = "classLabel"
 PROBS_OUTPUT = "classLabel_probs"
 LOGITS_OUTPUT = "logits"
 METADATA_PREFIX = "exporter."
+CONVERSION_DATE_KEY = "com.github.apple.coremltools.conversion_date"
 
 
 class ImageClassifier(nn.Module):
@@ -147,8 +151,21 @@ def _compress(mlmodel, compression, nbits):
         return cto.linear_quantize_weights(mlmodel, config=config)
     if compression == "palettize":
         config = cto.OptimizationConfig(global_config=cto.OpPalettizerConfig(mode="kmeans", nbits=nbits))
-        return cto.palettize_weights(mlmodel, config=config)
+        # k-means (scikit-learn, fixed random_state) adds its per-thread partial sums in the
+        # order the OpenMP threads finish; one thread keeps the palettes independent of the core
+        # count. The digits model's palettes came out identical at 1, 2, 4 and 8 threads, so this
+        # is a guarantee, not a fix for a difference observed.
+        with _one_openmp_thread():
+            return cto.palettize_weights(mlmodel, config=config)
     return mlmodel
+
+
+def _one_openmp_thread():
+    try:
+        from threadpoolctl import threadpool_limits  # scikit-learn's own dependency
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(1, user_api="openmp")
 
 
 def _describe(mlmodel, precision, meta, options) -> None:
@@ -169,6 +186,10 @@ def _describe(mlmodel, precision, meta, options) -> None:
     mlmodel.output_description[PROBS_OUTPUT] = "softmax probability of every class"
     mlmodel.output_description[LOGITS_OUTPUT] = "raw class scores, before softmax"
     user = mlmodel.user_defined_metadata
+    # coremltools stamps the day of conversion: two builds of the same inputs on different days
+    # would differ. The build's manifest records when it was made.
+    if CONVERSION_DATE_KEY in user:  # (a protobuf map's pop would create a missing key first)
+        del user[CONVERSION_DATE_KEY]
     for key, value in {
         "weight": meta["weight"],
         "model": meta["model"],
@@ -314,9 +335,42 @@ def export(model, example, precision, calib, path: Path, meta: dict, deployment_
     mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
     _describe(mlmodel, precision, meta, options)
     mlmodel.save(str(path))
+    _make_reproducible(Path(path))
     with torch.no_grad():
         num_classes = model(example).shape[1]
     return _spec_check(path, precision, meta, options, num_classes)
+
+
+def _make_reproducible(package: Path) -> None:
+    """Rewrites the two files of a saved package that differ between identical conversions.
+
+    model.mlmodel: protobuf serializes map fields (metadata, op inputs, program attributes) in
+    hash-table order, which changes from process to process; deterministic serialization sorts
+    them. Same message, so the same model.
+    Manifest.json: the package library names each item with a random UUID. They become UUIDs
+    derived from the package's content and the item's path, written in the library's own layout
+    (sorted keys, 4-space indent).
+    """
+    from coremltools.proto import Model_pb2
+
+    manifest_path = package / "Manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entries = manifest["itemInfoEntries"]
+    root = entries[manifest["rootModelIdentifier"]]
+    spec_path = package / "Data" / root["path"]
+    spec = Model_pb2.Model()
+    spec.ParseFromString(spec_path.read_bytes())
+    spec_path.write_bytes(spec.SerializeToString(deterministic=True))
+
+    content = hashlib.sha256()
+    for file in sorted(f for f in package.rglob("*") if f.is_file() and f != manifest_path):
+        content.update(file.relative_to(package).as_posix().encode() + b"\0")
+        content.update(hashlib.sha256(file.read_bytes()).digest())
+    renamed = {old: str(uuid.uuid5(uuid.NAMESPACE_URL, f"mlpackage:{content.hexdigest()}:{entry['path']}"))
+               for old, entry in entries.items()}
+    manifest["itemInfoEntries"] = {renamed[old]: entry for old, entry in entries.items()}
+    manifest["rootModelIdentifier"] = renamed[manifest["rootModelIdentifier"]]
+    manifest_path.write_text(json.dumps(manifest, indent=4, sort_keys=True) + "\n")
 
 
 def _user_metadata(path: Path) -> dict:

@@ -73,6 +73,9 @@ def _export_graph(model, example, opset: int, path: Path) -> None:
         program = torch.onnx.export(
             model, (example,), dynamo=True, opset_version=opset, dynamic_shapes=({0: "batch"},),
             input_names=[INPUT], output_names=[OUTPUT], verbose=False,
+            # onnxscript's optimizer: BatchNorm folded into Conv, shape arithmetic folded away (MobileNetV3-Small:
+            # 354 -> 122 nodes; PSNR vs eager in ONNX Runtime 139.5 -> 135.4 dB, both at fp32 rounding level)
+            optimize=True,
         )
     program.save(str(path))
 
@@ -137,6 +140,7 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
         "batch_profile": list(sizes),
         "batch_check": _check_batch_axis(path, example, sizes),
         "ops": ops,
+        "nodes": len(proto.graph.node),
         "graph": {"fp32": "float32", "fp16": "float16 with fp32 I/O casts", "int8": "explicit Q/DQ, symmetric int8, per-channel weights"}[precision],
     }
     if precision == "int8":
