@@ -110,7 +110,11 @@ class BuildRecord:
         self.cache_root = Path(cache_root)
         self.request = request
         self.cache = BuildCache(self.cache_root)
-        self.key = cache.key(kind="build", request=_request_fields(request), plans=plans, environment=_environment())
+        self.plans = plans
+        self.key = self._key()
+
+    def _key(self) -> str:
+        return cache.key(kind="build", request=_request_fields(self.request), plans=self.plans, environment=_environment())
 
     def _blob(self, digest: str) -> Path:
         return self.cache_root / "blobs" / digest[:2] / digest
@@ -166,6 +170,8 @@ class BuildRecord:
     def store(self, base: Path, docs: list[dict]) -> None:
         if any(r.startswith("export failed") for doc in docs for a in doc["artifacts"] for r in a["reasons"]):
             return  # a crash in a converter may not happen again; only settled outcomes are replayed
+        if self._key() != self.key:
+            return  # tools or exporter code changed while it built: the result belongs to neither key
         targets = [doc["target"]["name"] for doc in docs]
         written = {}
         for doc, out in zip(docs, self._outs(base, targets)):

@@ -156,3 +156,20 @@ def test_killed_build_leaves_only_complete_artifacts_and_a_rerun_completes(tmp_p
     assert {a["name"]: a["status"] for a in _manifest(out)["artifacts"]} == {
         "executorch_fp32": "passed", "executorch_int8": "passed"}
     assert not list(out.glob(".*partial"))
+
+
+def test_a_build_whose_code_changed_while_it_ran_is_not_recorded(tmp_path, android_build, monkeypatch):
+    from exporter import build_record
+
+    out, _ = android_build
+    docs = [_manifest(out)]
+    request = BuildRequest(docs[0]["weight"]["name"], out=tmp_path / "unused", cache_dir=tmp_path / "cache")
+    plans = [_profile(request, "android")]
+    changed = BuildRecord(tmp_path / "cache", request, plans)
+    monkeypatch.setattr(build_record, "_source_digest", lambda: "edited while building")
+    changed.store(out, docs)
+    assert changed.cache.fetch_json("builds", changed.key) is None
+    monkeypatch.undo()
+    unchanged = BuildRecord(tmp_path / "cache", request, plans)
+    unchanged.store(out, docs)
+    assert unchanged.cache.fetch_json("builds", unchanged.key)["docs"] == docs
