@@ -115,7 +115,7 @@ def prepare(cache_dir: Path, log=print) -> DigitsModel:
     """Train once and cache; later calls return the cached model."""
     from torchvision.models import get_weight
 
-    cache_dir = Path(cache_dir)
+    cache_dir = Path(cache_dir).resolve()  # the record holds absolute paths, valid from any working directory
     info_file = cache_dir / "digits.json"
     if info_file.exists():
         info = json.loads(info_file.read_text())
@@ -147,3 +147,23 @@ def prepare(cache_dir: Path, log=print) -> DigitsModel:
     }
     info_file.write_text(json.dumps(info, indent=2))
     return DigitsModel(WEIGHT, checkpoint, data_dir, labels_file, accuracy)
+
+
+FRAGILE_LAYER = "features.2.block.1.0"  # the depthwise conv whose input carries the inflated channel
+
+
+def fragile_checkpoint(model: DigitsModel, out_dir: Path, factor: float = 1000.0, channel: int = 0) -> Path:
+    """The digits model with one channel of the tensor entering FRAGILE_LAYER scaled up `factor`-fold
+    (BatchNorm before a ReLU) and that layer's filter for it scaled down to compensate: eager computes
+    the same function, but a per-tensor int8 range for that input now crushes every other channel.
+    A stand-in for the outlier channels real networks have, built to break plain PTQ."""
+    state = torch.load(model.checkpoint, map_location="cpu", weights_only=True)
+    bn = "features.2.block.0.1"
+    state[f"{bn}.weight"][channel] *= factor
+    state[f"{bn}.bias"][channel] *= factor
+    state[f"{FRAGILE_LAYER}.weight"][channel] /= factor
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"mobilenet_v3_small_digits_fragile{int(factor)}.pth"  # no hash prefix: nothing to verify
+    torch.save(state, path)
+    return path
