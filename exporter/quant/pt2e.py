@@ -9,12 +9,11 @@ the mixed graph into its delegate."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.fx import Node
 
 from .sensitivity import quantizable_layers
+from .threads import one_thread
 
 LAYER_TARGETS = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.linear.default}
 KEY = "quantization_annotation"
@@ -24,20 +23,6 @@ MAX_WALK = 6  # ops between a layer and the producer whose output annotation qua
 def layer_name(node: Node) -> str | None:
     stack = node.meta.get("nn_module_stack") or {}
     return list(stack.values())[-1][0] if stack else None
-
-
-@contextlib.contextmanager
-def one_thread():
-    """The observers' ranges come from fp32 forward passes whose sums split differently across
-    threads: calibrated with --threads 1 and 2, the digits model's int8 .pte differed in 6383 of
-    its 1730984 bytes (same size: the quantization parameters). With one thread for calibration
-    the program no longer depends on --threads or the host's core count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _float_input(node: Node, floated: set[str]) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..validation import fidelity
+from .threads import one_thread
 
 QUANTIZABLE = (nn.Conv2d, nn.Conv1d, nn.Linear)
 SAMPLE = 1 << 16  # values per layer input used to pick its range
@@ -59,7 +60,7 @@ def activation_scales(model: nn.Module, layers: list[str], images: torch.Tensor)
     samples: dict[str, tuple] = {}
     hooks = [modules[name].register_forward_pre_hook(lambda _m, args, name=name: samples.__setitem__(name, _sample(args[0])))
              for name in layers]
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():  # ranges that do not depend on --threads: byte-identical artifacts
         try:
             model(images)
         finally:
