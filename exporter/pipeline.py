@@ -69,12 +69,12 @@ class Session:
     def eager(self, x):
         return self.loaded.model(x)
 
-    def calibration(self, precision: str):
+    def calibration(self, precision: str, log=lambda _message: None):
         """What a format quantizes with: for int8, the images plus the budget and how to meet it."""
         if precision != "int8":
             return self.inputs.calibration
         settings, budget = self.quantization
-        return Calibration(self.inputs.calibration, self.inputs.calibration_labels, budget, settings)
+        return Calibration(self.inputs.calibration, self.inputs.calibration_labels, budget, settings, log)
 
 
 def _load_inputs(path: Path | None, loaded: weights.LoadedModel, data_settings: dict) -> data.Inputs:
@@ -184,7 +184,7 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix:
         entry["reasons"] = [f"{spec['format']} does not offer {spec['precision']} (it offers {', '.join(module.PRECISIONS)})"]
         return entry
     label = f"{prefix}export {name}"
-    calibration = session.calibration(spec["precision"])
+    calibration = session.calibration(spec["precision"], progress.note)
     digest = cache.key(kind="artifact", format=spec["format"], precision=spec["precision"], options=spec.get("options", {}),
                        example=list(session.inputs.example.shape),
                        quantization=calibration.describe() if isinstance(calibration, Calibration) else None,

@@ -4,6 +4,7 @@ to meet it. Torch-free, so profiles and the CLI can build it without importing t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 # [quantization] keys of a target profile (and of --quant-budget), with their defaults
 SETTINGS = {
@@ -24,6 +25,7 @@ class Calibration:
     labels: object = None  # tensor of class indices, or None for unlabeled data
     budget: dict = field(default_factory=dict)  # threshold key -> limit, as in [thresholds.int8]
     settings: dict = field(default_factory=lambda: dict(SETTINGS))
+    log: Callable[[str], None] = field(default=lambda _message: None, repr=False)  # progress of the search
 
     def __iter__(self):
         return iter(self.images)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -66,10 +66,9 @@ def _summary(metrics: dict) -> dict:
     }
 
 
-def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: Calibration,
-                         log: Callable[[str], None] = lambda _m: None) -> tuple[Candidate, dict]:
+def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: Calibration) -> tuple[Candidate, dict]:
     """The chosen int8 candidate and what was done to get it (for the manifest)."""
-    start = time.perf_counter()
+    start, log = time.perf_counter(), calibration.log
     range_images, check_images, check_labels = calibration.split()
     budget = calibration.budget_thresholds()
     layers = backend.layers()
@@ -91,8 +90,9 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         candidate = backend.quantize(float_layers, range_images, method)
         metrics = _measure(candidate, check, reference, check_labels, eager_accuracy, budget)
         steps.append({"float_layers": len(float_layers), "ranges": method, **_summary(metrics)})
-        log(f"int8 ({method} ranges) with {len(float_layers)} of {len(layers)} layers in float: "
-            f"PSNR {metrics['fidelity']['psnr_db']:.1f} dB, agreement {metrics['fidelity']['top1_agreement']:.3f}")
+        log(f"  int8 ({method} ranges), {len(float_layers)} of {len(layers)} layers in float: PSNR "
+            f"{metrics['fidelity']['psnr_db']:.1f} dB, top-1 agreement {metrics['fidelity']['top1_agreement']:.3f} "
+            f"on {len(check)} held-out calibration images" + ("" if metrics["reasons"] else " (budget met)"))
         return candidate, metrics
 
     steps: list[dict] = []
@@ -105,6 +105,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     float_layers: list[str] = []
     sensitivity = None
     if metrics["reasons"] and calibration.settings["fallback"] and layers:
+        log(f"  int8 misses its budget ({'; '.join(metrics['reasons'])}): measuring layer sensitivity")
         with torch.no_grad():
             sensitivity = layer_sensitivity(model, layers, torch.cat(range_images[:16]), check[:8], reference[:8])
         ranking = sensitivity.ranking()
