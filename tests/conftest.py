@@ -27,6 +27,12 @@ def build_cache(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session", autouse=True)
+def offline():
+    """No test reaches the internet: a missing checkpoint is never fetched (test_download serves its own)."""
+    os.environ["EXPORTER_OFFLINE"] = "1"
+
+
 @pytest.fixture(scope="session")
 def digits_model() -> digits.DigitsModel:
     return digits.prepare(CACHE)
