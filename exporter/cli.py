@@ -76,12 +76,12 @@ def list_cmd(task, max_params, as_json):
     from rich.console import Console
     from rich.table import Table
 
-    table = Table()
-    for i, column in enumerate(columns):
-        # whole weight names however narrow the terminal: the other columns give way
-        table.add_column(column, no_wrap=i == 0, min_width=max((len(c[0]) for c in cells), default=6) if i == 0 else None)
-    for row in cells:
-        table.add_row(*row)
+    # whole weight names however narrow the terminal: the other columns give way
+    accuracy = task in ("classification", "quantization")
+    table = Table(columns[0], "acc@1" if accuracy else "metric", *columns[3:])
+    table.columns[0].no_wrap, table.columns[0].min_width = True, max((len(c[0]) for c in cells), default=6)
+    for name, metric, value, *rest in cells:
+        table.add_row(name, value if accuracy else f"{metric} {value}", *rest)
     Console().print(table)
 
 

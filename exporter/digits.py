@@ -211,10 +211,24 @@ def quantize_eager(model: nn.Module, batches, backend: str) -> nn.Module:
     return torch.ao.quantization.convert(model, inplace=True)
 
 
-def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, calib_images: int = 256,
-                      log=print) -> QuantizedDigitsModel:
-    """Train the float model of a torchvision quantized weight on the digits and quantize it; cached."""
+def quantize_digits(weight: str, float_checkpoint: Path, calib_images: int = 256) -> tuple[nn.Module, float]:
+    """The trained float digits model of a quantized weight's architecture, quantized as torchvision made
+    its int8 weights (calibrated on training images); returns it and its held-out accuracy."""
     from torchvision.models import get_model, get_weight
+
+    from .weights import model_name_of
+
+    x, y, train_idx, held_idx, _ = _dataset(weight)
+    model = get_model(model_name_of(get_weight(weight)), weights=None, num_classes=10)  # quantizable, float
+    model.load_state_dict(torch.load(float_checkpoint, weights_only=True))
+    calib = torch.as_tensor(train_idx[:calib_images]).split(32)
+    model = quantize_eager(model, (x[b] for b in calib), get_weight(weight).meta["backend"])
+    return model, _accuracy(model, x, y, held_idx)
+
+
+def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=print) -> QuantizedDigitsModel:
+    """Train the float model of a torchvision quantized weight on the digits and quantize it; cached."""
+    from torchvision.models import get_weight
 
     from .weights import canonical_name, model_name_of
 
@@ -225,14 +239,8 @@ def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, calib_
     info = _cached_info(info_file, epochs, "checkpoint", "float_checkpoint", "data_dir")
     if info is None:
         floating = prepare(cache_dir, log, canonical_name(quantized.meta["unquantized"]), epochs)
-        backend = quantized.meta["backend"]
-        x, y, train_idx, held_idx, _ = _dataset(weight)
-        model = get_model(model_name, weights=None, num_classes=10)  # the quantizable float architecture
-        model.load_state_dict(torch.load(floating.checkpoint, weights_only=True))
-        calib = torch.as_tensor(train_idx[:calib_images]).split(32)
-        model = quantize_eager(model, (x[b] for b in calib), backend)
-        accuracy = _accuracy(model, x, y, held_idx)
-        log(f"digits {model_name} ({backend}) held-out accuracy: {accuracy:.3%}")
+        model, accuracy = quantize_digits(weight, floating.checkpoint)
+        log(f"digits {model_name} ({quantized.meta['backend']}) held-out accuracy: {accuracy:.3%}")
         info = {
             "recipe": RECIPE_VERSION,
             "epochs": epochs,

@@ -169,8 +169,9 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix:
         "eager_latency_ms": None,
         "speedup_vs_eager": None,
     }
-    if session.loaded.quantized and FORMATS[spec["format"]].no_quantized_eager:
-        entry.update(status="unavailable", reasons=[f"cannot take an eager-quantized model: {FORMATS[spec['format']].no_quantized_eager}"])
+    refusal = FORMATS[spec["format"]].no_quantized_eager if session.loaded.quantized else None
+    if refusal:
+        entry.update(status="unavailable", reasons=[f"cannot take an eager-quantized model: {refusal}"])
         return entry
     if spec["precision"] not in module.PRECISIONS:
         entry["reasons"] = [f"{spec['format']} does not offer {spec['precision']} (it offers {', '.join(module.PRECISIONS)})"]

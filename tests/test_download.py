@@ -1,6 +1,9 @@
 """Downloading a missing checkpoint, from an HTTP server on 127.0.0.1 that stands in for the internet."""
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -157,3 +160,26 @@ def test_inspect_says_cached_where_and_size(tmp_path, digits_model, server, hub)
     after = json.loads(run_cli("inspect", digits_model.weight, "--json", env={"TORCH_HOME": str(home)}).stdout)
     assert after["checkpoint_cached"] is True
     assert after["checkpoint_size_bytes"] == digits_model.checkpoint.stat().st_size
+
+
+def test_disk_full_midway_leaves_nothing(tmp_path, digits_model, server, hub):
+    """Writes fail part way (a file-size limit stands in for a full disk): one line, nothing kept."""
+    home, checkpoints = hub
+    out = tmp_path / "out"
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({len(server.body) // 3}, {len(server.body) // 3}))\n"
+        "from torchvision.models import get_weight\n"
+        f"get_weight({digits_model.weight!r}).value.url = {server.url!r}\n"
+        "from exporter.cli import main\n"
+        f"sys.argv = ['exporter', 'build', {digits_model.weight!r}, '--out', {str(out)!r}, '--format', 'torchscript_lite']\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "EXPORTER_OFFLINE"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**env, "TORCH_HOME": str(home)})
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: download of") and "nothing was kept" in line, line
+    assert server.requests == 1 and list(checkpoints.iterdir()) == [] and not out.exists()
