@@ -276,6 +276,8 @@ def _checked_digest(path: Path, verify: bool) -> tuple[str, bool]:
 def _load_exactly(model: nn.Module, state: dict, path: Path, model_name: str) -> None:
     try:
         result = model.load_state_dict(state, strict=False)
+    except KeyError as e:  # int8 modules read their keys themselves
+        raise UsageError(f"checkpoint {path} does not fit {model_name}: no key {e.args[0]}") from None
     except (RuntimeError, TypeError, AttributeError) as e:  # shapes (or int8 layouts) that do not match
         first = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
         raise UsageError(f"checkpoint {path} does not fit {model_name}: {first[:200]}") from None
