@@ -120,6 +120,19 @@ def test_failed_download_leaves_nothing(tmp_path, digits_model, server, hub, mod
     assert not checkpoints.exists() or list(checkpoints.iterdir()) == []
 
 
+def test_cut_connection_is_caught_without_a_hash_in_the_name(tmp_path, digits_model, server, hub, monkeypatch):
+    """torchvision's quantized weights carry no hash prefix torch.hub recognises: the length check alone
+    must keep a truncated file out of the cache."""
+    home, checkpoints = hub
+    server.name, server.mode = "mobilenet_v3_small_digits.pth", "drop"
+    url = server.url.rsplit("/", 1)[0] + "/" + server.name
+    monkeypatch.setattr(get_weight(digits_model.weight).value, "url", url)
+    out = tmp_path / "out"
+    result = _build(digits_model, out, home)
+    assert_clean_refusal(result, out, url, "stopped after")
+    assert not checkpoints.exists() or list(checkpoints.iterdir()) == []
+
+
 def test_no_network_is_one_line(tmp_path, digits_model, server, hub):
     home, checkpoints = hub
     server.close()  # nothing listens on that port any more
