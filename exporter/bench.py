@@ -19,17 +19,23 @@ from pathlib import Path
 import torch
 from torchvision.models import get_model
 
-from . import formats, manifest, validation
+from . import data, formats, manifest, validation
+from .quant import SETTINGS, Calibration
 
 MODELS = ("mobilenet_v3_large", "resnet18", "resnet50")
-# (row label, format, precision)
+# (row label, format, precision, int8 budget): "plain" is PTQ with no fallback; "budget" keeps layers in
+# float until BUDGET_PSNR_DB holds on held-out calibration images, to show what fallback costs in speed
 RUNTIMES = [
-    ("pte fp32", "executorch", "fp32"),
-    ("pte int8", "executorch", "int8"),
-    ("ptl fp32", "torchscript_lite", "fp32"),
-    ("onnx fp32 (ORT)", "onnx", "fp32"),
-    ("onnx int8 Q/DQ (ORT)", "onnx", "int8"),
+    ("pte fp32", "executorch", "fp32", None),
+    ("pte int8 plain", "executorch", "int8", "plain"),
+    ("pte int8 budget", "executorch", "int8", "budget"),
+    ("ptl fp32", "torchscript_lite", "fp32", None),
+    ("onnx fp32 (ORT)", "onnx", "fp32", None),
+    ("onnx int8 plain (ORT)", "onnx", "int8", "plain"),
+    ("onnx int8 budget (ORT)", "onnx", "int8", "budget"),
 ]
+BUDGET_PSNR_DB = 35.0
+CALIBRATION_IMAGES = 32
 
 
 def _available(fmt: str):
@@ -42,34 +48,53 @@ def _available(fmt: str):
 def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: Path, log) -> dict:
     torch.manual_seed(0)
     model = get_model(name, weights=None).eval()
-    example = torch.randn(1, 3, 224, 224)
-    calib = [torch.randn(1, 3, 224, 224) for _ in range(8)]
+    inputs = data.synthetic(_to_tensor, CALIBRATION_IMAGES, 1, seed=0)
+    example = inputs.example
+    calibrations = {
+        "plain": Calibration(inputs.calibration, None, {"psnr_db": BUDGET_PSNR_DB}, {**SETTINGS, "fallback": False}),
+        "budget": Calibration(inputs.calibration, None, {"psnr_db": BUDGET_PSNR_DB}, dict(SETTINGS)),
+    }
     meta = {"weight": name, "model": name, "labels": [], "preprocessing": {}}
     # the same eager model in channels-last memory format (input converted once, outside the timing)
     channels_last = copy.deepcopy(model).to(memory_format=torch.channels_last)
     example_cl = example.contiguous(memory_format=torch.channels_last)
     runners = {"eager": model, "eager NHWC": lambda _x: channels_last(example_cl)}
-    build_s = {}
-    for label, fmt, precision in RUNTIMES:
+    build_s, quantization = {}, {}
+    for label, fmt, precision, budget in RUNTIMES:
         module = _available(fmt)
         if module is None:
             continue
-        path = workdir / f"{name}_{fmt}_{precision}{module.SUFFIX}"
+        path = workdir / f"{name}_{fmt}_{precision}_{budget}{module.SUFFIX}"
         start = time.perf_counter()
-        details = module.export(model, example, precision, calib, path, meta)
+        details = module.export(model, example, precision, calibrations.get(budget, inputs.calibration), path, meta)
         build_s[label] = round(time.perf_counter() - start, 1)
+        if "quantization" in details:
+            q = details["quantization"]
+            quantization[label] = {"float_layers": len(q["float_layers"]), "layers": q["layers"], "seconds": q["seconds"],
+                                   "check_psnr_db": q["after"]["psnr_db"], "ranges": q["after"]["ranges"]}
+            log(f"  {name}: {label}: {len(q['float_layers'])} of {q['layers']} layers in float, "
+                f"check PSNR {q['before']['psnr_db']} -> {q['after']['psnr_db']} dB")
         runners[label] = module.load(path, threads)
         torch.set_num_threads(threads)
         outside = (details.get("delegation") or {}).get("ops_outside_delegate")
         log(f"  {name}: built {label} in {build_s[label]} s" + (f"; outside delegate: {outside}" if outside else ""))
     timing = validation.measure_latency(runners, example, warmup, iterations, rounds=10)
-    return {"latency_ms": timing, "build_s": build_s}
+    return {"latency_ms": timing, "build_s": build_s, "quantization": quantization}
+
+
+def _to_tensor(image):
+    """ImageNet-style preprocessing of a 256x256 synthetic image to a 224x224 crop."""
+    from torchvision.transforms import v2
+
+    return v2.Compose([v2.PILToTensor(), v2.CenterCrop(224), v2.ToDtype(torch.float32, scale=True),
+                       v2.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])(image)
 
 
 def table(results: dict) -> str:
-    labels = ["eager", "eager NHWC"] + [label for label, _, _ in RUNTIMES]
-    lines = ["| model | " + " | ".join(f"{label} p50 ms" for label in labels) + " | pte fp32 / eager | pte int8 vs pte fp32 | ptl / eager |",
-             "|---|" + "---|" * (len(labels) + 3)]
+    labels = ["eager", "eager NHWC"] + [label for label, *_ in RUNTIMES]
+    ratios = ("pte fp32 / eager", "pte int8 plain vs pte fp32", "pte int8 budget vs plain", "onnx int8 budget vs plain", "ptl / eager")
+    lines = ["| model | " + " | ".join(f"{label} p50 ms" for label in labels) + " | " + " | ".join(ratios) + " |",
+             "|---|" + "---|" * (len(labels) + len(ratios))]
     for model, r in results.items():
         lat = {k: v["p50"] for k, v in r["latency_ms"].items()}
         cells = [f"{lat[label]:.2f}" if label in lat else "—" for label in labels]
@@ -77,7 +102,15 @@ def table(results: dict) -> str:
         def ratio(a, b):
             return f"{lat[b] / lat[a]:.2f}×" if a in lat and b in lat else "—"
 
-        lines.append(f"| {model} | " + " | ".join(cells) + f" | {ratio('pte fp32', 'eager')} | {ratio('pte int8', 'pte fp32')} | {ratio('ptl fp32', 'eager')} |")
+        lines.append(f"| {model} | " + " | ".join(cells) + f" | {ratio('pte fp32', 'eager')} | {ratio('pte int8 plain', 'pte fp32')}"
+                     f" | {ratio('pte int8 budget', 'pte int8 plain')} | {ratio('onnx int8 budget (ORT)', 'onnx int8 plain (ORT)')}"
+                     f" | {ratio('ptl fp32', 'eager')} |")
+    lines += ["", f"int8 budget: output PSNR >= {BUDGET_PSNR_DB:g} dB (+{SETTINGS['psnr_margin_db']:g} margin) on held-out "
+              f"calibration images; layers kept in float, build seconds (quantization seconds):", ""]
+    for model, r in results.items():
+        for label, q in r.get("quantization", {}).items():
+            lines.append(f"- {model} {label}: {q['float_layers']} of {q['layers']} layers in float, check PSNR "
+                         f"{q['check_psnr_db']} dB ({q['ranges']} ranges), build {r['build_s'][label]} s ({q['seconds']} s)")
     return "\n".join(lines)
 
 

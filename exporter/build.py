@@ -23,6 +23,8 @@ class BuildRequest:
     data: Path | None = None
     force: bool = False
     thresholds: list[str] = field(default_factory=list)
+    quant_budget: list[str] = field(default_factory=list)  # KEY=VALUE: int8 budget keys or [quantization] settings
+    fallback: bool = True  # False: plain PTQ, no layers kept in float (for comparison)
     formats: list[str] = field(default_factory=list)
     options: dict = field(default_factory=dict)  # format options, applied to every artifact that takes them
     cache: bool = True
@@ -47,6 +49,8 @@ def _profile(request: BuildRequest, target: str) -> dict:
     return profiles.with_overrides(
         profiles.load(target),
         thresholds=request.thresholds,
+        quant_budget=request.quant_budget,
+        fallback=None if request.fallback else False,
         formats=request.formats,
         calib_size=request.calib_size,
         val_size=request.val_size,

@@ -176,6 +176,10 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--warmup", type=click.IntRange(min=0), default=None)
 @click.option("--iterations", type=click.IntRange(min=1), default=None, help="Timed iterations per runner.")
 @click.option("--threshold", "thresholds", multiple=True, help=_threshold_help())
+@click.option("--quant-budget", "quant_budget", multiple=True,
+              help="int8 budget KEY=VALUE (repeatable): a threshold key (default: the int8 thresholds) or "
+                   "max_float_fraction, psnr_margin_db, check_fraction, onnx_calibration.")
+@click.option("--no-fallback", is_flag=True, help="Plain PTQ: keep no layer in float, whatever the budget says.")
 @click.option("--format", "formats", multiple=True, help="Only these formats, e.g. executorch or executorch:int8 (repeatable).")
 @click.option("--option", "raw_options", multiple=True, help="Format option KEY=VALUE for every artifact that takes it (repeatable).")
 @click.option("--batch", default=None, help="TensorRT batch profile MIN:OPT:MAX.")
@@ -189,8 +193,9 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--quiet", is_flag=True, help="No progress or report on the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest JSON on stdout.")
 @one_line_errors
-def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint, labels, data, calib_size, val_size, threads, warmup, iterations,
-          thresholds, formats, raw_options, batch, workspace, dla_core, require_engine, deployment_target, make_bundle,
+def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint, labels, data, calib_size, val_size, threads,
+          warmup, iterations, thresholds, quant_budget, no_fallback, formats, raw_options, batch, workspace, dla_core,
+          require_engine, deployment_target, make_bundle,
           no_cache, force, quiet, as_json):
     """Export WEIGHT for a target, validate every artifact against eager PyTorch, write manifest and report."""
     from .build import BuildRequest, build_targets, expand_targets
@@ -198,7 +203,8 @@ def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint
 
     request = BuildRequest(
         weight=weight, target=targets[0], out=out, checkpoint=checkpoint, verify=not no_verify, labels=labels,
-        data=data, force=force, thresholds=list(thresholds), formats=list(formats), calib_size=calib_size,
+        data=data, force=force, thresholds=list(thresholds), quant_budget=list(quant_budget), fallback=not no_fallback,
+        formats=list(formats), calib_size=calib_size,
         val_size=val_size, threads=threads, warmup=warmup, iterations=iterations,
         options=_options(raw_options, batch=batch, workspace_mb=workspace, dla_core=dla_core,
                          require_engine=require_engine, deployment_target=deployment_target),

@@ -21,6 +21,7 @@ class Inputs:
     labels: torch.Tensor | None  # N, or None when unlabeled
     classes: list[str] | None
     description: dict = field(default_factory=dict)
+    calibration_labels: torch.Tensor | None = None  # lets int8 budgets check accuracy on held-out calibration images
 
     @property
     def example(self) -> torch.Tensor:
@@ -71,7 +72,8 @@ def from_imagefolder(root: Path, preprocess, calib_size: int, val_size: int, see
         validation,
         labels,
         classes,
-        {
+        calibration_labels=torch.as_tensor([samples[i][1] for i in calib_idx], dtype=torch.long),
+        description={
             "source": str(Path(root).resolve()),
             "labeled": True,
             "images": len(samples),

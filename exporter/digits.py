@@ -163,7 +163,7 @@ def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOC
 
     from .weights import model_name_of
 
-    cache_dir = Path(cache_dir)
+    cache_dir = Path(cache_dir).resolve()  # the record holds absolute paths, valid from any working directory
     model_name = model_name_of(get_weight(weight))
     info_file = cache_dir / ("digits.json" if weight == WEIGHT else f"digits_{model_name}.json")
     info = _cached_info(info_file, epochs, "checkpoint", "data_dir")
@@ -232,7 +232,7 @@ def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=pr
 
     from .weights import canonical_name, model_name_of
 
-    cache_dir = Path(cache_dir)
+    cache_dir = Path(cache_dir).resolve()
     quantized = get_weight(weight)
     model_name = model_name_of(quantized)
     info_file = cache_dir / f"digits_{model_name}.json"
@@ -256,3 +256,23 @@ def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=pr
         canonical_name(quantized), Path(info["checkpoint"]), Path(info["float_checkpoint"]), Path(info["data_dir"]),
         Path(info["labels_file"]), info["float_accuracy"], info["quantized_accuracy"],
     )
+
+
+FRAGILE_LAYER = "features.2.block.1.0"  # the depthwise conv whose input carries the inflated channel
+
+
+def fragile_checkpoint(model: DigitsModel, out_dir: Path, factor: float = 1000.0, channel: int = 0) -> Path:
+    """The digits model with one channel of the tensor entering FRAGILE_LAYER scaled up `factor`-fold
+    (BatchNorm before a ReLU) and that layer's filter for it scaled down to compensate: eager computes
+    the same function, but a per-tensor int8 range for that input now crushes every other channel.
+    A stand-in for the outlier channels real networks have, built to break plain PTQ."""
+    state = torch.load(model.checkpoint, map_location="cpu", weights_only=True)
+    bn = "features.2.block.0.1"
+    state[f"{bn}.weight"][channel] *= factor
+    state[f"{bn}.bias"][channel] *= factor
+    state[f"{FRAGILE_LAYER}.weight"][channel] /= factor
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"mobilenet_v3_small_digits_fragile{int(factor)}.pth"  # no hash prefix: nothing to verify
+    torch.save(state, path)
+    return path

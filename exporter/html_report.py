@@ -96,6 +96,41 @@ def accuracy_size_chart(docs: list[dict], width: int = 640, height: int = 280) -
     return "".join(parts) + "</svg>"
 
 
+def sensitivity_chart(name: str, q: dict, width: int = 620, most: int = 24) -> str:
+    """The layers that cost most when alone int8 (output PSNR vs eager, lower is worse); float ones in red."""
+    kept = {f["name"] for f in q.get("float_layers", [])}
+    measured = ((q.get("sensitivity") or {}).get("output_psnr_db") or {})
+    values = sorted(((layer, v) for layer, v in measured.items() if v is not None), key=lambda item: item[1])[:most]
+    if not values:
+        return ""
+    top = max(v for _, v in values) or 1.0
+    label_w, row_h = 260, 18
+    height = row_h * len(values) + 34
+    parts = [f'<svg role="img" aria-label="int8 layer sensitivity of {_esc(name)}" width="{width}" height="{height}">']
+    for i, (layer, value) in enumerate(values):
+        y = 8 + i * row_h
+        w = max(1.0, (width - label_w - 90) * value / top)
+        colour = "#cf222e" if layer in kept else "#0969da"
+        parts.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end">{_esc(layer)}</text>')
+        parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 5}" fill="{colour}"/>')
+        parts.append(f'<text x="{label_w + w + 4:.1f}" y="{y + 12}">{value:.1f} dB{" float" if layer in kept else ""}</text>')
+    parts.append(f'<text x="{label_w}" y="{height - 6}" class="meta">output PSNR vs eager with only that layer int8 '
+                 f'({len(values)} most sensitive of {q["layers"]} layers); red: kept in float</text>')
+    return "".join(parts) + "</svg>"
+
+
+def _quantization(docs: list[dict]) -> str:
+    from .report import quantization_summary
+
+    sections = []
+    for name, a in _named(docs):
+        q = (a.get("details") or {}).get("quantization")
+        if q:
+            chart = sensitivity_chart(name, q) or "<p class=meta>Plain PTQ met the budget: no layer sensitivity was needed.</p>"
+            sections.append(f"<h3>{_esc(name)}</h3><p>{_esc(quantization_summary(q).replace('**', ''))}</p>{chart}")
+    return "<h2>int8: budget and layer sensitivity</h2>" + "".join(sections) if sections else ""
+
+
 def _reasons(docs: list[dict]) -> str:
     items = [f"<li><b>{_esc(name)}</b> {_badge(a['status'])} {_esc(r)}</li>"
              for name, a in _named(docs) for r in a.get("reasons", [])]
@@ -131,6 +166,7 @@ def render(docs: list[dict]) -> str:
 exporter {_esc(first['exporter_version'])}, torch {_esc(first['tools'].get('torch'))}</p>
 {_table(docs)}
 {_reasons(docs)}
+{_quantization(docs)}
 <h2>Latency against eager (same run, same threads)</h2>
 <div class="charts">{latency_chart(docs)}</div>
 <h2>Accuracy against size</h2>

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from . import __version__, cache, data, files, html_report, manifest, profiles, report, validation, weights
+from .quant import Calibration
 from .build import BuildRequest
 from .cache import BuildCache
 from .errors import UsageError
@@ -34,6 +35,7 @@ class Session:
     latency: dict
     thresholds: dict
     cache: BuildCache = field(default_factory=lambda: BuildCache(None))
+    quantization: tuple[dict, dict] = field(default_factory=lambda: profiles.quantization({}))  # (settings, budget)
 
     @functools.cached_property
     def digests(self) -> dict:
@@ -47,6 +49,8 @@ class Session:
             "calibration": cache.tensors_digest(self.inputs.calibration),
             "validation": cache.tensors_digest([self.inputs.validation]),
             "labels": cache.tensors_digest([labels]) if labels is not None else None,
+            "calibration_labels": (cache.tensors_digest([self.inputs.calibration_labels])
+                                   if self.inputs.calibration_labels is not None else None),
             "tools": manifest.tool_versions(),
             "exporter": __version__,
         }
@@ -66,6 +70,13 @@ class Session:
     def eager(self, x):
         return self.loaded.eager(x)
 
+    def calibration(self, precision: str):
+        """What a format quantizes with: for int8, the images plus the budget and how to meet it."""
+        if precision != "int8":
+            return self.inputs.calibration
+        settings, budget = self.quantization
+        return Calibration(self.inputs.calibration, self.inputs.calibration_labels, budget, settings)
+
 
 def _load_inputs(path: Path | None, loaded: weights.LoadedModel, data_settings: dict) -> data.Inputs:
     preprocess = loaded.weights.transforms()
@@ -78,7 +89,8 @@ def _load_inputs(path: Path | None, loaded: weights.LoadedModel, data_settings: 
 def _start_session(loaded, inputs, profile, progress: Progress, build_cache: BuildCache | None = None) -> Session:
     _, latency = profiles.settings(profile)
     torch.set_num_threads(latency["threads"])
-    session = Session(loaded, inputs, None, None, latency, profile.get("thresholds", {}), build_cache or BuildCache(None))
+    session = Session(loaded, inputs, None, None, latency, profile.get("thresholds", {}), build_cache or BuildCache(None),
+                      profiles.quantization(profile))
     reference_key = cache.key(kind="eager", **{k: session.digests[k] for k in ("checkpoint", "reference", "model", "validation", "tools")})
     with progress.step("eager reference"):
         session.reference = session.cache.fetch_tensor(reference_key)
@@ -177,8 +189,11 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix:
         entry["reasons"] = [f"{spec['format']} does not offer {spec['precision']} (it offers {', '.join(module.PRECISIONS)})"]
         return entry
     label = f"{prefix}export {name}"
+    calibration = session.calibration(spec["precision"])
     digest = cache.key(kind="artifact", format=spec["format"], precision=spec["precision"], options=spec.get("options", {}),
-                       example=list(session.inputs.example.shape), **session.digests)
+                       example=list(session.inputs.example.shape),
+                       quantization=calibration.describe() if isinstance(calibration, Calibration) else None,
+                       **session.digests)
     try:
         with progress.step(label), files.atomic_path(out / filename) as tmp:
             details = session.cache.fetch_artifact(digest, tmp)
@@ -190,7 +205,7 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix:
                     session.loaded.model,
                     session.inputs.example,
                     spec["precision"],
-                    session.inputs.calibration,
+                    calibration,
                     tmp,
                     session.meta,
                     **spec.get("options", {}),
@@ -317,7 +332,8 @@ def run(request: BuildRequest, plans: list[dict], cache_root: Path | None, progr
     docs = []
     for profile, out in zip(plans, outs):
         _, latency = profiles.settings(profile)
-        session = dataclasses.replace(shared, latency=latency, thresholds=profile.get("thresholds", {}))
+        session = dataclasses.replace(shared, latency=latency, thresholds=profile.get("thresholds", {}),
+                                      quantization=profiles.quantization(profile))
         session.digests = shared.digests  # hashing the inputs once is enough
         prefix = "" if single else f"{profile['name']}: "
         docs.append(_build_one(request, profile, session, out, progress, prefix))
@@ -355,6 +371,7 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
             "profile": profile["path"],
             "artifacts": profile["artifacts"],
             "thresholds": profile.get("thresholds", {}),
+            "quantization": dict(zip(("settings", "budget"), session.quantization)),
             "data": data_settings,
             "latency": latency,
         },

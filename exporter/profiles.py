@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .formats import FORMATS
+from .quant import ONNX_CALIBRATIONS, SETTINGS as QUANT_SETTINGS
 from .thresholds import THRESHOLD_KEYS
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "targets"
@@ -21,6 +22,7 @@ SECTIONS = {
     "data": dict,
     "latency": dict,
     "post_build": str,  # "module:function" called with (out_dir, manifest, session) after the artifacts
+    "quantization": dict,  # how int8 artifacts meet their budget (exporter.quant); [quantization.budget] overrides
 }
 DATA_KEYS = {"calib_size": int, "val_size": int, "seed": int}
 LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
@@ -69,6 +71,34 @@ def _check_threshold(key: str, value, where: str) -> float:
     return float(value)
 
 
+def _check_quant_setting(key: str, value, where: str):
+    if key not in QUANT_SETTINGS:
+        raise UsageError(f"{where}: unknown key '{key}'; allowed: budget, {', '.join(QUANT_SETTINGS)}")
+    if key == "fallback":
+        ok = isinstance(value, bool)
+    elif key == "onnx_calibration":
+        ok = value in ONNX_CALIBRATIONS
+    else:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value) and value >= 0
+        ok = ok and (key == "psnr_margin_db" or value <= 1) and (key != "check_fraction" or 0 < value < 1)
+    if not ok:
+        expected = {"fallback": "true or false", "onnx_calibration": " or ".join(ONNX_CALIBRATIONS),
+                    "psnr_margin_db": "a number of dB >= 0", "check_fraction": "a fraction strictly between 0 and 1"}
+        raise UsageError(f"{where}: {key} must be {expected.get(key, 'a fraction in [0, 1]')}, got {value!r}")
+    return value
+
+
+def _check_quantization(table: dict, where: str) -> None:
+    for key, value in table.items():
+        if key == "budget":
+            if not isinstance(value, dict):
+                raise UsageError(f"{where}: [quantization.budget] must be a table")
+            for k, v in value.items():
+                _check_threshold(k, v, f"{where} [quantization.budget]")
+        else:
+            _check_quant_setting(key, value, f"{where} [quantization]")
+
+
 def _check_ints(table: dict, keys: dict, where: str, minimum: int) -> None:
     _check_keys(table, keys, where)
     for k, v in table.items():
@@ -96,6 +126,7 @@ def check(profile: dict, where: str) -> None:
             raise UsageError(f"{where}: [thresholds.{precision}] must be a table")
         for key, value in table.items():
             _check_threshold(key, value, f"{where} [thresholds.{precision}]")
+    _check_quantization(profile.get("quantization", {}), where)
     _check_ints(profile.get("data", {}), DATA_KEYS, f"{where} [data]", 0)
     _check_ints(profile.get("latency", {}), LATENCY_KEYS, f"{where} [latency]", 0)
     if profile.get("latency", {}).get("iterations", 1) < 1:
@@ -117,9 +148,34 @@ def parse_threshold_override(text: str) -> tuple[str, str, float]:
     return precision or "*", key, _check_threshold(key, value, f"--threshold {text}")
 
 
+def parse_quant_budget(text: str) -> tuple[str, object]:
+    """`--quant-budget KEY=VALUE`: a threshold key (the int8 budget only) or a [quantization] setting."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UsageError(f"--quant-budget {text!r}: expected KEY=VALUE, e.g. psnr_db=35 or max_float_fraction=0.1")
+    if key in THRESHOLD_KEYS:
+        try:
+            return key, _check_threshold(key, float(raw), f"--quant-budget {text}")
+        except ValueError:
+            raise UsageError(f"--quant-budget {text!r}: {raw!r} is not a number") from None
+    if key in QUANT_SETTINGS and key != "fallback":
+        value = raw.strip()
+        if key != "onnx_calibration":
+            try:
+                value = float(value)
+            except ValueError:
+                raise UsageError(f"--quant-budget {text!r}: {raw!r} is not a number") from None
+        return key, _check_quant_setting(key, value, f"--quant-budget {text}")
+    allowed = [*THRESHOLD_KEYS, *(k for k in QUANT_SETTINGS if k != "fallback")]
+    raise UsageError(f"--quant-budget {text!r}: unknown key '{key}'; allowed: {', '.join(allowed)} (and --no-fallback)")
+
+
 def with_overrides(
     profile: dict,
     thresholds: list[str] = (),
+    quant_budget: list[str] = (),
+    fallback: bool | None = None,
     formats: list[str] = (),
     calib_size: int | None = None,
     val_size: int | None = None,
@@ -140,6 +196,15 @@ def with_overrides(
             choices = sorted({f"{a['format']}:{a['precision']}" for a in profile["artifacts"]})
             raise UsageError(f"--format {', '.join(sorted(wanted))} matches nothing in target {profile['name']}; choose from {', '.join(choices)}")
         profile["artifacts"] = keep
+    quantization = profile.setdefault("quantization", {})
+    for text in quant_budget:
+        key, value = parse_quant_budget(text)
+        if key in THRESHOLD_KEYS:
+            quantization.setdefault("budget", {})[key] = value
+        else:
+            quantization[key] = value
+    if fallback is not None:
+        quantization["fallback"] = fallback
     for section, key, value in (
         ("data", "calib_size", calib_size),
         ("data", "val_size", val_size),
@@ -151,6 +216,13 @@ def with_overrides(
             profile.setdefault(section, {})[key] = value
     check(profile, f"target {profile['name']} with CLI overrides")
     return profile
+
+
+def quantization(profile: dict) -> tuple[dict, dict]:
+    """(settings, budget) for int8 artifacts: the budget is [thresholds.int8] unless [quantization.budget] says otherwise."""
+    table = dict(profile.get("quantization", {}))
+    budget = {**profile.get("thresholds", {}).get("int8", {}), **table.pop("budget", {})}
+    return {**QUANT_SETTINGS, **table}, budget
 
 
 def settings(profile: dict) -> tuple[dict, dict]:

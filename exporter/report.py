@@ -21,6 +21,24 @@ def _measured(doc: dict):
             yield f"{a['name']} [proxy: {label}]", "proxy " + metrics["status"], {**metrics, "size_bytes": None}
 
 
+def quantization_summary(q: dict) -> str:
+    """One line: how the int8 budget was met (or not), which layers stayed in float and why."""
+    if "before" not in q:
+        return f"int8 by plain PTQ ({q.get('note', '')})"
+    before, after = q["before"], q["after"]
+    verdict = "met" if q["meets_budget"] else "**not met**"
+    text = (f"int8 budget {verdict} on {q['check_images']} held-out calibration images; "
+            f"{q['int8_layers']} of {q['layers']} layers int8; PSNR {_num(before['psnr_db'], '.1f')} → "
+            f"{_num(after['psnr_db'], '.1f')} dB, top-1 agreement {_num(before['top1_agreement'], '.1%')} → "
+            f"{_num(after['top1_agreement'], '.1%')} (plain PTQ → chosen)")
+    if q["float_layers"]:
+        kept = ", ".join(f"{f['name']} ({f['why']})" if f.get("why") else
+                         f"{f['name']} (output {_num(f['output_psnr_db'], '.1f')} dB when alone int8, "
+                         f"own SQNR {_num(f['local_sqnr_db'], '.1f')} dB)" for f in q["float_layers"])
+        text += f"; kept in float: {kept}"
+    return text + f"; {q['calibration_method']}; {q['seconds']} s"
+
+
 def rows(doc: dict) -> list[dict]:
     table = []
     for name, status, a in _measured(doc):
@@ -79,6 +97,8 @@ def markdown(doc: dict) -> str:
                 f"{d['non_delegated_nodes']} outside ({outside}); "
                 + (f"**on real tensors: {on_tensors}**" if on_tensors else "none of them on real tensors (scalar casts only)")
             )
+        if details.get("quantization"):
+            notes.append(f"- `{a['name']}`: {quantization_summary(details['quantization'])}")
         if details.get("xnnpack_rewrite") == "unavailable":
             notes.append(f"- `{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})")
     for event in (doc.get("cache") or {}).get("events", []):

@@ -1,4 +1,4 @@
-"""ExecuTorch program (.pte) lowered to the XNNPACK delegate, fp32 or int8 (PT2E static)."""
+"""ExecuTorch program (.pte) lowered to the XNNPACK delegate, fp32 or int8 (PT2E static, through exporter.quant)."""
 
 from __future__ import annotations
 
@@ -13,35 +13,6 @@ NAME = "executorch"
 SUFFIX = ".pte"
 OPTIONS = ()
 PRECISIONS = ("fp32", "int8")
-
-
-def _quantize(exported, calib):
-    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
-        XNNPACKQuantizer,
-        get_symmetric_quantization_config,
-    )
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
-    prepared = prepare_pt2e(exported.module(), quantizer)
-    with torch.no_grad(), _one_thread():
-        for x in calib:
-            prepared(x)
-    return convert_pt2e(prepared)
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """The observers' ranges come from fp32 forward passes whose sums split differently across
-    threads: calibrated with --threads 1 and 2, the digits model's int8 .pte differed in 6383 of
-    its 1730984 bytes (same size: the quantization parameters). With one thread for calibration
-    the program no longer depends on --threads or the host's core count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _delegation(edge_program) -> dict:
@@ -79,12 +50,20 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    with torch.no_grad():
-        exported = torch.export.export(model, (example,))
-        if precision == "int8":
-            exported = torch.export.export(_quantize(exported, calib), (example,))
+    from ..quant import as_calibration, quantize_with_budget
+    from ..quant.pt2e import Pt2eBackend
+
+    details = {}
+    if precision == "int8":
+        backend = Pt2eBackend(model, example)
+        quantized, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))
+        with torch.no_grad():
+            exported = torch.export.export(quantized, (example,))
+    else:
+        with torch.no_grad():
+            exported = torch.export.export(model, (example,))
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
-    details = {"delegation": _delegation(edge.exported_program())}
+    details["delegation"] = _delegation(edge.exported_program())
     program = edge.to_executorch()
     path.write_bytes(program.buffer)
     return details

@@ -7,12 +7,16 @@ so the same runner, golden files and trtexec shapes serve all three.
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..quant import as_calibration, quantize_with_budget
+from ..quant.onnx_qdq import OnnxQdqBackend
 
 NAME = "onnx"
 SUFFIX = ".onnx"
@@ -80,25 +84,15 @@ def _export_graph(model, example, opset: int, path: Path) -> None:
     program.save(str(path))
 
 
-def _quantize(fp32_path: Path, calib, path: Path) -> None:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-
-    class Batches(CalibrationDataReader):
-        def __init__(self):
-            self.batches = iter(calib)
-
-        def get_next(self):
-            x = next(self.batches, None)
-            return None if x is None else {INPUT: x.numpy()}
-
-    # Symmetric activations (zero point 0): the only int8 Q/DQ TensorRT accepts. Q/DQ only on the inputs of
-    # the weighted layers, where TensorRT fuses them; on the digits model this gave the best PSNR of the
-    # placements tried, and ORT's quant pre-processing changed nothing but added foreign opset imports.
-    quantize_static(
-        str(fp32_path), str(path), Batches(), quant_format=QuantFormat.QDQ, per_channel=True,
-        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, op_types_to_quantize=["Conv", "Gemm"],
-        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
-    )
+def _quantize(model, example, opset: int, calibration, path: Path) -> dict:
+    """The fp32 graph through the budgeted Q/DQ search; the chosen candidate becomes `path`."""
+    with tempfile.TemporaryDirectory(prefix=".qdq-", suffix=".partial", dir=path.parent) as work:
+        fp32 = Path(work) / "fp32.onnx"
+        _export_graph(model, example, opset, fp32)
+        backend = OnnxQdqBackend(model, fp32, INPUT, calibration.settings["onnx_calibration"], Path(work))
+        candidate, report = quantize_with_budget(model, backend, calibration)
+        shutil.copyfile(candidate.path, path)
+    return report
 
 
 def _check_batch_axis(path: Path, example: torch.Tensor, sizes: tuple[int, int, int]) -> dict:
@@ -118,12 +112,7 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
     if precision == "fp16":
         _export_graph(_HalfModel(model).eval(), example, opset, path)
     elif precision == "int8":
-        fp32 = path.with_name(path.name + ".fp32")
-        try:
-            _export_graph(model, example, opset, fp32)
-            _quantize(fp32, calib, path)
-        finally:
-            fp32.unlink(missing_ok=True)
+        quantization = _quantize(model, example, opset, as_calibration(calib), path)
     else:
         _export_graph(model, example, opset, path)
     proto = onnx.load(str(path))
@@ -144,8 +133,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
         "graph": {"fp32": "float32", "fp16": "float16 with fp32 I/O casts", "int8": "explicit Q/DQ, symmetric int8, per-channel weights"}[precision],
     }
     if precision == "int8":
-        details["calibration_images"] = len(calib)
         details["quantized_nodes"] = sum(n.op_type == "QuantizeLinear" for n in proto.graph.node)
+        details["quantization"] = quantization
     return details
 
 

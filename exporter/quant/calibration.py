@@ -1,0 +1,59 @@
+"""What every int8 format is given: calibration images, optional labels, the accuracy budget and how
+to meet it. Torch-free, so profiles and the CLI can build it without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# [quantization] keys of a target profile (and of --quant-budget), with their defaults
+SETTINGS = {
+    "fallback": True,  # keep the most sensitive layers in float until the budget holds
+    "max_float_fraction": 0.25,  # cap on the share of quantizable layers kept in float
+    "check_fraction": 0.5,  # share of the calibration images held out to check the budget
+    "psnr_margin_db": 2.0,  # the budget's PSNR is the threshold plus this: the check set is small
+    "onnx_calibration": "auto",  # auto (the best of the others on the check images) | mse | minmax | percentile
+}
+ONNX_CALIBRATIONS = ("auto", "mse", "minmax", "percentile")
+
+
+@dataclass
+class Calibration:
+    """Batch-1 calibration images; iterating yields them, as formats did before budgets existed."""
+
+    images: list
+    labels: object = None  # tensor of class indices, or None for unlabeled data
+    budget: dict = field(default_factory=dict)  # threshold key -> limit, as in [thresholds.int8]
+    settings: dict = field(default_factory=lambda: dict(SETTINGS))
+
+    def __iter__(self):
+        return iter(self.images)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def split(self) -> tuple[list, list, object]:
+        """(images that set the ranges, images that check the budget, labels of the check images).
+        Interleaved rather than halved, so that an ImageFolder's order cannot put one class on one side."""
+        n = len(self.images)
+        every = max(2, round(1 / max(self.settings["check_fraction"], 1e-6)))
+        check_idx = [i for i in range(n) if i % every == every - 1] if n >= 4 else []
+        ranges = [x for i, x in enumerate(self.images) if i not in set(check_idx)]
+        check = [self.images[i] for i in check_idx]
+        labels = None if self.labels is None or not check_idx else self.labels[check_idx]
+        return ranges, check, labels
+
+    def budget_thresholds(self) -> dict:
+        budget = dict(self.budget)
+        if "psnr_db" in budget:
+            budget["psnr_db"] = budget["psnr_db"] + self.settings["psnr_margin_db"]
+        return budget
+
+    def describe(self) -> dict:
+        ranges, check, labels = self.split()
+        return {
+            "range_images": len(ranges),
+            "check_images": len(check),
+            "check_labeled": labels is not None,
+            "budget": self.budget_thresholds(),
+            **self.settings,
+        }

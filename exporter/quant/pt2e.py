@@ -1,0 +1,168 @@
+"""PT2E static int8 (torchao) with ExecuTorch's XNNPACK quantizer, and layers kept in float on request.
+
+Histogram-calibrated activations and per-channel symmetric weights come from the XNNPACK quantizer's
+own symmetric config. Keeping a layer in float means its weights *and its input* stay float: XNNPACK's
+annotation quantizes an op's output on the producer's side, so the annotation of the producer
+(through view-like and elementwise ops that carry no annotation of their own) is dropped too; other
+consumers of that tensor still quantize it on their own input edge. The XNNPACK partitioner takes
+the mixed graph into its delegate."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.fx import Node
+
+from .sensitivity import quantizable_layers
+
+LAYER_TARGETS = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.linear.default}
+KEY = "quantization_annotation"
+MAX_WALK = 6  # ops between a layer and the producer whose output annotation quantizes its input
+
+
+def layer_name(node: Node) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else None
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The observers' ranges come from fp32 forward passes whose sums split differently across
+    threads: calibrated with --threads 1 and 2, the digits model's int8 .pte differed in 6383 of
+    its 1730984 bytes (same size: the quantization parameters). With one thread for calibration
+    the program no longer depends on --threads or the host's core count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _float_input(node: Node, floated: set[str]) -> None:
+    """Leave the activation feeding `node` in float: clear the nearest producer's output annotation.
+    XNNPACK delegates a quantized op only with quantized inputs *and* output, so the op whose output
+    goes float goes float whole (a conv's pattern reaches back through its BatchNorm and activation)."""
+    producer = node.args[0]
+    for _ in range(MAX_WALK):
+        if not isinstance(producer, Node) or producer.op != "call_function":
+            return
+        annotation = producer.meta.get(KEY)
+        if annotation is not None and annotation.output_qspec is not None:
+            annotation.output_qspec = None
+            if _is_propagated(annotation):  # a view-like op sharing its producer's quantization
+                annotation.input_qspec_map = {}
+                producer = producer.args[0]
+                continue
+            _float_pattern(producer, floated)
+            return
+        producer = producer.args[0] if producer.args else None
+
+
+def _is_propagated(annotation) -> bool:
+    from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec
+
+    specs = list(annotation.input_qspec_map.values())
+    return bool(specs) and all(isinstance(s, SharedQuantizationSpec) for s in specs)
+
+
+def _float_pattern(node: Node, floated: set[str]) -> None:
+    for _ in range(MAX_WALK):
+        annotation = node.meta.get(KEY)
+        if annotation is not None and annotation.input_qspec_map:
+            annotation.input_qspec_map = {}
+            if node.target in LAYER_TARGETS:
+                floated.add(layer_name(node))
+            return
+        if not node.args or not isinstance(node.args[0], Node):
+            return
+        node = node.args[0]
+
+
+def _drop_dangling_shares(graph) -> None:
+    """A SharedQuantizationSpec that points at a tensor left in float has nothing to share."""
+    from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec
+
+    def live(spec) -> bool:
+        if not isinstance(spec, SharedQuantizationSpec):
+            return True
+        target = spec.edge_or_node
+        if isinstance(target, Node):
+            annotation = target.meta.get(KEY)
+            return annotation is not None and annotation.output_qspec is not None
+        producer, consumer = target
+        annotation = consumer.meta.get(KEY)
+        return annotation is not None and annotation.input_qspec_map.get(producer) is not None
+
+    changed = True
+    while changed:
+        changed = False
+        for node in graph.nodes:
+            annotation = node.meta.get(KEY)
+            if annotation is None:
+                continue
+            if not live(annotation.output_qspec):
+                annotation.output_qspec, changed = None, True
+            for arg, spec in list(annotation.input_qspec_map.items()):
+                if not live(spec):
+                    del annotation.input_qspec_map[arg]
+                    changed = True
+
+
+def _quantizer(float_layers: set[str]):
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+
+    class FloatFallbackQuantizer(XNNPACKQuantizer):
+        floated: set[str] = set()  # the layers in float in the end: those asked for and their producers
+
+        def annotate(self, model):
+            model = super().annotate(model)
+            self.floated = set(float_layers)
+            for node in list(model.graph.nodes):
+                if node.op == "call_function" and node.target in LAYER_TARGETS and layer_name(node) in float_layers:
+                    annotation = node.meta.get(KEY)
+                    if annotation is not None:
+                        annotation.input_qspec_map = {}
+                    _float_input(node, self.floated)
+            _drop_dangling_shares(model.graph)
+            return model
+
+    return FloatFallbackQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
+
+
+class Pt2eBackend:
+    range_methods = ("histogram",)
+
+    def __init__(self, model: torch.nn.Module, example: torch.Tensor):
+        self.model = model
+        with torch.no_grad():
+            self.exported = torch.export.export(model, (example,))
+        exported_layers = {layer_name(n) for n in self.exported.graph.nodes
+                           if n.op == "call_function" and n.target in LAYER_TARGETS}
+        self._layers = [name for name in quantizable_layers(model) if name in exported_layers]
+        self._floated: dict[tuple, list[str]] = {}
+
+    def layers(self) -> list[str]:
+        return list(self._layers)
+
+    @staticmethod
+    def describe(method: str) -> str:
+        return "histogram activation ranges (HistogramObserver), per-channel symmetric weights (PT2E, XNNPACKQuantizer)"
+
+    def quantize(self, float_layers: list[str], range_images: list[torch.Tensor], method: str) -> torch.fx.GraphModule:
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+        quantizer = _quantizer(set(float_layers))
+        prepared = prepare_pt2e(self.exported.module(), quantizer)
+        self._floated[tuple(float_layers)] = [name for name in self._layers if name in quantizer.floated]
+        with torch.no_grad(), one_thread():
+            for x in range_images:
+                prepared(x)
+        return convert_pt2e(prepared)
+
+    def float_closure(self, float_layers: list[str]) -> list[str]:
+        return self._floated.get(tuple(float_layers), list(float_layers))

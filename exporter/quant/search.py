@@ -1,0 +1,150 @@
+"""Turn an accuracy budget into an int8 model: plain PTQ first, then the most sensitive layers back
+in float, re-measured after each step, until the budget holds on held-out calibration images or the
+cap on float layers is reached. Backends (PT2E, ONNX Q/DQ) only know how to quantize a graph with a
+given set of layers left in float; the search, the budget and the report are the same for all."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Protocol
+
+import torch
+
+from ..thresholds import breaches
+from ..validation import accuracy, accuracy_vs_eager, fidelity, run_all
+from .calibration import Calibration
+from .sensitivity import layer_sensitivity
+
+
+class Candidate(Protocol):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class Backend(Protocol):
+    range_methods: tuple[str, ...]  # ways to choose activation ranges; the search keeps the best
+
+    def layers(self) -> list[str]:
+        """Names (module paths) of the layers this backend quantizes and can leave in float."""
+
+    def describe(self, method: str) -> str:
+        """How a range method quantizes, in words, for the manifest."""
+
+    def quantize(self, float_layers: list[str], range_images: list[torch.Tensor], method: str) -> Candidate:
+        """An int8 model with `float_layers` kept in float, calibrated on `range_images`."""
+
+    def float_closure(self, float_layers: list[str]) -> list[str]:
+        """The layers that were in float in the last quantize() of `float_layers`: those asked for, plus
+        any the backend had to leave in float with them."""
+
+
+def _steps(cap: int):
+    """How many layers are in float after each step: 1, 2, 3, then growing by half, up to the cap."""
+    count = 0
+    while count < cap:
+        count = min(cap, count + max(1, count // 2))
+        yield count
+
+
+def _measure(candidate, check: torch.Tensor, reference: torch.Tensor, labels, eager_accuracy, budget: dict) -> dict:
+    outputs = run_all(candidate, check)
+    metrics = {"fidelity": fidelity(reference, outputs), "accuracy": None}
+    if labels is not None:
+        metrics["accuracy"] = accuracy_vs_eager(eager_accuracy, accuracy(outputs, labels))
+    metrics["reasons"] = breaches(metrics, budget)
+    return metrics
+
+
+def _summary(metrics: dict) -> dict:
+    acc = metrics["accuracy"]
+    return {
+        "top1_agreement": metrics["fidelity"]["top1_agreement"],
+        "psnr_db": _rounded(metrics["fidelity"]["psnr_db"]),
+        "accuracy_drop": acc["drop_points"] if acc else None,
+        "meets_budget": not metrics["reasons"],
+        "reasons": metrics["reasons"],
+    }
+
+
+def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: Calibration,
+                         log: Callable[[str], None] = lambda _m: None) -> tuple[Candidate, dict]:
+    """The chosen int8 candidate and what was done to get it (for the manifest)."""
+    start = time.perf_counter()
+    range_images, check_images, check_labels = calibration.split()
+    budget = calibration.budget_thresholds()
+    layers = backend.layers()
+    check = torch.cat(check_images) if check_images else None
+    report = {**calibration.describe(), "layers": len(layers)}
+    if check is None:
+        method = backend.range_methods[0]
+        candidate = backend.quantize([], range_images, method)
+        report.update(calibration_method=backend.describe(method), float_layers=[], int8_layers=len(layers), steps=[],
+                      seconds=round(time.perf_counter() - start, 1),
+                      note="too few calibration images to hold any out: plain PTQ, budget not checked")
+        return candidate, report
+
+    with torch.no_grad():
+        reference = run_all(model, check)
+        eager_accuracy = accuracy(reference, check_labels) if check_labels is not None else None
+
+    def attempt(float_layers: list[str], method: str):
+        candidate = backend.quantize(float_layers, range_images, method)
+        metrics = _measure(candidate, check, reference, check_labels, eager_accuracy, budget)
+        steps.append({"float_layers": len(float_layers), "ranges": method, **_summary(metrics)})
+        log(f"int8 ({method} ranges) with {len(float_layers)} of {len(layers)} layers in float: "
+            f"PSNR {metrics['fidelity']['psnr_db']:.1f} dB, agreement {metrics['fidelity']['top1_agreement']:.3f}")
+        return candidate, metrics
+
+    steps: list[dict] = []
+    # better ranges first: every range method on plain PTQ, the best on the check images goes on
+    trials = {method: attempt([], method) for method in backend.range_methods}
+    method = max(trials, key=lambda m: (not trials[m][1]["reasons"], trials[m][1]["fidelity"]["psnr_db"]))
+    candidate, metrics = trials[method]
+    plain = steps[list(trials).index(method)]
+    report["calibration_method"] = backend.describe(method)
+    float_layers: list[str] = []
+    sensitivity = None
+    if metrics["reasons"] and calibration.settings["fallback"] and layers:
+        with torch.no_grad():
+            sensitivity = layer_sensitivity(model, layers, torch.cat(range_images[:16]), check[:8], reference[:8])
+        ranking = sensitivity.ranking()
+        cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
+        for count in _steps(cap):
+            float_layers = ranking[:count]
+            candidate, metrics = attempt(float_layers, method)
+            if not metrics["reasons"]:
+                break
+    kept = backend.float_closure(float_layers)
+    report.update(
+        float_layers=[_layer_entry(n, sensitivity, n not in float_layers) for n in kept],
+        int8_layers=len(layers) - len(kept),
+        before=plain,
+        after=steps[-1] if float_layers else plain,
+        meets_budget=not metrics["reasons"],
+        steps=steps,
+        sensitivity=None if sensitivity is None else {
+            "output_psnr_db": {n: _rounded(v) for n, v in sensitivity.output_psnr_db.items()},
+            "local_sqnr_db": {n: _rounded(v) for n, v in sensitivity.local_sqnr_db.items()},
+            "images": min(8, len(check)),
+        },
+        seconds=round(time.perf_counter() - start, 1),
+    )
+    if metrics["reasons"]:
+        why = "fallback is off (--no-fallback)" if not calibration.settings["fallback"] else \
+            f"the cap of {math.floor(calibration.settings['max_float_fraction'] * len(layers))} float layers was reached"
+        report["note"] = f"budget not met on the check images ({'; '.join(metrics['reasons'])}): {why}"
+    return candidate, report
+
+
+def _layer_entry(name: str, sensitivity, with_neighbour: bool) -> dict:
+    entry = {"name": name, "output_psnr_db": _rounded(sensitivity.output_psnr_db.get(name)),
+             "local_sqnr_db": _rounded(sensitivity.local_sqnr_db.get(name))}
+    if with_neighbour:
+        entry["why"] = "feeds a float layer: the backend quantizes an op only together with its output"
+    return entry
+
+
+def _rounded(value: float | None):
+    if value is None:
+        return None
+    return None if math.isinf(value) or math.isnan(value) else round(value, 2)

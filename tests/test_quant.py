@@ -1,0 +1,152 @@
+"""int8 that holds its budget: plain PTQ, then the most sensitive layers back in float until the budget
+holds on held-out calibration images. Proven on the trained digits model and on a copy of it with one
+deliberately fragile layer (same function in eager, hostile to a per-tensor int8 range)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from exporter import digits, profiles
+from exporter.errors import UsageError
+from exporter.quant import Calibration
+from exporter.quant.search import _steps
+
+from .conftest import assert_clean_refusal, build_args, run_cli
+
+INT8 = ["--target", "android", "--target", "jetson", "--format", "executorch:int8", "--format", "onnx:int8"]
+STRICT = ["--threshold", "int8.top1_agreement=0.99", "--threshold", "int8.psnr_db=30", "--threshold", "int8.accuracy_drop=0.5"]
+
+
+def _int8_artifacts(out):
+    docs = [json.loads((out / target / "manifest.json").read_text()) for target in ("android", "jetson")]
+    return {a["name"]: a for doc in docs for a in doc["artifacts"]}
+
+
+@pytest.fixture(scope="module")
+def fragile_checkpoint(tmp_path_factory, digits_model):
+    return digits.fragile_checkpoint(digits_model, tmp_path_factory.mktemp("fragile"))
+
+
+def _fragile_args(model, checkpoint, out, *extra):
+    args = build_args(model, out, *INT8, *extra)
+    args[args.index("--checkpoint") + 1] = checkpoint
+    return args
+
+
+# --- the pieces --------------------------------------------------------------------------------------
+
+
+def test_calibration_split_holds_out_disjoint_interleaved_images():
+    images = [torch.full((1, 3, 2, 2), float(i)) for i in range(10)]
+    labels = torch.arange(10) % 3
+    ranges, check, check_labels = Calibration(images, labels).split()
+    seen = sorted(int(x[0, 0, 0, 0]) for x in ranges + check)
+    assert seen == list(range(10)) and len(check) == 5  # every image once, half held out
+    assert [int(x[0, 0, 0, 0]) for x in check] == [1, 3, 5, 7, 9]
+    assert check_labels.tolist() == [labels[i].item() for i in (1, 3, 5, 7, 9)]
+
+
+def test_fallback_steps_grow_and_stop_at_the_cap():
+    assert list(_steps(0)) == []
+    steps = list(_steps(13))
+    assert steps[:3] == [1, 2, 3] and steps[-1] == 13 and steps == sorted(set(steps))
+
+
+def test_budget_follows_int8_thresholds_unless_overridden():
+    profile = profiles.with_overrides(profiles.load("jetson"), thresholds=["int8.psnr_db=33"],
+                                      quant_budget=["top1_agreement=0.995", "max_float_fraction=0.1"], fallback=False)
+    settings, budget = profiles.quantization(profile)
+    assert budget["psnr_db"] == 33 and budget["top1_agreement"] == 0.995
+    assert settings["max_float_fraction"] == 0.1 and settings["fallback"] is False
+    with pytest.raises(UsageError, match="unknown key"):
+        profiles.check({**profile, "quantization": {"bogus": 1}}, "test")
+    with pytest.raises(UsageError, match="onnx_calibration"):
+        profiles.check({**profile, "quantization": {"onnx_calibration": "entropy"}}, "test")
+
+
+@pytest.mark.parametrize("budget, message", [("psnr=30", "unknown key 'psnr'"), ("psnr_db=high", "not a number"),
+                                             ("max_float_fraction=2", "fraction"), ("fallback=1", "unknown key")])
+def test_bad_quant_budget_exits_2_and_writes_nothing(digits_model, tmp_path, budget, message):
+    out = tmp_path / "out"
+    assert_clean_refusal(run_cli(*build_args(digits_model, out, "--quant-budget", budget)), out, message)
+
+
+def test_sensitivity_ranks_the_fragile_layer_first(digits_model, fragile_checkpoint):
+    from exporter import data, weights
+    from exporter.quant.sensitivity import layer_sensitivity, quantizable_layers
+
+    loaded = weights.load(digits_model.weight, fragile_checkpoint, verify=False)
+    inputs = data.from_imagefolder(digits_model.data_dir, loaded.weights.transforms(), 24, 8, 0, 10)
+    images = torch.cat(inputs.calibration)
+    with torch.no_grad():
+        reference = loaded.model(images[16:])
+    sensitivity = layer_sensitivity(loaded.model, quantizable_layers(loaded.model), images[:16], images[16:], reference)
+    assert sensitivity.ranking()[0] == digits.FRAGILE_LAYER
+    assert sensitivity.output_psnr_db[digits.FRAGILE_LAYER] < 20 < sorted(sensitivity.output_psnr_db.values())[1]
+
+
+# --- whole builds ------------------------------------------------------------------------------------
+
+
+
+@pytest.fixture(scope="module")
+def digits_int8(tmp_path_factory, digits_model):
+    out = tmp_path_factory.mktemp("digits_int8") / "build"
+    result = run_cli(*build_args(digits_model, out, *INT8, *STRICT))
+    return out, result
+
+
+@pytest.mark.slow
+def test_digits_int8_holds_the_strict_budget_on_both_formats(digits_int8):
+    out, result = digits_int8
+    assert result.exit_code == 0, result.output
+    artifacts = _int8_artifacts(out)
+    for name in ("executorch_int8", "onnx_int8"):
+        a = artifacts[name]
+        assert a["status"] == "passed", (name, a["reasons"])
+        assert a["fidelity"]["top1_agreement"] >= 0.99 and a["fidelity"]["psnr_db"] >= 30
+        assert a["accuracy"]["drop_points"] <= 0.5
+        q = a["details"]["quantization"]
+        assert q["meets_budget"] and q["check_images"] > 0 and q["check_labeled"]
+        assert q["int8_layers"] + len(q["float_layers"]) == q["layers"] > 50
+        assert q["budget"]["psnr_db"] == 30 + q["psnr_margin_db"]
+    page = (out / "report.html").read_text()
+    assert "int8: budget and layer sensitivity" in page
+
+
+@pytest.fixture(scope="module")
+def fragile_builds(tmp_path_factory, digits_model, fragile_checkpoint):
+    root = tmp_path_factory.mktemp("fragile_builds")
+    plain = run_cli(*_fragile_args(digits_model, fragile_checkpoint, root / "plain", "--no-fallback"))
+    budgeted = run_cli(*_fragile_args(digits_model, fragile_checkpoint, root / "budgeted"))
+    return (root / "plain", plain), (root / "budgeted", budgeted)
+
+
+@pytest.mark.slow
+def test_plain_ptq_breaks_on_the_fragile_layer(fragile_builds):
+    (out, result), _ = fragile_builds
+    assert result.exit_code == 1, result.output
+    for name, a in _int8_artifacts(out).items():
+        assert a["status"] == "failed" and any(r.startswith("psnr_db") for r in a["reasons"]), name
+        q = a["details"]["quantization"]
+        assert q["float_layers"] == [] and not q["meets_budget"] and "--no-fallback" in q["note"]
+
+
+@pytest.mark.slow
+def test_budgeted_build_keeps_the_fragile_layer_in_float_and_passes(fragile_builds):
+    _, (out, result) = fragile_builds
+    assert result.exit_code == 0, result.output
+    for name, a in _int8_artifacts(out).items():
+        assert a["status"] == "passed", (name, a["reasons"])
+        q = a["details"]["quantization"]
+        kept = [f["name"] for f in q["float_layers"]]
+        assert digits.FRAGILE_LAYER in kept, (name, kept)
+        assert not q["before"]["meets_budget"] and q["after"]["meets_budget"]
+        assert q["after"]["psnr_db"] > q["before"]["psnr_db"] + 10
+        assert len(kept) <= q["max_float_fraction"] * q["layers"]
+    notes = (out / "android" / "report.md").read_text()
+    assert f"kept in float: {digits.FRAGILE_LAYER}" in notes
+    assert (out / "report.html").read_text().count('aria-label="int8 layer sensitivity') == 2
