@@ -34,6 +34,8 @@ class BuildRequest:
     threads: int | None = None
     warmup: int | None = None
     iterations: int | None = None
+    offline: bool = False  # never download a missing checkpoint (also $EXPORTER_OFFLINE=1)
+    float_checkpoint: Path | None = None  # a quantized weight's float model, the eager reference
 
 
 def expand_targets(targets) -> list[str]:

@@ -23,7 +23,9 @@ from .formats import FORMATS
 from .progress import Progress
 
 PACKAGE = Path(__file__).resolve().parent
-NOT_KEYED = ("out", "force", "cache", "cache_dir", "target")  # where and whether, not what
+# where and whether, not what; `offline` only forbids fetching a missing checkpoint, and a record is
+# replayed only when the checkpoint it read is still there, unchanged, so it never needs the network
+NOT_KEYED = ("out", "force", "cache", "cache_dir", "target", "offline")
 RENDERED = ("manifest.json", "report.md", "report.html")  # written afresh at every restore
 
 
@@ -71,16 +73,23 @@ def _tree(directory: Path, known: dict | None = None) -> dict:
 def _inputs(request, docs: list[dict]) -> dict:
     checkpoint = docs[0]["checkpoint"]
     read = {checkpoint["path"]: checkpoint["sha256"]}
+    reference = docs[0]["eager"].get("reference") or {}
+    if reference.get("checkpoint"):  # a quantized weight's float model
+        read[reference["checkpoint"]["path"]] = reference["checkpoint"]["sha256"]
     if request.labels:
         read[str(Path(request.labels).absolute())] = files.sha256(request.labels)
     trees = {str(Path(request.data).absolute()): _tree(Path(request.data))} if request.data else {}
-    return {"files": read, "trees": trees}
+    # a float model looked for and not found: once it is there, the build validates against it instead
+    absent = [reference["looked_for"]] if reference.get("looked_for") else []
+    return {"files": read, "trees": trees, "absent": absent}
 
 
 def _inputs_unchanged(recorded: dict) -> bool:
     for path, digest in recorded["files"].items():
         if not Path(path).is_file() or files.sha256(path) != digest:
             return False
+    if any(Path(path).exists() for path in recorded.get("absent", [])):
+        return False
     for directory, listing in recorded["trees"].items():
         if not Path(directory).is_dir():
             return False

@@ -44,30 +44,44 @@ def main():
 
 
 @main.command("list")
-@click.option("--task", default="classification", show_default=True, help="classification, detection, segmentation, video, optical_flow, quantization")
+@click.option("--task", default="classification", show_default=True, help="classification, segmentation, detection, quantization, video, optical_flow")
 @click.option("--max-params", type=int, default=None, help="Only weights with at most this many parameters.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @one_line_errors
 def list_cmd(task, max_params, as_json):
-    """Models and their weights, with acc@1, params, GFLOPS and file size from meta."""
-    from rich.console import Console
-    from rich.table import Table
-
+    """Models and their weights, with their headline metric (acc@1, mIoU, box mAP …), params, GFLOPS and
+    file size from meta. Piped (not a terminal), one tab-separated row per weight with a header line."""
     from . import weights
 
     rows = weights.list_weights(task, max_params)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    table = Table("weight", "acc@1", "params (M)", "GFLOPS", "MB")
-    for r in rows:
-        table.add_row(
+    columns = ["weight", "metric", "value", "params (M)", "GFLOPS", "MB"] + (["backend"] if task == "quantization" else [])
+    cells = [
+        [
             r["weight"],
-            f"{r['acc@1']:.3f}" if r["acc@1"] is not None else "—",
+            r["metric"] or "—",
+            f"{r['value']:.3f}" if r["value"] is not None else "—",
             f"{r['params'] / 1e6:.1f}" if r["params"] else "—",
             f"{r['gflops']:.2f}" if r["gflops"] is not None else "—",
             f"{r['size_mb']:.1f}" if r["size_mb"] is not None else "—",
-        )
+        ] + ([r["backend"] or "—"] if task == "quantization" else [])
+        for r in rows
+    ]
+    if not sys.stdout.isatty():
+        for line in [columns, *cells]:
+            click.echo("\t".join(line))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    # whole weight names however narrow the terminal: the other columns give way
+    accuracy = task in ("classification", "quantization")
+    table = Table(columns[0], "acc@1" if accuracy else "metric", *columns[3:])
+    table.columns[0].no_wrap, table.columns[0].min_width = True, max((len(c[0]) for c in cells), default=6)
+    for name, metric, value, *rest in cells:
+        table.add_row(name, value if accuracy else f"{metric} {value}", *rest)
     Console().print(table)
 
 
@@ -76,11 +90,11 @@ def list_cmd(task, max_params, as_json):
 @click.option("--json", "as_json", is_flag=True)
 @one_line_errors
 def inspect(weight, as_json):
-    """Meta, categories, exact preprocessing and checkpoint location of WEIGHT."""
+    """Meta, categories, exact preprocessing and checkpoint (cached or not, where, size) of WEIGHT."""
     from . import weights
 
     w = weights.resolve(weight)
-    path = weights.hub_checkpoint_path(w)
+    checkpoint = weights.checkpoint_status(w)
     info = {
         "weight": weights.canonical_name(w),
         "model": weights.model_name_of(w),
@@ -90,14 +104,20 @@ def inspect(weight, as_json):
         "preprocessing": weights.preprocessing_spec(w),
         "transforms": repr(w.transforms()),
         "url": w.url,
-        "checkpoint_path": str(path),
-        "checkpoint_cached": path.is_file(),
+        "checkpoint_path": checkpoint["path"],
+        "checkpoint_cached": checkpoint["cached"],
+        "checkpoint_size_bytes": checkpoint["size_bytes"],
+        "quantization": weights.quantization_summary(w),
     }
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
     for key, value in info.items():
-        click.echo(f"{key:18} {value}")
+        if key == "checkpoint_size_bytes" and value is not None:
+            value = f"{value} ({value / 1e6:.1f} MB)"
+        elif key == "checkpoint_cached" and not value:
+            value = "False (downloaded into checkpoint_path by the first build, unless --offline or EXPORTER_OFFLINE=1)"
+        click.echo(f"{key:22} {value}")
 
 
 def _threshold_help() -> str:
@@ -144,7 +164,10 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
               help="android, ios, jetson, all, or a profile .toml; repeat it to build several targets sharing one eager run")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Output directory [default: exports/<weight>/<target>]")
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="State dict to load instead of the torch hub cache.")
-@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of a checkpoint whose file name carries one.")
+@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of a local checkpoint whose file name carries one (downloads are always checked).")
+@click.option("--offline", is_flag=True, help="Never download a missing checkpoint (also EXPORTER_OFFLINE=1).")
+@click.option("--float-checkpoint", type=click.Path(path_type=Path), default=None,
+              help="A quantized weight's float model (its meta['unquantized']), the eager reference [default: from the torch hub cache if there].")
 @click.option("--labels", type=click.Path(path_type=Path), default=None, help="Class names, one per line (fine-tuned checkpoints).")
 @click.option("--data", type=click.Path(path_type=Path), default=None, help="ImageFolder for calibration and labeled validation.")
 @click.option("--calib-size", type=click.IntRange(min=0), default=None)
@@ -170,8 +193,9 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--quiet", is_flag=True, help="No progress or report on the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest JSON on stdout.")
 @one_line_errors
-def build(weight, targets, out, checkpoint, no_verify, labels, data, calib_size, val_size, threads, warmup, iterations,
-          thresholds, quant_budget, no_fallback, formats, raw_options, batch, workspace, dla_core, require_engine, deployment_target, make_bundle,
+def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint, labels, data, calib_size, val_size, threads,
+          warmup, iterations, thresholds, quant_budget, no_fallback, formats, raw_options, batch, workspace, dla_core,
+          require_engine, deployment_target, make_bundle,
           no_cache, force, quiet, as_json):
     """Export WEIGHT for a target, validate every artifact against eager PyTorch, write manifest and report."""
     from .build import BuildRequest, build_targets, expand_targets
@@ -184,7 +208,7 @@ def build(weight, targets, out, checkpoint, no_verify, labels, data, calib_size,
         val_size=val_size, threads=threads, warmup=warmup, iterations=iterations,
         options=_options(raw_options, batch=batch, workspace_mb=workspace, dla_core=dla_core,
                          require_engine=require_engine, deployment_target=deployment_target),
-        cache=not no_cache,
+        cache=not no_cache, offline=offline, float_checkpoint=float_checkpoint,
     )
     docs = build_targets(request, expand_targets(targets), Progress(quiet=quiet or as_json))
     base = out or Path("exports") / docs[0]["weight"]["name"] / (docs[0]["target"]["name"] if len(docs) == 1 else "")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,20 +73,32 @@ def _recompute_batchnorm_stats(model: nn.Module, batches) -> None:
     model.eval()
 
 
-def train(epochs: int = EPOCHS, log=print) -> tuple[dict, float, list]:
+def _dataset(weight: str):
+    """Every digit preprocessed with the weight's own transforms, and the fixed train/held-out split."""
+    from torchvision.models import get_weight
+
+    preprocess = get_weight(weight).transforms()
+    images, targets = _digit_images()
+    x = torch.stack([preprocess(im.convert("RGB")) for im in images])
+    train_idx, held_idx = _split(len(images))
+    return x, torch.as_tensor(targets), train_idx, held_idx, (images, targets)
+
+
+def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, indices) -> float:
+    with torch.no_grad():
+        pred = torch.cat([model(x[b]).argmax(1) for b in torch.as_tensor(indices).split(64)])
+    return (pred == y[indices]).float().mean().item()
+
+
+def train(weight: str = WEIGHT, epochs: int = EPOCHS, log=print) -> tuple[dict, float, list]:
+    """Train `weight`'s architecture from scratch on the digits; returns (state dict, held-out accuracy, data)."""
     from torchvision.models import get_model, get_weight
 
     from .weights import model_name_of
 
     torch.manual_seed(SEED)
-    weights = get_weight(WEIGHT)
-    preprocess = weights.transforms()
-    images, targets = _digit_images()
-    x = torch.stack([preprocess(im.convert("RGB")) for im in images])
-    y = torch.as_tensor(targets)
-    train_idx, held_idx = _split(len(images))
-
-    model = get_model(model_name_of(weights), weights=None, num_classes=10)
+    x, y, train_idx, held_idx, (images, targets) = _dataset(weight)
+    model = get_model(model_name_of(get_weight(weight)), weights=None, num_classes=10)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
     steps = epochs * ((len(train_idx) + 31) // 32)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps)
@@ -104,49 +117,145 @@ def train(epochs: int = EPOCHS, log=print) -> tuple[dict, float, list]:
 
     train_batches = torch.as_tensor(train_idx).split(64)
     _recompute_batchnorm_stats(model, (x[b] for b in train_batches))
-    with torch.no_grad():
-        pred = torch.cat([model(x[b]).argmax(1) for b in torch.as_tensor(held_idx).split(64)])
-    accuracy = (pred == y[held_idx]).float().mean().item()
+    accuracy = _accuracy(model, x, y, held_idx)
     log(f"digits held-out accuracy: {accuracy:.3%}")
     return model.state_dict(), accuracy, (images, targets, held_idx)
 
 
-def prepare(cache_dir: Path, log=print) -> DigitsModel:
-    """Train once and cache; later calls return the cached model."""
+def _save_checkpoint(state: dict, cache_dir: Path, weight: str) -> Path:
+    """Saved under the stem of the weight's own file name plus `_digits`, with a genuine sha256 prefix."""
     from torchvision.models import get_weight
 
-    cache_dir = Path(cache_dir).resolve()  # the record holds absolute paths, valid from any working directory
-    info_file = cache_dir / "digits.json"
-    if info_file.exists():
-        info = json.loads(info_file.read_text())
-        if info.get("recipe") == RECIPE_VERSION and Path(info["checkpoint"]).exists():
-            return DigitsModel(
-                WEIGHT, Path(info["checkpoint"]), Path(info["data_dir"]), Path(info["labels_file"]), info["accuracy"]
-            )
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    state, accuracy, (images, targets, held_idx) = train(log=log)
     tmp = cache_dir / "digits.pth.tmp"
     torch.save(state, tmp)
     digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-    stem = Path(get_weight(WEIGHT).url).name.split("-")[0]
+    stem = Path(get_weight(weight).url).name.split("-")[0].removesuffix(".pth")
     checkpoint = cache_dir / f"{stem}_digits-{digest[:8]}.pth"
     tmp.replace(checkpoint)
+    return checkpoint
+
+
+def _write_held_out(cache_dir: Path, images, targets, held_idx) -> tuple[Path, Path]:
     data_dir = cache_dir / "digits_val"
     if not data_dir.exists():
         staging = cache_dir / "digits_val.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
         write_imagefolder(staging, images, targets, held_idx)
         staging.replace(data_dir)
     labels_file = cache_dir / "labels.txt"
     labels_file.write_text("".join(f"digit {d}\n" for d in range(10)))
+    return data_dir, labels_file
+
+
+def _cached_info(info_file: Path, epochs: int, *paths: str) -> dict | None:
+    if not info_file.exists():
+        return None
+    info = json.loads(info_file.read_text())
+    same_recipe = info.get("recipe") == RECIPE_VERSION and info.get("epochs", EPOCHS) == epochs
+    if not same_recipe or not all(Path(info[p]).exists() for p in paths):
+        return None
+    return info
+
+
+def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOCHS) -> DigitsModel:
+    """Train once and cache; later calls return the cached model."""
+    from torchvision.models import get_weight
+
+    from .weights import model_name_of
+
+    cache_dir = Path(cache_dir).resolve()  # the record holds absolute paths, valid from any working directory
+    model_name = model_name_of(get_weight(weight))
+    info_file = cache_dir / ("digits.json" if weight == WEIGHT else f"digits_{model_name}.json")
+    info = _cached_info(info_file, epochs, "checkpoint", "data_dir")
+    if info is not None:
+        return DigitsModel(weight, Path(info["checkpoint"]), Path(info["data_dir"]), Path(info["labels_file"]), info["accuracy"])
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    state, accuracy, (images, targets, held_idx) = train(weight, epochs, log=log)
+    checkpoint = _save_checkpoint(state, cache_dir, weight)
+    data_dir, labels_file = _write_held_out(cache_dir, images, targets, held_idx)
     info = {
         "recipe": RECIPE_VERSION,
+        "epochs": epochs,
         "checkpoint": str(checkpoint),
         "data_dir": str(data_dir),
         "labels_file": str(labels_file),
         "accuracy": accuracy,
     }
     info_file.write_text(json.dumps(info, indent=2))
-    return DigitsModel(WEIGHT, checkpoint, data_dir, labels_file, accuracy)
+    return DigitsModel(weight, checkpoint, data_dir, labels_file, accuracy)
+
+
+@dataclass(frozen=True)
+class QuantizedDigitsModel:
+    """A digits model quantized the way torchvision's int8 weights were made, standing in for one."""
+
+    weight: str  # the quantized weight, e.g. MobileNet_V3_Large_QuantizedWeights.IMAGENET1K_QNNPACK_V1
+    checkpoint: Path  # the converted int8 state dict
+    float_checkpoint: Path  # the trained float model it came from (the weight's meta["unquantized"])
+    data_dir: Path
+    labels_file: Path
+    float_accuracy: float
+    quantized_accuracy: float
+
+
+def quantize_eager(model: nn.Module, batches, backend: str) -> nn.Module:
+    """torchvision's eager-mode post-training quantization: fuse, the backend's qconfig, calibrate, convert."""
+    torch.backends.quantized.engine = backend
+    model.eval()
+    model.fuse_model(is_qat=False)
+    model.qconfig = torch.ao.quantization.get_default_qconfig(backend)
+    torch.ao.quantization.prepare(model, inplace=True)
+    with torch.no_grad():
+        for x in batches:
+            model(x)
+    return torch.ao.quantization.convert(model, inplace=True)
+
+
+def quantize_digits(weight: str, float_checkpoint: Path, calib_images: int = 256) -> tuple[nn.Module, float]:
+    """The trained float digits model of a quantized weight's architecture, quantized as torchvision made
+    its int8 weights (calibrated on training images); returns it and its held-out accuracy."""
+    from torchvision.models import get_model, get_weight
+
+    from .weights import model_name_of
+
+    x, y, train_idx, held_idx, _ = _dataset(weight)
+    model = get_model(model_name_of(get_weight(weight)), weights=None, num_classes=10)  # quantizable, float
+    model.load_state_dict(torch.load(float_checkpoint, weights_only=True))
+    calib = torch.as_tensor(train_idx[:calib_images]).split(32)
+    model = quantize_eager(model, (x[b] for b in calib), get_weight(weight).meta["backend"])
+    return model, _accuracy(model, x, y, held_idx)
+
+
+def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=print) -> QuantizedDigitsModel:
+    """Train the float model of a torchvision quantized weight on the digits and quantize it; cached."""
+    from torchvision.models import get_weight
+
+    from .weights import canonical_name, model_name_of
+
+    cache_dir = Path(cache_dir).resolve()
+    quantized = get_weight(weight)
+    model_name = model_name_of(quantized)
+    info_file = cache_dir / f"digits_{model_name}.json"
+    info = _cached_info(info_file, epochs, "checkpoint", "float_checkpoint", "data_dir")
+    if info is None:
+        floating = prepare(cache_dir, log, canonical_name(quantized.meta["unquantized"]), epochs)
+        model, accuracy = quantize_digits(weight, floating.checkpoint)
+        log(f"digits {model_name} ({quantized.meta['backend']}) held-out accuracy: {accuracy:.3%}")
+        info = {
+            "recipe": RECIPE_VERSION,
+            "epochs": epochs,
+            "checkpoint": str(_save_checkpoint(model.state_dict(), cache_dir, weight)),
+            "float_checkpoint": str(floating.checkpoint),
+            "data_dir": str(floating.data_dir),
+            "labels_file": str(floating.labels_file),
+            "float_accuracy": floating.held_out_accuracy,
+            "quantized_accuracy": accuracy,
+        }
+        info_file.write_text(json.dumps(info, indent=2))
+    return QuantizedDigitsModel(
+        canonical_name(quantized), Path(info["checkpoint"]), Path(info["float_checkpoint"]), Path(info["data_dir"]),
+        Path(info["labels_file"]), info["float_accuracy"], info["quantized_accuracy"],
+    )
 
 
 FRAGILE_LAYER = "features.2.block.1.0"  # the depthwise conv whose input carries the inflated channel

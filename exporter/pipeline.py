@@ -43,6 +43,7 @@ class Session:
         labels = self.inputs.labels
         return {
             "checkpoint": self.loaded.checkpoint["sha256"],
+            "reference": (self.loaded.reference.get("checkpoint") or {}).get("sha256"),
             "model": self.loaded.model_name,
             "num_classes": self.loaded.num_classes,
             "calibration": cache.tensors_digest(self.inputs.calibration),
@@ -67,7 +68,7 @@ class Session:
         }
 
     def eager(self, x):
-        return self.loaded.model(x)
+        return self.loaded.eager(x)
 
     def calibration(self, precision: str, log=lambda _message: None):
         """What a format quantizes with: for int8, the images plus the budget and how to meet it."""
@@ -90,11 +91,11 @@ def _start_session(loaded, inputs, profile, progress: Progress, build_cache: Bui
     torch.set_num_threads(latency["threads"])
     session = Session(loaded, inputs, None, None, latency, profile.get("thresholds", {}), build_cache or BuildCache(None),
                       profiles.quantization(profile))
-    reference_key = cache.key(kind="eager", **{k: session.digests[k] for k in ("checkpoint", "model", "validation", "tools")})
+    reference_key = cache.key(kind="eager", **{k: session.digests[k] for k in ("checkpoint", "reference", "model", "validation", "tools")})
     with progress.step("eager reference"):
         session.reference = session.cache.fetch_tensor(reference_key)
         if session.reference is None:
-            session.reference = validation.run_all(loaded.model, inputs.validation)
+            session.reference = validation.run_all(loaded.eager, inputs.validation)
             session.cache.store_tensor(reference_key, session.reference)
         else:
             session.cache.events.append("eager reference reused from the cache")
@@ -129,7 +130,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
     digest = cache.key(
         kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency,
         cpu=manifest.host(session.latency["threads"])["cpu"],
-        **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint")},
+        **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference")},
     )
     cached = session.cache.fetch_json("validations", digest)
     if cached is not None:
@@ -180,6 +181,10 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix:
         "eager_latency_ms": None,
         "speedup_vs_eager": None,
     }
+    refusal = FORMATS[spec["format"]].no_quantized_eager if session.loaded.quantized else None
+    if refusal:
+        entry.update(status="unavailable", reasons=[f"cannot take an eager-quantized model: {refusal}"])
+        return entry
     if spec["precision"] not in module.PRECISIONS:
         entry["reasons"] = [f"{spec['format']} does not offer {spec['precision']} (it offers {', '.join(module.PRECISIONS)})"]
         return entry
@@ -262,6 +267,16 @@ def _write_golden(out: Path, session: Session, count: int = 8) -> None:
         files.write_text(golden / "labels.json", json.dumps(session.inputs.labels[:n].tolist()) + "\n")
 
 
+def _specs_for(loaded: weights.LoadedModel, specs: list[dict]) -> list[dict]:
+    """An eager-quantized weight is int8 whatever the profile asks: one int8 artifact per format."""
+    if not loaded.quantized:
+        return specs
+    by_format = {}
+    for spec in specs:
+        by_format.setdefault(spec["format"], {**spec, "precision": "int8", "name": None})
+    return list(by_format.values())
+
+
 def _post_build(profile: dict, out: Path, doc: dict, session: Session) -> None:
     if not profile.get("post_build"):
         return
@@ -301,7 +316,8 @@ def run(request: BuildRequest, plans: list[dict], cache_root: Path | None, progr
         names = ", ".join(p["name"] for p in plans)
         raise UsageError(f"targets {names} ask for different [data] settings; pass --calib-size and --val-size to share one set")
     with progress.step("load weights"):
-        loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels)
+        loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels, request.offline, progress,
+                              request.float_checkpoint)
     single = len(plans) == 1
     base = Path(request.out or (Path("exports") / loaded.weight_name / (plans[0]["name"] if single else "")))
     outs = [base] if single else [base / p["name"] for p in plans]
@@ -362,7 +378,7 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
         "tools": manifest.tool_versions(),
         "host": manifest.host(latency["threads"]),
         "data": inputs.description,
-        "eager": {"accuracy": session.eager_accuracy},
+        "eager": {"accuracy": session.eager_accuracy, "reference": loaded.reference},
         "artifacts": [],
         "timings_s": {},
     }
@@ -370,7 +386,7 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
     files.write_text(out / "preprocessing.json", json.dumps(doc["preprocessing"], indent=2) + "\n")
     manifest.write(out, doc)
     _write_golden(out, session)
-    for spec in profile["artifacts"]:
+    for spec in _specs_for(loaded, profile["artifacts"]):
         doc["artifacts"].append(_export(session, spec, out, progress, prefix))
         doc["timings_s"] = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
@@ -398,7 +414,9 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
     _preflight(profile)
     with progress.step("load weights"):
         recorded = doc["checkpoint"]
-        loaded = weights.load(doc["weight"]["name"], checkpoint or recorded["path"], verify=False)
+        reference = (doc["eager"].get("reference") or {}).get("checkpoint") or {}
+        loaded = weights.load(doc["weight"]["name"], checkpoint or recorded["path"], verify=False,
+                              float_checkpoint=reference.get("path"))
         if loaded.checkpoint["sha256"] != recorded["sha256"]:
             raise UsageError(f"checkpoint {loaded.checkpoint['path']} is not the one this build used (sha256 differs)")
     source = data_dir or (None if doc["data"]["source"] == "synthetic" else Path(doc["data"]["source"]))
@@ -407,7 +425,7 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
     session = _start_session(loaded, inputs, profile, progress)
     doc["target"]["thresholds"] = profile.get("thresholds", {})
     doc["data"] = inputs.description
-    doc["eager"] = {"accuracy": session.eager_accuracy}
+    doc["eager"] = {"accuracy": session.eager_accuracy, "reference": loaded.reference}
     for entry in doc["artifacts"]:
         entry["thresholds"] = dict(session.thresholds.get(entry["precision"], {}))
         if entry.get("path"):

@@ -15,6 +15,7 @@ class Progress:
         self.quiet = quiet
         self.console = Console(stderr=True, highlight=False)
         self.timings: dict[str, float] = {}
+        self._status = None  # the live spinner of the running step, on a terminal
 
     @contextlib.contextmanager
     def step(self, label: str):
@@ -23,11 +24,12 @@ class Progress:
         if not self.quiet:
             # a log (CI) gets one line per finished step; a terminal also gets a live spinner
             if self.console.is_terminal:
-                status = self.console.status(f"{label} …")
+                status = self._status = self.console.status(f"{label} …")
                 status.start()
         try:
             yield
         except BaseException as e:
+            self._status = None
             if status:
                 status.stop()
             if not self.quiet and not isinstance(e, (UsageError, SystemExit)):
@@ -35,6 +37,7 @@ class Progress:
             raise
         elapsed = time.perf_counter() - start
         self.timings[label] = round(elapsed, 3)
+        self._status = None
         if status:
             status.stop()
         if not self.quiet:
@@ -43,3 +46,35 @@ class Progress:
     def note(self, message: str) -> None:
         if not self.quiet:
             self.console.print(message)
+
+    @contextlib.contextmanager
+    def transfer(self, label: str, total_bytes: int | None):
+        """A byte-count bar for a download; yields advance(n). A log (not a terminal) gets one line when
+        it completes, as steps do."""
+        if self.quiet:
+            yield lambda n: None
+            return
+        start, received = time.perf_counter(), [0]
+        if not self.console.is_terminal:
+            yield lambda n: received.__setitem__(0, received[0] + n)
+        else:
+            from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+            from rich.progress import Progress as Bar
+
+            paused = self._status  # rich shows one live display at a time
+            if paused:
+                paused.stop()
+            try:
+                with Bar(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                         console=self.console, transient=True) as bar:
+                    task = bar.add_task(label, total=total_bytes)
+
+                    def advance(n: int) -> None:
+                        received[0] += n
+                        bar.advance(task, n)
+
+                    yield advance
+            finally:
+                if paused:
+                    paused.start()
+        self.console.print(f"[green]✓[/green] {label} ({received[0] / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s)")

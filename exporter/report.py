@@ -70,6 +70,11 @@ def markdown(doc: dict) -> str:
         f"- host: {host['cpu']}, {host['cores']} cores; **{host['threads']} threads** for eager and every runtime",
         f"- data: {data['source']}; {data['validation']} validation / {data['calibration']} calibration images (seed {data.get('seed')})",
         "- eager acc@1 / acc@5: " + (f"{eager['acc1']:.2f}% / {eager['acc5']:.2f}%" if eager else "**not measured** (no labeled --data)"),
+    ]
+    reference = doc["eager"].get("reference") or {}
+    if reference.get("note"):  # a quantized weight: which eager model the artifacts were measured against
+        lines.append(f"- eager reference: **{reference['kind']}** — {reference['note']}")
+    lines += [
         "",
     ]
     table = rows(doc)

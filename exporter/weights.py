@@ -1,10 +1,9 @@
-"""Named torchvision weights: resolve a name, describe it, load its checkpoint offline."""
+"""Named torchvision weights: resolve a name, describe it, load its checkpoint (downloading it when allowed)."""
 
 from __future__ import annotations
 
 import difflib
 import pickle
-import re
 import zipfile
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -15,11 +14,11 @@ import torchvision
 from torch import nn
 from torchvision.models import WeightsEnum, get_model, get_model_weights, list_models
 
+from . import download
+from .download import HASH_IN_NAME
 from .errors import UsageError
 from .files import sha256
-
-# torch.hub's convention: "<name>-<sha256 prefix>.<ext>"
-HASH_IN_NAME = re.compile(r"-([a-f0-9]{6,64})\.")
+from .progress import Progress
 
 TASK_MODULES = {
     "classification": torchvision.models,
@@ -39,7 +38,7 @@ def _models_by_task() -> dict[str, list[str]]:
 @lru_cache(maxsize=None)
 def _enum_to_model() -> dict[type, str]:
     table = {}
-    for task in ("classification", "detection", "segmentation", "video", "optical_flow"):
+    for task in TASK_MODULES:
         for name in _models_by_task()[task]:
             table.setdefault(get_model_weights(name), name)
     return table
@@ -51,9 +50,14 @@ def model_name_of(weights: WeightsEnum) -> str:
 
 def task_of(model_name: str) -> str:
     for task, names in _models_by_task().items():
-        if task != "quantization" and model_name in names:
+        if model_name in names:
             return task
     return "unknown"
+
+
+def is_quantized(weights: WeightsEnum) -> bool:
+    """torchvision's int8 weights (torchvision.models.quantization): eager-mode quantized classifiers."""
+    return "backend" in weights.meta
 
 
 def all_weight_names() -> list[str]:
@@ -131,6 +135,13 @@ def hub_checkpoint_path(weights: WeightsEnum) -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
 
 
+def _headline_metric(meta: dict) -> tuple[str | None, float | None]:
+    """The first metric torchvision reports (acc@1, miou, box_map, epe …) on its first dataset."""
+    metrics = next(iter(meta.get("_metrics", {}).values()), {})
+    name = next(iter(metrics), None)
+    return name, metrics.get(name)
+
+
 def list_weights(task: str = "classification", max_params: int | None = None) -> list[dict]:
     if task not in TASK_MODULES:
         raise UsageError(f"unknown task '{task}'; choose from {', '.join(TASK_MODULES)}")
@@ -141,31 +152,73 @@ def list_weights(task: str = "classification", max_params: int | None = None) ->
             if max_params is not None and meta.get("num_params", 0) > max_params:
                 continue
             acc = next(iter(meta.get("_metrics", {}).values()), {})
+            metric, value = _headline_metric(meta)
             rows.append(
                 {
                     "weight": canonical_name(w),
                     "model": model,
                     "acc@1": acc.get("acc@1"),
+                    "metric": metric,
+                    "value": value,
                     "params": meta.get("num_params"),
                     "gflops": meta.get("_ops"),
                     "size_mb": meta.get("_file_size"),
+                    "backend": meta.get("backend"),  # quantized weights: the engine they run on
                 }
             )
     return rows
+
+
+def checkpoint_status(weights: WeightsEnum) -> dict:
+    """Where the weight's checkpoint is (or would be downloaded to), whether it is there, and its size."""
+    path = hub_checkpoint_path(weights)
+    cached = path.is_file()
+    return {"path": str(path), "cached": cached, "size_bytes": path.stat().st_size if cached else None, "url": weights.url}
+
+
+def quantization_summary(weights: WeightsEnum) -> dict | None:
+    if not is_quantized(weights):
+        return None
+    unquantized = weights.meta["unquantized"]
+    return {
+        "backend": weights.meta["backend"],
+        "unquantized": canonical_name(unquantized),
+        "unquantized_checkpoint": checkpoint_status(unquantized),
+        "exports": "torchscript_lite .ptl int8 (as quantized); other formats take the float weight",
+    }
 
 
 @dataclass
 class LoadedModel:
     weights: WeightsEnum
     model_name: str
-    model: nn.Module
+    model: nn.Module  # what gets exported
     num_classes: int
     labels: list[str]
     checkpoint: dict = field(default_factory=dict)  # path, sha256, source, verified
+    # what artifacts are validated against, when it is not `model` itself: a quantized weight's own
+    # float model (meta["unquantized"]) where its checkpoint is at hand
+    reference_model: nn.Module | None = None
+    reference: dict = field(default_factory=dict)  # kind, weight, checkpoint, note
 
     @property
     def weight_name(self) -> str:
         return canonical_name(self.weights)
+
+    @property
+    def quantized(self) -> bool:
+        return is_quantized(self.weights)
+
+    @property
+    def eager(self) -> nn.Module:
+        return self.reference_model if self.reference_model is not None else self.model
+
+
+def _is_state_value(value) -> bool:
+    # eager-quantized modules store packed (weight, bias) tuples and a dtype beside their tensors
+    if isinstance(value, tuple):
+        return all(v is None or isinstance(v, torch.Tensor) for v in value)
+    return isinstance(value, (torch.Tensor, torch.dtype))
 
 
 def _read_state_dict(path: Path) -> dict:
@@ -181,67 +234,53 @@ def _read_state_dict(path: Path) -> dict:
             if isinstance(obj.get(key), dict):
                 obj = obj[key]
                 break
-    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+    if (not isinstance(obj, dict) or not any(isinstance(v, torch.Tensor) for v in obj.values())
+            or not all(_is_state_value(v) for v in obj.values())):
         raise UsageError(f"checkpoint {path} is not a state dict (expected a dict of tensors)")
     return obj
 
 
-def _last_linear_key(model: nn.Module) -> str | None:
+def _last_linear(model: nn.Module) -> str | None:
     last = None
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             last = name
-    return f"{last}.weight" if last else None
+    return last
 
 
 def _num_classes_in(state: dict, model_name: str, default: int) -> int:
-    probe = get_model(model_name, weights=None, num_classes=default)
-    key = _last_linear_key(probe)
-    if key and key in state and state[key].ndim == 2:
-        return int(state[key].shape[0])
+    last = _last_linear(get_model(model_name, weights=None, num_classes=default))
+    weight = state.get(f"{last}.weight")
+    packed = state.get(f"{last}._packed_params._packed_params")  # an int8 checkpoint's (weight, bias)
+    if weight is None and isinstance(packed, tuple):
+        weight = packed[0]
+    if isinstance(weight, torch.Tensor) and weight.ndim == 2:
+        return int(weight.shape[0])
     return default
 
 
-def load(
-    name: str,
-    checkpoint: str | Path | None = None,
-    verify: bool = True,
-    labels_file: str | Path | None = None,
-) -> LoadedModel:
-    weights = resolve(name)
-    model_name = model_name_of(weights)
-    if task_of(model_name) != "classification":
-        raise UsageError(f"{canonical_name(weights)} is a {task_of(model_name)} weight; only classification is supported")
-
-    if checkpoint is None:
-        path = hub_checkpoint_path(weights)
-        source = "torch-hub-cache"
-        if not path.is_file():
-            raise UsageError(
-                f"no cached checkpoint for {canonical_name(weights)} at {path} and no download on this host; "
-                f"place the file there or pass --checkpoint PATH"
-            )
-    else:
-        path, source = Path(checkpoint), "checkpoint"
-        if not path.is_file():
-            raise UsageError(f"checkpoint {path} does not exist")
-
+def _checked_digest(path: Path, verify: bool) -> tuple[str, bool]:
+    """The file's sha256, checked against the prefix its name carries (torch.hub's convention)."""
     digest = sha256(path)
     match = HASH_IN_NAME.search(path.name)
-    verified = False
     if match and verify:
         if not digest.startswith(match.group(1)):
             raise UsageError(
                 f"checkpoint {path} fails its hash check: name says {match.group(1)}, file is {digest[: len(match.group(1))]} "
                 f"(pass --no-verify to skip)"
             )
-        verified = True
+        return digest, True
+    return digest, False
 
-    state = _read_state_dict(path)
-    categories = list(weights.meta.get("categories") or [])
-    num_classes = _num_classes_in(state, model_name, len(categories) or 1000)
-    model = get_model(model_name, weights=None, num_classes=num_classes)
-    result = model.load_state_dict(state, strict=False)
+
+def _load_exactly(model: nn.Module, state: dict, path: Path, model_name: str) -> None:
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except KeyError as e:  # int8 modules read their keys themselves
+        raise UsageError(f"checkpoint {path} does not fit {model_name}: no key {e.args[0]}") from None
+    except (RuntimeError, TypeError, AttributeError) as e:  # shapes (or int8 layouts) that do not match
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
+        raise UsageError(f"checkpoint {path} does not fit {model_name}: {first[:200]}") from None
     if result.missing_keys or result.unexpected_keys:
         parts = []
         if result.missing_keys:
@@ -249,7 +288,96 @@ def load(
         if result.unexpected_keys:
             parts.append(f"{len(result.unexpected_keys)} unexpected keys (e.g. {result.unexpected_keys[0]})")
         raise UsageError(f"checkpoint {path} does not fit {model_name}: {', '.join(parts)}")
-    model.eval()
+
+
+def _quantized_model(model_name: str, num_classes: int, backend: str, state: dict, path: Path) -> nn.Module:
+    """An int8 model built as torchvision builds it (quantize=True, the weight's backend engine)."""
+    if backend not in torch.backends.quantized.supported_engines:
+        raise UsageError(f"{model_name} needs the {backend} quantized engine, which this torch build lacks")
+    torch.backends.quantized.engine = backend  # as torchvision's builders do; int8 runtimes read it too
+    if any("fake_quant" in key for key in state):
+        # a quantization-aware-training checkpoint (torchvision's MobileNetV3): the prepared model
+        # is loaded, then converted
+        model = get_model(model_name, weights=None, num_classes=num_classes)
+        model.fuse_model(is_qat=True)
+        model.qconfig = torch.ao.quantization.get_default_qat_qconfig(backend)
+        torch.ao.quantization.prepare_qat(model, inplace=True)
+        _load_exactly(model, state, path, model_name)
+        torch.ao.quantization.convert(model.eval(), inplace=True)
+    else:
+        model = get_model(model_name, weights=None, quantize=True, backend=backend, num_classes=num_classes)
+        _load_exactly(model, state, path, model_name)
+    return model.eval()
+
+
+def _float_reference(weights: WeightsEnum, num_classes: int, path: Path | None, verify: bool):
+    """A quantized weight's own float model, where its checkpoint is at hand (never downloaded)."""
+    unquantized = weights.meta["unquantized"]
+    source = "checkpoint" if path is not None else "torch-hub-cache"
+    path = Path(path) if path is not None else hub_checkpoint_path(unquantized)
+    if not path.is_file():
+        if source == "checkpoint":
+            raise UsageError(f"float checkpoint {path} does not exist")
+        note = (f"no checkpoint of {canonical_name(unquantized)} at {path}: validated against the quantized "
+                f"eager model (pass --float-checkpoint PATH to validate against the float model)")
+        return None, {"kind": "quantized eager", "weight": canonical_name(weights), "checkpoint": None,
+                      "looked_for": str(path), "note": note}
+    digest, verified = _checked_digest(path, verify)
+    name = model_name_of(unquantized)
+    model = get_model(name, weights=None, num_classes=num_classes)
+    _load_exactly(model, _read_state_dict(path), path, name)
+    checkpoint = {"path": str(path.resolve()), "sha256": digest, "source": source, "verified": verified}
+    return model.eval(), {"kind": "unquantized float", "weight": canonical_name(unquantized), "checkpoint": checkpoint,
+                          "note": f"validated against the weight's own float model {canonical_name(unquantized)}"}
+
+
+def load(
+    name: str,
+    checkpoint: str | Path | None = None,
+    verify: bool = True,
+    labels_file: str | Path | None = None,
+    offline: bool = False,
+    progress=None,
+    float_checkpoint: str | Path | None = None,
+) -> LoadedModel:
+    """The named weight's model from `checkpoint`, else the torch hub cache, else (unless offline,
+    by argument or $EXPORTER_OFFLINE) downloaded into the hub cache and verified."""
+    weights = resolve(name)
+    model_name = model_name_of(weights)
+    task = task_of(model_name)
+    if task not in ("classification", "quantization"):
+        raise UsageError(f"{canonical_name(weights)} is a {task} weight; only classification is supported")
+    if float_checkpoint is not None and not is_quantized(weights):
+        raise UsageError(f"--float-checkpoint is for quantized weights; {canonical_name(weights)} is float")
+
+    if checkpoint is None:
+        path = hub_checkpoint_path(weights)
+        source = "torch-hub-cache"
+        if not path.is_file():
+            if offline or download.offline_by_environment():
+                raise UsageError(
+                    f"no cached checkpoint for {canonical_name(weights)} at {path} and downloads are off "
+                    f"(--offline or ${download.OFFLINE_ENV}); place the file there or pass --checkpoint PATH"
+                )
+            download.fetch(weights.url, path, progress or Progress(quiet=True))
+            source = "download"
+    else:
+        path, source = Path(checkpoint), "checkpoint"
+        if not path.is_file():
+            raise UsageError(f"checkpoint {path} does not exist")
+
+    digest, verified = _checked_digest(path, verify or source == "download")
+    state = _read_state_dict(path)
+    categories = list(weights.meta.get("categories") or [])
+    num_classes = _num_classes_in(state, model_name, len(categories) or 1000)
+    reference_model, reference = None, {"kind": "float eager", "weight": canonical_name(weights), "checkpoint": None}
+    if is_quantized(weights):
+        model = _quantized_model(model_name, num_classes, weights.meta["backend"], state, path)
+        reference_model, reference = _float_reference(weights, num_classes, float_checkpoint, verify)
+    else:
+        model = get_model(model_name, weights=None, num_classes=num_classes)
+        _load_exactly(model, state, path, model_name)
+        model.eval()
 
     labels = read_labels(labels_file, num_classes) if labels_file else None
     if labels is None:
@@ -261,6 +389,8 @@ def load(
         num_classes=num_classes,
         labels=labels,
         checkpoint={"path": str(path.resolve()), "sha256": digest, "source": source, "verified": verified},
+        reference_model=reference_model,
+        reference=reference,
     )
 
 

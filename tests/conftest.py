@@ -15,6 +15,8 @@ from exporter.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("EXPORTER_TEST_CACHE", ROOT / ".cache" / "digits"))
 
+QUANTIZED_WEIGHT = "ShuffleNet_V2_X0_5_QuantizedWeights.IMAGENET1K_FBGEMM_V1"
+
 # Small but real: every number below is measured, only on fewer images and iterations.
 FAST = ["--calib-size", "64", "--val-size", "120", "--warmup", "2", "--iterations", "10"]
 
@@ -27,9 +29,22 @@ def build_cache(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session", autouse=True)
+def offline():
+    """No test reaches the internet: a missing checkpoint is never fetched (test_download serves its own)."""
+    os.environ["EXPORTER_OFFLINE"] = "1"
+
+
 @pytest.fixture(scope="session")
 def digits_model() -> digits.DigitsModel:
     return digits.prepare(CACHE)
+
+
+@pytest.fixture(scope="session")
+def quantized_digits() -> digits.QuantizedDigitsModel:
+    """ShuffleNetV2 x0.5 trained on the digits (about a minute) and quantized in eager mode as torchvision
+    made its int8 weights: the stand-in for a downloaded quantized checkpoint."""
+    return digits.prepare_quantized(CACHE, QUANTIZED_WEIGHT)
 
 
 @pytest.fixture(scope="session")

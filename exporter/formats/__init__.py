@@ -10,6 +10,9 @@ Optional:
     proxies(path, model) -> dict[str, Runner]   # stand-ins measured when the runtime is unavailable
     preflight(precision, **options) -> None     # raise UsageError / RuntimeUnavailable before any work
 
+A torchvision int8 weight (already quantized in eager mode) is exported only by formats whose
+FormatSpec has no `no_quantized_eager` reason; the others are reported `unavailable` with it.
+
 `options` come from the target profile's [[artifacts]] `options` table. Either function may
 raise RuntimeUnavailable (no GPU, no macOS): the artifact is then reported `unavailable`, not
 `failed`. No format knows about validation, targets or the CLI.
@@ -41,6 +44,9 @@ class FormatSpec:
     module: str
     extra: str
     requires: tuple[str, ...]
+    # why the format cannot take a model already quantized in eager mode (torchvision's int8
+    # weights), checked before any export; None when it can
+    no_quantized_eager: str | None = None
 
     def installed(self) -> bool:
         # find_spec, not an import: coremltools and executorch take seconds to import, and a
@@ -59,10 +65,17 @@ class FormatSpec:
 FORMATS = {
     spec.name: spec
     for spec in (
-        FormatSpec("executorch", "exporter.formats.executorch", "android", ("executorch",)),
+        FormatSpec("executorch", "exporter.formats.executorch", "android", ("executorch",),
+                   "ExecuTorch lowers a torch.export graph, and its int8 comes from PT2E quantization of the "
+                   "float model; build the float weight (meta['unquantized']) for an int8 .pte"),
         FormatSpec("torchscript_lite", "exporter.formats.torchscript_lite", "android", ()),
-        FormatSpec("onnx", "exporter.formats.onnx", "jetson", ("onnx", "onnxruntime", "onnxscript")),
-        FormatSpec("tensorrt", "exporter.formats.tensorrt", "jetson", ()),
-        FormatSpec("coreml", "exporter.formats.coreml", "ios", ("coremltools",)),
+        FormatSpec("onnx", "exporter.formats.onnx", "jetson", ("onnx", "onnxruntime", "onnxscript"),
+                   "the ONNX exporter (dynamo) traces with torch.export, which does not take eager-mode quantized "
+                   "modules; build the float weight (meta['unquantized']) for an int8 Q/DQ ONNX"),
+        FormatSpec("tensorrt", "exporter.formats.tensorrt", "jetson", (),
+                   "TensorRT engines are built from the ONNX export, which cannot take it"),
+        FormatSpec("coreml", "exporter.formats.coreml", "ios", ("coremltools",),
+                   "Core ML converts a torch.export graph, which does not take eager-mode quantized modules; "
+                   "build the float weight (meta['unquantized']) and compress it in Core ML"),
     )
 }

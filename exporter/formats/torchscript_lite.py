@@ -1,4 +1,7 @@
-"""TorchScript for the lite interpreter (.ptl), the PyTorch Mobile route."""
+"""TorchScript for the lite interpreter (.ptl), the PyTorch Mobile route.
+
+int8 here is a model already quantized in eager mode (torchvision's quantized weights), exported as
+it is; this format does not quantize a float model (ExecuTorch's int8 does)."""
 
 from __future__ import annotations
 
@@ -9,12 +12,19 @@ import torch
 NAME = "torchscript_lite"
 SUFFIX = ".ptl"
 OPTIONS = ()
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "int8")
+
+
+def _is_quantized(model) -> bool:
+    return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules())
 
 
 def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
     from torch.utils.mobile_optimizer import optimize_for_mobile
 
+    if (precision == "int8") != _is_quantized(model):
+        raise ValueError(f"a {precision} .ptl is the model as it is: this model is "
+                         f"{'int8' if _is_quantized(model) else 'float'} (int8 needs a torchvision quantized weight)")
     scripted = torch.jit.trace(model, example)
     details = {"xnnpack_rewrite": "applied"}
     try:
@@ -23,6 +33,9 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
         # Stock torch wheels are built without XNNPACK; the lite model still runs, unoptimized.
         details = {"xnnpack_rewrite": "unavailable", "xnnpack_rewrite_reason": str(e).strip().splitlines()[0]}
         module = torch.jit.freeze(scripted)
+    if precision == "int8":
+        # int8 weights are repacked for the engine selected when the model is loaded (phones: QNNPACK)
+        details["quantized_engine_on_host"] = torch.backends.quantized.engine
     module._save_for_lite_interpreter(str(path))
     return details
 
