@@ -92,6 +92,16 @@ def measure_latency(
     return {name: percentiles(s) for name, s in samples.items()}
 
 
+def quality(outputs: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor | None, eager_accuracy: dict | None,
+            thresholds: Mapping[str, float]) -> dict:
+    """Fidelity against eager, labeled accuracy when there are labels, and the thresholds it breaks."""
+    metrics = {"fidelity": fidelity(reference, outputs), "accuracy": None}
+    if labels is not None and eager_accuracy is not None:
+        metrics["accuracy"] = accuracy_vs_eager(eager_accuracy, accuracy(outputs, labels))
+    metrics["reasons"] = breaches(metrics, thresholds)
+    return metrics
+
+
 def evaluate(
     runner: Runner,
     eager: Runner,
@@ -104,14 +114,10 @@ def evaluate(
     iterations: int,
 ) -> dict:
     """The whole contract for one runner against the eager reference."""
-    outputs = run_all(runner, inputs)
-    metrics = {"fidelity": fidelity(reference, outputs), "accuracy": None}
-    if labels is not None and eager_accuracy is not None:
-        metrics["accuracy"] = accuracy_vs_eager(eager_accuracy, accuracy(outputs, labels))
+    metrics = quality(run_all(runner, inputs), reference, labels, eager_accuracy, thresholds)
     timing = measure_latency({"eager": eager, "artifact": runner}, inputs[:1], warmup, iterations)
     metrics["latency_ms"] = timing["artifact"]
     metrics["eager_latency_ms"] = timing["eager"]
     metrics["speedup_vs_eager"] = timing["eager"]["p50"] / timing["artifact"]["p50"]
-    metrics["reasons"] = breaches(metrics, thresholds)
     metrics["status"] = "failed" if metrics["reasons"] else "passed"
     return metrics

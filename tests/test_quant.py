@@ -14,7 +14,7 @@ from exporter.errors import UsageError
 from exporter.quant import Calibration
 from exporter.quant.search import _steps
 
-from .conftest import assert_clean_refusal, build_args, run_cli
+from .conftest import FAST, assert_clean_refusal, build_args, run_cli
 
 INT8 = ["--target", "android", "--target", "jetson", "--format", "executorch:int8", "--format", "onnx:int8"]
 STRICT = ["--threshold", "int8.top1_agreement=0.99", "--threshold", "int8.psnr_db=30", "--threshold", "int8.accuracy_drop=0.5"]
@@ -147,7 +147,27 @@ def test_budgeted_build_keeps_the_fragile_layer_in_float_and_passes(fragile_buil
         assert not q["before"]["meets_budget"] and q["after"]["meets_budget"]
         assert q["after"]["psnr_db"] > q["before"]["psnr_db"] + 10
         assert len(kept) <= q["max_float_fraction"] * q["layers"]
+        if name == "executorch_int8":  # the float layers stay inside the XNNPACK delegate
+            assert a["details"]["delegation"]["ops_outside_on_tensors"] == {}
     notes = (out / "android" / "report.md").read_text()
     kept_line = next(line for line in notes.splitlines() if line.startswith("- `executorch_int8`: int8 budget met"))
     assert digits.FRAGILE_LAYER in kept_line.split("kept in float: ")[1]
     assert (out / "report.html").read_text().count('aria-label="int8 layer sensitivity') == 2
+
+
+@pytest.mark.slow
+def test_a_second_trained_architecture_meets_its_budget(tmp_path, quantized_digits):
+    """ShuffleNetV2 (channel shuffles, no squeeze-excite), trained on the digits: the float model that the
+    quantized-weights tests stand in for, here quantized by exporter itself."""
+    out = tmp_path / "shufflenet"
+    weight = "ShuffleNet_V2_X0_5_Weights.IMAGENET1K_V1"
+    args = ["build", weight, "--checkpoint", quantized_digits.float_checkpoint, "--data", quantized_digits.data_dir,
+            "--labels", quantized_digits.labels_file, "--out", out, "--quiet", *FAST, *INT8]
+    result = run_cli(*args)
+    assert result.exit_code == 0, result.output
+    for name, a in _int8_artifacts(out).items():
+        q = a["details"]["quantization"]
+        assert a["status"] == "passed" and q["meets_budget"], (name, a["reasons"], q.get("note"))
+        assert q["layers"] > 20 and q["int8_layers"] >= (1 - q["max_float_fraction"]) * q["layers"]
+        if name == "executorch_int8":  # a mixed int8/float graph still runs wholly inside XNNPACK
+            assert a["details"]["delegation"]["ops_outside_on_tensors"] == {}

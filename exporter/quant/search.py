@@ -11,8 +11,7 @@ from typing import Protocol
 
 import torch
 
-from ..thresholds import breaches
-from ..validation import accuracy, accuracy_vs_eager, fidelity, run_all
+from ..validation import accuracy, quality, run_all
 from .calibration import Calibration
 from .sensitivity import layer_sensitivity
 
@@ -44,15 +43,6 @@ def _steps(cap: int):
     while count < cap:
         count = min(cap, count + max(1, count // 2))
         yield count
-
-
-def _measure(candidate, check: torch.Tensor, reference: torch.Tensor, labels, eager_accuracy, budget: dict) -> dict:
-    outputs = run_all(candidate, check)
-    metrics = {"fidelity": fidelity(reference, outputs), "accuracy": None}
-    if labels is not None:
-        metrics["accuracy"] = accuracy_vs_eager(eager_accuracy, accuracy(outputs, labels))
-    metrics["reasons"] = breaches(metrics, budget)
-    return metrics
 
 
 def _summary(metrics: dict) -> dict:
@@ -88,7 +78,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
 
     def attempt(float_layers: list[str], method: str):
         candidate = backend.quantize(float_layers, range_images, method)
-        metrics = _measure(candidate, check, reference, check_labels, eager_accuracy, budget)
+        metrics = quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
         steps.append({"float_layers": len(float_layers), "ranges": method, **_summary(metrics)})
         log(f"  int8 ({method} ranges), {len(float_layers)} of {len(layers)} layers in float: PSNR "
             f"{metrics['fidelity']['psnr_db']:.1f} dB, top-1 agreement {metrics['fidelity']['top1_agreement']:.3f} "
