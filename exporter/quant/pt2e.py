@@ -1,7 +1,7 @@
 """PT2E static int8 (torchao) with ExecuTorch's XNNPACK quantizer, and layers kept in float on request.
 
 Histogram-calibrated activations and per-channel symmetric weights come from the XNNPACK quantizer's
-own symmetric config. Keeping a layer in float means its weights *and its input* stay float: XNNPACK's
+own symmetric config. Keeping a layer in float means its weights, its input and its output stay float: XNNPACK's
 annotation quantizes an op's output on the producer's side, so the annotation of the producer
 (through view-like and elementwise ops that carry no annotation of their own) is dropped too; other
 consumers of that tensor still quantize it on their own input edge. The XNNPACK partitioner takes
@@ -43,6 +43,21 @@ def _float_input(node: Node, floated: set[str]) -> None:
             _float_pattern(producer, floated)
             return
         producer = producer.args[0] if producer.args else None
+
+
+def _float_output(node: Node) -> None:
+    """Leave a float layer's output float too: clear the output annotation at the end of its pattern
+    (the layer itself, or the BatchNorm/activation fused after it). Consumers that are quantized ops
+    quantize it on their own input edge."""
+    for _ in range(MAX_WALK):
+        annotation = node.meta.get(KEY)
+        if annotation is not None and annotation.output_qspec is not None:
+            annotation.output_qspec = None
+            return
+        users = list(node.users)
+        if len(users) != 1 or (users[0].meta.get(KEY) is not None and users[0].meta[KEY].input_qspec_map):
+            return  # the next op is annotated on its own: it starts a pattern of its own
+        node = users[0]
 
 
 def _is_propagated(annotation) -> bool:
@@ -113,6 +128,7 @@ def _quantizer(float_layers: set[str]):
                     if annotation is not None:
                         annotation.input_qspec_map = {}
                     _float_input(node, self.floated)
+                    _float_output(node)
             _drop_dangling_shares(model.graph)
             return model
 
