@@ -171,3 +171,14 @@ def test_a_second_trained_architecture_meets_its_budget(tmp_path, quantized_digi
         assert q["layers"] > 20 and q["int8_layers"] >= (1 - q["max_float_fraction"]) * q["layers"]
         if name == "executorch_int8":  # a mixed int8/float graph still runs wholly inside XNNPACK
             assert a["details"]["delegation"]["ops_outside_on_tensors"] == {}
+
+
+@pytest.mark.slow
+def test_json_stdout_stays_a_manifest_through_onnx_calibration(tmp_path, digits_model):
+    # ONNX Runtime's percentile calibrator prints to stdout, which carries the manifest under --json
+    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--out", tmp_path / "out",
+                     "--target", "jetson", "--format", "onnx:int8", "--calib-size", "16", "--val-size", "16",
+                     "--iterations", "3", "--quant-budget", "onnx_calibration=percentile", "--json")
+    doc = json.loads(result.stdout)
+    (entry,) = doc["artifacts"]
+    assert entry["details"]["quantization"]["calibration_method"].startswith("percentile")

@@ -15,6 +15,9 @@ threshold, the maximum (the scales came out identical to MinMax on the digits mo
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import tempfile
 from pathlib import Path
 
@@ -110,10 +113,25 @@ class OnnxQdqBackend:
                  "TensorQuantOverrides": self._range_overrides(method, range_images)}
         if method == "percentile":
             extra["CalibTensorRangeSymmetric"] = True
-        quantize_static(
-            str(self.fp32_path), str(path), Batches(), quant_format=QuantFormat.QDQ, per_channel=True,
-            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, op_types_to_quantize=list(QUANTIZED_OPS),
-            nodes_to_exclude=sorted(excluded), extra_options=extra,
-            calibrate_method=CalibrationMethod.Percentile if method == "percentile" else CalibrationMethod.MinMax,
-        )
+        with _quiet_quantizer():
+            quantize_static(
+                str(self.fp32_path), str(path), Batches(), quant_format=QuantFormat.QDQ, per_channel=True,
+                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, op_types_to_quantize=list(QUANTIZED_OPS),
+                nodes_to_exclude=sorted(excluded), extra_options=extra,
+                calibrate_method=CalibrationMethod.Percentile if method == "percentile" else CalibrationMethod.MinMax,
+            )
         return QdqCandidate(path, input_name)
+
+
+@contextlib.contextmanager
+def _quiet_quantizer():
+    """ONNX Runtime's calibrators print their histogram settings to stdout (which carries the manifest
+    under --json) and warn on the root logger about pre-processing we deliberately skip."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        root.setLevel(level)
