@@ -88,6 +88,70 @@ def test_sensitivity_ranks_the_fragile_layer_first(digits_model, fragile_checkpo
     assert sensitivity.output_psnr_db[digits.FRAGILE_LAYER] < 20 < sorted(sensitivity.output_psnr_db.values())[1]
 
 
+class _FakeBackend:
+    """Quantizes nothing: its candidate is the model plus an error that only keeping `culprit` in float
+    removes, so the search can be checked without exporting anything."""
+
+    range_methods = ("coarse", "fine")
+    LAYERS = [f"layer{i}" for i in range(8)]
+
+    def __init__(self, model, culprit: str | None):
+        self.model, self.culprit = model, culprit
+
+    def layers(self):
+        return list(self.LAYERS)
+
+    def describe(self, method):
+        return method
+
+    def float_closure(self, float_layers):
+        return list(float_layers)
+
+    def quantize(self, float_layers, range_images, method):
+        error = 0.0 if self.culprit in float_layers else (0.5 if method == "coarse" else 0.2)
+
+        def candidate(x):
+            out = self.model(x)
+            return out + error * torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+
+        return candidate
+
+
+def _search(monkeypatch, culprit, ranking, **settings):
+    from exporter.quant import SETTINGS, search
+    from exporter.quant.sensitivity import Sensitivity
+
+    monkeypatch.setattr(search, "layer_sensitivity", lambda *a, **k: Sensitivity(
+        {n: 10.0 + i for i, n in enumerate(ranking)}, {n: 5.0 + i for i, n in enumerate(ranking)}))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 10)
+    calibration = Calibration([torch.randn(1, 4) for _ in range(20)], None, {"psnr_db": 30.0},
+                              {**SETTINGS, **settings})
+    return search.quantize_with_budget(model, _FakeBackend(model, culprit), calibration)[1]
+
+
+def test_search_keeps_the_best_ranges_and_floats_layers_in_sensitivity_order(monkeypatch):
+    ranking = [f"layer{i}" for i in (5, 1, 3, 0, 2, 4, 6, 7)]
+    report = _search(monkeypatch, "layer3", ranking, max_float_fraction=1.0)
+    assert report["calibration_method"] == "fine" and [s["ranges"] for s in report["steps"][:2]] == ["coarse", "fine"]
+    assert [f["name"] for f in report["float_layers"]] == ["layer5", "layer1", "layer3"]  # steps of 1, 2, 3 layers
+    assert report["meets_budget"] and not report["before"]["meets_budget"] and report["int8_layers"] == 5
+
+
+def test_search_stops_when_float_layers_stop_helping(monkeypatch):
+    report = _search(monkeypatch, None, list(_FakeBackend.LAYERS), max_float_fraction=1.0)
+    fallback_steps = [s["float_layers"] for s in report["steps"][2:]]
+    assert fallback_steps == [1, 2, 3, 4] and not report["meets_budget"]  # the cap (8) is not reached
+    assert "4 steps in a row" in report["note"]
+
+
+def test_search_respects_the_cap_and_no_fallback(monkeypatch):
+    capped = _search(monkeypatch, "layer7", list(_FakeBackend.LAYERS), max_float_fraction=0.25)
+    assert [s["float_layers"] for s in capped["steps"][2:]] == [1, 2] and "cap of 2" in capped["note"]
+    plain = _search(monkeypatch, "layer0", list(_FakeBackend.LAYERS), fallback=False)
+    assert plain["float_layers"] == [] and len(plain["steps"]) == 2 and "--no-fallback" in plain["note"]
+
+
 # --- whole builds ------------------------------------------------------------------------------------
 
 
