@@ -86,9 +86,9 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         candidate = backend.quantize(float_layers, range_images, method)
         metrics = quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
         steps.append({"float_layers": len(float_layers), "ranges": method, **_summary(metrics)})
-        log(f"  int8 ({method} ranges), {len(float_layers)} of {len(layers)} layers in float: PSNR "
-            f"{metrics['fidelity']['psnr_db']:.1f} dB, top-1 agreement {metrics['fidelity']['top1_agreement']:.3f} "
-            f"on {len(check)} held-out calibration images" + ("" if metrics["reasons"] else " (budget met)"))
+        log(f"  int8, {method} ranges, {len(float_layers)}/{len(layers)} layers float: "
+            f"{metrics['fidelity']['psnr_db']:.1f} dB, agreement {metrics['fidelity']['top1_agreement']:.3f}"
+            + ("" if metrics["reasons"] else ", budget met"))
         return candidate, metrics
 
     steps: list[dict] = []
@@ -101,7 +101,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     float_layers: list[str] = []
     sensitivity, stopped = None, None
     if metrics["reasons"] and calibration.settings["fallback"] and layers:
-        log(f"  int8 misses its budget ({'; '.join(metrics['reasons'])}): measuring layer sensitivity")
+        log(f"  int8 misses its budget on {len(check)} held-out images: measuring layer sensitivity")
         with torch.no_grad():
             sensitivity = layer_sensitivity(model, layers, torch.cat(range_images[:16]), check[:8], reference[:8])
         ranking = sensitivity.ranking()
