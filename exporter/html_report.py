@@ -114,8 +114,8 @@ def sensitivity_chart(name: str, q: dict, width: int = 620, most: int = 24) -> s
         parts.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end">{_esc(layer)}</text>')
         parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 5}" fill="{colour}"/>')
         parts.append(f'<text x="{label_w + w + 4:.1f}" y="{y + 12}">{value:.1f} dB{" float" if layer in kept else ""}</text>')
-    parts.append(f'<text x="{label_w}" y="{height - 6}" class="meta">output PSNR vs eager with only that layer int8 '
-                 f'({len(values)} most sensitive of {q["layers"]} layers); red: kept in float</text>')
+    parts.append(f'<text x="4" y="{height - 6}" class="meta">output PSNR vs eager with only that layer int8 · '
+                 f'{len(values)} worst of {q["layers"]} layers · red: kept in float</text>')
     return "".join(parts) + "</svg>"
 
 
