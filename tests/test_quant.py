@@ -143,6 +143,7 @@ def test_search_stops_when_float_layers_stop_helping(monkeypatch):
     fallback_steps = [s["float_layers"] for s in report["steps"][2:]]
     assert fallback_steps == [1, 2, 3, 4] and not report["meets_budget"]  # the cap (8) is not reached
     assert "4 steps in a row" in report["note"]
+    assert report["float_layers"] == [] and report["after"] == report["before"]  # no gain: plain PTQ kept
 
 
 def test_search_respects_the_cap_and_no_fallback(monkeypatch):

@@ -99,6 +99,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     plain = steps[list(trials).index(method)]
     report["calibration_method"] = backend.describe(method)
     float_layers: list[str] = []
+    chosen = plain
     sensitivity, stopped = None, None
     if metrics["reasons"] and calibration.settings["fallback"] and layers:
         log(f"  int8 misses its budget on {len(check)} held-out images: measuring layer sensitivity")
@@ -106,23 +107,28 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
             sensitivity = layer_sensitivity(model, layers, torch.cat(range_images[:16]), check[:8], reference[:8])
         ranking = sensitivity.ranking()
         cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
+        tried = [([], candidate, metrics, plain)]
         best, stale = metrics["fidelity"]["psnr_db"], 0
         for count in _steps(cap):
-            float_layers = ranking[:count]
-            candidate, metrics = attempt(float_layers, method)
-            if not metrics["reasons"]:
+            tried.append((ranking[:count], *attempt(ranking[:count], method), steps[-1]))
+            psnr = tried[-1][2]["fidelity"]["psnr_db"]
+            if not tried[-1][2]["reasons"]:
                 break
-            gain = metrics["fidelity"]["psnr_db"] - best
-            best, stale = max(best, metrics["fidelity"]["psnr_db"]), (stale + 1 if gain < MIN_GAIN_DB else 0)
+            best, stale = max(best, psnr), (stale + 1 if psnr - best < MIN_GAIN_DB else 0)
             if stale == PATIENCE:
                 stopped = f"{PATIENCE} steps in a row gained less than {MIN_GAIN_DB} dB"
                 break
+        if tried[-1][2]["reasons"]:
+            # the budget was not met: float layers that did not buy MIN_GAIN_DB only cost speed
+            top = max(t[2]["fidelity"]["psnr_db"] for t in tried)
+            tried = [next(t for t in tried if t[2]["fidelity"]["psnr_db"] >= top - MIN_GAIN_DB)]
+        float_layers, candidate, metrics, chosen = tried[-1]
     kept = backend.float_closure(float_layers)
     report.update(
         float_layers=[_layer_entry(n, sensitivity, n not in float_layers) for n in kept],
         int8_layers=len(layers) - len(kept),
         before=plain,
-        after=steps[-1] if float_layers else plain,
+        after=chosen,
         meets_budget=not metrics["reasons"],
         steps=steps,
         sensitivity=None if sensitivity is None else {
@@ -136,6 +142,8 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         why = "fallback is off (--no-fallback)" if not calibration.settings["fallback"] else stopped or \
             f"the cap of {math.floor(calibration.settings['max_float_fraction'] * len(layers))} float layers was reached"
         report["note"] = f"budget not met on the check images ({'; '.join(metrics['reasons'])}): {why}"
+        if sensitivity is not None:
+            report["note"] += f"; kept the fewest float layers ({len(float_layers)}) within {MIN_GAIN_DB} dB of the best step"
     return candidate, report
 
 
