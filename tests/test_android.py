@@ -138,3 +138,20 @@ def test_without_data_validates_on_synthetic_inputs(tmp_path, digits_model):
     assert doc["data"]["source"] == "synthetic" and doc["eager"]["accuracy"] is None
     assert doc["artifacts"][0]["accuracy"] is None and doc["artifacts"][0]["fidelity"]["samples"] == 16
     assert "not measured" in (out / "report.md").read_text()
+
+
+def test_ops_left_outside_the_delegate_are_named_by_their_aten_op():
+    import torch
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    from exporter.formats.executorch import _outside_on_tensors
+
+    class SplitThenMean(torch.nn.Module):  # XNNPACK 1.5.1 takes neither split_with_sizes nor mean.dim
+        def forward(self, x):
+            a, b = x.split([2, 2], dim=1)
+            return torch.cat([b, a], 1).mean(dim=(2, 3))
+
+    edge = to_edge_transform_and_lower(torch.export.export(SplitThenMean(), (torch.randn(1, 4, 8, 8),)),
+                                       partitioner=[XnnpackPartitioner()])
+    assert _outside_on_tensors(edge.exported_program().graph_module) == {"split_with_sizes_copy": 1, "mean": 1}

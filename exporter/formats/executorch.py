@@ -41,7 +41,8 @@ def _outside_on_tensors(graph_module) -> dict:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor) and value.numel() <= 1:
             continue
-        name = str(node.target).split(".")[-2] if "." in str(node.target) else str(node.target)
+        parts = getattr(node.target, "__name__", str(node.target)).split(".")  # "aten.mean.dim" -> "mean"
+        name = parts[1] if len(parts) >= 3 else parts[0]
         counts[name] = counts.get(name, 0) + 1
     return counts
 
