@@ -36,6 +36,7 @@ class BuildRequest:
     iterations: int | None = None
     offline: bool = False  # never download a missing checkpoint (also $EXPORTER_OFFLINE=1)
     float_checkpoint: Path | None = None  # a quantized weight's float model, the eager reference
+    input_size: tuple[int, int] | None = None  # (H, W) of a segmentation graph; default: the weight's resize size, square
 
 
 def expand_targets(targets) -> list[str]:

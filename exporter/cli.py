@@ -95,13 +95,17 @@ def inspect(weight, as_json):
 
     w = weights.resolve(weight)
     checkpoint = weights.checkpoint_status(w)
+    try:
+        preprocessing = weights.preprocessing_spec(w)
+    except UsageError as e:  # a task that cannot be exported: say why instead
+        preprocessing = f"not exportable: {e}"
     info = {
         "weight": weights.canonical_name(w),
         "model": weights.model_name_of(w),
         "task": weights.task_of(weights.model_name_of(w)),
         "meta": weights.meta_summary(w),
         "categories": len(w.meta.get("categories") or []),
-        "preprocessing": weights.preprocessing_spec(w),
+        "preprocessing": preprocessing,
         "transforms": repr(w.transforms()),
         "url": w.url,
         "checkpoint_path": checkpoint["path"],
@@ -121,7 +125,10 @@ def inspect(weight, as_json):
 
 
 def _threshold_help() -> str:
-    return "Override a threshold: [PRECISION.]KEY=VALUE, e.g. int8.psnr_db=35 (repeatable). Keys: top1_agreement, top5_agreement, psnr_db, cosine, max_abs_error, accuracy_drop."
+    from .thresholds import TASK_KEYS
+
+    keys = "; ".join(f"{task}: {', '.join(names)}" for task, names in TASK_KEYS.items())
+    return f"Override a threshold: [PRECISION.]KEY=VALUE, e.g. int8.psnr_db=35 (repeatable). Keys by task, {keys}."
 
 
 def _parse_value(raw: str):
@@ -169,7 +176,11 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--float-checkpoint", type=click.Path(path_type=Path), default=None,
               help="A quantized weight's float model (its meta['unquantized']), the eager reference [default: from the torch hub cache if there].")
 @click.option("--labels", type=click.Path(path_type=Path), default=None, help="Class names, one per line (fine-tuned checkpoints).")
-@click.option("--data", type=click.Path(path_type=Path), default=None, help="ImageFolder for calibration and labeled validation.")
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="Calibration and labeled validation data: an ImageFolder (classification), or DIR/images + DIR/masks "
+                   "(segmentation, VOC-style: class index per pixel, 255 = ignore).")
+@click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None, metavar="H W",
+              help="Fixed input size of a segmentation graph [default: the weight's resize size, square].")
 @click.option("--calib-size", type=click.IntRange(min=0), default=None)
 @click.option("--val-size", type=click.IntRange(min=1), default=None)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for eager and every runtime alike.")
@@ -193,7 +204,7 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--quiet", is_flag=True, help="No progress or report on the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest JSON on stdout.")
 @one_line_errors
-def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint, labels, data, calib_size, val_size, threads,
+def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint, labels, data, input_size, calib_size, val_size, threads,
           warmup, iterations, thresholds, quant_budget, no_fallback, formats, raw_options, batch, workspace, dla_core,
           require_engine, deployment_target, make_bundle,
           no_cache, force, quiet, as_json):
@@ -208,7 +219,7 @@ def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint
         val_size=val_size, threads=threads, warmup=warmup, iterations=iterations,
         options=_options(raw_options, batch=batch, workspace_mb=workspace, dla_core=dla_core,
                          require_engine=require_engine, deployment_target=deployment_target),
-        cache=not no_cache, offline=offline, float_checkpoint=float_checkpoint,
+        cache=not no_cache, offline=offline, float_checkpoint=float_checkpoint, input_size=input_size,
     )
     docs = build_targets(request, expand_targets(targets), Progress(quiet=quiet or as_json))
     base = out or Path("exports") / docs[0]["weight"]["name"] / (docs[0]["target"]["name"] if len(docs) == 1 else "")

@@ -43,7 +43,7 @@ def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
     return classes, samples
 
 
-def _split(n: int, calib_size: int, val_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def split(n: int, calib_size: int, val_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     if n < calib_size + val_size:
         calib_size = min(calib_size, n // 2)
         val_size = n - calib_size
@@ -63,7 +63,7 @@ def from_imagefolder(root: Path, preprocess, calib_size: int, val_size: int, see
     classes, samples = scan_imagefolder(root)
     if len(classes) > num_classes:
         raise UsageError(f"--data {root} has {len(classes)} class folders but the model has {num_classes} classes")
-    calib_idx, val_idx = _split(len(samples), calib_size, val_size, seed)
+    calib_idx, val_idx = split(len(samples), calib_size, val_size, seed)
     calibration = [_load_image(samples[i][0], preprocess)[None] for i in calib_idx]
     validation = torch.stack([_load_image(samples[i][0], preprocess) for i in val_idx])
     labels = torch.as_tensor([samples[i][1] for i in val_idx])

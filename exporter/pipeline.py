@@ -4,6 +4,7 @@ Imported only when a build is not served whole from the cache (it needs torch)."
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime
 import functools
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import __version__, cache, data, files, html_report, manifest, profiles, report, validation, weights
+from .tasks import Task
 from .quant import Calibration
 from .build import BuildRequest
 from .cache import BuildCache
@@ -29,6 +31,7 @@ class Session:
     """What every artifact of one build is validated against."""
 
     loaded: weights.LoadedModel
+    task: Task
     inputs: data.Inputs
     reference: torch.Tensor
     eager_accuracy: dict | None
@@ -46,6 +49,7 @@ class Session:
             "reference": (self.loaded.reference.get("checkpoint") or {}).get("sha256"),
             "model": self.loaded.model_name,
             "num_classes": self.loaded.num_classes,
+            "task": self.task.describe(),
             "calibration": cache.tensors_digest(self.inputs.calibration),
             "validation": cache.tensors_digest([self.inputs.validation]),
             "labels": cache.tensors_digest([labels]) if labels is not None else None,
@@ -61,7 +65,8 @@ class Session:
             "weight": self.loaded.weight_name,
             "model": self.loaded.model_name,
             "labels": list(self.loaded.labels),
-            "preprocessing": weights.preprocessing_spec(self.loaded.weights),
+            "task": self.task.describe(),
+            "preprocessing": self.task.preprocessing(self.loaded.weights),
             "accuracy": weights.meta_summary(self.loaded.weights)["metrics"],
             "recipe": self.loaded.weights.meta.get("recipe"),
             "exporter_version": __version__,
@@ -75,23 +80,23 @@ class Session:
         if precision != "int8":
             return self.inputs.calibration
         settings, budget = self.quantization
-        return Calibration(self.inputs.calibration, self.inputs.calibration_labels, budget, settings, log)
+        return Calibration(self.inputs.calibration, self.inputs.calibration_labels, budget, settings, log, self.task)
 
 
-def _load_inputs(path: Path | None, loaded: weights.LoadedModel, data_settings: dict) -> data.Inputs:
-    preprocess = loaded.weights.transforms()
+def _load_inputs(path: Path | None, loaded: weights.LoadedModel, task: Task, data_settings: dict) -> data.Inputs:
+    transform = task.transform(loaded.weights)
     size = (data_settings["calib_size"], data_settings["val_size"], data_settings["seed"])
     if path is None:
-        return data.synthetic(preprocess, *size)
-    return data.from_imagefolder(Path(path), preprocess, *size, num_classes=loaded.num_classes)
+        return data.synthetic(transform, *size)
+    return task.load_data(Path(path), transform, *size)
 
 
-def _start_session(loaded, inputs, profile, progress: Progress, build_cache: BuildCache | None = None) -> Session:
+def _start_session(loaded, task, inputs, profile, progress: Progress, build_cache: BuildCache | None = None) -> Session:
     _, latency = profiles.settings(profile)
     torch.set_num_threads(latency["threads"])
-    session = Session(loaded, inputs, None, None, latency, profile.get("thresholds", {}), build_cache or BuildCache(None),
-                      profiles.quantization(profile))
-    reference_key = cache.key(kind="eager", **{k: session.digests[k] for k in ("checkpoint", "reference", "model", "validation", "tools")})
+    session = Session(loaded, task, inputs, None, None, latency, profile.get("thresholds", {}),
+                      build_cache or BuildCache(None), profiles.quantization(profile))
+    reference_key = cache.key(kind="eager", **{k: session.digests[k] for k in ("checkpoint", "reference", "model", "task", "validation", "tools")})
     with progress.step("eager reference"):
         session.reference = session.cache.fetch_tensor(reference_key)
         if session.reference is None:
@@ -100,12 +105,13 @@ def _start_session(loaded, inputs, profile, progress: Progress, build_cache: Bui
         else:
             session.cache.events.append("eager reference reused from the cache")
     if inputs.labels is not None:
-        session.eager_accuracy = validation.accuracy(session.reference, inputs.labels)
+        session.eager_accuracy = task.labeled(session.reference, inputs.labels)
     return session
 
 
-def _evaluate(session: Session, runner, thresholds: dict) -> dict:
-    metrics = validation.evaluate(
+def _evaluate(session: Session, runner, thresholds: dict) -> tuple[dict, torch.Tensor]:
+    metrics, outputs = validation.evaluate(
+        session.task,
         runner,
         session.eager,
         session.inputs.validation,
@@ -118,10 +124,11 @@ def _evaluate(session: Session, runner, thresholds: dict) -> dict:
     )
     # a runtime's own thread setting may have changed torch's; restore it for eager
     torch.set_num_threads(session.latency["threads"])
-    return metrics
+    return metrics, outputs
 
 
-VALIDATION_FIELDS = ("status", "reasons", "fidelity", "accuracy", "latency_ms", "eager_latency_ms", "speedup_vs_eager", "proxy")
+VALIDATION_FIELDS = ("status", "reasons", "fidelity", "accuracy", "latency_ms", "eager_latency_ms", "speedup_vs_eager", "proxy",
+                     "preview")
 
 
 def _validate(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
@@ -134,11 +141,19 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
     )
     cached = session.cache.fetch_json("validations", digest)
     if cached is not None:
+        picture = cached.pop("preview_png", None)
+        if picture is not None:
+            (out / "previews").mkdir(exist_ok=True)
+            with files.atomic_path(out / cached["preview"]) as tmp:
+                tmp.write_bytes(base64.b64decode(picture))
         entry.update(cached, validation_reused_from_cache=True)
         session.cache.events.append(f"{entry['name']}: validation results reused from the cache")
         return
     _run_validation(session, entry, out, progress, prefix)
-    session.cache.store_json("validations", digest, {k: entry[k] for k in VALIDATION_FIELDS if k in entry})
+    record = {k: entry[k] for k in VALIDATION_FIELDS if k in entry}
+    if "preview" in entry:
+        record["preview_png"] = base64.b64encode((out / entry["preview"]).read_bytes()).decode()
+    session.cache.store_json("validations", digest, record)
 
 
 def _run_validation(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
@@ -152,11 +167,26 @@ def _run_validation(session: Session, entry: dict, out: Path, progress: Progress
                 # Stand-ins (e.g. the package's weights put back into eager): labelled proxy, never
                 # reported as the runtime's own numbers, and they do not decide the status.
                 entry["proxy"] = {
-                    label: _evaluate(session, proxy, entry["thresholds"])
+                    label: _evaluate(session, proxy, entry["thresholds"])[0]
                     for label, proxy in module.proxies(out / entry["path"], session.loaded.model).items()
                 }
             return
-        entry.update(_evaluate(session, runner, entry["thresholds"]))
+        metrics, outputs = _evaluate(session, runner, entry["thresholds"])
+        entry.update(metrics)
+        _write_preview(session, entry, out, outputs)
+
+
+def _write_preview(session: Session, entry: dict, out: Path, outputs: torch.Tensor) -> None:
+    """The task's picture of the first validation image: eager beside this artifact."""
+    picture = session.task.preview(session.inputs.validation[0], session.reference[0], outputs[0],
+                                   session.task.preprocessing(session.loaded.weights))
+    if picture is None:
+        return
+    path = Path("previews") / f"{entry['name']}.png"
+    (out / "previews").mkdir(exist_ok=True)
+    with files.atomic_path(out / path) as tmp:
+        picture.save(tmp, format="PNG")
+    entry["preview"] = path.as_posix()
 
 
 def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix: str = "") -> dict:
@@ -253,18 +283,20 @@ def _preflight(profile: dict) -> None:
 
 
 def _write_golden(out: Path, session: Session, count: int = 8) -> None:
-    """A few preprocessed inputs and the eager logits for them, for on-device checks."""
+    """A few preprocessed inputs and what eager made of them (the task says which files), for on-device checks."""
     import numpy as np
 
     golden = out / "golden"
     golden.mkdir(exist_ok=True)
     n = min(count, len(session.inputs.validation))
-    for name, array in (("inputs.npy", session.inputs.validation[:n]), ("eager_logits.npy", session.reference[:n])):
+    labels = session.inputs.labels[:n] if session.inputs.labels is not None else None
+    for name, content in session.task.golden(session.inputs.validation[:n], session.reference[:n], labels).items():
+        if name.endswith(".json"):
+            files.write_text(golden / name, json.dumps(content) + "\n")
+            continue
         with files.atomic_path(golden / name) as tmp:
             with open(tmp, "wb") as f:
-                np.save(f, array.numpy().astype(np.float32))
-    if session.inputs.labels is not None:
-        files.write_text(golden / "labels.json", json.dumps(session.inputs.labels[:n].tolist()) + "\n")
+                np.save(f, content)
 
 
 def _specs_for(loaded: weights.LoadedModel, specs: list[dict]) -> list[dict]:
@@ -311,6 +343,8 @@ def run(request: BuildRequest, plans: list[dict], cache_root: Path | None, progr
     _apply_options(plans, request.options)
     for profile in plans:
         _preflight(profile)
+    task_class = weights.task_class(weights.resolve(request.weight))
+    plans = [profiles.for_task(p, task_class.name) for p in plans]
     data_settings = {json.dumps(profiles.settings(p)[0], sort_keys=True) for p in plans}
     if len(data_settings) > 1:
         names = ", ".join(p["name"] for p in plans)
@@ -318,17 +352,18 @@ def run(request: BuildRequest, plans: list[dict], cache_root: Path | None, progr
     with progress.step("load weights"):
         loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels, request.offline, progress,
                               request.float_checkpoint)
+    task = task_class(loaded.num_classes, task_class.input_size_of(loaded.weights, request.input_size))
     single = len(plans) == 1
     base = Path(request.out or (Path("exports") / loaded.weight_name / (plans[0]["name"] if single else "")))
     outs = [base] if single else [base / p["name"] for p in plans]
     for out in ([base] if single else [base, *outs]):
         files.check_out_dir(out, request.force)
     with progress.step("load data"):
-        inputs = _load_inputs(request.data, loaded, profiles.settings(plans[0])[0])
+        inputs = _load_inputs(request.data, loaded, task, profiles.settings(plans[0])[0])
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
             loaded.labels = list(inputs.classes)
-    shared = _start_session(loaded, inputs, plans[0], progress, BuildCache(cache_root))
+    shared = _start_session(loaded, task, inputs, plans[0], progress, BuildCache(cache_root))
     docs = []
     for profile, out in zip(plans, outs):
         _, latency = profiles.settings(profile)
@@ -363,8 +398,9 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
             "num_classes": loaded.num_classes,
             "meta": weights.meta_summary(loaded.weights),
         },
+        "task": session.task.describe(),
         "checkpoint": loaded.checkpoint,
-        "preprocessing": weights.preprocessing_spec(loaded.weights),
+        "preprocessing": session.task.preprocessing(loaded.weights),
         "labels": {"file": "labels.txt", "count": len(loaded.labels), "from_file": str(request.labels) if request.labels else None},
         "target": {
             "name": profile["name"],
@@ -409,8 +445,9 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
             if not path.exists() or files.sha256(path) != entry["sha256"]:
                 raise UsageError(f"{path} does not match the sha256 in its manifest (changed or truncated)")
     profile = {"name": doc["target"]["name"], "path": doc["target"]["profile"], "artifacts": doc["target"]["artifacts"],
-               "thresholds": doc["target"]["thresholds"], "data": doc["target"]["data"], "latency": doc["target"]["latency"]}
-    profile = profiles.with_overrides(profile, thresholds=list(thresholds))
+               "thresholds": doc["target"]["thresholds"], "data": doc["target"]["data"], "latency": doc["target"]["latency"],
+               "task": doc["task"]["name"]}
+    profile = profiles.for_task(profiles.with_overrides(profile, thresholds=list(thresholds)), doc["task"]["name"])
     _preflight(profile)
     with progress.step("load weights"):
         recorded = doc["checkpoint"]
@@ -419,10 +456,11 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
                               float_checkpoint=reference.get("path"))
         if loaded.checkpoint["sha256"] != recorded["sha256"]:
             raise UsageError(f"checkpoint {loaded.checkpoint['path']} is not the one this build used (sha256 differs)")
+    task = loaded.task_class(doc["task"]["num_classes"], tuple(doc["task"]["input_size"]))
     source = data_dir or (None if doc["data"]["source"] == "synthetic" else Path(doc["data"]["source"]))
     with progress.step("load data"):
-        inputs = _load_inputs(source, loaded, profiles.settings(profile)[0])
-    session = _start_session(loaded, inputs, profile, progress)
+        inputs = _load_inputs(source, loaded, task, profiles.settings(profile)[0])
+    session = _start_session(loaded, task, inputs, profile, progress)
     doc["target"]["thresholds"] = profile.get("thresholds", {})
     doc["data"] = inputs.description
     doc["eager"] = {"accuracy": session.eager_accuracy, "reference": loaded.reference}

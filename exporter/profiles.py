@@ -11,7 +11,7 @@ from pathlib import Path
 from .errors import UsageError
 from .formats import FORMATS
 from .quant import ONNX_CALIBRATIONS, SETTINGS as QUANT_SETTINGS
-from .thresholds import THRESHOLD_KEYS
+from .thresholds import FRACTIONS, TASK_KEYS, THRESHOLD_KEYS
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "targets"
 SECTIONS = {
@@ -23,7 +23,13 @@ SECTIONS = {
     "latency": dict,
     "post_build": str,  # "module:function" called with (out_dir, manifest, session) after the artifacts
     "quantization": dict,  # how int8 artifacts meet their budget (exporter.quant); [quantization.budget] overrides
+    # [tasks.<task>.thresholds.<precision>] and [tasks.<task>.data] for tasks other than classification,
+    # whose thresholds and data settings are the top-level ones
+    "tasks": dict,
+    "overrides": dict,  # the CLI's, kept to be applied again once the task is known (for_task)
+    "task": str,  # set by for_task: the profile is resolved for this task
 }
+TASK_SECTIONS = {"thresholds": dict, "data": dict}
 DATA_KEYS = {"calib_size": int, "val_size": int, "seed": int}
 LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
 ARTIFACT_KEYS = {"name", "format", "precision", "options"}
@@ -63,8 +69,8 @@ def _check_threshold(key: str, value, where: str) -> float:
         raise UsageError(f"{where}: unknown threshold '{key}'; allowed: {', '.join(THRESHOLD_KEYS)}")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise UsageError(f"{where}: threshold {key} must be a number, got {value!r}")
-    bounded = key in ("top1_agreement", "top5_agreement", "cosine")
-    if (bounded and not -1 <= value <= 1) or (key in ("top1_agreement", "top5_agreement") and value < 0):
+    bounded = key in (*FRACTIONS, "cosine")
+    if (bounded and not -1 <= value <= 1) or (key in FRACTIONS and value < 0):
         raise UsageError(f"{where}: threshold {key} is a fraction in [0, 1], got {value}")
     if key in ("max_abs_error",) and value < 0:
         raise UsageError(f"{where}: threshold {key} must be >= 0, got {value}")
@@ -99,6 +105,17 @@ def _check_quantization(table: dict, where: str) -> None:
             _check_quant_setting(key, value, f"{where} [quantization]")
 
 
+def _check_thresholds(tables: dict, where: str, section: str, task: str | None = None) -> None:
+    for precision, table in tables.items():
+        if not isinstance(table, dict):
+            raise UsageError(f"{where}: [{section}.{precision}] must be a table")
+        for key, value in table.items():
+            _check_threshold(key, value, f"{where} [{section}.{precision}]")
+            if task is not None and key not in TASK_KEYS[task]:
+                raise UsageError(f"{where} [{section}.{precision}]: {key} is not a {task} threshold; "
+                                 f"allowed: {', '.join(TASK_KEYS[task])}")
+
+
 def _check_ints(table: dict, keys: dict, where: str, minimum: int) -> None:
     _check_keys(table, keys, where)
     for k, v in table.items():
@@ -121,13 +138,14 @@ def check(profile: dict, where: str) -> None:
             raise UsageError(f"{where}: unknown precision {art.get('precision')!r}")
         if not isinstance(art.get("options", {}), dict):
             raise UsageError(f"{where}: [[artifacts]] options must be a table")
-    for precision, table in profile.get("thresholds", {}).items():
-        if not isinstance(table, dict):
-            raise UsageError(f"{where}: [thresholds.{precision}] must be a table")
-        for key, value in table.items():
-            _check_threshold(key, value, f"{where} [thresholds.{precision}]")
+    _check_thresholds(profile.get("thresholds", {}), where, "thresholds")
     _check_quantization(profile.get("quantization", {}), where)
     _check_ints(profile.get("data", {}), DATA_KEYS, f"{where} [data]", 0)
+    _check_keys(profile.get("tasks", {}), set(TASK_KEYS) - {"classification"}, f"{where} [tasks]")
+    for task, table in profile.get("tasks", {}).items():
+        _check_keys(table, TASK_SECTIONS, f"{where} [tasks.{task}]")
+        _check_thresholds(table.get("thresholds", {}), where, f"tasks.{task}.thresholds", task)
+        _check_ints(table.get("data", {}), DATA_KEYS, f"{where} [tasks.{task}.data]", 0)
     _check_ints(profile.get("latency", {}), LATENCY_KEYS, f"{where} [latency]", 0)
     if profile.get("latency", {}).get("iterations", 1) < 1:
         raise UsageError(f"{where} [latency]: iterations must be >= 1")
@@ -184,11 +202,9 @@ def with_overrides(
     iterations: int | None = None,
 ) -> dict:
     profile = copy.deepcopy(profile)
-    for text in thresholds:
-        precision, key, value = parse_threshold_override(text)
-        precisions = {a["precision"] for a in profile["artifacts"]} if precision == "*" else {precision}
-        for p in precisions:
-            profile.setdefault("thresholds", {}).setdefault(p, {})[key] = value
+    overrides = profile.setdefault("overrides", {})
+    _override_thresholds(profile, thresholds)
+    overrides["thresholds"] = [*overrides.get("thresholds", []), *thresholds]
     if formats:
         wanted = {f.strip() for f in formats}
         keep = [a for a in profile["artifacts"] if a["format"] in wanted or f"{a['format']}:{a['precision']}" in wanted]
@@ -214,8 +230,38 @@ def with_overrides(
     ):
         if value is not None:
             profile.setdefault(section, {})[key] = value
+            overrides.setdefault(section, {})[key] = value
     check(profile, f"target {profile['name']} with CLI overrides")
     return profile
+
+
+def _override_thresholds(profile: dict, texts) -> None:
+    for text in texts:
+        precision, key, value = parse_threshold_override(text)
+        precisions = {a["precision"] for a in profile["artifacts"]} if precision == "*" else {precision}
+        for p in precisions:
+            profile.setdefault("thresholds", {}).setdefault(p, {})[key] = value
+
+
+def for_task(profile: dict, task: str) -> dict:
+    """The profile as a build of `task` uses it: that task's thresholds and data settings, with the CLI's
+    overrides on top; a threshold (or int8 budget key) that means nothing for the task is refused."""
+    resolved = copy.deepcopy(profile)
+    tables, overrides = resolved.pop("tasks", {}), resolved.pop("overrides", {})
+    where = f"target {profile['name']}"
+    if task != "classification" and profile.get("task") != task:
+        if task not in tables:
+            raise UsageError(f"{where} has no [tasks.{task}] thresholds, so it cannot build {task} weights")
+        resolved["thresholds"] = copy.deepcopy(tables[task].get("thresholds", {}))
+        resolved["data"] = {**resolved.get("data", {}), **tables[task].get("data", {}), **overrides.get("data", {})}
+        _override_thresholds(resolved, overrides.get("thresholds", []))
+    allowed = TASK_KEYS[task]
+    budget = resolved.get("quantization", {}).get("budget", {})
+    for key in [k for table in resolved.get("thresholds", {}).values() for k in table] + list(budget):
+        if key not in allowed:
+            raise UsageError(f"{where}: threshold {key} does not apply to {task} weights; their keys: {', '.join(allowed)}")
+    resolved["task"] = task
+    return resolved
 
 
 def quantization(profile: dict) -> tuple[dict, dict]:

@@ -30,11 +30,11 @@ def quantization_summary(q: dict) -> str:
     text = (f"int8 budget {verdict} on {q['check_images']} held-out calibration images; "
             f"{q['int8_layers']} of {q['layers']} layers int8; ")
     if len(q["steps"]) > len({s["ranges"] for s in q["steps"]}):  # fallback steps were taken
-        text += (f"PSNR {_num(before['psnr_db'], '.1f')} → {_num(after['psnr_db'], '.1f')} dB, top-1 agreement "
-                 f"{_num(before['top1_agreement'], '.1%')} → {_num(after['top1_agreement'], '.1%')} (plain PTQ → chosen)")
+        text += (f"PSNR {_num(before['psnr_db'], '.1f')} → {_num(after['psnr_db'], '.1f')} dB, agreement "
+                 f"{_num(before['agreement'], '.1%')} → {_num(after['agreement'], '.1%')} (plain PTQ → chosen)")
     else:
-        text += (f"plain PTQ: PSNR {_num(after['psnr_db'], '.1f')} dB, top-1 agreement "
-                 f"{_num(after['top1_agreement'], '.1%')}")
+        text += (f"plain PTQ: PSNR {_num(after['psnr_db'], '.1f')} dB, agreement "
+                 f"{_num(after['agreement'], '.1%')}")
     if q["float_layers"]:
         kept = ", ".join(f"{f['name']} ({f['why']})" if f.get("why") else
                          f"{f['name']} (output {_num(f['output_psnr_db'], '.1f')} dB when alone int8, "

@@ -12,7 +12,18 @@ THRESHOLD_KEYS = {
     "cosine": (("fidelity", "cosine"), "min"),
     "max_abs_error": (("fidelity", "max_abs_error"), "max"),
     "accuracy_drop": (("accuracy", "drop_points"), "max"),
+    "pixel_agreement": (("fidelity", "pixel_agreement"), "min"),
+    "miou_vs_eager": (("fidelity", "miou_vs_eager"), "min"),
+    "miou_drop": (("accuracy", "miou_drop_points"), "max"),
 }
+
+# the keys that mean something for each task's metrics (exporter.tasks)
+TASK_KEYS = {
+    "classification": ("top1_agreement", "top5_agreement", "psnr_db", "cosine", "max_abs_error", "accuracy_drop"),
+    "segmentation": ("pixel_agreement", "miou_vs_eager", "psnr_db", "cosine", "max_abs_error", "miou_drop"),
+}
+# fractions in [0, 1]
+FRACTIONS = ("top1_agreement", "top5_agreement", "pixel_agreement", "miou_vs_eager")
 
 
 def _lookup(metrics: dict, path: tuple[str, str]):

@@ -14,7 +14,7 @@ import torchvision
 from torch import nn
 from torchvision.models import WeightsEnum, get_model, get_model_weights, list_models
 
-from . import download
+from . import download, tasks
 from .download import HASH_IN_NAME
 from .errors import UsageError
 from .files import sha256
@@ -102,19 +102,19 @@ def canonical_name(weights: WeightsEnum) -> str:
     return f"{type(weights).__name__}.{weights.name}"
 
 
-def preprocessing_spec(weights: WeightsEnum) -> dict:
-    t = weights.transforms()
-    return {
-        "resize_size": list(t.resize_size),
-        "crop_size": list(t.crop_size),
-        "interpolation": t.interpolation.value,
-        "antialias": t.antialias,
-        "mean": list(t.mean),
-        "std": list(t.std),
-        "layout": "NCHW",
-        "dtype": "float32",
-        "range": "RGB scaled to [0, 1] before normalization",
-    }
+def task_class(weights: WeightsEnum) -> type[tasks.Task]:
+    """The weight's task (exporter.tasks), or a one-line refusal saying why it cannot be exported."""
+    return tasks.for_group(task_of(model_name_of(weights)), canonical_name(weights))
+
+
+def bind_task(weights: WeightsEnum, num_classes: int | None = None, input_size=None) -> tasks.Task:
+    """The weight's task bound to a graph: its class count and the input size (--input-size, else the weight's)."""
+    cls = task_class(weights)
+    return cls(num_classes or len(weights.meta.get("categories") or []) or 1000, cls.input_size_of(weights, input_size))
+
+
+def preprocessing_spec(weights: WeightsEnum, input_size=None) -> dict:
+    return bind_task(weights, input_size=input_size).preprocessing(weights)
 
 
 def meta_summary(weights: WeightsEnum) -> dict:
@@ -192,7 +192,7 @@ def quantization_summary(weights: WeightsEnum) -> dict | None:
 class LoadedModel:
     weights: WeightsEnum
     model_name: str
-    model: nn.Module  # what gets exported
+    model: nn.Module  # what gets exported: the task's graph (one output tensor)
     num_classes: int
     labels: list[str]
     checkpoint: dict = field(default_factory=dict)  # path, sha256, source, verified
@@ -200,6 +200,7 @@ class LoadedModel:
     # float model (meta["unquantized"]) where its checkpoint is at hand
     reference_model: nn.Module | None = None
     reference: dict = field(default_factory=dict)  # kind, weight, checkpoint, note
+    task_class: type[tasks.Task] = tasks.Classification
 
     @property
     def weight_name(self) -> str:
@@ -238,25 +239,6 @@ def _read_state_dict(path: Path) -> dict:
             or not all(_is_state_value(v) for v in obj.values())):
         raise UsageError(f"checkpoint {path} is not a state dict (expected a dict of tensors)")
     return obj
-
-
-def _last_linear(model: nn.Module) -> str | None:
-    last = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            last = name
-    return last
-
-
-def _num_classes_in(state: dict, model_name: str, default: int) -> int:
-    last = _last_linear(get_model(model_name, weights=None, num_classes=default))
-    weight = state.get(f"{last}.weight")
-    packed = state.get(f"{last}._packed_params._packed_params")  # an int8 checkpoint's (weight, bias)
-    if weight is None and isinstance(packed, tuple):
-        weight = packed[0]
-    if isinstance(weight, torch.Tensor) and weight.ndim == 2:
-        return int(weight.shape[0])
-    return default
 
 
 def _checked_digest(path: Path, verify: bool) -> tuple[str, bool]:
@@ -344,9 +326,7 @@ def load(
     by argument or $EXPORTER_OFFLINE) downloaded into the hub cache and verified."""
     weights = resolve(name)
     model_name = model_name_of(weights)
-    task = task_of(model_name)
-    if task not in ("classification", "quantization"):
-        raise UsageError(f"{canonical_name(weights)} is a {task} weight; only classification is supported")
+    task = task_class(weights)
     if float_checkpoint is not None and not is_quantized(weights):
         raise UsageError(f"--float-checkpoint is for quantized weights; {canonical_name(weights)} is float")
 
@@ -369,15 +349,15 @@ def load(
     digest, verified = _checked_digest(path, verify or source == "download")
     state = _read_state_dict(path)
     categories = list(weights.meta.get("categories") or [])
-    num_classes = _num_classes_in(state, model_name, len(categories) or 1000)
+    num_classes = task.num_classes_in(state, model_name, len(categories) or 1000)
     reference_model, reference = None, {"kind": "float eager", "weight": canonical_name(weights), "checkpoint": None}
     if is_quantized(weights):
         model = _quantized_model(model_name, num_classes, weights.meta["backend"], state, path)
         reference_model, reference = _float_reference(weights, num_classes, float_checkpoint, verify)
     else:
-        model = get_model(model_name, weights=None, num_classes=num_classes)
+        model = task.construct(model_name, num_classes, state)
         _load_exactly(model, state, path, model_name)
-        model.eval()
+        model = task.graph(model.eval())
 
     labels = read_labels(labels_file, num_classes) if labels_file else None
     if labels is None:
@@ -391,6 +371,7 @@ def load(
         checkpoint={"path": str(path.resolve()), "sha256": digest, "source": source, "verified": verified},
         reference_model=reference_model,
         reference=reference,
+        task_class=task,
     )
 
 

@@ -22,10 +22,11 @@ class Calibration:
     """Batch-1 calibration images; iterating yields them, as formats did before budgets existed."""
 
     images: list
-    labels: object = None  # tensor of class indices, or None for unlabeled data
+    labels: object = None  # per image: a class index, a mask... (the task's labels), or None for unlabeled data
     budget: dict = field(default_factory=dict)  # threshold key -> limit, as in [thresholds.int8]
     settings: dict = field(default_factory=lambda: dict(SETTINGS))
     log: Callable[[str], None] = field(default=lambda _message: None, repr=False)  # progress of the search
+    task: object = None  # the build's exporter.tasks.Task: how outputs are judged against the budget
 
     def __iter__(self):
         return iter(self.images)

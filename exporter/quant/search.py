@@ -11,7 +11,8 @@ from typing import Protocol
 
 import torch
 
-from ..validation import accuracy, quality, run_all
+from ..tasks import Classification
+from ..validation import run_all
 from .calibration import Calibration
 from .sensitivity import layer_sensitivity
 
@@ -51,12 +52,11 @@ def _steps(cap: int):
         yield count
 
 
-def _summary(metrics: dict) -> dict:
-    acc = metrics["accuracy"]
+def _summary(task, metrics: dict) -> dict:
+    headline = task.headline(metrics)
     return {
-        "top1_agreement": metrics["fidelity"]["top1_agreement"],
-        "psnr_db": _rounded(metrics["fidelity"]["psnr_db"]),
-        "accuracy_drop": acc["drop_points"] if acc else None,
+        **headline,
+        "psnr_db": _rounded(headline["psnr_db"]),
         "meets_budget": not metrics["reasons"],
         "reasons": metrics["reasons"],
     }
@@ -64,7 +64,7 @@ def _summary(metrics: dict) -> dict:
 
 def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: Calibration) -> tuple[Candidate, dict]:
     """The chosen int8 candidate and what was done to get it (for the manifest)."""
-    start, log = time.perf_counter(), calibration.log
+    start, log, task = time.perf_counter(), calibration.log, calibration.task
     range_images, check_images, check_labels = calibration.split()
     budget = calibration.budget_thresholds()
     layers = backend.layers()
@@ -80,14 +80,17 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
 
     with torch.no_grad():
         reference = run_all(model, check)
-        eager_accuracy = accuracy(reference, check_labels) if check_labels is not None else None
+    if task is None:  # callers from before tasks existed gave class logits
+        task = Classification(reference.shape[1], tuple(check.shape[-2:]))
+    with torch.no_grad():
+        eager_accuracy = task.labeled(reference, check_labels) if check_labels is not None else None
 
     def attempt(float_layers: list[str], method: str):
         candidate = backend.quantize(float_layers, range_images, method)
-        metrics = quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
-        steps.append({"float_layers": len(float_layers), "ranges": method, **_summary(metrics)})
+        metrics = task.quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
+        steps.append({"float_layers": len(float_layers), "ranges": method, **_summary(task, metrics)})
         log(f"  int8, {method} ranges, {len(float_layers)}/{len(layers)} layers float: "
-            f"{metrics['fidelity']['psnr_db']:.1f} dB, agreement {metrics['fidelity']['top1_agreement']:.3f}"
+            f"{metrics['fidelity']['psnr_db']:.1f} dB, agreement {task.headline(metrics)['agreement']:.3f}"
             + ("" if metrics["reasons"] else ", budget met"))
         return candidate, metrics
 

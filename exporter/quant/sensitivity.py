@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..validation import fidelity
+from ..tasks.base import logit_fidelity
 from .threads import one_thread
 
 QUANTIZABLE = (nn.Conv2d, nn.Conv1d, nn.Linear)
@@ -127,5 +127,5 @@ def layer_sensitivity(model: nn.Module, layers: list[str], range_images: torch.T
             finally:
                 hook.remove()
                 module.weight.copy_(original)
-            result[name] = fidelity(reference.reshape(len(reference), -1), output.reshape(len(output), -1))["psnr_db"]
+            result[name] = logit_fidelity(reference.reshape(len(reference), -1), output.reshape(len(output), -1))["psnr_db"]
     return Sensitivity(local, result)

@@ -1,0 +1,37 @@
+"""Tasks: what a weight's exported graph returns and how an artifact of it is judged.
+
+One module per task, one class each, in the spirit of torchvision's models/_api.py: the data a task
+reads, the wrapper that makes its model return one tensor, its fidelity metrics against eager, its
+labeled metrics, its golden files and what the manifest and bundles say about its output. Formats
+never see the task (only the output layout in `meta["task"]`); validation asks the task for metrics.
+
+A task object is bound to one build: `Task(num_classes, input_size)`. Outputs reach it as they are
+stored, one flattened row per image (N, C) or (N, C*H*W).
+"""
+
+from __future__ import annotations
+
+from ..errors import UsageError
+from .base import Task
+from .classification import Classification
+from .segmentation import Segmentation
+
+TASKS: dict[str, type[Task]] = {task.name: task for task in (Classification, Segmentation)}
+
+# torchvision's model groups (weights.TASK_MODULES) -> our task; the quantized classifiers are classifiers
+GROUPS = {"classification": Classification, "quantization": Classification, "segmentation": Segmentation}
+NOT_YET = {
+    "detection": "detection weights cannot be exported yet: torch.export fails in their batched NMS",
+    "video": "video weights are not supported: no mobile runtime here takes 5-D clips",
+    "optical_flow": "optical flow weights are not supported: RAFT's iterative refinement does not export to these formats",
+}
+
+
+def for_group(group: str, weight_name: str) -> type[Task]:
+    """The task class for a torchvision model group, or a one-line refusal saying why not."""
+    if group in GROUPS:
+        return GROUPS[group]
+    raise UsageError(f"{weight_name}: {NOT_YET.get(group, f'{group} weights are not supported')}")
+
+
+__all__ = ["TASKS", "Task", "Classification", "Segmentation", "for_group"]

@@ -1,0 +1,105 @@
+"""What every task shares: the bound dataclass, logit fidelity, and the quality verdict."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Mapping
+
+import torch
+from torch import nn
+
+from ..thresholds import breaches
+
+
+def logit_fidelity(reference: torch.Tensor, output: torch.Tensor) -> dict:
+    """PSNR against the reference's peak, mean per-image cosine, max abs error: rows are images."""
+    ref, out = reference.double(), output.double()
+    diff = out - ref
+    rmse = diff.pow(2).mean().sqrt().item()
+    peak = ref.abs().max().item()
+    return {
+        "samples": int(ref.shape[0]),
+        "psnr_db": math.inf if rmse == 0 else 20 * math.log10(peak / rmse),
+        "cosine": torch.nn.functional.cosine_similarity(ref, out, dim=1).mean().item(),
+        "max_abs_error": diff.abs().max().item(),
+    }
+
+
+@dataclass(frozen=True)
+class Task:
+    num_classes: int
+    input_size: tuple[int, int]  # (H, W) of the exported graph's input
+
+    name: ClassVar[str]
+    agreement: ClassVar[str]  # the fidelity key the int8 search and summaries headline
+    drop: ClassVar[str]  # the labeled key that says how much worse than eager
+    output_name: ClassVar[str] = "logits"
+
+    # --- before the task is bound: the model ---
+    @classmethod
+    def input_size_of(cls, weights, requested: tuple[int, int] | None) -> tuple[int, int]:
+        raise NotImplementedError
+
+    @classmethod
+    def num_classes_in(cls, state: dict, model_name: str, default: int) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def construct(cls, model_name: str, num_classes: int, state: dict) -> nn.Module:
+        raise NotImplementedError
+
+    @classmethod
+    def graph(cls, model: nn.Module) -> nn.Module:
+        """The module every format exports: it returns one tensor."""
+        return model
+
+    # --- bound: data, metrics, files ---
+    def preprocessing(self, weights) -> dict:
+        raise NotImplementedError
+
+    def transform(self, weights):
+        raise NotImplementedError
+
+    def load_data(self, root, transform, calib_size: int, val_size: int, seed: int):
+        raise NotImplementedError
+
+    def output(self) -> dict:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """The manifest's, bundle's and formats' view of the graph: `meta["task"]`."""
+        return {"name": self.name, "input_size": list(self.input_size), "num_classes": self.num_classes,
+                "output": self.output()}
+
+    def fidelity(self, reference: torch.Tensor, outputs: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    def labeled(self, outputs: torch.Tensor, labels: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    def vs_eager(self, eager: dict, artifact: dict) -> dict:
+        raise NotImplementedError
+
+    def quality(self, outputs: torch.Tensor, reference: torch.Tensor, labels, eager_labeled: dict | None,
+                thresholds: Mapping[str, float]) -> dict:
+        """Fidelity against eager, labeled metrics when there are labels, and the thresholds broken."""
+        metrics = {"fidelity": self.fidelity(reference, outputs), "accuracy": None}
+        if labels is not None and eager_labeled is not None:
+            metrics["accuracy"] = self.vs_eager(eager_labeled, self.labeled(outputs, labels))
+        metrics["reasons"] = breaches(metrics, thresholds)
+        return metrics
+
+    def headline(self, metrics: dict) -> dict:
+        """Agreement, PSNR and drop, whatever the task calls them (int8 search steps, summaries)."""
+        accuracy = metrics.get("accuracy") or {}
+        return {"agreement": metrics["fidelity"][self.agreement], "psnr_db": metrics["fidelity"]["psnr_db"],
+                "drop": accuracy.get(self.drop)}
+
+    def golden(self, inputs: torch.Tensor, reference: torch.Tensor, labels) -> dict:
+        """File name under golden/ -> numpy array (.npy) or list (.json), for on-device checks."""
+        raise NotImplementedError
+
+    def preview(self, image: torch.Tensor, eager_row: torch.Tensor, artifact_row: torch.Tensor, preprocessing: dict):
+        """A picture a person can judge an artifact by (PIL image), or None."""
+        return None

@@ -1,0 +1,127 @@
+"""Image classification: one row of class logits per image; agreement of the top-1 class, acc@1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import data
+from ..errors import UsageError
+from .base import Task, logit_fidelity
+
+
+def _last_linear(model: nn.Module) -> str | None:
+    last = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            last = name
+    return last
+
+
+def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+    k = min(5, logits.shape[1])
+    top = logits.topk(k, 1).indices
+    return {
+        "acc1": 100.0 * (top[:, 0] == labels).double().mean().item(),
+        "acc5": 100.0 * (top == labels[:, None]).any(1).double().mean().item(),
+    }
+
+
+def fidelity(reference: torch.Tensor, output: torch.Tensor) -> dict:
+    ref, out = reference.double(), output.double()
+    k = min(5, ref.shape[1])
+    ref_top1 = ref.argmax(1)
+    return {
+        **logit_fidelity(ref, out),
+        "top1_agreement": (out.argmax(1) == ref_top1).double().mean().item(),
+        # the eager top-1 class is among the artifact's top-5
+        "top5_agreement": (out.topk(k, 1).indices == ref_top1[:, None]).any(1).double().mean().item(),
+    }
+
+
+def accuracy_vs_eager(eager: dict, artifact: dict) -> dict:
+    return {
+        "eager_acc1": eager["acc1"],
+        "eager_acc5": eager["acc5"],
+        "acc1": artifact["acc1"],
+        "acc5": artifact["acc5"],
+        "drop_points": eager["acc1"] - artifact["acc1"],
+    }
+
+
+class Classification(Task):
+    name = "classification"
+    agreement = "top1_agreement"
+    drop = "drop_points"
+
+    @classmethod
+    def input_size_of(cls, weights, requested):
+        crop = weights.transforms().crop_size
+        size = (crop[0], crop[-1])
+        if requested is not None and tuple(requested) != size:
+            raise UsageError(f"--input-size is for segmentation weights; a classifier takes its weights' crop, {size[0]}x{size[1]}")
+        return size
+
+    @classmethod
+    def num_classes_in(cls, state, model_name, default):
+        from torchvision.models import get_model
+
+        last = _last_linear(get_model(model_name, weights=None, num_classes=default))
+        weight = state.get(f"{last}.weight")
+        packed = state.get(f"{last}._packed_params._packed_params")  # an int8 checkpoint's (weight, bias)
+        if weight is None and isinstance(packed, tuple):
+            weight = packed[0]
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2:
+            return int(weight.shape[0])
+        return default
+
+    @classmethod
+    def construct(cls, model_name, num_classes, state):
+        from torchvision.models import get_model
+
+        return get_model(model_name, weights=None, num_classes=num_classes)
+
+    def preprocessing(self, weights):
+        t = weights.transforms()
+        return {
+            "task": self.name,
+            "input_size": list(self.input_size),
+            "resize_size": list(t.resize_size),
+            "crop_size": list(t.crop_size),
+            "interpolation": t.interpolation.value,
+            "antialias": t.antialias,
+            "mean": list(t.mean),
+            "std": list(t.std),
+            "layout": "NCHW",
+            "dtype": "float32",
+            "range": "RGB scaled to [0, 1] before normalization",
+            "output": self.output(),
+        }
+
+    def transform(self, weights):
+        return weights.transforms()
+
+    def load_data(self, root, transform, calib_size, val_size, seed):
+        return data.from_imagefolder(Path(root), transform, calib_size, val_size, seed, num_classes=self.num_classes)
+
+    def output(self):
+        return {"name": self.output_name, "layout": "NC", "shape": [1, self.num_classes],
+                "meaning": "class logits, before softmax"}
+
+    def fidelity(self, reference, outputs):
+        return fidelity(reference, outputs)
+
+    def labeled(self, outputs, labels):
+        return accuracy(outputs, labels)
+
+    def vs_eager(self, eager, artifact):
+        return accuracy_vs_eager(eager, artifact)
+
+    def golden(self, inputs, reference, labels):
+        files = {"inputs.npy": inputs.numpy().astype(np.float32), "eager_logits.npy": reference.numpy().astype(np.float32)}
+        if labels is not None:
+            files["labels.json"] = labels.tolist()
+        return files
