@@ -101,7 +101,7 @@ def _inputs_unchanged(recorded: dict) -> bool:
 
 def _written(doc: dict) -> list[str]:
     """The files a build wrote into its directory (as its manifest describes them), less those rendered at restore."""
-    names = [n for n in manifest.BUILD_FILES if n not in RENDERED] + ["golden", *(doc.get("jetson") or {}).get("sha256", {})]
+    names = [n for n in manifest.BUILD_FILES if n not in RENDERED] + ["golden", "previews", *(doc.get("jetson") or {}).get("sha256", {})]
     names += [a["path"] for a in doc["artifacts"] if a.get("path")]
     return names
 
@@ -171,9 +171,9 @@ class BuildRecord:
                 }
                 manifest.write(out, doc)
                 files.write_text(out / "report.md", report.markdown(doc))
-                files.write_text(out / "report.html", html_report.render([doc]))
+                files.write_text(out / "report.html", html_report.render([doc], [out]))
             if len(outs) > 1:
-                files.write_text(base / "report.html", html_report.render(docs))
+                files.write_text(base / "report.html", html_report.render(docs, outs))
         return docs
 
     def store(self, base: Path, docs: list[dict]) -> None:

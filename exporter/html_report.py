@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import html
 import math
+from pathlib import Path
 
-from .report import rows
+from .report import COLUMNS, eager_summary, rows, task_name
 
 STATUS_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "unavailable": "#9a6700"}
 CSS = """
@@ -18,6 +20,7 @@ th:first-child,td:first-child,td.status{text-align:left}
 .meta{color:#57606a}.charts{display:flex;gap:2rem;flex-wrap:wrap}
 svg text{font:12px system-ui,sans-serif;fill:#1f2328}
 li{margin:.2rem 0}
+figure{margin:1rem 0}img{image-rendering:pixelated;max-width:100%}figcaption{color:#57606a}
 """
 
 
@@ -60,8 +63,9 @@ def latency_chart(docs: list[dict], width: int = 620) -> str:
 
 
 def accuracy_size_chart(docs: list[dict], width: int = 640, height: int = 280) -> str:
+    _, (metric, _, label) = COLUMNS[task_name(docs[0])]
     points = [
-        (name, a["size_bytes"] / 1e6, a["accuracy"]["acc1"])
+        (name, a["size_bytes"] / 1e6, a["accuracy"][metric])
         for name, a in _named(docs)
         if a.get("accuracy") and a.get("size_bytes")
     ]
@@ -79,7 +83,7 @@ def accuracy_size_chart(docs: list[dict], width: int = 640, height: int = 280) -
     def sy(y):
         return height - bottom - (height - bottom - pad) * (y - y0) / max(y1 - y0, 1e-9)
 
-    parts = [f'<svg role="img" aria-label="accuracy vs size" width="{width}" height="{height}">',
+    parts = [f'<svg role="img" aria-label="{label} vs size" width="{width}" height="{height}">',
              f'<line x1="{left}" y1="{height - bottom}" x2="{width - pad}" y2="{height - bottom}" stroke="#8c959f"/>',
              f'<line x1="{left}" y1="{pad}" x2="{left}" y2="{height - bottom}" stroke="#8c959f"/>',
              f'<text x="{left}" y="{height - 8}">size MB (0 – {x1:.1f})</text>',
@@ -149,14 +153,30 @@ def _table(docs: list[dict]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def render(docs: list[dict]) -> str:
-    """One page for one build, or for several targets of the same weight side by side."""
+def _previews(docs: list[dict], dirs: list[Path] | None) -> str:
+    """The task's pictures (input | eager | artifact), inlined so that the page stays one file."""
+    figures = []
+    for doc, directory in zip(docs, dirs or []):
+        for a in doc["artifacts"]:
+            path = Path(directory) / a["preview"] if a.get("preview") else None
+            if path is None or not path.is_file():
+                continue
+            name = f"{doc['target']['name']}/{a['name']}" if len(docs) > 1 else a["name"]
+            data = base64.b64encode(path.read_bytes()).decode()
+            figures.append(f'<figure><img alt="{_esc(name)}" src="data:image/png;base64,{data}">'
+                           f"<figcaption>{_esc(name)}: input | eager | artifact (pixels that differ from eager in white)"
+                           f"</figcaption></figure>")
+    return "<h2>What the artifacts see</h2>" + "".join(figures) if figures else ""
+
+
+def render(docs: list[dict], dirs: list[Path] | None = None) -> str:
+    """One page for one build, or for several targets of the same weight side by side; `dirs` are the
+    builds' directories, where the pictures named by the manifests are."""
     first = docs[0]
     status = "failed" if any(d["status"] == "failed" for d in docs) else "passed"
     targets = ", ".join(d["target"]["name"] for d in docs)
-    eager = first["eager"].get("accuracy")
     host, data = first["host"], first["data"]
-    eager_text = f"eager acc@1 {eager['acc1']:.2f}% / acc@5 {eager['acc5']:.2f}%" if eager else "labeled accuracy not measured (no --data)"
+    eager_text = f"{task_name(first)}; eager {eager_summary(first).replace('**', '')}"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{_esc(first['weight']['name'])} → {_esc(targets)}</title>
 <style>{CSS}</style></head><body>
@@ -166,10 +186,11 @@ def render(docs: list[dict]) -> str:
 exporter {_esc(first['exporter_version'])}, torch {_esc(first['tools'].get('torch'))}</p>
 {_table(docs)}
 {_reasons(docs)}
+{_previews(docs, dirs)}
 {_quantization(docs)}
 <h2>Latency against eager (same run, same threads)</h2>
 <div class="charts">{latency_chart(docs)}</div>
-<h2>Accuracy against size</h2>
+<h2>Labeled accuracy against size</h2>
 <div class="charts">{accuracy_size_chart(docs)}</div>
 </body></html>
 """

@@ -332,7 +332,7 @@ def _finish(out: Path, doc: dict, progress: Progress, prefix: str = "") -> dict:
     doc["timings_s"] = _timings(progress, prefix)
     manifest.write(out, doc)
     files.write_text(out / "report.md", report.markdown(doc))
-    files.write_text(out / "report.html", html_report.render([doc]))
+    files.write_text(out / "report.html", html_report.render([doc], [out]))
     return doc
 
 
@@ -373,7 +373,7 @@ def run(request: BuildRequest, plans: list[dict], cache_root: Path | None, progr
         prefix = "" if single else f"{profile['name']}: "
         docs.append(_build_one(request, profile, session, out, progress, prefix))
     if not single:
-        files.write_text(base / "report.html", html_report.render(docs))
+        files.write_text(base / "report.html", html_report.render(docs, outs))
     return base, docs
 
 
@@ -383,6 +383,7 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
     out.mkdir(parents=True, exist_ok=True)
     for stale in manifest.BUILD_FILES:
         (out / stale).unlink(missing_ok=True)
+    shutil.rmtree(out / "previews", ignore_errors=True)
     for staging in out.glob(".*.partial"):  # left by a killed build
         shutil.rmtree(staging, ignore_errors=True)
     doc = {

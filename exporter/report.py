@@ -43,17 +43,39 @@ def quantization_summary(q: dict) -> str:
     return text + f"; {q['calibration_method']}; {q['seconds']} s"
 
 
+# per task (the manifest's task.name): its fidelity columns and its labeled metric (key, drop key, label);
+# here rather than in exporter.tasks because reports are written without importing torch
+COLUMNS = {
+    "classification": ({"top-1 agree": "top1_agreement"}, ("acc1", "drop_points", "acc@1")),
+    "segmentation": ({"pixel agree": "pixel_agreement", "mIoU vs eager": "miou_vs_eager"}, ("miou", "miou_drop_points", "mIoU")),
+}
+
+
+def task_name(doc: dict) -> str:
+    return (doc.get("task") or {}).get("name", "classification")
+
+
+def eager_summary(doc: dict) -> str:
+    eager = doc["eager"].get("accuracy")
+    if not eager:
+        return "**not measured** (no labeled --data)"
+    if task_name(doc) == "segmentation":
+        return f"mIoU {eager['miou']:.2f}, pixel accuracy {eager['pixel_acc']:.2f}%"
+    return f"acc@1 {eager['acc1']:.2f}%, acc@5 {eager['acc5']:.2f}%"
+
+
 def rows(doc: dict) -> list[dict]:
     table = []
+    fidelity_columns, (metric, drop, label) = COLUMNS[task_name(doc)]
     for name, status, a in _measured(doc):
         fid, acc, lat = a.get("fidelity") or {}, a.get("accuracy") or {}, a.get("latency_ms") or {}
         table.append(
             {
                 "artifact": name,
                 "status": status,
-                "top-1 agree": _num(fid.get("top1_agreement"), ".1%"),
+                **{header: _num(fid.get(key), ".1%") for header, key in fidelity_columns.items()},
                 "PSNR dB": _num(fid.get("psnr_db"), ".1f"),
-                "acc@1 (drop)": f"{_num(acc.get('acc1'), '.2f')} ({_num(acc.get('drop_points'), '+.2f')})" if acc else "not measured",
+                f"{label} (drop)": f"{_num(acc.get(metric), '.2f')} ({_num(acc.get(drop), '+.2f')})" if acc else "not measured",
                 "p50 ms": _num(lat.get("p50"), ".2f"),
                 "p90 ms": _num(lat.get("p90"), ".2f"),
                 "eager p50": _num((a.get("eager_latency_ms") or {}).get("p50"), ".2f"),
@@ -66,14 +88,14 @@ def rows(doc: dict) -> list[dict]:
 
 def markdown(doc: dict) -> str:
     host, data = doc["host"], doc["data"]
-    eager = doc["eager"].get("accuracy")
     lines = [
         f"# {doc['weight']['name']} → {doc['target']['name']}: **{doc['status'].upper()}**",
         "",
         f"- model: `{doc['weight']['model']}`, {doc['weight']['num_classes']} classes; checkpoint sha256 `{doc['checkpoint']['sha256'][:16]}…` ({doc['checkpoint']['source']})",
         f"- host: {host['cpu']}, {host['cores']} cores; **{host['threads']} threads** for eager and every runtime",
         f"- data: {data['source']}; {data['validation']} validation / {data['calibration']} calibration images (seed {data.get('seed')})",
-        "- eager acc@1 / acc@5: " + (f"{eager['acc1']:.2f}% / {eager['acc5']:.2f}%" if eager else "**not measured** (no labeled --data)"),
+        f"- task: {task_name(doc)}, input {'x'.join(map(str, (doc.get('task') or {}).get('input_size', [])))}; "
+        f"eager: {eager_summary(doc)}",
     ]
     reference = doc["eager"].get("reference") or {}
     if reference.get("note"):  # a quantized weight: which eager model the artifacts were measured against
