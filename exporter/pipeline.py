@@ -352,7 +352,7 @@ def run(request: BuildRequest, plans: list[dict], cache_root: Path | None, progr
     with progress.step("load weights"):
         loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels, request.offline, progress,
                               request.float_checkpoint)
-    task = task_class(loaded.num_classes, task_class.input_size_of(loaded.weights, request.input_size))
+    task = task_class.bind(loaded.weights, loaded.num_classes, request.input_size)
     single = len(plans) == 1
     base = Path(request.out or (Path("exports") / loaded.weight_name / (plans[0]["name"] if single else "")))
     outs = [base] if single else [base / p["name"] for p in plans]
@@ -457,7 +457,7 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
                               float_checkpoint=reference.get("path"))
         if loaded.checkpoint["sha256"] != recorded["sha256"]:
             raise UsageError(f"checkpoint {loaded.checkpoint['path']} is not the one this build used (sha256 differs)")
-    task = loaded.task_class(doc["task"]["num_classes"], tuple(doc["task"]["input_size"]))
+    task = loaded.task_class.bind(loaded.weights, doc["task"]["num_classes"], tuple(doc["task"]["input_size"]))
     source = data_dir or (None if doc["data"]["source"] == "synthetic" else Path(doc["data"]["source"]))
     with progress.step("load data"):
         inputs = _load_inputs(source, loaded, task, profiles.settings(profile)[0])

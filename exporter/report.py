@@ -48,6 +48,7 @@ def quantization_summary(q: dict) -> str:
 COLUMNS = {
     "classification": ({"top-1 agree": "top1_agreement"}, ("acc1", "drop_points", "acc@1")),
     "segmentation": ({"pixel agree": "pixel_agreement", "mIoU vs eager": "miou_vs_eager"}, ("miou", "miou_drop_points", "mIoU")),
+    "detection": ({"matched recall": "matched_recall", "matched precision": "matched_precision"}, ("map", "map_drop_points", "mAP")),
 }
 
 
@@ -61,6 +62,8 @@ def eager_summary(doc: dict) -> str:
         return "**not measured** (no labeled --data)"
     if task_name(doc) == "segmentation":
         return f"mIoU {eager['miou']:.2f}, pixel accuracy {eager['pixel_acc']:.2f}%"
+    if task_name(doc) == "detection":
+        return f"COCO mAP {_num(eager['map'], '.2f')}, mAP@0.5 {_num(eager['map50'], '.2f')}"
     return f"acc@1 {eager['acc1']:.2f}%, acc@5 {eager['acc5']:.2f}%"
 
 

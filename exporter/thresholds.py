@@ -15,15 +15,19 @@ THRESHOLD_KEYS = {
     "pixel_agreement": (("fidelity", "pixel_agreement"), "min"),
     "miou_vs_eager": (("fidelity", "miou_vs_eager"), "min"),
     "miou_drop": (("accuracy", "miou_drop_points"), "max"),
+    "matched_recall": (("fidelity", "matched_recall"), "min"),
+    "matched_precision": (("fidelity", "matched_precision"), "min"),
+    "map_drop": (("accuracy", "map_drop_points"), "max"),
 }
 
 # the keys that mean something for each task's metrics (exporter.tasks)
 TASK_KEYS = {
     "classification": ("top1_agreement", "top5_agreement", "psnr_db", "cosine", "max_abs_error", "accuracy_drop"),
     "segmentation": ("pixel_agreement", "miou_vs_eager", "psnr_db", "cosine", "max_abs_error", "miou_drop"),
+    "detection": ("matched_recall", "matched_precision", "psnr_db", "cosine", "max_abs_error", "map_drop"),
 }
 # fractions in [0, 1]
-FRACTIONS = ("top1_agreement", "top5_agreement", "pixel_agreement", "miou_vs_eager")
+FRACTIONS = ("top1_agreement", "top5_agreement", "pixel_agreement", "miou_vs_eager", "matched_recall", "matched_precision")
 
 
 def _lookup(metrics: dict, path: tuple[str, str]):

@@ -104,13 +104,13 @@ def canonical_name(weights: WeightsEnum) -> str:
 
 def task_class(weights: WeightsEnum) -> type[tasks.Task]:
     """The weight's task (exporter.tasks), or a one-line refusal saying why it cannot be exported."""
-    return tasks.for_group(task_of(model_name_of(weights)), canonical_name(weights))
+    model_name = model_name_of(weights)
+    return tasks.for_group(task_of(model_name), canonical_name(weights), model_name)
 
 
 def bind_task(weights: WeightsEnum, num_classes: int | None = None, input_size=None) -> tasks.Task:
     """The weight's task bound to a graph: its class count and the input size (--input-size, else the weight's)."""
-    cls = task_class(weights)
-    return cls(num_classes or len(weights.meta.get("categories") or []) or 1000, cls.input_size_of(weights, input_size))
+    return task_class(weights).bind(weights, num_classes or len(weights.meta.get("categories") or []) or 1000, input_size)
 
 
 def preprocessing_spec(weights: WeightsEnum, input_size=None) -> dict:

@@ -14,24 +14,28 @@ from __future__ import annotations
 from ..errors import UsageError
 from .base import Task
 from .classification import Classification
+from .detection import Detection
 from .segmentation import Segmentation
 
-TASKS: dict[str, type[Task]] = {task.name: task for task in (Classification, Segmentation)}
+TASKS: dict[str, type[Task]] = {task.name: task for task in (Classification, Segmentation, Detection)}
 
 # torchvision's model groups (weights.TASK_MODULES) -> our task; the quantized classifiers are classifiers
-GROUPS = {"classification": Classification, "quantization": Classification, "segmentation": Segmentation}
+GROUPS = {"classification": Classification, "quantization": Classification, "segmentation": Segmentation,
+          "detection": Detection}
 NOT_YET = {
-    "detection": "detection weights cannot be exported yet: torch.export fails in their batched NMS",
     "video": "video weights are not supported: no mobile runtime here takes 5-D clips",
     "optical_flow": "optical flow weights are not supported: RAFT's iterative refinement does not export to these formats",
 }
 
 
-def for_group(group: str, weight_name: str) -> type[Task]:
+def for_group(group: str, weight_name: str, model_name: str) -> type[Task]:
     """The task class for a torchvision model group, or a one-line refusal saying why not."""
     if group in GROUPS:
+        refusal = GROUPS[group].refusal(model_name)
+        if refusal:
+            raise UsageError(f"{weight_name}: {refusal}")
         return GROUPS[group]
     raise UsageError(f"{weight_name}: {NOT_YET.get(group, f'{group} weights are not supported')}")
 
 
-__all__ = ["TASKS", "Task", "Classification", "Segmentation", "for_group"]
+__all__ = ["TASKS", "Task", "Classification", "Detection", "Segmentation", "for_group"]

@@ -38,6 +38,16 @@ class Task:
 
     # --- before the task is bound: the model ---
     @classmethod
+    def refusal(cls, model_name: str) -> str | None:
+        """Why this model of the task cannot be exported, or None."""
+        return None
+
+    @classmethod
+    def bind(cls, weights, num_classes: int, input_size: tuple[int, int] | None = None) -> "Task":
+        """The task for one build's graph (input_size: --input-size, else the weight's own)."""
+        return cls(num_classes, cls.input_size_of(weights, input_size))
+
+    @classmethod
     def input_size_of(cls, weights, requested: tuple[int, int] | None) -> tuple[int, int]:
         raise NotImplementedError
 

@@ -1,0 +1,316 @@
+"""Object detection (SSD family): the graph returns the raw heads; decoding and NMS are shared numpy.
+
+torch.export cannot take torchvision's batched NMS, and ExecuTorch / XNNPACK have no NMS kernel, so every
+format gets backbone + head, returning one array per image of (anchors, 4 box deltas + C class logits).
+exporter/detection_decode.py turns it into boxes for eager and for every artifact alike, and ships in the
+bundle with the anchors. Fidelity is judged on the raw heads (PSNR, cosine) and on the decoded boxes
+(matched to eager's by IoU >= 0.5 and class); labeled metrics are COCO mAP from pycocotools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, UnidentifiedImageError
+from torch import nn
+
+from .. import detection_decode
+from ..data import Inputs, split
+from ..errors import UsageError
+from .base import Task, logit_fidelity
+
+MATCH_SCORE = 0.3  # detections compared against eager's: those an app would show
+PAD = -1.0  # class of padding rows in the (N, K, 5) label tensor
+
+
+class RawHeads(nn.Module):
+    """Backbone + SSD head on an already resized and normalized image: (1, anchors, 4 + classes)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.backbone, self.head = model.backbone, model.head
+
+    def forward(self, x):
+        features = list(self.backbone(x).values())
+        heads = self.head(features)
+        return torch.cat([heads["bbox_regression"], heads["cls_logits"]], dim=-1)
+
+
+@lru_cache(maxsize=None)
+def _reference_model(model_name: str, num_classes: int) -> nn.Module:
+    from torchvision.models import get_model
+
+    return get_model(model_name, weights=None, weights_backbone=None, num_classes=num_classes).eval()
+
+
+def _anchors(model: nn.Module, size: tuple[int, int]) -> np.ndarray:
+    from torchvision.models.detection.image_list import ImageList
+
+    x = torch.zeros(1, 3, *size)
+    with torch.no_grad():
+        features = list(model.backbone(x).values())
+        return model.anchor_generator(ImageList(x, [tuple(size)]), features)[0].numpy().astype(np.float32)
+
+
+def _gt_coco(labels: torch.Tensor, size) -> dict:
+    h, w = size
+    images, annotations = [], []
+    for i, rows in enumerate(labels.tolist()):
+        images.append({"id": i, "width": w, "height": h})
+        for c, x0, y0, x1, y1 in rows:
+            if c != PAD:
+                annotations.append({"id": len(annotations) + 1, "image_id": i, "category_id": int(c), "iscrowd": 0,
+                                    "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0)})
+    return {"images": images, "annotations": annotations}
+
+
+def coco_map(detections: list[dict], labels: torch.Tensor, size, num_classes: int) -> dict:
+    """COCO mAP@[.5:.95] and mAP@.5 (in points) of decoded detections against padded label boxes."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    gt = _gt_coco(labels, size)
+    if not gt["annotations"]:
+        return {"map": None, "map50": None}
+    gt["categories"] = [{"id": c} for c in range(1, num_classes)]
+    results = [{"image_id": i, "category_id": int(label), "score": float(score),
+                "bbox": [float(b[0]), float(b[1]), float(b[2] - b[0]), float(b[3] - b[1])]}
+               for i, d in enumerate(detections) for b, score, label in zip(d["boxes"], d["scores"], d["labels"])]
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco = COCO()
+        coco.dataset = gt
+        coco.createIndex()
+        evaluator = COCOeval(coco, coco.loadRes(results) if results else COCO(), "bbox")
+        evaluator.evaluate()
+        evaluator.accumulate()
+        evaluator.summarize()
+    stats = [max(0.0, float(s)) for s in evaluator.stats[:2]]  # -1 means "no such boxes": 0 detected
+    return {"map": 100.0 * stats[0], "map50": 100.0 * stats[1]}
+
+
+@dataclass(frozen=True)
+class Detection(Task):
+    anchors: np.ndarray | None = field(default=None, compare=False, repr=False)
+    mean: tuple = (0.5, 0.5, 0.5)
+    std: tuple = (0.5, 0.5, 0.5)
+
+    name = "detection"
+    agreement = "matched_recall"
+    drop = "map_drop_points"
+
+    @classmethod
+    def refusal(cls, model_name: str) -> str | None:
+        if not model_name.startswith("ssd"):
+            return (f"{model_name} cannot be exported yet: only SSD-family detectors (raw heads plus the shared "
+                    "decode and NMS) are; two-stage detectors keep data-dependent ROI steps inside the graph")
+        return None
+
+    @classmethod
+    def input_size_of(cls, weights, requested):
+        from ..weights import model_name_of
+
+        transform = _reference_model(model_name_of(weights), 2).transform
+        size = tuple(transform.fixed_size or (transform.min_size[0], transform.max_size))
+        if requested is not None and tuple(requested) != size:
+            raise UsageError(f"--input-size: this detector's anchors are fixed for {size[0]}x{size[1]}")
+        return size
+
+    @classmethod
+    def bind(cls, weights, num_classes, input_size=None):
+        from ..weights import model_name_of
+
+        size = cls.input_size_of(weights, input_size)
+        # anchors depend on the architecture and the input size only, not on the weights
+        reference = _reference_model(model_name_of(weights), num_classes)
+        return cls(num_classes, size, _anchors(reference, size), tuple(reference.transform.image_mean),
+                   tuple(reference.transform.image_std))
+
+    @classmethod
+    def num_classes_in(cls, state, model_name, default):
+        prefix = "head.classification_head.module_list.0."  # its last conv: anchors per location x classes
+        convs = [v for k, v in state.items() if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.ndim == 4]
+        per_location = _reference_model(model_name, 2).anchor_generator.num_anchors_per_location()[0]
+        if convs and convs[-1].shape[0] % per_location == 0:
+            return int(convs[-1].shape[0] // per_location)
+        return default
+
+    @classmethod
+    def construct(cls, model_name, num_classes, state):
+        from torchvision.models import get_model
+
+        return get_model(model_name, weights=None, weights_backbone=None, num_classes=num_classes)
+
+    @classmethod
+    def graph(cls, model):
+        return RawHeads(model).eval()
+
+    @property
+    def params(self) -> dict:
+        return {**detection_decode.DEFAULTS, "match_score": MATCH_SCORE}
+
+    def preprocessing(self, weights):
+        return {
+            "task": self.name,
+            "input_size": list(self.input_size),
+            "resize_size": list(self.input_size),  # exactly, aspect ratio not kept, as torchvision's SSD transform
+            "crop_size": None,
+            "interpolation": "bilinear",
+            "antialias": False,
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "layout": "NCHW",
+            "dtype": "float32",
+            "range": "RGB scaled to [0, 1] before normalization",
+            "output": self.output(),
+            "boxes": "xyxy in pixels of the input_size image; scale by the original size / input_size",
+        }
+
+    def transform(self, weights):
+        from torchvision.transforms import v2
+
+        return v2.Compose([v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True),
+                           v2.Resize(list(self.input_size), antialias=False), v2.Normalize(self.mean, self.std)])
+
+    def output(self):
+        count = 0 if self.anchors is None else len(self.anchors)
+        return {"name": self.output_name, "layout": "NAK", "shape": [1, count, 4 + self.num_classes],
+                "meaning": "per anchor: 4 box deltas (dx, dy, dw, dh, scaled by box_coder_weights) then class logits "
+                           "(class 0 = background); decode with detection_decode.py and anchors.npy"}
+
+    def describe(self):
+        return {**super().describe(), "decode": {**self.params, "anchors": "golden/anchors.npy",
+                                                 "code": "detection_decode.py"}}
+
+    # --- data: DIR/annotations.json (COCO) and the images it names ---
+    def load_data(self, root, transform, calib_size, val_size, seed):
+        root = Path(root)
+        records = self._records(root)
+        calib_idx, val_idx = split(len(records), calib_size, val_size, seed)
+        calibration = [self._read(records[i], transform) for i in calib_idx]
+        validation = [self._read(records[i], transform) for i in val_idx]
+        return Inputs(
+            [x[None] for x, _ in calibration],
+            torch.stack([x for x, _ in validation]),
+            self._pad([b for _, b in validation]),
+            None,
+            calibration_labels=self._pad([b for _, b in calibration]) if calibration else None,
+            description={"source": str(root.resolve()), "labeled": True, "format": "COCO annotations.json",
+                         "images": len(records), "calibration": len(calib_idx), "validation": len(val_idx), "seed": seed},
+        )
+
+    def _records(self, root: Path) -> list[tuple[Path, tuple[int, int], list]]:
+        path = root / "annotations.json"
+        if not path.is_file():
+            raise UsageError(f"--data {root} has no annotations.json (detection expects COCO format)")
+        try:
+            coco = json.loads(path.read_text())
+            categories = {c["id"] for c in coco["categories"]}
+            images = {im["id"]: im for im in coco["images"]}
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"{path} is not COCO format: {type(e).__name__}: {e}") from None
+        boxes = {i: [] for i in images}
+        for a in coco.get("annotations", []):
+            image = images.get(a.get("image_id"))
+            if image is None:
+                raise UsageError(f"{path}: annotation {a.get('id')} names unknown image {a.get('image_id')}")
+            c = a.get("category_id")
+            if c not in categories or not 1 <= c < self.num_classes:
+                raise UsageError(f"{path}: annotation {a.get('id')} has unknown category {c} "
+                                 f"(the model has classes 1..{self.num_classes - 1})")
+            x, y, w, h = a["bbox"]
+            if x < 0 or y < 0 or w <= 0 or h <= 0 or x + w > image["width"] or y + h > image["height"]:
+                raise UsageError(f"{path}: annotation {a.get('id')} box {a['bbox']} lies outside its image "
+                                 f"{image['file_name']} ({image['width']}x{image['height']})")
+            boxes[image["id"]].append((c, x, y, x + w, y + h))
+        records = []
+        for i, image in sorted(images.items()):
+            file = next((p for p in (root / image["file_name"], root / "images" / image["file_name"]) if p.is_file()), None)
+            if file is None:
+                raise UsageError(f"{path}: image {image['file_name']} is missing (looked in {root} and {root / 'images'})")
+            records.append((file, (image["width"], image["height"]), boxes[i]))
+        if not records:
+            raise UsageError(f"{path} lists no images")
+        return records
+
+    def _read(self, record, transform) -> tuple[torch.Tensor, list]:
+        file, size, boxes = record
+        try:
+            with Image.open(file) as im:
+                rgb = im.convert("RGB")
+        except (UnidentifiedImageError, OSError) as e:
+            raise UsageError(f"cannot read image {file}: {e}") from None
+        if rgb.size != size:
+            raise UsageError(f"image {file} is {rgb.size[0]}x{rgb.size[1]}, annotations.json says {size[0]}x{size[1]}")
+        h, w = self.input_size
+        sx, sy = w / size[0], h / size[1]
+        return transform(rgb), [(c, x0 * sx, y0 * sy, x1 * sx, y1 * sy) for c, x0, y0, x1, y1 in boxes]
+
+    @staticmethod
+    def _pad(per_image: list[list]) -> torch.Tensor:
+        most = max((len(b) for b in per_image), default=0)
+        rows = [list(b) + [(PAD, 0, 0, 0, 0)] * (most - len(b)) for b in per_image]
+        return torch.tensor(rows, dtype=torch.float32).reshape(len(per_image), most, 5)
+
+    # --- metrics ---
+    def decode(self, rows: torch.Tensor) -> list[dict]:
+        heads = rows.reshape(len(rows), len(self.anchors), -1).numpy()
+        return [detection_decode.decode(head, self.anchors, self.input_size, self.params) for head in heads]
+
+    def fidelity(self, reference, outputs):
+        matches = [detection_decode.match(r, o, MATCH_SCORE) for r, o in zip(self.decode(reference), self.decode(outputs))]
+        total = lambda key: sum(m[key] for m in matches)  # noqa: E731
+        ious = [v for m in matches for v in m["ious"]]
+        errors = [v for m in matches for v in m["score_errors"]]
+        return {
+            **logit_fidelity(reference, outputs),
+            "matched_recall": total("matched") / total("reference") if total("reference") else 1.0,
+            "matched_precision": total("matched") / total("candidate") if total("candidate") else 1.0,
+            "mean_match_iou": float(np.mean(ious)) if ious else None,
+            "max_score_error": float(np.max(errors)) if errors else None,
+            "count_agreement": float(np.mean([m["reference"] == m["candidate"] for m in matches])),
+            "eager_detections": total("reference"),
+        }
+
+    def labeled(self, outputs, labels):
+        return coco_map(self.decode(outputs), labels, self.input_size, self.num_classes)
+
+    def vs_eager(self, eager, artifact):
+        drop = None if eager["map"] is None or artifact["map"] is None else eager["map"] - artifact["map"]
+        return {"eager_map": eager["map"], "eager_map50": eager["map50"], "map": artifact["map"],
+                "map50": artifact["map50"], "map_drop_points": drop}
+
+    def golden(self, inputs, reference, labels):
+        detections = [{k: v[d["scores"] >= MATCH_SCORE].tolist() for k, v in d.items()} for d in self.decode(reference)]
+        files = {"inputs.npy": inputs.numpy().astype(np.float32),
+                 "eager_logits.npy": reference.reshape(len(reference), len(self.anchors), -1).numpy().astype(np.float32),
+                 "anchors.npy": self.anchors, "eager_detections.json": detections}
+        if labels is not None:
+            files["boxes.json"] = [[row for row in rows if row[0] != PAD] for rows in labels.tolist()]
+        return files
+
+    def preview(self, image, eager_row, artifact_row, preprocessing):
+        """input | eager boxes | artifact boxes (scores >= MATCH_SCORE)."""
+        mean, std = torch.tensor(self.mean)[:, None, None], torch.tensor(self.std)[:, None, None]
+        rgb = Image.fromarray(((image * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy(), "RGB")
+        panels = [rgb]
+        for row in (eager_row, artifact_row):
+            d = self.decode(row[None])[0]
+            panel = rgb.copy()
+            draw = ImageDraw.Draw(panel)
+            for box, score, label in zip(d["boxes"], d["scores"], d["labels"]):
+                if score >= MATCH_SCORE:
+                    draw.rectangle([float(v) for v in box], outline=(255, 40, 40), width=2)
+                    draw.text((float(box[0]) + 2, float(box[1]) + 1), f"{label} {score:.2f}", fill=(255, 255, 0))
+            panels.append(panel)
+        h, w = self.input_size
+        sheet = Image.new("RGB", (3 * w + 8, h), "white")
+        for i, panel in enumerate(panels):
+            sheet.paste(panel, (i * (w + 4), 0))
+        return sheet

@@ -1,0 +1,217 @@
+"""Semantic segmentation on every target, on really trained LR-ASPP and DeepLabV3 MobileNetV3-Large models
+(digits pasted onto textured canvases, exporter.digits_segmentation): every artifact built, validated on
+masks and logits against eager, labeled mIoU against held-out masks, bundled, and checked on the device kit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from exporter import digits_segmentation
+from exporter.thresholds import breaches
+
+from .conftest import CACHE, assert_clean_refusal, run_cli
+
+pytestmark = pytest.mark.slow
+
+LRASPP, DEEPLAB = digits_segmentation.WEIGHTS
+FAST = ["--calib-size", "32", "--val-size", "16", "--warmup", "1", "--iterations", "5"]
+
+
+@pytest.fixture(scope="session")
+def lraspp() -> digits_segmentation.SegmentationDigitsModel:
+    return digits_segmentation.prepare(CACHE, LRASPP)
+
+
+@pytest.fixture(scope="session")
+def deeplab() -> digits_segmentation.SegmentationDigitsModel:
+    return digits_segmentation.prepare(CACHE, DEEPLAB)
+
+
+def seg_args(model, out, *extra):
+    side = str(model.size)
+    return ["build", model.weight, "--checkpoint", model.checkpoint, "--data", model.data_dir, "--labels", model.labels_file,
+            "--input-size", side, side, "--out", out, "--quiet", *FAST, *extra]
+
+
+def _build_all(tmp_path_factory, model, name):
+    out = tmp_path_factory.mktemp(name) / "build"
+    result = run_cli(*seg_args(model, out, "--target", "all", "--bundle"))
+    docs = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/manifest.json")}
+    return out, result, docs
+
+
+@pytest.fixture(scope="module")
+def lraspp_all(tmp_path_factory, lraspp):
+    return _build_all(tmp_path_factory, lraspp, "lraspp")
+
+
+@pytest.fixture(scope="module")
+def deeplab_all(tmp_path_factory, deeplab):
+    return _build_all(tmp_path_factory, deeplab, "deeplab")
+
+
+def test_trained_models_are_real(lraspp, deeplab):
+    # agreement only means something if the masks do: the models must really segment held-out canvases
+    for model in (lraspp, deeplab):
+        assert model.held_out_miou >= 0.5, model
+
+
+def _check_build(out, result, docs, model):
+    assert set(docs) == {"android", "ios", "jetson"}, result.output
+    for target, doc in docs.items():
+        assert doc["task"] == {"name": "segmentation", "input_size": [model.size, model.size], "num_classes": 11,
+                               "output": doc["task"]["output"]}
+        assert doc["task"]["output"]["layout"] == "NCHW" and doc["task"]["output"]["shape"] == [1, 11, model.size, model.size]
+        pre = json.loads((out / target / "preprocessing.json").read_text())
+        assert pre["task"] == "segmentation" and pre["input_size"] == [model.size, model.size] and pre["crop_size"] is None
+        eager = doc["eager"]["accuracy"]
+        assert eager["miou"] >= 50.0, eager  # the trained model on held-out canvases, as exported (eval mode)
+        for a in doc["artifacts"]:
+            if a["status"] == "unavailable":  # engines without a GPU; Core ML cannot predict on Linux
+                assert a["reasons"], a
+                if a["format"] == "coreml":
+                    proxies = a["proxy"].values()
+                    assert proxies and all((p["status"] == "passed") == (breaches(p, a["thresholds"]) == []) for p in proxies)
+                continue
+            # the verdict follows the target's segmentation thresholds, and only them
+            assert set(a["thresholds"]) <= {"pixel_agreement", "miou_vs_eager", "psnr_db", "cosine", "max_abs_error", "miou_drop"}
+            assert (a["status"] == "passed") == (breaches(a, a["thresholds"]) == []), a
+            assert a["fidelity"]["pixel_agreement"] is not None and a["accuracy"]["miou_drop_points"] is not None
+            assert (out / target / a["preview"]).is_file()
+            with Image.open(out / target / a["preview"]) as im:
+                assert im.size[1] == model.size and im.size[0] > 3 * model.size  # input | eager | artifact
+            if a["precision"] == "fp32":  # fp32 matches eager to fp32 rounding: a guarantee, not a host number
+                assert a["status"] == "passed", a
+                assert a["fidelity"]["pixel_agreement"] >= 0.999 and a["fidelity"]["psnr_db"] >= 60
+        golden = out / target / "golden"
+        logits, masks = np.load(golden / "eager_logits.npy"), np.load(golden / "eager_masks.npy")
+        assert logits.shape[1:] == (11, model.size, model.size) and (logits.argmax(1) == masks).all()
+        assert np.load(golden / "masks.npy").shape == masks.shape
+        assert "data:image/png;base64," in (out / target / "report.html").read_text()
+        assert "mIoU" in (out / target / "report.md").read_text()
+    android = {a["name"]: a for a in docs["android"]["artifacts"]}
+    for name in ("executorch_fp32", "executorch_int8"):
+        delegation = android[name]["details"]["delegation"]
+        assert delegation["delegated_subgraphs"] == 1 and delegation["ops_outside_on_tensors"] == {}, delegation
+    jetson = {a["name"]: a for a in docs["jetson"]["artifacts"]}
+    assert all(jetson[f"tensorrt_{p}"]["status"] == "unavailable" for p in ("fp32", "fp16", "int8"))
+    int8 = android["executorch_int8"]["details"]["quantization"]
+    assert int8["budget"] and "agreement" in int8["after"]
+
+
+def test_lraspp_builds_validates_and_bundles_on_every_target(lraspp_all, lraspp):
+    out, result, docs = lraspp_all
+    _check_build(out, result, docs, lraspp)
+    # exits non-zero exactly when an artifact broke its target's thresholds
+    assert result.exit_code == (0 if all(d["status"] == "passed" for d in docs.values()) else 1), result.output
+
+
+def test_deeplabv3_builds_validates_and_bundles_on_every_target(deeplab_all, deeplab):
+    out, result, docs = deeplab_all
+    _check_build(out, result, docs, deeplab)
+    assert result.exit_code == (0 if all(d["status"] == "passed" for d in docs.values()) else 1), result.output
+
+
+def test_jetson_bundle_checks_segmentation_on_the_device_kit(lraspp_all):
+    out, result, docs = lraspp_all
+    if docs["jetson"]["status"] != "passed":
+        pytest.skip("no bundle: an artifact failed its thresholds (asserted consistent elsewhere)")
+    bundle = out / "bundle" / "jetson"
+    spec = json.loads((bundle / "bundle.json").read_text())
+    assert spec["task"]["name"] == "segmentation"
+    checked = subprocess.run([sys.executable, bundle / "device_validate.py", bundle, "--runtime", "onnxruntime"],
+                             capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "pixel" in checked.stdout
+
+
+def test_a_perturbed_artifact_fails_on_masks(tmp_path, lraspp_all):
+    """Validation sees a broken artifact: the ONNX fp32 graph with its logits' channel order changed
+    re-validated by `exporter validate` fails pixel agreement and mIoU against eager."""
+    import onnx
+
+    out, _, docs = lraspp_all
+    build = tmp_path / "jetson"
+    shutil.copytree(out / "jetson", build)
+    doc = json.loads((build / "manifest.json").read_text())
+    entry = next(a for a in doc["artifacts"] if a["name"] == "onnx_fp32")
+    graph = onnx.load(build / entry["path"])
+    last = graph.graph.output[0].name
+    perm = onnx.helper.make_tensor("perm_indices", onnx.TensorProto.INT64, [11], [1, 0, *range(2, 11)])
+    graph.graph.initializer.append(perm)
+    for node in graph.graph.node:
+        for i, name in enumerate(node.output):
+            if name == last:
+                node.output[i] = "unpermuted"
+    graph.graph.node.append(onnx.helper.make_node("Gather", ["unpermuted", "perm_indices"], [last], axis=1))
+    onnx.save(graph, build / entry["path"])
+    from exporter import files
+
+    entry["sha256"] = files.sha256(build / entry["path"])
+    (build / "manifest.json").write_text(json.dumps(doc))
+    result = run_cli("validate", build, "--quiet")
+    assert result.exit_code == 1, result.output
+    after = next(a for a in json.loads((build / "manifest.json").read_text())["artifacts"] if a["name"] == "onnx_fp32")
+    assert after["status"] == "failed" and any(r.startswith("pixel_agreement") for r in after["reasons"])
+
+
+# --- bad input: one line, exit 2, nothing written ---
+
+def _voc(tmp_path, lraspp, count=4):
+    root = tmp_path / "voc"
+    shutil.copytree(lraspp.data_dir, root, ignore=lambda d, names: sorted(names)[count:] if d.endswith(("images", "masks")) else [])
+    return root
+
+
+def _refused(tmp_path, lraspp, data, *needles):
+    out = tmp_path / "out"
+    side = str(lraspp.size)
+    result = run_cli("build", lraspp.weight, "--checkpoint", lraspp.checkpoint, "--data", data, "--input-size", side, side,
+                     "--target", "android", "--out", out, "--quiet", "--no-cache")
+    assert_clean_refusal(result, out, *needles)
+
+
+def test_missing_mask_is_refused(tmp_path, lraspp):
+    root = _voc(tmp_path, lraspp)
+    victim = sorted((root / "masks").iterdir())[0]
+    victim.unlink()
+    _refused(tmp_path, lraspp, root, "has no mask", victim.name)
+
+
+def test_mask_size_mismatch_is_refused(tmp_path, lraspp):
+    root = _voc(tmp_path, lraspp)
+    victim = sorted((root / "masks").iterdir())[0]
+    Image.new("L", (7, 5)).save(victim)
+    _refused(tmp_path, lraspp, root, "is 7x5 but its image is")
+
+
+def test_class_index_out_of_range_is_refused(tmp_path, lraspp):
+    root = _voc(tmp_path, lraspp)
+    victim = sorted((root / "masks").iterdir())[0]
+    with Image.open(victim) as im:
+        mask = np.array(im)
+    mask[0, 0] = 42
+    Image.fromarray(mask, "L").save(victim)
+    _refused(tmp_path, lraspp, root, "class index 42", "11 classes")
+
+
+def test_classification_folder_is_refused_for_segmentation(tmp_path, lraspp, digits_model):
+    _refused(tmp_path, lraspp, digits_model.data_dir, "not VOC-style")
+
+
+def test_task_mismatches_are_refused(tmp_path, lraspp, digits_model):
+    out = tmp_path / "out"
+    result = run_cli(*seg_args(lraspp, out, "--target", "android", "--threshold", "int8.accuracy_drop=1", "--no-cache"))
+    assert_clean_refusal(result, out, "accuracy_drop does not apply to segmentation")
+    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--input-size", "64", "64",
+                     "--out", out, "--quiet")
+    assert_clean_refusal(result, out, "--input-size is for segmentation")
+    result = run_cli("build", "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1", "--out", out, "--quiet")
+    assert_clean_refusal(result, out, "detection weights cannot be exported yet")
