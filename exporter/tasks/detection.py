@@ -79,15 +79,17 @@ def coco_map(detections: list[dict], labels: torch.Tensor, size, num_classes: in
     gt = _gt_coco(labels, size)
     if not gt["annotations"]:
         return {"map": None, "map50": None}
-    gt["categories"] = [{"id": c} for c in range(1, num_classes)]
+    gt.update(info={}, licenses=[], categories=[{"id": c} for c in range(1, num_classes)])
     results = [{"image_id": i, "category_id": int(label), "score": float(score),
                 "bbox": [float(b[0]), float(b[1]), float(b[2] - b[0]), float(b[3] - b[1])]}
                for i, d in enumerate(detections) for b, score, label in zip(d["boxes"], d["scores"], d["labels"])]
+    if not results:
+        return {"map": 0.0, "map50": 0.0}
     with contextlib.redirect_stdout(io.StringIO()):
         coco = COCO()
         coco.dataset = gt
         coco.createIndex()
-        evaluator = COCOeval(coco, coco.loadRes(results) if results else COCO(), "bbox")
+        evaluator = COCOeval(coco, coco.loadRes(results), "bbox")
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
