@@ -88,7 +88,7 @@ def read(out_dir: Path) -> dict:
     path = Path(out_dir) / "manifest.json"
     manifest = json.loads(path.read_text())
     if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version {manifest.get('schema_version')} (this exporter reads {SCHEMA_VERSION})")
+        raise ValueError(f"{path}: schema_version {manifest.get('schema_version')} (this exporter reads {SCHEMA_VERSION}: build it again)")
     return manifest
 
 

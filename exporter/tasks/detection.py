@@ -164,7 +164,7 @@ class Detection(Task):
             "resize_size": list(self.input_size),  # exactly, aspect ratio not kept, as torchvision's SSD transform
             "crop_size": None,
             "interpolation": "bilinear",
-            "antialias": False,
+            "antialias": True,
             "mean": list(self.mean),
             "std": list(self.std),
             "layout": "NCHW",
@@ -177,8 +177,9 @@ class Detection(Task):
     def transform(self, weights):
         from torchvision.transforms import v2
 
-        return v2.Compose([v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True),
-                           v2.Resize(list(self.input_size), antialias=False), v2.Normalize(self.mean, self.std)])
+        # the image is resized before it becomes a tensor, as an app resizes its bitmap
+        return v2.Compose([v2.Resize(list(self.input_size)), v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True),
+                           v2.Normalize(self.mean, self.std)])
 
     def output(self):
         count = 0 if self.anchors is None else len(self.anchors)

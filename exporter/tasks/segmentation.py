@@ -108,7 +108,8 @@ class Segmentation(Task):
         from torchvision.transforms import v2
 
         t = weights.transforms()
-        return v2.Compose([v2.PILToTensor(), v2.Resize(list(self.input_size), t.interpolation, antialias=t.antialias),
+        # the image is resized before it becomes a tensor, as an app resizes its bitmap
+        return v2.Compose([v2.Resize(list(self.input_size), t.interpolation, antialias=t.antialias), v2.PILToTensor(),
                            v2.ToDtype(torch.float32, scale=True), v2.Normalize(t.mean, t.std)])
 
     def output(self):
