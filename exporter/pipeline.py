@@ -109,7 +109,7 @@ def _start_session(loaded, task, inputs, profile, progress: Progress, build_cach
     return session
 
 
-def _evaluate(session: Session, runner, thresholds: dict) -> tuple[dict, torch.Tensor]:
+def _evaluate(session: Session, runner, thresholds: dict, timed: bool = True) -> tuple[dict, torch.Tensor]:
     metrics, outputs = validation.evaluate(
         session.task,
         runner,
@@ -121,6 +121,7 @@ def _evaluate(session: Session, runner, thresholds: dict) -> tuple[dict, torch.T
         thresholds,
         session.latency["warmup"],
         session.latency["iterations"],
+        timed,
     )
     # a runtime's own thread setting may have changed torch's; restore it for eager
     torch.set_num_threads(session.latency["threads"])
@@ -165,9 +166,10 @@ def _run_validation(session: Session, entry: dict, out: Path, progress: Progress
             entry.update(status="unavailable", reasons=[f"not validated: {e}"])
             if hasattr(module, "proxies"):
                 # Stand-ins (e.g. the package's weights put back into eager): labelled proxy, never
-                # reported as the runtime's own numbers, and they do not decide the status.
+                # reported as the runtime's own numbers, and they do not decide the status. Not timed:
+                # eager in fp16 on a CPU says nothing about Core ML's speed (and takes seconds per image).
                 entry["proxy"] = {
-                    label: _evaluate(session, proxy, entry["thresholds"])[0]
+                    label: _evaluate(session, proxy, entry["thresholds"], timed=False)[0]
                     for label, proxy in module.proxies(out / entry["path"], session.loaded.model).items()
                 }
             return

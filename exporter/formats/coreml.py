@@ -1,4 +1,6 @@
-"""Core ML ML program (.mlpackage): an image classifier that returns label, probabilities and logits.
+"""Core ML ML program (.mlpackage): an image classifier that returns label, probabilities and logits,
+or, for a model whose output is per-pixel class scores (layout "NCHW" in meta["task"]), an image
+model with that one multi-array output and no classifier.
 
 The package takes an RGB image (or, with input="tensor", the normalized NCHW tensor) and carries
 the weight's mean/std inside the graph. Core ML's image preprocessing has one scale for all
@@ -41,13 +43,15 @@ DEFAULT_TARGET = "iOS17"
 LABEL_OUTPUT = "classLabel"
 PROBS_OUTPUT = "classLabel_probs"
 LOGITS_OUTPUT = "logits"
+# class scores (a classifier package), per-pixel class scores, per-anchor box deltas + class scores
+LAYOUTS = {"NC": "classifier", "NCHW": "per-pixel classifier", "NAK": "detector (raw SSD heads, decoded outside)"}
 METADATA_PREFIX = "exporter."
 CONVERSION_DATE_KEY = "com.github.apple.coremltools.conversion_date"
 
 
-class ImageClassifier(nn.Module):
+class ImageInput(nn.Module):
     """Takes RGB in [0, 1] (Core ML scales the 0..255 image), normalizes as the weight's
-    transforms do, and returns (logits, probabilities)."""
+    transforms do, and returns the model's output."""
 
     def __init__(self, model: nn.Module, mean, std):
         super().__init__()
@@ -57,6 +61,13 @@ class ImageClassifier(nn.Module):
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean) / self.std
+
+    def forward(self, x):
+        return self.model(self.normalize(x))
+
+
+class ImageClassifier(ImageInput):
+    """ImageInput that returns (logits, probabilities)."""
 
     def forward(self, x):
         logits = self.model(self.normalize(x))
@@ -107,21 +118,51 @@ def preflight(precision, deployment_target=DEFAULT_TARGET, input="image", compre
         raise UsageError(f"coreml: 3-bit palettization needs deployment target iOS18 or later, got {deployment_target}")
 
 
+def _output(meta) -> dict:
+    """The model's output as meta["task"] describes it; builds without a task are classifiers."""
+    output = (meta.get("task") or {}).get("output") or {"name": LOGITS_OUTPUT, "layout": "NC"}
+    if output["layout"] not in LAYOUTS:
+        raise ValueError(f"coreml: output layout {output['layout']!r} is not supported (only {', '.join(LAYOUTS)})")
+    return output
+
+
+def _multiarray(meta) -> bool:
+    """Every output but class scores is one multi-array, with no classify op."""
+    return _output(meta)["layout"] != "NC"
+
+
+def _image_size(pre: dict, example: torch.Tensor) -> tuple[int, int]:
+    """(height, width) the app feeds: the preprocessing's input size (its crop for older specs)."""
+    if pre.get("input_size"):
+        size = tuple(pre["input_size"])
+        if size != tuple(example.shape[-2:]):
+            raise ValueError(f"coreml: preprocessing input_size {list(size)} differs from the example's {list(example.shape[-2:])}")
+        return size
+    size = pre.get("crop_size")
+    return (size[0], size[-1]) if size else tuple(example.shape[-2:])
+
+
 def _convert(model, example, precision, meta, deployment_target, input):
     import coremltools as ct
 
     pre = meta["preprocessing"]
+    per_pixel = _multiarray(meta)
     if input == "image":
-        wrapper = ImageClassifier(model, pre["mean"], pre["std"])
+        wrapper = (ImageInput if per_pixel else ImageClassifier)(model, pre["mean"], pre["std"])
         input_type = ct.ImageType(name="image", shape=tuple(example.shape), scale=1 / 255.0, bias=[0.0, 0.0, 0.0],
                                   color_layout=ct.colorlayout.RGB)
     else:
-        wrapper = TensorClassifier(model)
+        wrapper = model if per_pixel else TensorClassifier(model)
         input_type = ct.TensorType(name="input", shape=tuple(example.shape), dtype=np.float32)
     wrapper.eval()
     with torch.no_grad():
         exported = torch.export.export(wrapper, (example,)).run_decompositions({})
     target = getattr(ct.target, f"iOS{_ios_version(deployment_target)}")
+    compute_precision = ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32
+    if per_pixel:
+        return ct.convert(exported, convert_to="mlprogram", inputs=[input_type],
+                          outputs=[ct.TensorType(name=_output(meta)["name"])],
+                          minimum_deployment_target=target, compute_precision=compute_precision)
     # Two steps because coremltools 9 fails (IndexError in get_func_output) when a classifier
     # keeps a second output (the logits) in one ct.convert call with torch.export input.
     program = ct.convert(
@@ -130,7 +171,7 @@ def _convert(model, example, precision, meta, deployment_target, input):
         inputs=[input_type],
         outputs=[ct.TensorType(name=LOGITS_OUTPUT), ct.TensorType(name="probabilities")],
         minimum_deployment_target=target,
-        compute_precision=ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32,
+        compute_precision=compute_precision,
     )
     program.functions["main"].set_output_types(None)
     return ct.convert(
@@ -168,24 +209,40 @@ def _one_openmp_thread():
     return threadpool_limits(1, user_api="openmp")
 
 
-def _describe(mlmodel, precision, meta, options) -> None:
-    mlmodel.short_description = f"{meta['model']} classifier from {meta['weight']} ({len(meta['labels'])} classes)"
+def _describe(mlmodel, precision, meta, options, image_size, output_shape) -> None:
+    classes = len(meta["labels"])
+    kind = LAYOUTS[_output(meta)["layout"]]
+    mlmodel.short_description = f"{meta['model']} {kind} from {meta['weight']} ({classes} classes)"
     mlmodel.version = meta["exporter_version"]
     pre = meta["preprocessing"]
     if options["input"] == "image":
-        h, w = pre["crop_size"][0], pre["crop_size"][-1]
+        h, w = image_size
+        resized = "resized and center-cropped" if pre.get("crop_size") else "resized to exactly that size"
         mlmodel.input_description["image"] = (
-            f"RGB image, {w}x{h}, resized and center-cropped as the weight's transforms do; "
+            f"RGB image, {w}x{h}, {resized} as the weight's transforms do; "
             "mean/std normalization happens inside the model"
         )
     else:
         mlmodel.input_description["input"] = (
             f"NCHW float32 tensor, RGB in [0, 1] normalized with mean {pre['mean']} and std {pre['std']}"
         )
-    mlmodel.output_description[LABEL_OUTPUT] = "most likely class"
-    mlmodel.output_description[PROBS_OUTPUT] = "softmax probability of every class"
-    mlmodel.output_description[LOGITS_OUTPUT] = "raw class scores, before softmax"
     user = mlmodel.user_defined_metadata
+    extra = {}
+    if _multiarray(meta):
+        output = _output(meta)
+        if output["layout"] == "NCHW":
+            _, c, h, w = output_shape
+            text = (f"per-pixel class scores (logits, before softmax), 1x{c}x{h}x{w} at the input's resolution; "
+                    f"the argmax over the {c} classes (axis 1) is the class of each pixel, named in exporter.labels")
+        else:
+            text = f"{'x'.join(map(str, output_shape))}: {output.get('meaning', '')}"
+        mlmodel.output_description[output["name"]] = text
+        # without a classify op the class names would not be in the package
+        extra = {"output": output["name"], "output_layout": output["layout"], "labels": json.dumps(list(meta["labels"]))}
+    else:
+        mlmodel.output_description[LABEL_OUTPUT] = "most likely class"
+        mlmodel.output_description[PROBS_OUTPUT] = "softmax probability of every class"
+        mlmodel.output_description[LOGITS_OUTPUT] = "raw class scores, before softmax"
     # coremltools stamps the day of conversion: two builds of the same inputs on different days
     # would differ. The build's manifest records when it was made.
     if CONVERSION_DATE_KEY in user:  # (a protobuf map's pop would create a missing key first)
@@ -201,6 +258,7 @@ def _describe(mlmodel, precision, meta, options) -> None:
         "compute_precision": precision,
         "compression": options["compression"],
         "nbits": str(options["nbits"] or ""),
+        **extra,
     }.items():
         user[METADATA_PREFIX + key] = str(value)
 
@@ -290,7 +348,34 @@ def _compression_check(mlmodel, layers, compression, nbits) -> dict:
     return check
 
 
-def _spec_check(path: Path, precision, meta, options, num_classes) -> dict:
+def _check_outputs(spec, meta, output_shape) -> tuple[dict, int]:
+    """The package's outputs against the model's: (what the manifest records, number of labels)."""
+    description = spec.description
+    outputs = {o.name: o.type.WhichOneof("Type") for o in description.output}
+    num_classes = (meta.get("task") or {}).get("num_classes") or output_shape[1]
+    if _multiarray(meta):
+        name = _output(meta)["name"]
+        if outputs != {name: "multiArrayType"} or description.predictedFeatureName:
+            raise ValueError(f"package outputs are {outputs}, expected one multi-array {name!r} and no classifier")
+        scores = list(description.output[0].type.multiArrayType.shape)
+        labels = json.loads(description.metadata.userDefined[METADATA_PREFIX + "labels"])
+        if scores != list(output_shape) or len(labels) != num_classes:
+            raise ValueError(f"package has {len(labels)} labels and output {scores}; the model's output is {list(output_shape)}")
+        if labels != list(meta["labels"]):
+            raise ValueError("package class labels differ from the build's labels")
+        return {name: scores}, len(labels)
+    if outputs != {LABEL_OUTPUT: "stringType", PROBS_OUTPUT: "dictionaryType", LOGITS_OUTPUT: "multiArrayType"}:
+        raise ValueError(f"package outputs are {outputs}")
+    logits = next(o for o in description.output if o.name == LOGITS_OUTPUT).type.multiArrayType
+    labels = _classify_labels(spec)
+    if list(logits.shape) != [1, num_classes] or len(labels) != num_classes:
+        raise ValueError(f"package has {len(labels)} labels and logits {list(logits.shape)}; the model has {num_classes} classes")
+    if labels != list(meta["labels"]):
+        raise ValueError("package class labels differ from the build's labels")
+    return {LABEL_OUTPUT: "label", PROBS_OUTPUT: "probabilities", LOGITS_OUTPUT: list(logits.shape)}, len(labels)
+
+
+def _spec_check(path: Path, precision, meta, options, output_shape) -> dict:
     """Reads the saved package back as a spec (works without the Core ML runtime) and checks it."""
     import coremltools as ct
 
@@ -311,23 +396,15 @@ def _spec_check(path: Path, precision, meta, options, num_classes) -> dict:
         array = model_input.type.multiArrayType
         input_info = {"name": model_input.name, "type": "multiarray", "shape": list(array.shape),
                       "dtype": ct.proto.FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(array.dataType)}
-    outputs = {o.name: o.type.WhichOneof("Type") for o in description.output}
-    if outputs != {LABEL_OUTPUT: "stringType", PROBS_OUTPUT: "dictionaryType", LOGITS_OUTPUT: "multiArrayType"}:
-        raise ValueError(f"package outputs are {outputs}")
-    logits = next(o for o in description.output if o.name == LOGITS_OUTPUT).type.multiArrayType
-    labels = _classify_labels(spec)
-    if list(logits.shape) != [1, num_classes] or len(labels) != num_classes:
-        raise ValueError(f"package has {len(labels)} labels and logits {list(logits.shape)}; the model has {num_classes} classes")
-    if labels != list(meta["labels"]):
-        raise ValueError("package class labels differ from the build's labels")
+    outputs, labels = _check_outputs(spec, meta, output_shape)
     layers = _layer_weights(mlmodel)
     return {
         "spec_version": spec.specificationVersion,
         "deployment_target": f"iOS{_ios_version(options['deployment_target'])}",
         "compute_precision": precision,
         "input": input_info,
-        "outputs": {LABEL_OUTPUT: "label", PROBS_OUTPUT: "probabilities", LOGITS_OUTPUT: list(logits.shape)},
-        "labels": len(labels),
+        "outputs": outputs,
+        "labels": labels,
         "compression": _compression_check(mlmodel, layers, options["compression"], options["nbits"]),
         "weights_bytes": sum(f.stat().st_size for f in Path(path).rglob("*.bin")),
         "runtime": "Core ML (macOS/iOS only)",
@@ -339,13 +416,14 @@ def export(model, example, precision, calib, path: Path, meta: dict, deployment_
     preflight(precision, deployment_target, input, compression, nbits)
     options = {"deployment_target": deployment_target, "input": input, "compression": compression,
                "nbits": nbits if compression == "palettize" else None}
+    image_size = _image_size(meta["preprocessing"], example)
     mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
-    _describe(mlmodel, precision, meta, options)
+    with torch.no_grad():  # after _convert, which put the model in eval mode
+        output_shape = list(model(example).shape)
+    _describe(mlmodel, precision, meta, options, image_size, output_shape)
     mlmodel.save(str(path))
     _make_reproducible(Path(path))
-    with torch.no_grad():
-        num_classes = model(example).shape[1]
-    return _spec_check(path, precision, meta, options, num_classes)
+    return _spec_check(path, precision, meta, options, output_shape)
 
 
 def _make_reproducible(package: Path) -> None:
@@ -389,8 +467,8 @@ def _user_metadata(path: Path) -> dict:
 
 def load(path: Path, threads: int):
     """On macOS: feeds what an app feeds (an 8-bit RGB image, or the tensor) and returns the
-    package's `logits` output, compared with eager logits like every other format. Core ML
-    has no thread setting; `threads` does not apply."""
+    package's scores output (`logits`: (1, C), or (1, C, H, W) per pixel), compared with eager's
+    like every other format. Core ML has no thread setting; `threads` does not apply."""
     if sys.platform != "darwin":
         raise RuntimeUnavailable(f"Core ML predict needs macOS; this host is {sys.platform}")
     import coremltools as ct
@@ -398,8 +476,9 @@ def load(path: Path, threads: int):
 
     info = _user_metadata(path)
     mlmodel = ct.models.MLModel(str(path), compute_units=ct.ComputeUnit.ALL)
+    output = info.get("output", LOGITS_OUTPUT)
     if info["input"] == "tensor":
-        return lambda x: torch.from_numpy(np.asarray(mlmodel.predict({"input": x.numpy()})[LOGITS_OUTPUT], dtype=np.float32))
+        return lambda x: torch.from_numpy(np.asarray(mlmodel.predict({"input": x.numpy()})[output], dtype=np.float32))
     pre = json.loads(info["preprocessing"])
     mean = torch.tensor(pre["mean"]).view(-1, 1, 1)
     std = torch.tensor(pre["std"]).view(-1, 1, 1)
@@ -407,7 +486,7 @@ def load(path: Path, threads: int):
     def run(x):
         pixels = ((x[0] * std + mean) * 255).round().clamp(0, 255).to(torch.uint8)
         image = Image.fromarray(pixels.permute(1, 2, 0).numpy(), mode="RGB")
-        return torch.from_numpy(np.asarray(mlmodel.predict({"image": image})[LOGITS_OUTPUT], dtype=np.float32))
+        return torch.from_numpy(np.asarray(mlmodel.predict({"image": image})[output], dtype=np.float32))
 
     return run
 
