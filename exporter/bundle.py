@@ -1,9 +1,13 @@
 """App bundles: per target, a directory and a zip an app or device project can drop in.
 
 OUT/bundle/<target>/ holds the artifacts SELECTION picks from the build, labels.txt,
-preprocessing.json, the golden inputs and eager logits, the build's manifest.json, any device kit
-files the build wrote (Jetson: build_engine.sh, device_validate.py) and bundle.json, which lists
-every file with its sha256 and, per artifact, its validation results and the runtime it needs.
+preprocessing.json, the golden files (inputs, eager logits; for segmentation the eager masks; for
+detection the anchors and eager's decoded boxes), the build's manifest.json, any device kit files the
+build wrote (Jetson: build_engine.sh, device_validate.py), for detection detection_decode.py (what
+turns the raw heads into boxes, on every target) and bundle.json, which lists every file with its
+sha256, the model's task (classification, segmentation or detection: its input size, output layout
+and, for detection, the decode parameters and where the anchors and decode code are) and, per
+artifact, its validation results and the runtime it needs.
 OUT/bundle/<target>.zip holds the same files, built byte for byte reproducibly.
 """
 
@@ -18,6 +22,9 @@ from pathlib import Path, PurePosixPath
 from . import files, manifest
 from .errors import UsageError
 
+# Bumped only when an existing reader would misread a bundle it used to read. "task" is additive: a
+# classification bundle reads as before, a bundle without "task" is classification, and apps decide
+# segmentation from task.name, not from this number.
 BUNDLE_VERSION = 1
 
 # Per target, the artifacts a bundle carries, keyed by (format, precision) and listed in the order
@@ -51,7 +58,21 @@ RUNTIME = {
 }
 
 SIDE_FILES = ("labels.txt", "preprocessing.json", "manifest.json")
-GOLDEN = {"inputs": "golden/inputs.npy", "eager_logits": "golden/eager_logits.npy", "labels": "golden/labels.json"}
+# bundle.json "golden" key -> file; whichever the build wrote (masks: segmentation; anchors and
+# detections: detection; labels.json, masks.npy and boxes.json only for labeled data)
+GOLDEN = {
+    "inputs": "golden/inputs.npy",
+    "eager_logits": "golden/eager_logits.npy",
+    "labels": "golden/labels.json",
+    "eager_masks": "golden/eager_masks.npy",
+    "masks": "golden/masks.npy",
+    "anchors": "golden/anchors.npy",
+    "eager_detections": "golden/eager_detections.json",
+    "boxes": "golden/boxes.json",
+}
+# The shared numpy decode of detection heads, shipped from this package: only the Jetson kit keeps a copy
+# in the build directory (then that copy, checked against its sha256, is the one bundled).
+DECODER = Path(__file__).with_name("detection_decode.py")
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip can store: entries carry no build time
 
 
@@ -171,11 +192,22 @@ def _write_zip(stage: Path, path: Path) -> None:
                 shutil.copyfileobj(src, dst, 1 << 20)
 
 
+def _task(doc: dict) -> dict:
+    """The manifest's task; a build from before tasks existed is a classifier of the crop size."""
+    if doc.get("task"):
+        return doc["task"]
+    crop = doc["preprocessing"]["crop_size"]
+    classes = doc["weight"]["num_classes"]
+    return {"name": "classification", "input_size": list(crop) * 2 if len(crop) == 1 else list(crop), "num_classes": classes,
+            "output": {"name": "logits", "layout": "NC", "shape": [1, classes]}}
+
+
 def _describe(doc: dict, chosen: list[tuple[str, dict]], golden: dict, listed: list[dict]) -> dict:
     return {
         "bundle_version": BUNDLE_VERSION,
         "target": doc["target"]["name"],
         "weight": {k: doc["weight"][k] for k in ("name", "model", "num_classes")},
+        "task": _task(doc),
         "build": {"exporter_version": doc["exporter_version"], "created": doc["created"],
                   "validated": doc.get("validated"), "status": doc["status"], "manifest": "manifest.json"},
         "labels": "labels.txt",
@@ -198,6 +230,14 @@ def _plan(out: Path, allow_failed: bool) -> tuple[dict, list[tuple[str, dict]], 
     golden = {key: path for key, path in GOLDEN.items() if (out / path).is_file()}
     if {"inputs", "eager_logits"} - set(golden):
         raise UsageError(f"{out / 'golden'} lacks inputs.npy or eager_logits.npy; run the build again")
+    task = _task(doc)
+    if task["name"] == "detection":
+        decode = task.get("decode") or {}
+        if not decode.get("anchors") or not decode.get("code"):
+            raise UsageError(f"{out / 'manifest.json'} has a detection task without decode anchors and code; run the build again")
+        _inside(out, decode["code"])
+        if not _inside(out, decode["anchors"]).is_file():
+            raise UsageError(f"{out / decode['anchors']} is missing: a detection bundle needs its anchors; run the build again")
     return doc, chosen, golden
 
 
@@ -231,6 +271,12 @@ def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
                 _copy(out, stage, name, sha256)
             for name in (*SIDE_FILES, *golden.values()):
                 _copy(out, stage, name)
+            decode = _task(doc).get("decode")
+            if decode:  # detection: the apps find both where task.decode says
+                if not _inside(stage, decode["anchors"]).exists():
+                    _copy(out, stage, decode["anchors"])
+                if not _inside(stage, decode["code"]).exists():
+                    shutil.copyfile(DECODER, _inside(stage, decode["code"]))
             described = _describe(doc, chosen, golden, _listing(stage))
             (stage / "bundle.json").write_text(json.dumps(described, indent=2, allow_nan=False) + "\n", encoding="utf-8")
             _write_zip(stage, zip_tmp)

@@ -1,38 +1,69 @@
 """On-device check of an exporter Jetson build: golden inputs through each ONNX (as a TensorRT engine,
-or in ONNX Runtime when tensorrt is missing) against the golden eager logits.
+or in ONNX Runtime when tensorrt is missing) against the golden eager outputs (logits per image for
+classification, per pixel for segmentation, raw SSD heads for detection).
 
 Standalone on purpose: needs numpy plus tensorrt (and cuda-python) or onnxruntime, never torch or the
 exporter package. Copied into the build directory, so on the device:
 
     python3 device_validate.py BUILD_DIR [--runtime auto|tensorrt|onnxruntime]
 
+Detection also needs detection_decode.py beside this script (the kit and bundles ship it there) and
+the anchors the manifest's task.decode names: eager's and the artifact's heads are decoded alike and
+their boxes matched.
+
 Exit codes: 0 every artifact within its thresholds; 1 a threshold broken; 2 bad input (corrupted ONNX,
-golden files that do not fit the model, no runtime), with one line on stderr.
-The metrics are those of exporter/validation.py. accuracy_drop is not checked: a handful of golden
-images cannot resolve a 1-point accuracy change.
+golden files that do not fit the model, no runtime, missing anchors or decode code), with one line on
+stderr. The metrics are those of exporter/validation.py. accuracy_drop, miou_drop and map_drop are not
+checked: a handful of golden images cannot resolve a 1-point change, and they carry no labels here.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 
 INPUT, OUTPUT = "input", "logits"
-MIN_KEYS = ("top1_agreement", "top5_agreement", "psnr_db", "cosine")
-MAX_KEYS = ("max_abs_error",)
+DECODER = "detection_decode.py"  # beside this script
+EAGER_DETECTIONS = "golden/eager_detections.json"
+DECODE_KEYS = ("box_coder_weights", "score_thresh", "nms_thresh", "topk_candidates", "detections_per_img",
+               "bbox_xform_clip", "match_score", "anchors")
+
+
+class Task(NamedTuple):
+    """What a manifest's "task" means here: the output layout and the thresholds a device run can check."""
+
+    name: str
+    layout: str
+    min_keys: tuple[str, ...]
+    max_keys: tuple[str, ...]
+
+
+TASKS = {
+    "classification": Task("classification", "NC", ("top1_agreement", "top5_agreement", "psnr_db", "cosine"), ("max_abs_error",)),
+    "segmentation": Task("segmentation", "NCHW", ("pixel_agreement", "miou_vs_eager", "psnr_db", "cosine"), ("max_abs_error",)),
+    "detection": Task("detection", "NAK", ("matched_recall", "matched_precision", "psnr_db", "cosine"), ("max_abs_error",)),
+}
 
 
 class BadInput(Exception):
     """Exit 2: the build directory, its files or this host cannot be validated at all."""
 
 
+def _psnr(peak: float, rmse: float) -> float:
+    return math.inf if rmse == 0 else 20 * math.log10(peak / rmse)
+
+
 def fidelity(ref: np.ndarray, out: np.ndarray) -> dict:
+    """Classification: (N, C) logits."""
     ref, out = ref.astype(np.float64), out.astype(np.float64)
     diff = out - ref
     rmse = float(np.sqrt(np.mean(diff**2)))
@@ -45,18 +76,95 @@ def fidelity(ref: np.ndarray, out: np.ndarray) -> dict:
         "samples": int(ref.shape[0]),
         "top1_agreement": float(np.mean(out.argmax(1) == ref_top1)),
         "top5_agreement": float(np.mean((top_k == ref_top1[:, None]).any(1))),
-        "psnr_db": math.inf if rmse == 0 else 20 * math.log10(peak / rmse),
+        "psnr_db": _psnr(peak, rmse),
         "cosine": float(np.mean(np.sum(ref * out, axis=1) / norms)),
         "max_abs_error": float(np.abs(diff).max()),
     }
 
 
-def breaches(metrics: dict, thresholds: dict) -> list[str]:
+def segmentation_fidelity(ref: np.ndarray, out) -> dict:
+    """Segmentation: (N, C, H, W) per-pixel logits against the artifact's, an array of that shape or a
+    list of C x H x W, taken one image at a time (they can be large).
+
+    pixel_agreement: fraction of all pixels whose argmax class is eager's. miou_vs_eager: IoU of the
+    artifact's mask with eager's per class, intersections and unions summed over the images, averaged
+    over the classes present in either. psnr_db and max_abs_error over every logit; cosine per image
+    (its logits flattened), averaged, as for classification."""
+    classes = ref.shape[1]
+    intersection, ref_area, out_area = (np.zeros(classes, dtype=np.int64) for _ in range(3))
+    squared = peak = worst = 0.0
+    agreeing, cosines = 0, []
+    for r, o in zip(ref, out):
+        r, o = r.astype(np.float64), o.astype(np.float64)
+        diff = o - r
+        squared += float(np.sum(diff**2))
+        peak, worst = max(peak, float(np.abs(r).max())), max(worst, float(np.abs(diff).max()))
+        cosines.append(float(np.sum(r * o) / max(float(np.linalg.norm(r) * np.linalg.norm(o)), 1e-8)))
+        ref_mask, out_mask = r.argmax(0).ravel(), o.argmax(0).ravel()
+        same = ref_mask == out_mask
+        agreeing += int(same.sum())
+        intersection += np.bincount(ref_mask[same], minlength=classes)
+        ref_area += np.bincount(ref_mask, minlength=classes)
+        out_area += np.bincount(out_mask, minlength=classes)
+    union = ref_area + out_area - intersection
+    present = union > 0
+    return {
+        "samples": int(ref.shape[0]),
+        "pixel_agreement": agreeing / (ref.shape[0] * ref.shape[2] * ref.shape[3]),
+        "miou_vs_eager": float(np.mean(intersection[present] / union[present])),
+        "psnr_db": _psnr(peak, math.sqrt(squared / ref.size)),
+        "cosine": float(np.mean(cosines)),
+        "max_abs_error": worst,
+    }
+
+
+class Decoding(NamedTuple):
+    """What turns a detection head into boxes: detection_decode.py, the anchors, the input size (h, w) and
+    task.decode's parameters."""
+
+    code: ModuleType
+    anchors: np.ndarray
+    image_size: tuple[int, int]
+    params: dict
+
+    def __call__(self, head: np.ndarray) -> dict:
+        return self.code.decode(head, self.anchors, self.image_size, self.params)
+
+
+def detection_fidelity(ref: np.ndarray, out, decoding: Decoding, eager: list[dict] | None = None) -> dict:
+    """Detection: (N, anchors, 4 + C) raw heads. psnr_db, cosine (per image, its head flattened) and
+    max_abs_error of the heads, as for the other tasks; then both decoded and the artifact's boxes
+    matched to eager's (same class, IoU >= 0.5, both at scores >= match_score): matched_recall is the
+    fraction of eager's boxes matched, matched_precision that of the artifact's, mean_match_iou and
+    max_score_error over the matches. `eager` is eager's decoded heads when already at hand."""
+    ref, out = np.asarray(ref, dtype=np.float64), np.asarray(out, dtype=np.float64)
+    flat_ref, flat_out = ref.reshape(len(ref), -1), out.reshape(len(out), -1)
+    diff = flat_out - flat_ref
+    norms = np.maximum(np.linalg.norm(flat_ref, axis=1) * np.linalg.norm(flat_out, axis=1), 1e-8)
+    eager = eager if eager is not None else [decoding(r) for r in ref]
+    matches = [decoding.code.match(e, decoding(o), decoding.params["match_score"]) for e, o in zip(eager, out)]
+    reference, candidate, matched = (sum(m[key] for m in matches) for key in ("reference", "candidate", "matched"))
+    ious = [v for m in matches for v in m["ious"]]
+    errors = [v for m in matches for v in m["score_errors"]]
+    return {
+        "samples": int(ref.shape[0]),
+        "psnr_db": _psnr(float(np.abs(ref).max()), float(np.sqrt(np.mean(diff**2)))),
+        "cosine": float(np.mean(np.sum(flat_ref * flat_out, axis=1) / norms)),
+        "max_abs_error": float(np.abs(diff).max()),
+        "matched_recall": matched / reference if reference else 1.0,
+        "matched_precision": matched / candidate if candidate else 1.0,
+        "mean_match_iou": float(np.mean(ious)) if ious else None,
+        "max_score_error": float(np.max(errors)) if errors else None,
+        "eager_detections": reference,
+    }
+
+
+def breaches(metrics: dict, thresholds: dict, task: Task = TASKS["classification"]) -> list[str]:
     reasons = []
     for key, limit in thresholds.items():
-        if key in MIN_KEYS and metrics[key] < limit:
+        if key in task.min_keys and metrics[key] < limit:
             reasons.append(f"{key} {metrics[key]:.4g} (needs >= {limit:g})")
-        elif key in MAX_KEYS and metrics[key] > limit:
+        elif key in task.max_keys and metrics[key] > limit:
             reasons.append(f"{key} {metrics[key]:.4g} (needs <= {limit:g})")
     return reasons
 
@@ -69,19 +177,103 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _read_build(directory: Path) -> tuple[dict, np.ndarray, np.ndarray]:
+def _task(doc: dict) -> tuple[Task, dict]:
+    """The manifest's task (a manifest written before tasks existed is classification) and its raw entry."""
+    entry = doc.get("task") or {"name": "classification"}
+    task = TASKS.get(entry.get("name"))
+    if task is None:
+        raise BadInput(f"manifest.json task {entry.get('name')!r} is not one this validator checks ({', '.join(TASKS)})")
+    layout = (entry.get("output") or {}).get("layout", task.layout)
+    if layout != task.layout:
+        raise BadInput(f"manifest.json says a {task.name} model with output layout {layout}; {task.name} outputs {task.layout}")
+    if task.name == "detection":
+        missing = [k for k in DECODE_KEYS if k not in (entry.get("decode") or {})]
+        if missing:
+            raise BadInput(f"manifest.json task {task.name!r} lacks task.decode {', '.join(missing)}: build it again")
+    return task, entry
+
+
+def _read_build(directory: Path) -> tuple[dict, Task, str, np.ndarray, np.ndarray]:
     try:
         doc = json.loads((directory / "manifest.json").read_text())
         inputs = np.load(directory / "golden" / "inputs.npy")
         logits = np.load(directory / "golden" / "eager_logits.npy")
     except (OSError, ValueError) as e:
         raise BadInput(f"{directory} is not a readable exporter build: {e}") from None
-    if inputs.ndim != 4 or logits.ndim != 2 or len(inputs) != len(logits):
-        raise BadInput(f"golden files do not pair up: inputs {inputs.shape}, eager logits {logits.shape}")
-    return doc, inputs.astype(np.float32), logits
+    task, entry = _task(doc)
+    if inputs.ndim != 4 or logits.ndim != len(task.layout) or len(inputs) != len(logits):
+        raise BadInput(f"golden files do not pair up for {task.name} (inputs N x 3 x H x W, eager logits "
+                       f"{' x '.join(task.layout)}): inputs {inputs.shape}, eager logits {logits.shape}")
+    size = entry.get("input_size")
+    if size is not None and list(inputs.shape[2:]) != list(size):
+        raise BadInput(f"golden inputs.npy has shape {inputs.shape} but manifest.json task.input_size is {list(size)}")
+    shape = (entry.get("output") or {}).get("shape")
+    if shape is not None and list(logits.shape[1:]) != list(shape[1:]):
+        raise BadInput(f"golden eager_logits.npy has shape {logits.shape} but manifest.json task.output.shape is {list(shape)} per input")
+    output = (entry.get("output") or {}).get("name", OUTPUT)
+    return doc, task, output, inputs.astype(np.float32), logits
 
 
-def _ort_runner(path: Path):
+def _decode_code():
+    """detection_decode.py from this script's directory, loaded without the exporter package."""
+    path = Path(__file__).resolve().parent / DECODER
+    if not path.is_file():
+        raise BadInput(f"{DECODER} is missing beside {Path(__file__).name} in {path.parent}; "
+                       "detection builds and bundles ship it there")
+    spec = importlib.util.spec_from_file_location("detection_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # whatever a damaged file raises
+        raise BadInput(f"{path} does not load: {type(e).__name__}: {e}") from None
+    return module
+
+
+def _decoding(directory: Path, entry: dict, logits: np.ndarray, image_size) -> Decoding:
+    decode = entry["decode"]
+    path = directory / decode["anchors"]
+    if not path.is_file():
+        raise BadInput(f"{decode['anchors']} is missing from {directory}: detection needs the anchors manifest.json "
+                       "task.decode.anchors names")
+    try:
+        anchors = np.load(path)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"cannot read the anchors {path} (manifest.json task.decode.anchors): {e}") from None
+    if anchors.shape != (logits.shape[1], 4):
+        raise BadInput(f"{decode['anchors']} has shape {anchors.shape} but golden eager_logits.npy has "
+                       f"{logits.shape[1]} anchors per image: ({logits.shape[1]}, 4) expected")
+    params = {k: v for k, v in decode.items() if k not in ("anchors", "code")}
+    return Decoding(_decode_code(), anchors.astype(np.float32), tuple(int(v) for v in image_size), params)
+
+
+def _check_golden_detections(directory: Path, decoding: Decoding, eager: list[dict]) -> None:
+    """Decoding eager's golden heads here must give the boxes the build wrote: otherwise the anchors, the
+    parameters or the decode code are not the build's, and every comparison below would be off."""
+    path = directory / EAGER_DETECTIONS
+    if not path.is_file():
+        return
+    try:
+        written = json.loads(path.read_text(encoding="utf-8"))
+        written = [{"boxes": np.asarray(d["boxes"], dtype=np.float64).reshape(-1, 4),
+                    "scores": np.asarray(d["scores"], dtype=np.float64),
+                    "labels": np.asarray(d["labels"], dtype=np.int64)} for d in written]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadInput(f"cannot read {EAGER_DETECTIONS}: {type(e).__name__}: {e}") from None
+    if len(written) != len(eager):
+        raise BadInput(f"{EAGER_DETECTIONS} has {len(written)} images, golden eager_logits.npy {len(eager)}")
+    for i, (w, e) in enumerate(zip(written, eager)):
+        shown = e["scores"] >= decoding.params["match_score"]
+        e = {k: v[shown] for k, v in e.items()}
+        # every box on each side has its twin on the other (same class; box and score equal but for rounding)
+        twins = ((np.abs(w["boxes"][:, None] - e["boxes"][None]).max(-1, initial=0) <= 1e-3)
+                 & (np.abs(w["scores"][:, None] - e["scores"][None]) <= 1e-4) & (w["labels"][:, None] == e["labels"][None]))
+        if len(w["boxes"]) != len(e["boxes"]) or not (twins.any(1).all() and twins.any(0).all()):
+            raise BadInput(f"decoding golden eager_logits.npy does not give {EAGER_DETECTIONS} (image {i}: "
+                           f"{int(twins.any(1).sum())} of its {len(w['boxes'])} boxes reproduced, {len(e['boxes'])} "
+                           f"decoded): the anchors, task.decode or {DECODER} are not the build's")
+
+
+def _ort_runner(path: Path, output: str):
     try:
         import onnxruntime as ort
     except ImportError:
@@ -90,7 +282,10 @@ def _ort_runner(path: Path):
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT raises its own exception types for unreadable models
         raise BadInput(f"corrupted ONNX {path.name}: {(str(e).strip().splitlines() or [''])[0][:200]}") from None
-    return lambda x: session.run(None, {INPUT: x})[0]
+    names = [o.name for o in session.get_outputs()]
+    if output not in names:
+        raise BadInput(f"{path.name} has no output {output!r} (it has {', '.join(names)})")
+    return lambda x: session.run([output], {INPUT: x})[0]
 
 
 def _cuda():
@@ -130,7 +325,7 @@ def _build_engine(trt, logger, onnx_path: Path, precision: str, batch) -> bytes:
     return bytes(serialized)
 
 
-def _trt_runner(onnx_path: Path, engine_path: Path, precision: str, batch):
+def _trt_runner(onnx_path: Path, engine_path: Path, precision: str, batch, output: str):
     import tensorrt as trt
 
     cudart = _cuda()
@@ -141,15 +336,18 @@ def _trt_runner(onnx_path: Path, engine_path: Path, precision: str, batch):
     if engine is None:
         raise BadInput(f"{engine_path.name} does not load in TensorRT {trt.__version__}; delete it and run again to rebuild")
     context = engine.create_execution_context()
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    if output not in names:
+        raise BadInput(f"{engine_path.name} has no output {output!r} (its tensors: {', '.join(names)})")
 
     def run(x: np.ndarray) -> np.ndarray:
         context.set_input_shape(INPUT, x.shape)
-        out = np.empty(tuple(context.get_tensor_shape(OUTPUT)), dtype=np.float32)
+        out = np.empty(tuple(context.get_tensor_shape(output)), dtype=np.float32)
         pointers = [_check(cudart.cudaMalloc(a.nbytes)) for a in (x, out)]
         try:
             _check(cudart.cudaMemcpy(pointers[0], x.ctypes.data, x.nbytes, cudart.cudaMemcpyKind.cudaMemcpyHostToDevice))
             context.set_tensor_address(INPUT, int(pointers[0]))
-            context.set_tensor_address(OUTPUT, int(pointers[1]))
+            context.set_tensor_address(output, int(pointers[1]))
             if not context.execute_async_v3(0):
                 raise RuntimeError("TensorRT execution failed")
             _check(cudart.cudaDeviceSynchronize())
@@ -178,7 +376,11 @@ def _pick_runtime(runtime: str) -> str:
 
 def validate(directory, runtime: str = "auto") -> list[dict]:
     directory = Path(directory)
-    doc, inputs, logits = _read_build(directory)
+    doc, task, output, inputs, logits = _read_build(directory)
+    if task.name == "detection":
+        decoding = _decoding(directory, doc["task"], logits, inputs.shape[2:])
+        eager = [decoding(r) for r in logits]
+        _check_golden_detections(directory, decoding, eager)
     runtime = _pick_runtime(runtime)
     engines = {e["precision"]: e for e in doc.get("jetson", {}).get("engines", [])}
     results = []
@@ -189,21 +391,29 @@ def validate(directory, runtime: str = "auto") -> list[dict]:
         kit = engines.get(entry["precision"], {})
         batch = kit.get("options", {}).get("batch", [1, 1, 1])
         if runtime == "tensorrt":
-            run = _trt_runner(path, directory / kit.get("engine", path.stem + ".engine"), entry["precision"], batch)
+            engine = directory / kit.get("engine", path.stem + ".engine")
+            run = _trt_runner(path, engine, entry["precision"], batch, output)
         else:
-            run = _ort_runner(path)
+            run = _ort_runner(path, output)
         outputs = []
         for x in inputs:
             # the engine only takes batches inside its profile: feed MIN copies, keep the first row
             out = np.asarray(run(np.ascontiguousarray(np.repeat(x[None], batch[0], axis=0))))
-            if out.ndim != 2 or out.shape[1] != logits.shape[1]:
+            if out.shape[1:] != logits.shape[1:]:
                 raise BadInput(f"golden eager_logits.npy has shape {logits.shape} but {entry['path']} outputs {out.shape}")
-            outputs.append(out[:1])
-        metrics = fidelity(logits, np.concatenate(outputs))
-        thresholds = {k: v for k, v in entry.get("thresholds", {}).items() if k != "accuracy_drop"}
-        reasons = breaches(metrics, thresholds)
-        results.append({"name": entry["name"], "path": entry["path"], "runtime": runtime, "fidelity": metrics,
-                        "thresholds": thresholds, "reasons": reasons, "status": "failed" if reasons else "passed"})
+            outputs.append(out[0])
+        if task.name == "segmentation":
+            metrics = segmentation_fidelity(logits, outputs)
+        elif task.name == "detection":
+            metrics = detection_fidelity(logits, np.stack(outputs), decoding, eager)
+        else:
+            metrics = fidelity(logits, np.stack(outputs))
+        # the others (accuracy_drop, miou_drop, map_drop) need labeled data
+        thresholds = {k: v for k, v in entry.get("thresholds", {}).items() if k in task.min_keys + task.max_keys}
+        reasons = breaches(metrics, thresholds, task)
+        results.append({"name": entry["name"], "path": entry["path"], "runtime": runtime, "task": task.name,
+                        "fidelity": metrics, "thresholds": thresholds, "reasons": reasons,
+                        "status": "failed" if reasons else "passed"})
     if not results:
         raise BadInput(f"{directory} lists no ONNX artifact to validate")
     return results
@@ -211,8 +421,16 @@ def validate(directory, runtime: str = "auto") -> list[dict]:
 
 def summary(result: dict) -> str:
     f = result["fidelity"]
+    if result.get("task") == "segmentation":
+        agreement = f"pixel agreement {f['pixel_agreement']:.4f}, mIoU vs eager {f['miou_vs_eager']:.4f}"
+    elif result.get("task") == "detection":
+        iou = "n/a" if f["mean_match_iou"] is None else f"{f['mean_match_iou']:.3f}"
+        agreement = (f"matched recall {f['matched_recall']:.4f}, precision {f['matched_precision']:.4f}, "
+                     f"mean IoU {iou} ({f['eager_detections']} eager boxes)")
+    else:
+        agreement = f"top1 {f['top1_agreement']:.3f}"
     line = (f"{result['status'].upper()} {result['name']} ({result['runtime']}, {f['samples']} golden inputs): "
-            f"top1 {f['top1_agreement']:.3f}, psnr {f['psnr_db']:.1f} dB, cosine {f['cosine']:.6f}, max abs {f['max_abs_error']:.3g}")
+            f"{agreement}, psnr {f['psnr_db']:.1f} dB, cosine {f['cosine']:.6f}, max abs {f['max_abs_error']:.3g}")
     return line + ("" if not result["reasons"] else "; " + "; ".join(result["reasons"]))
 
 

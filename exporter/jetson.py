@@ -2,8 +2,9 @@
 
 Engines are not portable across GPU model or TensorRT version, so the kit ships the ONNX files plus
 build_engine.sh (trtexec, TensorRT 10 and 11 variants of what exporter.formats.tensorrt builds) and
-device_validate.py (golden inputs against golden eager logits on the device). Pre-flight warnings
-go to the manifest under doc["jetson"]["warnings"].
+device_validate.py (golden inputs against golden eager logits on the device), plus, for detection,
+detection_decode.py beside it (the validator decodes boxes with it). Pre-flight warnings go to the
+manifest under doc["jetson"]["warnings"].
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from . import device_validate, files
+from . import detection_decode, device_validate, files
 from .formats import onnx as onnx_format
 from .formats import tensorrt as tensorrt_format
 
 NANO_CLASS_LIMIT_MB = 100  # larger models often fail on the Jetson Nano's memory
 SCRIPT = "build_engine.sh"
 VALIDATOR = "device_validate.py"
+DECODER = device_validate.DECODER
 
 
 def _options(doc: dict, precision: str) -> dict:
@@ -112,6 +114,11 @@ def write_device_kit(out: Path, doc: dict, session) -> None:
         files.write_text(out / SCRIPT, _script(builds))
         (out / SCRIPT).chmod(0o755)
     files.write_text(out / VALIDATOR, Path(device_validate.__file__).read_text(encoding="utf-8"))
-    kit["sha256"] = {name: files.sha256(out / name) for name in (SCRIPT, VALIDATOR) if (out / name).is_file()}
+    names = [SCRIPT, VALIDATOR]
+    if (doc.get("task") or {}).get("name") == "detection":
+        files.write_text(out / DECODER, Path(detection_decode.__file__).read_text(encoding="utf-8"))
+        kit["decoder"] = DECODER
+        names.append(DECODER)
+    kit["sha256"] = {name: files.sha256(out / name) for name in names if (out / name).is_file()}
     kit["warnings"] = _warnings(doc, onnx_entries, builds)
     doc["jetson"] = kit

@@ -1,23 +1,31 @@
-"""Reference Jetson app for an exporter bundle: classify images, or check the golden inputs.
+"""Reference Jetson app for an exporter bundle: classify, segment or detect, or check the golden inputs.
 
-    python app.py BUNDLE_DIR IMAGE...     top-5 classes per image
-    python app.py BUNDLE_DIR --golden     golden inputs against the golden eager logits (top-1 agreement)
+    python app.py BUNDLE_DIR IMAGE...                   classification: top-5 classes per image
+    python app.py BUNDLE_DIR IMAGE... [--overlay PNG]   segmentation: pixel fraction per class, and
+                                                        the mask in colour over the image
+                                                        detection: label, score and box per object,
+                                                        and the boxes drawn over the image
+    python app.py BUNDLE_DIR --golden                   golden inputs against eager's golden outputs
 
-Runs the first ONNX artifact bundle.json lists (its order is the preferred one) as a TensorRT engine
-when tensorrt and cuda-python are installed and build_engine.sh has built the engine, else in ONNX
-Runtime. Needs numpy and pillow; never torch. Exit codes: 0 done (--golden: every top-1 agrees),
-1 a golden top-1 disagrees, 2 bad input.
+The task (classification, segmentation or detection) comes from bundle.json; a bundle without one is a
+classifier. Detection decodes the model's raw heads with the bundle's own detection_decode.py, anchors
+and decode parameters (bundle.json task.decode). Runs the first ONNX artifact bundle.json lists (its
+order is the preferred one) as a TensorRT engine when tensorrt and cuda-python are installed and
+build_engine.sh has built the engine, else in ONNX Runtime. Needs numpy and pillow; never torch.
+Exit codes: 0 done (--golden: every top-1 agrees, or the pixel agreement or the matched recall holds
+the artifact's threshold), 1 the golden check fails, 2 bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw
 
 # torchvision InterpolationMode values -> the PIL filters torchvision uses for PIL images
 # (module-level constants: older Pillows on JetPack lack Image.Resampling)
@@ -30,6 +38,12 @@ FILTERS = {
     "hamming": Image.HAMMING,
     "lanczos": Image.LANCZOS,
 }
+CLASSIFICATION, SEGMENTATION, DETECTION = "classification", "segmentation", "detection"
+TASKS = (CLASSIFICATION, SEGMENTATION, DETECTION)
+# task.decode keys handed to detection_decode.decode (match_score is the app's display threshold)
+DECODE_PARAMS = ("box_coder_weights", "score_thresh", "nms_thresh", "topk_candidates", "detections_per_img", "bbox_xform_clip")
+BACKGROUND = ("__background__", "background")  # class names an overlay leaves unpainted (torchvision's first)
+OVERLAY_ALPHA = 0.5
 
 
 def load_bundle(directory: Path) -> tuple[dict, list[str], dict]:
@@ -37,6 +51,13 @@ def load_bundle(directory: Path) -> tuple[dict, list[str], dict]:
     labels = (directory / info["labels"]).read_text(encoding="utf-8").splitlines()
     spec = json.loads((directory / info["preprocessing"]).read_text(encoding="utf-8"))
     return info, labels, spec
+
+
+def task_of(info: dict) -> dict:
+    task = info.get("task") or {"name": CLASSIFICATION}
+    if task["name"] not in TASKS:
+        raise ValueError(f"task {task['name']!r} is not one this app runs ({', '.join(TASKS)})")
+    return task
 
 
 def _resized_size(width: int, height: int, resize: list[int]) -> tuple[int, int]:
@@ -49,15 +70,17 @@ def _resized_size(width: int, height: int, resize: list[int]) -> tuple[int, int]
 
 
 def preprocess(image: Image.Image, spec: dict) -> np.ndarray:
-    """What the weight's transforms() does to a PIL image: resize, center crop, [0, 1], normalize; NCHW float32."""
+    """What the weight's transforms() does to a PIL image: resize, center crop (none for segmentation,
+    whose resize is to the exact input size), [0, 1], normalize; NCHW float32."""
     image = image.convert("RGB")
     size = _resized_size(*image.size, spec["resize_size"])
     if size != image.size:
         image = image.resize(size, FILTERS[spec["interpolation"]])
-    crop_h, crop_w = spec["crop_size"] * 2 if len(spec["crop_size"]) == 1 else spec["crop_size"]
-    top = int(round((image.height - crop_h) / 2.0))
-    left = int(round((image.width - crop_w) / 2.0))
-    image = image.crop((left, top, left + crop_w, top + crop_h))
+    if spec["crop_size"]:
+        crop_h, crop_w = spec["crop_size"] * 2 if len(spec["crop_size"]) == 1 else spec["crop_size"]
+        top = int(round((image.height - crop_h) / 2.0))
+        left = int(round((image.width - crop_w) / 2.0))
+        image = image.crop((left, top, left + crop_w, top + crop_h))
     x = np.asarray(image, dtype=np.float32) / np.float32(255)
     x = (x - np.asarray(spec["mean"], dtype=np.float32)) / np.asarray(spec["std"], dtype=np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1)[None], dtype=np.dtype(spec["dtype"]))
@@ -116,11 +139,15 @@ def _tensorrt(path: Path, min_batch: int):
     return run
 
 
-def load_runner(directory: Path, info: dict):
-    """(description, run): the bundle's preferred ONNX artifact, as an engine where one can run."""
+def preferred_artifact(directory: Path, info: dict) -> dict:
     artifact = next((a for a in info["artifacts"] if a["format"] == "onnx"), None)
     if artifact is None:
         raise ValueError(f"{directory} lists no ONNX artifact; is it a jetson bundle?")
+    return artifact
+
+
+def load_runner(directory: Path, artifact: dict):
+    """(description, run): the ONNX artifact, as an engine where one can run."""
     engine = artifact.get("engine")
     if engine and (directory / engine["file"]).is_file():
         try:
@@ -137,42 +164,240 @@ def top5(logits: np.ndarray, labels: list[str]) -> list[tuple[str, float]]:
     return [(labels[i], float(probabilities[i])) for i in np.argsort(-logits)[:5]]
 
 
-def golden(directory: Path, info: dict, run) -> int:
+def palette(count: int) -> np.ndarray:
+    """Pascal VOC's colours: the bits of the class index, three at a time, fill red, green and blue
+    from their top bit down (1 dark red, 2 green, 3 olive, ..., 15 pink)."""
+    colours = np.zeros((count, 3), dtype=np.uint8)
+    for index in range(count):
+        value, bit = index, 7
+        while value:
+            for channel in range(3):
+                colours[index, channel] |= ((value >> channel) & 1) << bit
+            value, bit = value >> 3, bit - 1
+    return colours
+
+
+def overlay(image: Image.Image, mask: np.ndarray, labels: list[str]) -> Image.Image:
+    """The mask in palette colours blended over the image, at the image's size (the mask is scaled
+    to it, nearest neighbour, pixel centre to pixel centre); background pixels keep the image."""
+    image = image.convert("RGB")
+    rows = ((np.arange(image.height) + 0.5) * mask.shape[0] / image.height).astype(np.intp)
+    cols = ((np.arange(image.width) + 0.5) * mask.shape[1] / image.width).astype(np.intp)
+    scaled = mask[rows[:, None], cols[None, :]]
+    painted = np.array([label not in BACKGROUND for label in labels])[scaled][..., None]
+    pixels = np.asarray(image, dtype=np.float32)
+    blended = (1 - OVERLAY_ALPHA) * pixels + OVERLAY_ALPHA * palette(len(labels))[scaled]
+    return Image.fromarray(np.where(painted, blended, pixels).round().astype(np.uint8))
+
+
+def segment(logits: np.ndarray, labels: list[str]) -> tuple[np.ndarray, list[tuple[str, float]]]:
+    """(mask H x W, (label, fraction of pixels) for every class present, most pixels first) from C x H x W logits."""
+    if logits.ndim != 3 or logits.shape[0] != len(labels):
+        raise ValueError(f"model outputs {logits.shape} per image; a segmentation bundle with {len(labels)} labels "
+                         f"needs {len(labels)} x H x W")
+    mask = logits.argmax(0)
+    counts = np.bincount(mask.ravel(), minlength=len(labels))
+    return mask, [(labels[i], counts[i] / mask.size) for i in np.argsort(-counts, kind="stable") if counts[i]]
+
+
+def mask_agreement(reference: np.ndarray, output: np.ndarray) -> tuple[float, float]:
+    """(pixel agreement, mIoU over the classes present in either) of output's argmax masks against reference's."""
+    ref, out = reference.argmax(1).ravel(), output.argmax(1).ravel()
+    classes = reference.shape[1]
+    same = ref == out
+    intersection = np.bincount(ref[same], minlength=classes)
+    union = np.bincount(ref, minlength=classes) + np.bincount(out, minlength=classes) - intersection
+    return float(same.mean()), float(np.mean(intersection[union > 0] / union[union > 0]))
+
+
+class Detector:
+    """Raw SSD heads (anchors x (4 box deltas + C class logits)) -> boxes, with the bundle's own
+    detection_decode.py, anchors and task.decode parameters, as the build decoded eager's and every
+    artifact's heads."""
+
+    def __init__(self, directory: Path, task: dict):
+        decode = task["decode"]
+        code = directory / decode["code"]
+        if not code.is_file():
+            raise ValueError(f"{decode['code']} is missing from {directory}")
+        spec = importlib.util.spec_from_file_location("detection_decode", code)
+        self.code = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(self.code)
+        except (SyntaxError, ImportError) as e:
+            raise ValueError(f"{decode['code']} does not load: {e}") from None
+        self.anchors = np.load(directory / decode["anchors"])
+        self.params = {key: decode[key] for key in DECODE_PARAMS}
+        self.match_score = decode["match_score"]
+        self.input_size = tuple(task["input_size"])  # (h, w): boxes come out in these pixels
+
+    def __call__(self, head: np.ndarray) -> dict:
+        if head.shape != (len(self.anchors), head.shape[-1]) or head.shape[-1] < 5:
+            raise ValueError(f"model outputs {head.shape} per image; the bundle has {len(self.anchors)} anchors, "
+                             "so anchors x (4 + classes)")
+        return self.code.decode(head, self.anchors, self.input_size, self.params)
+
+    def shown(self, head: np.ndarray, width: int, height: int) -> list[tuple[int, float, list[float]]]:
+        """(class index, score, [x0, y0, x1, y1] in pixels of a width x height image) of each object scoring
+        at least match_score, best first."""
+        found = self(head)
+        scale = np.array([width, height, width, height], dtype=np.float64) / np.array(self.input_size[::-1] * 2)
+        return [(int(label), float(score), (box * scale).tolist())
+                for box, score, label in zip(found["boxes"].astype(np.float64), found["scores"], found["labels"])
+                if score >= self.match_score]
+
+
+def draw_boxes(image: Image.Image, found: list[tuple[int, float, list[float]]], labels: list[str]) -> Image.Image:
+    """The boxes over the image, each in its class's palette colour, named and scored at its top left."""
+    image = image.convert("RGB")
+    draw = ImageDraw.Draw(image)
+    colours = palette(len(labels))
+    width = max(2, round(max(image.size) / 320))
+    for label, score, (x0, y0, x1, y1) in found:
+        colour = tuple(int(v) for v in colours[label])
+        draw.rectangle([x0, y0, x1, y1], outline=colour, width=width)
+        draw.text((x0 + width + 1, y0 + width), f"{labels[label]} {score:.2f}", fill=(255, 255, 255),
+                  stroke_width=1, stroke_fill=colour)
+    return image
+
+
+def golden_detections(directory: Path, info: dict, detector: Detector, outputs: np.ndarray, needed: float) -> int:
+    """The artifact's boxes matched to eager's golden ones (same class, IoU >= 0.5, scores >= match_score)."""
+    path = info["golden"].get("eager_detections")
+    if path is None:
+        raise ValueError("bundle.json lists no golden eager_detections; bundle a build from this exporter")
+    reference = json.loads((directory / path).read_text(encoding="utf-8"))
+    if len(reference) != len(outputs):
+        raise ValueError(f"{len(reference)} golden eager detections for {len(outputs)} golden inputs")
+    counts = np.zeros(3, dtype=np.int64)
+    for eager, head in zip(reference, outputs):
+        eager = {"boxes": np.asarray(eager["boxes"], dtype=np.float64).reshape(-1, 4),
+                 "scores": np.asarray(eager["scores"], dtype=np.float64), "labels": np.asarray(eager["labels"])}
+        m = detector.code.match(eager, detector(head), detector.match_score)
+        counts += (m["reference"], m["candidate"], m["matched"])
+    ref, cand, matched = (int(c) for c in counts)
+    recall, precision = (matched / ref if ref else 1.0), (matched / cand if cand else 1.0)
+    print(f"golden matched recall: {recall:.4f} (needs >= {needed:g}), precision {precision:.4f}, "
+          f"{ref} eager boxes, {len(outputs)} images")
+    return 0 if recall >= needed else 1
+
+
+def golden(directory: Path, info: dict, task: dict, artifact: dict, run, detector: Detector | None = None) -> int:
     inputs = np.load(directory / info["golden"]["inputs"])
     reference = np.load(directory / info["golden"]["eager_logits"])
     outputs = np.concatenate([run(np.ascontiguousarray(x[None])) for x in inputs])
+    if outputs.shape != reference.shape:
+        raise ValueError(f"the model outputs {outputs.shape[1:]} per input, the golden eager logits are {reference.shape[1:]}")
+    if task["name"] == DETECTION:
+        needed = artifact.get("thresholds", {}).get("matched_recall", 1.0)
+        return golden_detections(directory, info, detector or Detector(directory, task), outputs, needed)
+    if task["name"] == SEGMENTATION:
+        agreement, miou = mask_agreement(reference, outputs)
+        needed = artifact.get("thresholds", {}).get("pixel_agreement", 1.0)
+        print(f"golden pixel agreement: {agreement:.4f} (needs >= {needed:g}), mIoU vs eager {miou:.4f}, {len(inputs)} images")
+        return 0 if agreement >= needed else 1
     agree = outputs.argmax(1) == reference.argmax(1)
     print(f"golden top-1 agreement: {int(agree.sum())}/{len(agree)}")
     return 0 if agree.all() else 1
+
+
+def _overlay_paths(target: Path | None, images: list[Path]) -> list[Path | None]:
+    """--overlay is the PNG itself for one image, a directory of IMAGE_STEM.png for several."""
+    if target is None:
+        return [None] * len(images)
+    if len(images) == 1:
+        return [target]
+    stems = [image.stem for image in images]
+    if len(set(stems)) < len(stems):
+        raise ValueError("two IMAGEs share a file name stem; their overlays would overwrite each other")
+    return [target / f"{stem}.png" for stem in stems]
+
+
+def _print_classes(path: Path, x: np.ndarray, run, labels: list[str]) -> None:
+    print(path)
+    for label, probability in top5(run(x)[0], labels):
+        print(f"  {probability:7.2%}  {label}")
+
+
+def _print_segments(path: Path, image: Image.Image, x: np.ndarray, run, labels: list[str], target: Path | None) -> None:
+    mask, fractions = segment(run(x)[0], labels)
+    print(path)
+    for label, fraction in fractions:
+        print(f"  {fraction:7.2%}  {label}")
+    if target is not None:
+        _save(overlay(image, mask, labels), target)
+
+
+def _save(image: Image.Image, target: Path) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        image.save(target, format="PNG")
+    except OSError as e:
+        raise ValueError(f"cannot write {target}: {e}") from None
+    print(f"  overlay: {target}")
+
+
+def _print_detections(path: Path, image: Image.Image, x: np.ndarray, run, labels: list[str], detector: Detector,
+                      target: Path | None) -> None:
+    head = run(x)[0]
+    if head.shape[-1] != 4 + len(labels):
+        raise ValueError(f"model outputs {head.shape[-1] - 4} class scores per anchor, labels.txt has {len(labels)} classes")
+    found = detector.shown(head, image.width, image.height)
+    print(path)
+    for label, score, box in found:
+        print(f"  {score:7.2%}  {labels[label]}  [{', '.join(f'{v:.1f}' for v in box)}]")
+    if not found:
+        print(f"  nothing scores >= {detector.match_score:g}")
+    if target is not None:
+        _save(draw_boxes(image, found, labels), target)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bundle", type=Path, help="a jetson bundle directory (exporter bundle OUT_DIR)")
     parser.add_argument("images", nargs="*", type=Path)
-    parser.add_argument("--golden", action="store_true", help="check the golden inputs instead of classifying images")
+    parser.add_argument("--golden", action="store_true", help="check the golden inputs instead of running on images")
+    parser.add_argument("--overlay", type=Path, metavar="PNG",
+                        help="segmentation: write the mask over the image here, detection: the boxes (a directory "
+                             "when several IMAGEs)")
     args = parser.parse_args(argv)
     if not args.golden and not args.images:
         parser.error("give IMAGE files or --golden")
     try:
         info, labels, spec = load_bundle(args.bundle)
-        description, run = load_runner(args.bundle, info)
+        task = task_of(info)
+        artifact = preferred_artifact(args.bundle, info)
+        detector = Detector(args.bundle, task) if task["name"] == DETECTION else None
+        description, run = load_runner(args.bundle, artifact)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {args.bundle} is not a usable bundle: {e}", file=sys.stderr)
         return 2
-    print(f"model: {description}")
-    if args.golden:
-        return golden(args.bundle, info, run)
-    for path in args.images:
-        try:
-            with Image.open(path) as image:
-                x = preprocess(image, spec)
-        except OSError as e:
-            print(f"error: cannot read {path}: {e}", file=sys.stderr)
-            return 2
-        print(path)
-        for label, probability in top5(run(x)[0], labels):
-            print(f"  {probability:7.2%}  {label}")
+    try:
+        if args.overlay is not None and task["name"] == CLASSIFICATION:
+            raise ValueError(f"--overlay draws a segmentation mask or detected boxes; {args.bundle} is a {task['name']} bundle")
+        overlays = _overlay_paths(args.overlay, args.images)
+        print(f"model: {description}")
+        if args.golden:
+            return golden(args.bundle, info, task, artifact, run, detector)
+        for path, target in zip(args.images, overlays):
+            try:
+                with Image.open(path) as image:
+                    image.load()
+            except OSError as e:
+                raise ValueError(f"cannot read {path}: {e}") from None
+            x = preprocess(image, spec)
+            size = task.get("input_size")
+            if size is not None and list(x.shape[2:]) != list(size):
+                raise ValueError(f"preprocessing.json makes a {x.shape[2]}x{x.shape[3]} input; the model takes {size[0]}x{size[1]}")
+            if task["name"] == DETECTION:
+                _print_detections(path, image, x, run, labels, detector, target)
+            elif task["name"] == SEGMENTATION:
+                _print_segments(path, image, x, run, labels, target)
+            else:
+                _print_classes(path, x, run, labels)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -2,6 +2,9 @@ package org.example.bundleclassifier
 
 import android.content.Context
 import android.graphics.Bitmap
+import android.graphics.Canvas
+import android.graphics.Color
+import android.graphics.Paint
 import org.json.JSONArray
 import org.json.JSONObject
 import org.pytorch.executorch.EValue
@@ -11,17 +14,54 @@ import java.io.File
 import kotlin.math.exp
 import kotlin.math.round
 
+/** Class names an overlay leaves unpainted (torchvision's first). */
+val BACKGROUND = setOf("__background__", "background")
+private const val OVERLAY_ALPHA = 128
+
 /**
- * An image classifier over the bundle in the app's assets. bundle.json picks the .pte (in its
- * order: the int8 program first, the fp32 one as fallback), preprocessing.json says how to turn a
- * Bitmap into the input tensor, labels.txt names the outputs. Nothing model-specific is in the code.
+ * Pascal VOC's colour of a class index as 0xRRGGBB: the index's bits, three at a time, fill red, green
+ * and blue from their top bit down (1 dark red, 2 green, 3 olive, ..., 15 pink).
+ */
+fun palette(index: Int): Int {
+    var r = 0
+    var g = 0
+    var b = 0
+    var value = index
+    var bit = 7
+    while (value != 0 && bit >= 0) {
+        r = r or ((value and 1) shl bit)
+        g = g or ((value shr 1 and 1) shl bit)
+        b = b or ((value shr 2 and 1) shl bit)
+        value = value shr 3
+        bit--
+    }
+    return (r shl 16) or (g shl 8) or b
+}
+
+/** A segmentation mask at the model's output size: the class of each pixel, row by row. */
+class Segmentation(val width: Int, val height: Int, val mask: IntArray, val fractions: List<Pair<String, Float>>)
+
+/** The output layout each task's model has (bundle.json task.output.layout). */
+private val LAYOUTS = mapOf("classification" to "NC", "segmentation" to "NCHW", "detection" to "NAK")
+
+/**
+ * An image classifier, segmenter or object detector over the bundle in the app's assets. bundle.json
+ * says which (its "task"; a bundle without one is a classifier) and picks the .pte (in its order: the
+ * int8 program first, the fp32 one as fallback), preprocessing.json says how to turn a Bitmap into the
+ * input tensor, labels.txt names the classes; a detector's anchors and decode parameters come from
+ * bundle.json's task.decode. Nothing model-specific is in the code.
  */
 class BundleClassifier(context: Context) {
     private val bundle = JSONObject(asset(context, "bundle.json"))
+    private val task = bundle.optJSONObject("task")
+    /** "classification" (top5), "segmentation" (segment, overlay) or "detection" (detect, drawBoxes). */
+    val taskName: String = task?.getString("name") ?: "classification"
+    private val inputSize = task?.getJSONArray("input_size")?.ints() // (h, w)
     private val labels = asset(context, bundle.getString("labels")).lines().filter { it.isNotEmpty() }
     private val spec = JSONObject(asset(context, bundle.getString("preprocessing")))
     private val resize = spec.getJSONArray("resize_size").ints()
-    private val crop = spec.getJSONArray("crop_size").ints().let { if (it.size == 1) listOf(it[0], it[0]) else it } // (h, w)
+    // (h, w); none for segmentation, whose resize is to the exact input size
+    private val crop = if (spec.isNull("crop_size")) null else spec.getJSONArray("crop_size").ints().let { if (it.size == 1) listOf(it[0], it[0]) else it }
     private val mean = spec.getJSONArray("mean").floats()
     private val std = spec.getJSONArray("std").floats()
     private val bilinear = spec.getString("interpolation") != "nearest"
@@ -29,12 +69,23 @@ class BundleClassifier(context: Context) {
     private val module: Module
 
     init {
+        require(taskName in LAYOUTS) { "this app runs ${LAYOUTS.keys.joinToString()} bundles; this one is $taskName" }
+        val layout = task?.getJSONObject("output")?.getString("layout")
+        require(layout == null || layout == LAYOUTS[taskName]) {
+            "a $taskName model with $layout output is not one this app reads"
+        }
         require(spec.getString("layout") == "NCHW" && spec.getString("dtype") == "float32") {
             "this app feeds NCHW float32; preprocessing.json asks for ${spec.getString("layout")} ${spec.getString("dtype")}"
         }
         val (name, loaded) = loadFirstThatLoads(context)
         artifactName = name
         module = loaded
+    }
+
+    // after the checks above: a detector's boxes come from its raw heads, the anchors and task.decode
+    private val detector: DetectionDecoder? = if (taskName != "detection") null else task!!.getJSONObject("decode").let {
+        val anchors = NpyArray.parse(context.assets.open(it.getString("anchors")).use { input -> input.readBytes() })
+        DetectionDecoder(it, anchors, inputSize!![0], inputSize[1])
     }
 
     private fun loadFirstThatLoads(context: Context): Pair<String, Module> {
@@ -59,11 +110,14 @@ class BundleClassifier(context: Context) {
         throw IllegalStateException("no .pte in the bundle loads: ${errors.joinToString("; ")}")
     }
 
-    /** torchvision's ImageClassification transform: resize, center crop, scale to [0, 1], normalize. */
+    /** The weight's transform: resize, center crop (classification only), scale to [0, 1], normalize. */
     fun preprocess(bitmap: Bitmap): Tensor {
         val (width, height) = resizedSize(bitmap.width, bitmap.height)
         val resized = Bitmap.createScaledBitmap(bitmap, width, height, bilinear)
-        val (cropH, cropW) = crop
+        val (cropH, cropW) = crop ?: listOf(height, width)
+        check(inputSize == null || inputSize == listOf(cropH, cropW)) {
+            "preprocessing.json makes a ${cropH}x$cropW input; the model takes ${inputSize!![0]}x${inputSize[1]}"
+        }
         // Python's round() in torchvision's center_crop rounds halves to even, as kotlin.math.round does
         val top = round((height - cropH) / 2.0).toInt()
         val left = round((width - cropW) / 2.0).toInt()
@@ -90,12 +144,91 @@ class BundleClassifier(context: Context) {
     }
 
     fun top5(bitmap: Bitmap): List<Pair<String, Float>> {
+        check(taskName == "classification") { "top5 needs a classification bundle; this one is $taskName" }
         val logits = module.forward(EValue.from(preprocess(bitmap)))[0].toTensor().dataAsFloatArray
         check(logits.size == labels.size) { "model outputs ${logits.size} classes, labels.txt has ${labels.size}" }
         val max = logits.max()
         val weights = logits.map { exp(it - max) }
         val total = weights.sum()
         return logits.indices.sortedByDescending { logits[it] }.take(5).map { labels[it] to weights[it] / total }
+    }
+
+    /** The argmax over C of the 1 x C x H x W logits, and each present class's share of the pixels, largest first. */
+    fun segment(bitmap: Bitmap): Segmentation {
+        check(taskName == "segmentation") { "segment needs a segmentation bundle; this one is $taskName" }
+        val output = module.forward(EValue.from(preprocess(bitmap)))[0].toTensor()
+        val shape = output.shape()
+        check(shape.size == 4 && shape[0] == 1L && shape[1] == labels.size.toLong()) {
+            "model outputs ${shape.joinToString(" x ")}; labels.txt has ${labels.size} classes, so 1 x ${labels.size} x H x W"
+        }
+        val (height, width) = shape[2].toInt() to shape[3].toInt()
+        val logits = output.dataAsFloatArray
+        val plane = height * width
+        val mask = IntArray(plane)
+        val counts = IntArray(labels.size)
+        for (i in 0 until plane) {
+            var best = 0
+            for (c in 1 until labels.size) if (logits[c * plane + i] > logits[best * plane + i]) best = c
+            mask[i] = best
+            counts[best]++
+        }
+        val fractions = counts.indices.filter { counts[it] > 0 }.sortedByDescending { counts[it] }
+            .map { labels[it] to counts[it].toFloat() / plane }
+        return Segmentation(width, height, mask, fractions)
+    }
+
+    /**
+     * The objects scoring at least task.decode.match_score, best first, their boxes scaled from the model's
+     * input size to the bitmap's (the preprocessing resized it to exactly that size).
+     */
+    fun detect(bitmap: Bitmap): List<Detection> {
+        val decoder = checkNotNull(detector) { "detect needs a detection bundle; this one is $taskName" }
+        val output = module.forward(EValue.from(preprocess(bitmap)))[0].toTensor()
+        val shape = output.shape()
+        check(shape.size == 3 && shape[0] == 1L && shape[1] == decoder.anchorCount.toLong() && shape[2] == 4L + labels.size) {
+            "model outputs ${shape.joinToString(" x ")}; the bundle has ${decoder.anchorCount} anchors and ${labels.size} classes, " +
+                "so 1 x ${decoder.anchorCount} x ${4 + labels.size}"
+        }
+        val scaleX = bitmap.width.toFloat() / inputSize!![1]
+        val scaleY = bitmap.height.toFloat() / inputSize[0]
+        return decoder.decode(output.dataAsFloatArray).filter { it.score >= decoder.matchScore }.map {
+            val (x0, y0, x1, y1) = it.box
+            Detection(it.label, it.score, floatArrayOf(x0 * scaleX, y0 * scaleY, x1 * scaleX, y1 * scaleY))
+        }
+    }
+
+    fun labelOf(detection: Detection): String = labels[detection.label]
+
+    /** The boxes over a copy of the image, each in its class's palette colour, named and scored at its top left. */
+    fun drawBoxes(image: Bitmap, detections: List<Detection>): Bitmap {
+        val result = image.copy(Bitmap.Config.ARGB_8888, true)
+        val canvas = Canvas(result)
+        val line = maxOf(2f, maxOf(image.width, image.height) / 320f)
+        val stroke = Paint().apply { style = Paint.Style.STROKE; strokeWidth = line }
+        val tag = Paint().apply { style = Paint.Style.FILL }
+        val text = Paint().apply { color = Color.WHITE; textSize = 6 * line; isAntiAlias = true }
+        for (detection in detections) {
+            val (x0, y0, x1, y1) = detection.box
+            stroke.color = Color.BLACK or palette(detection.label)
+            tag.color = stroke.color
+            canvas.drawRect(x0, y0, x1, y1, stroke)
+            val caption = "${labels[detection.label]} ${"%.2f".format(detection.score)}"
+            canvas.drawRect(x0, y0, x0 + text.measureText(caption) + 2 * line, y0 + text.textSize + 2 * line, tag)
+            canvas.drawText(caption, x0 + line, y0 + line + text.textSize - text.descent(), text)
+        }
+        return result
+    }
+
+    /** The mask in palette colours, half transparent, over the image at its size (scaled nearest neighbour); background pixels keep the image. */
+    fun overlay(image: Bitmap, segmentation: Segmentation): Bitmap {
+        val colours = IntArray(segmentation.mask.size) {
+            val c = segmentation.mask[it]
+            if (labels[c] in BACKGROUND) Color.TRANSPARENT else (OVERLAY_ALPHA shl 24) or palette(c)
+        }
+        val mask = Bitmap.createBitmap(colours, segmentation.width, segmentation.height, Bitmap.Config.ARGB_8888)
+        val result = image.copy(Bitmap.Config.ARGB_8888, true)
+        Canvas(result).drawBitmap(Bitmap.createScaledBitmap(mask, image.width, image.height, false), 0f, 0f, null)
+        return result
     }
 
     private companion object {

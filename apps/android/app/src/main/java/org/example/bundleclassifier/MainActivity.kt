@@ -1,19 +1,26 @@
 package org.example.bundleclassifier
 
+import android.graphics.Bitmap
 import android.graphics.BitmapFactory
 import android.net.Uri
 import android.os.Bundle
 import android.util.Log
 import android.widget.Button
+import android.widget.ImageView
 import android.widget.LinearLayout
 import android.widget.TextView
 import androidx.activity.ComponentActivity
 import androidx.activity.result.contract.ActivityResultContracts
 import java.util.concurrent.Executors
 
-/** Pick an image, classify it with the bundled model, show (and log) the top-5 classes. */
+/**
+ * Pick an image and run the bundled model on it: a classifier shows (and logs) the top-5 classes, a
+ * segmenter the mask over the image and each class's share of the pixels, a detector the boxes over the
+ * image and each object's class, score and box.
+ */
 class MainActivity : ComponentActivity() {
     private lateinit var output: TextView
+    private lateinit var picture: ImageView
     private val worker = Executors.newSingleThreadExecutor()
     private val classifier by lazy { BundleClassifier(applicationContext) }
     private val pickImage = registerForActivityResult(ActivityResultContracts.GetContent()) { uri -> uri?.let(::classify) }
@@ -21,6 +28,7 @@ class MainActivity : ComponentActivity() {
     override fun onCreate(savedInstanceState: Bundle?) {
         super.onCreate(savedInstanceState)
         output = TextView(this).apply { setPadding(32, 32, 32, 32) }
+        picture = ImageView(this).apply { adjustViewBounds = true }
         val pick = Button(this).apply {
             text = "Pick an image"
             setOnClickListener { pickImage.launch("image/*") }
@@ -28,26 +36,49 @@ class MainActivity : ComponentActivity() {
         setContentView(LinearLayout(this).apply {
             orientation = LinearLayout.VERTICAL
             addView(pick)
+            addView(picture)
             addView(output)
         })
     }
 
     private fun classify(uri: Uri) {
         output.text = "Running…"
+        picture.setImageDrawable(null)
         worker.execute {
+            var shown: Bitmap? = null
             val text = try {
                 val bitmap = contentResolver.openInputStream(uri).use { BitmapFactory.decodeStream(it) }
                     ?: throw IllegalArgumentException("cannot decode $uri")
-                val top = classifier.top5(bitmap)
+                val rows = when (classifier.taskName) {
+                    "segmentation" -> {
+                        val segmentation = classifier.segment(bitmap)
+                        shown = classifier.overlay(bitmap, segmentation)
+                        segmentation.fractions.map { (label, share) -> "%6.2f%%  %s".format(share * 100, label) }
+                    }
+                    "detection" -> {
+                        val detections = classifier.detect(bitmap)
+                        shown = classifier.drawBoxes(bitmap, detections)
+                        detections.map {
+                            "%6.2f%%  %s  [%s]".format(it.score * 100, classifier.labelOf(it), it.box.joinToString { v -> "%.1f".format(v) })
+                        }
+                    }
+                    else -> {
+                        shown = bitmap
+                        classifier.top5(bitmap).map { (label, share) -> "%6.2f%%  %s".format(share * 100, label) }
+                    }
+                }
                 buildString {
                     appendLine(classifier.artifactName)
-                    top.forEach { (label, probability) -> appendLine("%6.2f%%  %s".format(probability * 100, label)) }
+                    rows.forEach { appendLine(it) }
                 }
             } catch (e: Exception) {
                 "Error: ${e.message}"
             }
             Log.i(TAG, text)
-            runOnUiThread { output.text = text }
+            runOnUiThread {
+                output.text = text
+                picture.setImageBitmap(shown)
+            }
         }
     }
 
