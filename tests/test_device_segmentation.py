@@ -279,7 +279,7 @@ def test_unknown_task_and_mismatched_layout_are_refused(tmp_path):
     _one_error_line(_device_validate(build), "segmentation", "layout NC")
     doc["task"] = {"name": "keypoints"}
     (build / "manifest.json").write_text(json.dumps(doc))
-    _one_error_line(_device_validate(build), "'detection'")
+    _one_error_line(_device_validate(build), "'keypoints'")
 
 
 @pytest.mark.parametrize("task", [None, "classification"])
