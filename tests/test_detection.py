@@ -1,0 +1,139 @@
+"""Object detection on every target, on a really trained SSDlite320 MobileNetV3-Large (digits pasted onto
+textured canvases, exporter.digits_detection): raw heads exported and validated against eager, decoded boxes
+matched to eager's, COCO mAP against held-out boxes, bundled with the decode and the anchors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from exporter import digits_detection
+from exporter.thresholds import breaches
+
+from .conftest import CACHE, assert_clean_refusal, run_cli
+
+pytestmark = pytest.mark.slow
+
+FAST = ["--calib-size", "32", "--val-size", "24", "--warmup", "1", "--iterations", "5"]
+
+
+@pytest.fixture(scope="session")
+def ssdlite() -> digits_detection.DetectionDigitsModel:
+    return digits_detection.prepare(CACHE)
+
+
+def det_args(model, out, *extra):
+    return ["build", model.weight, "--checkpoint", model.checkpoint, "--data", model.data_dir, "--labels", model.labels_file,
+            "--out", out, "--quiet", *FAST, *extra]
+
+
+@pytest.fixture(scope="module")
+def ssdlite_all(tmp_path_factory, ssdlite):
+    out = tmp_path_factory.mktemp("ssdlite") / "build"
+    result = run_cli(*det_args(ssdlite, out, "--target", "all", "--bundle"))
+    docs = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/manifest.json")}
+    return out, result, docs
+
+
+def test_trained_detector_is_real(ssdlite):
+    assert ssdlite.held_out_map50 >= 0.4, ssdlite
+
+
+def test_ssdlite_builds_validates_and_bundles_on_every_target(ssdlite_all):
+    out, result, docs = ssdlite_all
+    assert set(docs) == {"android", "ios", "jetson"}, result.output
+    for target, doc in docs.items():
+        task = doc["task"]
+        assert task["name"] == "detection" and task["input_size"] == [320, 320]
+        assert task["output"]["layout"] == "NAK" and task["output"]["shape"] == [1, 3234, 15]
+        assert task["decode"]["nms_thresh"] > 0 and task["decode"]["anchors"] == "golden/anchors.npy"
+        pre = json.loads((out / target / "preprocessing.json").read_text())
+        assert pre["input_size"] == [320, 320] and pre["mean"] == [0.5, 0.5, 0.5]
+        assert doc["eager"]["accuracy"]["map50"] > 0
+        for a in doc["artifacts"]:
+            if a["status"] == "unavailable":
+                assert a["reasons"], a
+                continue
+            assert set(a["thresholds"]) <= {"matched_recall", "matched_precision", "psnr_db", "cosine", "max_abs_error", "map_drop"}
+            assert (a["status"] == "passed") == (breaches(a, a["thresholds"]) == []), a
+            fid = a["fidelity"]
+            assert fid["eager_detections"] > 0 and fid["matched_recall"] is not None
+            assert a["accuracy"]["map_drop_points"] is not None
+            with Image.open(out / target / a["preview"]) as im:
+                assert im.size[1] == 320 and im.size[0] > 3 * 320
+            if a["precision"] == "fp32":  # fp32 matches eager to fp32 rounding: a guarantee, not a host number
+                assert a["status"] == "passed", a
+                assert fid["matched_recall"] >= 0.99 and fid["psnr_db"] >= 60
+        golden = out / target / "golden"
+        assert np.load(golden / "eager_logits.npy").shape[1:] == (3234, 15)
+        assert np.load(golden / "anchors.npy").shape == (3234, 4)
+        assert len(json.loads((golden / "eager_detections.json").read_text())) == len(np.load(golden / "inputs.npy"))
+    android = {a["name"]: a for a in docs["android"]["artifacts"]}
+    for name in ("executorch_fp32", "executorch_int8"):
+        delegation = android[name]["details"]["delegation"]
+        assert delegation["delegated_subgraphs"] == 1 and delegation["ops_outside_on_tensors"] == {}, delegation
+    assert result.exit_code == (0 if all(d["status"] == "passed" for d in docs.values()) else 1), result.output
+
+
+def test_jetson_bundle_checks_detection_on_the_device_kit(ssdlite_all):
+    out, _, docs = ssdlite_all
+    if docs["jetson"]["status"] != "passed":
+        pytest.skip("no bundle: an artifact failed its thresholds (asserted consistent elsewhere)")
+    bundle = out / "bundle" / "jetson"
+    assert (bundle / "detection_decode.py").is_file() and (bundle / "golden" / "anchors.npy").is_file()
+    checked = subprocess.run([sys.executable, bundle / "device_validate.py", bundle, "--runtime", "onnxruntime"],
+                             capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "recall" in checked.stdout
+
+
+# --- bad input: one line, exit 2, nothing written ---
+
+def _coco(tmp_path, model, edit):
+    root = tmp_path / "coco"
+    shutil.copytree(model.data_dir, root)
+    doc = json.loads((root / "annotations.json").read_text())
+    edit(root, doc)
+    (root / "annotations.json").write_text(json.dumps(doc))
+    return root
+
+
+def _refused(tmp_path, model, root, *needles):
+    out = tmp_path / "out"
+    result = run_cli("build", model.weight, "--checkpoint", model.checkpoint, "--data", root, "--target", "android",
+                     "--out", out, "--quiet", "--no-cache")
+    assert_clean_refusal(result, out, *needles)
+
+
+def test_missing_image_is_refused(tmp_path, ssdlite):
+    def edit(root, doc):
+        name = doc["images"][0]["file_name"]
+        for p in (root / name, root / "images" / name):
+            p.unlink(missing_ok=True)
+    _refused(tmp_path, ssdlite, _coco(tmp_path, ssdlite, edit), "is missing")
+
+
+def test_box_outside_its_image_is_refused(tmp_path, ssdlite):
+    def edit(root, doc):
+        doc["annotations"][0]["bbox"] = [300, 300, 50, 50]
+    _refused(tmp_path, ssdlite, _coco(tmp_path, ssdlite, edit), "lies outside its image")
+
+
+def test_unknown_category_is_refused(tmp_path, ssdlite):
+    def edit(root, doc):
+        doc["annotations"][0]["category_id"] = 77
+    _refused(tmp_path, ssdlite, _coco(tmp_path, ssdlite, edit), "unknown category 77")
+
+
+def test_two_stage_detectors_are_refused_in_one_line(tmp_path):
+    out = tmp_path / "out"
+    for weight in ("FasterRCNN_MobileNet_V3_Large_320_FPN_Weights.COCO_V1", "MaskRCNN_ResNet50_FPN_Weights.COCO_V1",
+                   "KeypointRCNN_ResNet50_FPN_Weights.COCO_V1"):
+        result = run_cli("build", weight, "--out", out, "--quiet")
+        assert_clean_refusal(result, out, "cannot be exported yet")
