@@ -180,7 +180,7 @@ def train(steps: int = STEPS, log=print) -> tuple[dict, float, float, dict]:
 def _train(steps: int, log) -> tuple[dict, float, float, dict]:
     torch.manual_seed(SEED)
     train_idx, _ = split()
-    model = build_model().to(memory_format=torch.channels_last)  # measured 1.5x faster on CPU
+    model = build_model().to(memory_format=torch.channels_last)  # measured 1.25x faster on CPU
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=steps, pct_start=0.15)
     start = last_log = time.perf_counter()

@@ -17,12 +17,17 @@ from exporter.digits_segmentation import make_canvases, split
 SIZE, CANVAS = digits_detection.SIZE, digits_detection.CANVAS
 
 
+def _up(v: int) -> int:
+    """The first image pixel showing canvas pixel `v`."""
+    return math.ceil(v * SIZE / CANVAS)
+
+
 def test_boxes_are_exactly_the_pixels_the_digits_cover():
     train_idx = split()[0]
     images, boxes = digits_detection.make_detection_set(train_idx, 8, seed=3)
     small, masks, placed = make_canvases(train_idx, 8, CANVAS, seed=3, with_boxes=True)
     assert images.shape == (8, SIZE, SIZE, 3) and images.dtype == np.uint8
-    up = lambda v: math.ceil(v * SIZE / CANVAS)  # first output pixel of canvas pixel v  # noqa: E731
+    narrower = 0
     for image, per_image, canvas, mask, digits in zip(images, boxes, small, masks, placed):
         assert np.array_equal(image[::5, ::5], canvas[::2, ::2])  # 2.5x nearest upsampling
         assert len(per_image) == len(digits) >= 1
@@ -31,8 +36,10 @@ def test_boxes_are_exactly_the_pixels_the_digits_cover():
             assert 0 <= x0 < x1 <= SIZE and 0 <= y0 < y1 <= SIZE
             # the digit's pixels (alpha >= 0.5) in its square of the canvas, scaled: tight, not the square
             ys, xs = np.nonzero(mask[sy0:sy1, sx0:sx1] == label)
-            expected = (up(sx0 + xs.min()), up(sy0 + ys.min()), up(sx0 + xs.max() + 1), up(sy0 + ys.max() + 1))
+            expected = (_up(sx0 + xs.min()), _up(sy0 + ys.min()), _up(sx0 + xs.max() + 1), _up(sy0 + ys.max() + 1))
             assert (x0, y0, x1, y1) == expected
+            narrower += x1 - x0 < _up(sx1) - _up(sx0)
+    assert narrower > 0  # the sklearn digits rarely fill their square's width
 
 
 def test_held_out_canvases_use_only_held_out_digits():
