@@ -66,9 +66,11 @@ def test_inspect_reads_preprocessing_from_transforms(tmp_path):
     assert info["categories"] == 1000
 
 
-def test_detection_weights_are_refused_clearly():
-    with pytest.raises(UsageError, match="only classification"):
+def test_unexportable_weights_are_refused_clearly():
+    with pytest.raises(UsageError, match="fasterrcnn_resnet50_fpn cannot be exported yet: only SSD-family detectors"):
         weights.load("fasterrcnn_resnet50_fpn", checkpoint=None)
+    with pytest.raises(UsageError, match="optical flow weights are not supported"):
+        weights.load("raft_small", checkpoint=None)
 
 
 def test_checkpoint_num_classes_and_labels(digits_model):
