@@ -1,7 +1,10 @@
 """`make bench`: eager vs every CPU runtime, side by side in one run, same thread count.
 
-Random weights are fine here: this measures latency only (fidelity is the tests' job). Classifiers run
-at 224x224, LR-ASPP (segmentation) at 520x520, the size its weights' transforms resize to.
+Random weights are fine here: this measures latency only (fidelity is the tests' job). Each model runs at
+its weight's own input size and preprocessing: classifiers 224x224, LR-ASPP 520x520, SSDlite 320x320.
+SSDlite's graph is its raw heads; the numpy post-processing (decode + NMS) is timed apart, on the heads of
+the trained digits stand-in (random heads put every class of every anchor above the score threshold: a
+worst case, also reported).
 Usage: python -m exporter.bench [--models m1,m2] [--threads N] [--iterations N] [--out DIR]
 """
 
@@ -18,15 +21,18 @@ import time
 from pathlib import Path
 
 import torch
-from torchvision.models import get_model
 
-from . import data, formats, manifest, validation
+from . import data, detection_decode, formats, manifest, validation
 from .quant import SETTINGS, Calibration
-from .tasks import Classification, Segmentation
+from .tasks import Detection
+from .weights import bind_task, resolve, task_class
 
-# model -> (task, input side)
-MODELS = {"mobilenet_v3_large": (Classification, 224), "resnet18": (Classification, 224), "resnet50": (Classification, 224),
-          "lraspp_mobilenet_v3_large": (Segmentation, 520)}
+# model -> the weight whose task, class count, input size and preprocessing it is benchmarked with
+MODELS = {"mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V2", "resnet18": "ResNet18_Weights.IMAGENET1K_V1",
+          "resnet50": "ResNet50_Weights.IMAGENET1K_V2",
+          "lraspp_mobilenet_v3_large": "LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
+          "ssdlite320_mobilenet_v3_large": "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1"}
+STAND_IN_CACHE = Path(".cache/digits")  # where the tests cache the trained digits stand-ins
 # (row label, format, precision, int8 budget): "plain" is PTQ with no fallback; "budget" keeps layers in
 # float until BUDGET_PSNR_DB holds on held-out calibration images, to show what fallback costs in speed
 RUNTIMES = [
@@ -51,18 +57,18 @@ def _available(fmt: str):
 
 def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: Path, log) -> dict:
     torch.manual_seed(0)
-    task_class, side = MODELS[name]
-    task = task_class(21 if task_class is Segmentation else 1000, (side, side))
-    options = {"weights_backbone": None} if task_class is Segmentation else {}
-    model = task_class.graph(get_model(name, weights=None, num_classes=task.num_classes, **options).eval())
-    inputs = data.synthetic(_preprocess(side), CALIBRATION_IMAGES, 1, seed=0)
+    weights = resolve(MODELS[name])
+    task = bind_task(weights)
+    model = type(task).graph(type(task).construct(name, task.num_classes, {}).eval())
+    inputs = data.synthetic(task.transform(weights), CALIBRATION_IMAGES, 1, seed=0)
+    _settle_batchnorm(model, inputs.calibration)
     example = inputs.example
     calibrations = {
         "plain": Calibration(inputs.calibration, None, {"psnr_db": BUDGET_PSNR_DB}, {**SETTINGS, "fallback": False}, task=task),
         "budget": Calibration(inputs.calibration, None, {"psnr_db": BUDGET_PSNR_DB}, dict(SETTINGS), task=task),
     }
-    meta = {"weight": name, "model": name, "labels": [str(i) for i in range(task.num_classes)], "task": task.describe(),
-            "preprocessing": {"input_size": [side, side], "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}}
+    meta = {"weight": MODELS[name], "model": name, "labels": [str(i) for i in range(task.num_classes)],
+            "task": task.describe(), "preprocessing": task.preprocessing(weights)}
     # the same eager model in channels-last memory format (input converted once, outside the timing)
     channels_last = copy.deepcopy(model).to(memory_format=torch.channels_last)
     example_cl = example.contiguous(memory_format=torch.channels_last)
@@ -87,15 +93,56 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
         outside = (details.get("delegation") or {}).get("ops_outside_delegate")
         log(f"  {name}: built {label} in {build_s[label]} s" + (f"; outside delegate: {outside}" if outside else ""))
     timing = validation.measure_latency(runners, example, warmup, iterations, rounds=10)
-    return {"input": [side, side], "latency_ms": timing, "build_s": build_s, "quantization": quantization}
+    result = {"input": list(task.input_size), "latency_ms": timing, "build_s": build_s, "quantization": quantization}
+    if isinstance(task, Detection):
+        with torch.no_grad():
+            random_heads = model(example)[0].numpy()
+        result["postprocess_ms"] = {"trained stand-in": _time_decode(*_stand_in_heads(name, weights, log), 5),
+                                    "random heads (worst case)": _time_decode([random_heads], task, 20)}
+    return result
 
 
-def _preprocess(side: int):
-    """ImageNet-style normalization of a synthetic image resized to side x side."""
-    from torchvision.transforms import v2
+def _settle_batchnorm(model: torch.nn.Module, images: list, batch: int = 8) -> None:
+    """Batch-norm statistics measured on the images, as training would leave them. At initialisation they are
+    mean 0, variance 1 whatever the activations are, and a deep random network's activations then grow or
+    vanish layer by layer, which int8 cannot represent: the int8 rows would time a degenerate graph."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a plain average over the batches
+    model.train()
+    with torch.no_grad():
+        for start in range(0, len(images), batch):
+            model(torch.cat(images[start:start + batch]))
+    model.eval()
 
-    return v2.Compose([v2.PILToTensor(), v2.Resize([side, side]), v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+
+def _stand_in_heads(name: str, weights, log) -> tuple[list, Detection]:
+    """Raw heads of the trained digits SSDlite on its held-out canvases (trained once, ~5 min, if not cached)."""
+    from PIL import Image
+
+    from . import digits_detection
+
+    stand_in = digits_detection.prepare(STAND_IN_CACHE, log=log)
+    state = torch.load(stand_in.checkpoint, map_location="cpu", weights_only=True)
+    task = bind_task(weights, task_class(weights).num_classes_in(state, name, 0))
+    model = type(task).construct(name, task.num_classes, state)
+    model.load_state_dict(state)
+    graph, transform = type(task).graph(model.eval()), task.transform(weights)
+    with torch.no_grad():
+        heads = [graph(transform(Image.open(f).convert("RGB"))[None])[0].numpy()
+                 for f in sorted((stand_in.data_dir / "images").glob("*.png"))[:16]]
+    return heads, task
+
+
+def _time_decode(heads: list, task: Detection, repeats: int) -> dict:
+    samples = []
+    for head in heads:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            detection_decode.decode(head, task.anchors, task.input_size, task.params)
+            samples.append((time.perf_counter() - start) * 1e3)
+    return validation.percentiles(samples)
 
 
 def table(results: dict) -> str:
@@ -119,6 +166,14 @@ def table(results: dict) -> str:
         for label, q in r.get("quantization", {}).items():
             lines.append(f"- {model} {label}: {q['float_layers']} of {q['layers']} layers in float, check PSNR "
                          f"{q['check_psnr_db']} dB ({q['ranges']} ranges), build {r['build_s'][label]} s ({q['seconds']} s)")
+    for model, r in results.items():
+        if "postprocess_ms" in r:
+            post = {k: v["p50"] for k, v in r["postprocess_ms"].items()}
+            trained = post["trained stand-in"]
+            total = ", ".join(f"{label} {v['p50'] + trained:.2f}" for label, v in r["latency_ms"].items())
+            lines += ["", f"{model} post-processing (numpy decode + NMS, one thread), p50 ms: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in post.items()),
+                      f"{model} raw heads + post-processing (trained stand-in's), p50 ms: {total}"]
     return "\n".join(lines)
 
 

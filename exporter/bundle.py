@@ -3,8 +3,8 @@
 OUT/bundle/<target>/ holds the artifacts SELECTION picks from the build, labels.txt,
 preprocessing.json, the golden files (inputs, eager logits; for segmentation the eager masks; for
 detection the anchors and eager's decoded boxes), the build's manifest.json, any device kit files the
-build wrote (Jetson: build_engine.sh, device_validate.py), for detection detection_decode.py (what
-turns the raw heads into boxes, on every target) and bundle.json, which lists every file with its
+build wrote (Jetson: build_engine.sh, device_validate.py), for detection the build's detection_decode.py
+(what turns the raw heads into boxes, on every target; checked against its sha256) and bundle.json, which lists every file with its
 sha256, the model's task (classification, segmentation or detection: its input size, output layout
 and, for detection, the decode parameters and where the anchors and decode code are) and, per
 artifact, its validation results and the runtime it needs.
@@ -70,9 +70,6 @@ GOLDEN = {
     "eager_detections": "golden/eager_detections.json",
     "boxes": "golden/boxes.json",
 }
-# The shared numpy decode of detection heads, shipped from this package: only the Jetson kit keeps a copy
-# in the build directory (then that copy, checked against its sha256, is the one bundled).
-DECODER = Path(__file__).with_name("detection_decode.py")
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip can store: entries carry no build time
 
 
@@ -235,7 +232,8 @@ def _plan(out: Path, allow_failed: bool) -> tuple[dict, list[tuple[str, dict]], 
         decode = task.get("decode") or {}
         if not decode.get("anchors") or not decode.get("code"):
             raise UsageError(f"{out / 'manifest.json'} has a detection task without decode anchors and code; run the build again")
-        _inside(out, decode["code"])
+        if not _inside(out, decode["code"]).is_file():
+            raise UsageError(f"{out / decode['code']} is missing: a detection bundle needs the build's decode; run the build again")
         if not _inside(out, decode["anchors"]).is_file():
             raise UsageError(f"{out / decode['anchors']} is missing: a detection bundle needs its anchors; run the build again")
     return doc, chosen, golden
@@ -276,7 +274,7 @@ def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
                 if not _inside(stage, decode["anchors"]).exists():
                     _copy(out, stage, decode["anchors"])
                 if not _inside(stage, decode["code"]).exists():
-                    shutil.copyfile(DECODER, _inside(stage, decode["code"]))
+                    _copy(out, stage, decode["code"], decode.get("code_sha256"))
             described = _describe(doc, chosen, golden, _listing(stage))
             (stage / "bundle.json").write_text(json.dumps(described, indent=2, allow_nan=False) + "\n", encoding="utf-8")
             _write_zip(stage, zip_tmp)

@@ -53,17 +53,24 @@ def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
 
 
-def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float) -> np.ndarray:
-    """Greedy NMS: indices kept, highest score first."""
+def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, limit: int | None = None) -> np.ndarray:
+    """Greedy NMS: indices kept, highest score first; stops once `limit` are kept (the rest could only
+    come after them), which bounds the cost when thousands of low scores pass the score threshold."""
     order = np.argsort(-scores, kind="stable")
-    keep = []
-    while order.size:
-        best = order[0]
-        keep.append(best)
-        if order.size == 1:
+    x0, y0, x1, y1 = (boxes[order, i] for i in range(4))
+    area = (x1 - x0) * (y1 - y0)
+    alive, keep = np.arange(order.size), []
+    while alive.size:
+        best, rest = alive[0], alive[1:]
+        keep.append(order[best])
+        if not rest.size or len(keep) == limit:
             break
-        iou = box_iou(boxes[best : best + 1], boxes[order[1:]])[0]
-        order = order[1:][iou <= threshold]
+        w = (np.minimum(x1[best], x1[rest]) - np.maximum(x0[best], x0[rest])).clip(0, None)
+        h = (np.minimum(y1[best], y1[rest]) - np.maximum(y0[best], y0[rest])).clip(0, None)
+        inter = w * h
+        union = area[best] + area[rest] - inter
+        iou = np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
+        alive = rest[iou <= threshold]
     return np.asarray(keep, dtype=np.int64)
 
 
@@ -88,7 +95,7 @@ def decode(head: np.ndarray, anchors: np.ndarray, image_size, params: dict | Non
     boxes, scores, labels = np.concatenate(kept_boxes), np.concatenate(kept_scores), np.concatenate(kept_labels)
     # class-wise NMS in one pass: boxes of different classes are moved apart so that they never overlap
     offsets = labels[:, None].astype(np.float32) * (max(h, w) + 1)
-    keep = nms(boxes + offsets, scores, p["nms_thresh"])[: p["detections_per_img"]]
+    keep = nms(boxes + offsets, scores, p["nms_thresh"], p["detections_per_img"])
     return {"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep]}
 
 

@@ -242,7 +242,7 @@ def _decoding(directory: Path, entry: dict, logits: np.ndarray, image_size) -> D
     if anchors.shape != (logits.shape[1], 4):
         raise BadInput(f"{decode['anchors']} has shape {anchors.shape} but golden eager_logits.npy has "
                        f"{logits.shape[1]} anchors per image: ({logits.shape[1]}, 4) expected")
-    params = {k: v for k, v in decode.items() if k not in ("anchors", "code")}
+    params = {k: v for k, v in decode.items() if k not in ("anchors", "code", "code_sha256")}
     return Decoding(_decode_code(), anchors.astype(np.float32), tuple(int(v) for v in image_size), params)
 
 

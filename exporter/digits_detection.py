@@ -9,9 +9,7 @@ only from held-out digits.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -147,24 +145,16 @@ def detect(model: nn.Module, images: np.ndarray, batch: int = 16) -> list[dict]:
 
 
 def coco_map(detections: list[dict], images, boxes) -> tuple[float, float]:
-    """COCO mAP@[.5:.95] and mAP@.5 of `detections` (model outputs, one per image) with pycocotools."""
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
+    """COCO mAP@[.5:.95] and mAP@.5 in [0, 1] of `detections` (model outputs, one per image), by the detection
+    task's pycocotools evaluation."""
+    from .tasks.detection import PAD, coco_map as evaluate
 
-    results = [{"image_id": i + 1, "category_id": int(label), "bbox": [x0, y0, x1 - x0, y1 - y0], "score": score}
-               for i, d in enumerate(detections)
-               for (x0, y0, x1, y1), score, label in zip(d["boxes"].tolist(), d["scores"].tolist(), d["labels"].tolist())]
-    if not results:
-        return 0.0, 0.0
-    with contextlib.redirect_stdout(io.StringIO()):
-        gt = COCO()
-        gt.dataset = coco_dict(images, boxes)
-        gt.createIndex()
-        evaluation = COCOeval(gt, gt.loadRes(results), "bbox")
-        evaluation.evaluate()
-        evaluation.accumulate()
-        evaluation.summarize()
-    return float(evaluation.stats[0]), float(evaluation.stats[1])
+    labels = torch.full((len(boxes), max(1, max(map(len, boxes), default=0)), 5), PAD)
+    for i, per_image in enumerate(boxes):
+        if per_image:
+            labels[i, : len(per_image)] = torch.tensor(per_image, dtype=torch.float32)
+    result = evaluate(detections, labels, images.shape[1:3], NUM_CLASSES)
+    return result["map"] / 100.0, result["map50"] / 100.0
 
 
 def train(steps: int = STEPS, log=print) -> tuple[dict, float, float, dict]:

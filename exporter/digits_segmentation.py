@@ -24,6 +24,7 @@ from PIL import Image
 from torch import nn
 
 from .digits import _recompute_batchnorm_stats
+from .tasks.segmentation import confusion, miou
 
 WEIGHTS = (
     "LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
@@ -182,25 +183,11 @@ def preprocess(images: np.ndarray) -> torch.Tensor:
     return (x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
 
 
-def _confusion(pred, target, num_classes: int, ignore: int) -> np.ndarray:
-    pred, target = np.asarray(pred).ravel().astype(np.int64), np.asarray(target).ravel().astype(np.int64)
-    keep = target != ignore
-    return np.bincount(target[keep] * num_classes + pred[keep], minlength=num_classes**2).reshape(num_classes, num_classes)
-
-
-def miou(pred, target, num_classes: int = NUM_CLASSES, ignore: int = IGNORE) -> float:
-    """Mean IoU over the classes present in the target or the prediction (pixels marked `ignore` skipped)."""
-    conf = _confusion(pred, target, num_classes, ignore)
-    inter = np.diag(conf)
-    union = conf.sum(0) + conf.sum(1) - inter
-    present = union > 0
-    return float((inter[present] / union[present]).mean()) if present.any() else 1.0
-
-
-def pixel_accuracy(pred, target, ignore: int = IGNORE) -> float:
-    pred, target = np.asarray(pred), np.asarray(target)
-    keep = target != ignore
-    return float((pred[keep] == target[keep]).mean()) if keep.any() else 1.0
+def mask_scores(pred, target) -> tuple[float, float]:
+    """(mIoU, pixel accuracy) in [0, 1], from the segmentation task's own confusion matrix."""
+    conf = confusion(torch.as_tensor(np.asarray(pred)), torch.as_tensor(np.asarray(target)), NUM_CLASSES)
+    total = conf.sum().item()
+    return miou(conf), (conf.diag().sum().item() / total if total else 1.0)
 
 
 def build_model(model_name: str) -> nn.Module:
@@ -250,7 +237,7 @@ def train(model_name: str, steps: int = STEPS, size: int = SIZE, log=print) -> t
     _recompute_batchnorm_stats(model, calib)
     images, masks = held_out_set(size)
     pred = predict(model, images)
-    score, accuracy = miou(pred, masks), pixel_accuracy(pred, masks)
+    score, accuracy = mask_scores(pred, masks)
     log(f"digits segmentation {model_name} held-out mIoU {score:.3f}, pixel accuracy {accuracy:.3%} "
         f"({time.perf_counter() - start:.0f} s)")
     return model.state_dict(), score, accuracy

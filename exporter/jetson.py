@@ -2,8 +2,8 @@
 
 Engines are not portable across GPU model or TensorRT version, so the kit ships the ONNX files plus
 build_engine.sh (trtexec, TensorRT 10 and 11 variants of what exporter.formats.tensorrt builds) and
-device_validate.py (golden inputs against golden eager logits on the device), plus, for detection,
-detection_decode.py beside it (the validator decodes boxes with it). Pre-flight warnings go to the
+device_validate.py (golden inputs against golden eager logits on the device), and lists, for detection,
+the build's detection_decode.py beside it (the validator decodes boxes with it). Pre-flight warnings go to the
 manifest under doc["jetson"]["warnings"].
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from . import detection_decode, device_validate, files
+from . import device_validate, files
 from .formats import onnx as onnx_format
 from .formats import tensorrt as tensorrt_format
 
@@ -116,8 +116,7 @@ def write_device_kit(out: Path, doc: dict, session) -> None:
     files.write_text(out / VALIDATOR, Path(device_validate.__file__).read_text(encoding="utf-8"))
     names = [SCRIPT, VALIDATOR]
     if (doc.get("task") or {}).get("name") == "detection":
-        files.write_text(out / DECODER, Path(detection_decode.__file__).read_text(encoding="utf-8"))
-        kit["decoder"] = DECODER
+        kit["decoder"] = DECODER  # the build wrote it (the task's device files)
         names.append(DECODER)
     kit["sha256"] = {name: files.sha256(out / name) for name in names if (out / name).is_file()}
     kit["warnings"] = _warnings(doc, onnx_entries, builds)

@@ -425,6 +425,8 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
     files.write_text(out / "preprocessing.json", json.dumps(doc["preprocessing"], indent=2) + "\n")
     manifest.write(out, doc)
     _write_golden(out, session)
+    for name, text in session.task.device_files().items():
+        files.write_text(out / name, text)
     for spec in _specs_for(loaded, profile["artifacts"]):
         doc["artifacts"].append(_export(session, spec, out, progress, prefix))
         doc["timings_s"] = _timings(progress, prefix)

@@ -59,3 +59,18 @@ def test_coco_map_of_perfect_and_missing_detections():
     assert coco_map(perfect, labels, (320, 320), 11) == {"map": pytest.approx(100.0), "map50": pytest.approx(100.0)}
     half = [perfect[0], {k: v[:0] for k, v in perfect[1].items()}]  # the second image's box not found
     assert coco_map(half, labels, (320, 320), 11)["map"] < 100.0
+
+
+def test_nms_matches_torchvision_and_its_limit_keeps_the_best_prefix():
+    from torchvision.ops import nms
+
+    rng = np.random.default_rng(3)
+    corners = rng.uniform(0, 300, (400, 2)).astype(np.float32)
+    boxes = np.concatenate([corners, corners + rng.uniform(0, 60, (400, 2)).astype(np.float32)], 1)
+    boxes[:20, 2:] = boxes[:20, :2]  # zero area: never suppresses, never suppressed
+    boxes[20:40] = boxes[40:60]  # exact duplicates
+    scores = rng.uniform(0, 1, 400).astype(np.float32)
+    everything = detection_decode.nms(boxes, scores, 0.55)
+    np.testing.assert_array_equal(everything, nms(torch.from_numpy(boxes), torch.from_numpy(scores), 0.55).numpy())
+    assert len(everything) > 50
+    np.testing.assert_array_equal(detection_decode.nms(boxes, scores, 0.55, limit=50), everything[:50])

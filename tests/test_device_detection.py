@@ -142,6 +142,8 @@ def make_build(out: Path, task, target: str = "jetson", perturb: float = 0.0, la
         rows = [[[float(label), *map(float, box)] for box, label in zip(d["boxes"][:2], d["labels"][:2])]
                 for d in (detection_decode.decode(e, task.anchors, task.input_size, task.params) for e in eager)]
         labels = torch.tensor(rows, dtype=torch.float32)
+    for name, text in task.device_files().items():
+        (out / name).write_text(text)
     (out / "golden").mkdir()
     for name, content in task.golden(torch.from_numpy(inputs), torch.from_numpy(eager.reshape(IMAGES, -1)), labels).items():
         if name.endswith(".json"):
@@ -338,6 +340,20 @@ def test_unlabeled_detection_bundle_has_no_ground_truth_boxes(tmp_path, task):
     assert set(info["golden"]) == {"inputs", "eager_logits", "anchors", "eager_detections"}
 
 
+def test_bundle_ships_the_decode_the_build_validated_with(tmp_path, task):
+    build = make_build(tmp_path / "build", task, target="android")
+    doc = json.loads((build / "manifest.json").read_text())
+    assert doc["task"]["decode"]["code_sha256"] == files.sha256(build / "detection_decode.py")
+    with open(build / "detection_decode.py", "a") as f:
+        f.write("# edited after the build\n")
+    with pytest.raises(UsageError, match="detection_decode.py does not match the sha256 in its manifest"):
+        make_bundle(build)
+    (build / "detection_decode.py").unlink()
+    with pytest.raises(UsageError, match="detection_decode.py is missing: a detection bundle needs the build's decode"):
+        make_bundle(build)
+    assert not (build / "bundle").exists()
+
+
 def test_detection_build_without_anchors_is_not_bundled(tmp_path, task):
     build = make_build(tmp_path / "build", task, target="android")
     (build / "golden" / "anchors.npy").unlink()
@@ -435,11 +451,7 @@ def test_jetson_app_prints_and_draws_boxes_at_the_image_size(tmp_path, task):
 
 
 def test_jetson_app_refuses_a_detection_bundle_without_its_decode(tmp_path, task):
-    build = make_build(tmp_path / "build", task)
-    (build / "detection_decode.py").unlink()
-    _edit_manifest(build, lambda d: d["jetson"]["sha256"].pop("detection_decode.py"))
-    directory = make_bundle(build)  # the bundle ships the package's decoder when the kit has none
-    assert (directory / "detection_decode.py").is_file()
+    directory = make_bundle(make_build(tmp_path / "build", task))
     (directory / "detection_decode.py").unlink()
     result = _app(directory, _photo(tmp_path / "photo.png"))
     _one_error_line(result, "not a usable bundle", "detection_decode.py is missing")

@@ -65,8 +65,7 @@ def test_voc_writer_layout(tmp_path, canvases):
 
 def test_miou_and_pixel_accuracy():
     target = np.array([[0, 0, 1, 1], [0, 255, 2, 2]])
-    assert ds.miou(target, target) == 1.0
+    assert ds.mask_scores(target, target) == (1.0, 1.0)
     pred = np.array([[0, 0, 1, 2], [0, 7, 2, 2]])  # the ignored pixel's prediction does not count
     # class 0: 3/3, class 1: 1/2, class 2: 2/3
-    assert ds.miou(pred, target) == pytest.approx((1 + 0.5 + 2 / 3) / 3)
-    assert ds.pixel_accuracy(pred, target) == pytest.approx(6 / 7)
+    assert ds.mask_scores(pred, target) == pytest.approx(((1 + 0.5 + 2 / 3) / 3, 6 / 7))

@@ -82,6 +82,11 @@ class Task:
         return {"name": self.name, "input_size": list(self.input_size), "num_classes": self.num_classes,
                 "output": self.output()}
 
+    def device_files(self) -> dict[str, str]:
+        """Code a device needs beside the artifacts (build-relative path -> text): written into every build,
+        so that a bundle ships what validated the build, not what is installed when it is bundled."""
+        return {}
+
     def fidelity(self, reference: torch.Tensor, outputs: torch.Tensor) -> dict:
         raise NotImplementedError
 

@@ -10,6 +10,7 @@ bundle with the anchors. Fidelity is judged on the raw heads (PSNR, cosine) and 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from .base import Task, logit_fidelity
 
 MATCH_SCORE = 0.3  # detections compared against eager's: those an app would show
 PAD = -1.0  # class of padding rows in the (N, K, 5) label tensor
+DECODE_CODE = "detection_decode.py"  # written into every detection build, beside the manifest
 
 
 class RawHeads(nn.Module):
@@ -188,8 +190,12 @@ class Detection(Task):
                            "(class 0 = background); decode with detection_decode.py and anchors.npy"}
 
     def describe(self):
-        return {**super().describe(), "decode": {**self.params, "anchors": "golden/anchors.npy",
-                                                 "code": "detection_decode.py"}}
+        code = self.device_files()[DECODE_CODE].encode("utf-8")
+        return {**super().describe(), "decode": {**self.params, "anchors": "golden/anchors.npy", "code": DECODE_CODE,
+                                                 "code_sha256": hashlib.sha256(code).hexdigest()}}
+
+    def device_files(self):
+        return {DECODE_CODE: Path(detection_decode.__file__).read_text(encoding="utf-8")}
 
     # --- data: DIR/annotations.json (COCO) and the images it names ---
     def load_data(self, root, transform, calib_size, val_size, seed):
