@@ -53,12 +53,17 @@ def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
 
 
-def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, limit: int | None = None) -> np.ndarray:
-    """Greedy NMS: indices kept, highest score first; stops once `limit` are kept (the rest could only
-    come after them), which bounds the cost when thousands of low scores pass the score threshold."""
+def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, limit: int | None = None,
+        labels: np.ndarray | None = None) -> np.ndarray:
+    """Greedy NMS: indices kept, highest score first. With `labels`, a box suppresses only boxes of its own
+    label. Stops once `limit` are kept (the rest could only come after them), which bounds the cost when
+    thousands of low scores pass the score threshold."""
+    if limit is not None and limit <= 0:
+        return np.zeros(0, dtype=np.int64)
     order = np.argsort(-scores, kind="stable")
     x0, y0, x1, y1 = (boxes[order, i] for i in range(4))
     area = (x1 - x0) * (y1 - y0)
+    label = labels[order] if labels is not None else None
     alive, keep = np.arange(order.size), []
     while alive.size:
         best, rest = alive[0], alive[1:]
@@ -70,7 +75,10 @@ def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, limit: int | No
         inter = w * h
         union = area[best] + area[rest] - inter
         iou = np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
-        alive = rest[iou <= threshold]
+        survives = iou.astype(np.float64) <= threshold  # in double, as torchvision compares
+        if label is not None:
+            survives |= label[rest] != label[best]
+        alive = rest[survives]
     return np.asarray(keep, dtype=np.int64)
 
 
@@ -93,9 +101,7 @@ def decode(head: np.ndarray, anchors: np.ndarray, image_size, params: dict | Non
         kept_scores.append(score[index])
         kept_labels.append(np.full(index.size, label, dtype=np.int64))
     boxes, scores, labels = np.concatenate(kept_boxes), np.concatenate(kept_scores), np.concatenate(kept_labels)
-    # class-wise NMS in one pass: boxes of different classes are moved apart so that they never overlap
-    offsets = labels[:, None].astype(np.float32) * (max(h, w) + 1)
-    keep = nms(boxes + offsets, scores, p["nms_thresh"], p["detections_per_img"])
+    keep = nms(boxes, scores, p["nms_thresh"], p["detections_per_img"], labels)  # class-wise, in one pass
     return {"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep]}
 
 

@@ -138,7 +138,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
     digest = cache.key(
         kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency,
         cpu=manifest.host(session.latency["threads"])["cpu"],
-        **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference")},
+        **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")},
     )
     cached = session.cache.fetch_json("validations", digest)
     if cached is not None:
@@ -284,6 +284,11 @@ def _preflight(profile: dict) -> None:
                 raise UsageError(f"target {profile['name']}: bad options for {spec['format']}: {e}") from None
 
 
+def _write_device_files(out: Path, task) -> None:
+    for name, text in task.device_files().items():
+        files.write_text(out / name, text)
+
+
 def _write_golden(out: Path, session: Session, count: int = 8) -> None:
     """A few preprocessed inputs and what eager made of them (the task says which files), for on-device checks."""
     import numpy as np
@@ -425,8 +430,7 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
     files.write_text(out / "preprocessing.json", json.dumps(doc["preprocessing"], indent=2) + "\n")
     manifest.write(out, doc)
     _write_golden(out, session)
-    for name, text in session.task.device_files().items():
-        files.write_text(out / name, text)
+    _write_device_files(out, session.task)
     for spec in _specs_for(loaded, profile["artifacts"]):
         doc["artifacts"].append(_export(session, spec, out, progress, prefix))
         doc["timings_s"] = _timings(progress, prefix)
@@ -466,6 +470,8 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
     with progress.step("load data"):
         inputs = _load_inputs(source, loaded, task, profiles.settings(profile)[0])
     session = _start_session(loaded, task, inputs, profile, progress)
+    _write_device_files(out, task)  # what this validation decodes with is what the build ships
+    doc["task"] = task.describe()
     doc["target"]["thresholds"] = profile.get("thresholds", {})
     doc["data"] = inputs.description
     doc["eager"] = {"accuracy": session.eager_accuracy, "reference": loaded.reference}

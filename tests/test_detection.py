@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from exporter import digits_detection
+from exporter import digits_detection, files
+from exporter.bundle import make_bundle
 from exporter.thresholds import breaches
 
 from .conftest import CACHE, assert_clean_refusal, run_cli
@@ -91,6 +92,19 @@ def test_jetson_bundle_checks_detection_on_the_device_kit(ssdlite_all):
                              capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "recall" in checked.stdout
+
+
+def test_a_build_restored_from_the_cache_keeps_the_decode_it_validated_with(ssdlite_all, ssdlite, tmp_path):
+    out, _, docs = ssdlite_all
+    again = tmp_path / "again"
+    run_cli(*det_args(ssdlite, again, "--target", "all", "--bundle"))  # the same request
+    for target, doc in docs.items():
+        restored = json.loads((again / target / "manifest.json").read_text())
+        assert restored["cache"]["events"][0].startswith("whole build reused from the cache"), restored["cache"]
+        decode = again / target / "detection_decode.py"
+        assert files.sha256(decode) == doc["task"]["decode"]["code_sha256"] == files.sha256(out / target / "detection_decode.py")
+    if docs["android"]["status"] == "passed":
+        assert (make_bundle(again / "android") / "detection_decode.py").read_bytes() == decode.read_bytes()
 
 
 # --- bad input: one line, exit 2, nothing written ---

@@ -74,3 +74,11 @@ def test_nms_matches_torchvision_and_its_limit_keeps_the_best_prefix():
     np.testing.assert_array_equal(everything, nms(torch.from_numpy(boxes), torch.from_numpy(scores), 0.55).numpy())
     assert len(everything) > 50
     np.testing.assert_array_equal(detection_decode.nms(boxes, scores, 0.55, limit=50), everything[:50])
+
+
+def test_nms_with_labels_suppresses_only_within_a_class():
+    boxes = np.array([[0, 0, 10, 10], [0, 0, 10, 10], [1, 0, 11, 10]], np.float32)
+    scores = np.array([0.9, 0.8, 0.7], np.float32)
+    assert detection_decode.nms(boxes, scores, 0.5).tolist() == [0]
+    assert detection_decode.nms(boxes, scores, 0.5, labels=np.array([1, 2, 1])).tolist() == [0, 1]
+    assert detection_decode.nms(boxes, scores, 0.5, limit=0).tolist() == []
