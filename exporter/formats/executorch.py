@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,17 @@ NAME = "executorch"
 SUFFIX = ".pte"
 OPTIONS = ()
 PRECISIONS = ("fp32", "int8")
+
+
+class _TorchaoEnumNotice(logging.Filter):
+    """torchao, imported by ExecuTorch's quantizer, registers an Enum the way torch 2.14 deprecates, and torch
+    logs that on every import: a notice for torchao's authors, noise in a user's build output."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "register_constant() on Enum subclasses" not in record.getMessage()
+
+
+logging.getLogger("torch.utils._pytree").addFilter(_TorchaoEnumNotice())
 
 
 def _delegation(edge_program) -> dict:
