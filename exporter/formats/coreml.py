@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import io
 import json
 import re
 import sys
@@ -199,6 +200,24 @@ def _compress(mlmodel, compression, nbits):
         with _one_openmp_thread():
             return cto.palettize_weights(mlmodel, config=config)
     return mlmodel
+
+
+# a tqdm bar: "Running MIL default pipeline:  13%|█▎   | 12/95 [00:00<00:00, 116.81 passes/s]"
+_PROGRESS_BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+ \[")
+
+
+@contextlib.contextmanager
+def _without_progress_bars():
+    """coremltools draws a tqdm bar on stderr for every pass pipeline of every package, which buries exporter's
+    own progress lines; whatever else it writes there (warnings, log records) is passed on."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        for line in captured.getvalue().replace("\r", "\n").splitlines():
+            if line.strip() and not _PROGRESS_BAR.search(line):
+                print(line, file=sys.stderr)
 
 
 def _one_openmp_thread():
@@ -417,7 +436,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, deployment_
     options = {"deployment_target": deployment_target, "input": input, "compression": compression,
                "nbits": nbits if compression == "palettize" else None}
     image_size = _image_size(meta["preprocessing"], example)
-    mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
+    with _without_progress_bars():
+        mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
     with torch.no_grad():  # after _convert, which put the model in eval mode
         output_shape = list(model(example).shape)
     _describe(mlmodel, precision, meta, options, image_size, output_shape)
