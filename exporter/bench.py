@@ -32,7 +32,8 @@ MODELS = {"mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V2", "res
           "resnet50": "ResNet50_Weights.IMAGENET1K_V2",
           "lraspp_mobilenet_v3_large": "LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
           "ssdlite320_mobilenet_v3_large": "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1"}
-STAND_IN_CACHE = Path(".cache/digits")  # where the tests cache the trained digits stand-ins
+# where the tests cache the trained digits stand-ins (tests/conftest.py): EXPORTER_TEST_CACHE or .cache/digits
+STAND_IN_CACHE = Path(os.environ.get("EXPORTER_TEST_CACHE", ".cache/digits"))
 # (row label, format, precision, int8 budget): "plain" is PTQ with no fallback; "budget" keeps layers in
 # float until BUDGET_PSNR_DB holds on held-out calibration images, to show what fallback costs in speed
 RUNTIMES = [
