@@ -5,9 +5,9 @@ preprocessing.json, the golden files (inputs, eager logits; for segmentation the
 detection the anchors and eager's decoded boxes), the build's manifest.json, any device kit files the
 build wrote (Jetson: build_engine.sh, device_validate.py), for detection the build's detection_decode.py
 (what turns the raw heads into boxes, on every target; checked against its sha256) and bundle.json,
-which lists every file with its sha256, the model's task (classification, segmentation or detection: its input size, output layout
-and, for detection, the decode parameters and where the anchors and decode code are) and, per
-artifact, its validation results and the runtime it needs.
+which lists every file with its sha256, the model's task (classification, segmentation or detection:
+its input size, output layout and, for detection, the decode parameters and where the anchors and
+decode code are) and, per artifact, its validation results and the runtime it needs.
 OUT/bundle/<target>.zip holds the same files, built byte for byte reproducibly.
 """
 
