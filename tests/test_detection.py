@@ -104,7 +104,8 @@ def test_a_build_restored_from_the_cache_keeps_the_decode_it_validated_with(ssdl
         decode = again / target / "detection_decode.py"
         assert files.sha256(decode) == doc["task"]["decode"]["code_sha256"] == files.sha256(out / target / "detection_decode.py")
     if docs["android"]["status"] == "passed":
-        assert (make_bundle(again / "android") / "detection_decode.py").read_bytes() == decode.read_bytes()
+        bundled = make_bundle(again / "android") / "detection_decode.py"
+        assert bundled.read_bytes() == (again / "android" / "detection_decode.py").read_bytes()
 
 
 # --- bad input: one line, exit 2, nothing written ---
