@@ -82,3 +82,16 @@ def test_nms_with_labels_suppresses_only_within_a_class():
     assert detection_decode.nms(boxes, scores, 0.5).tolist() == [0]
     assert detection_decode.nms(boxes, scores, 0.5, labels=np.array([1, 2, 1])).tolist() == [0, 1]
     assert detection_decode.nms(boxes, scores, 0.5, limit=0).tolist() == []
+
+
+def test_nms_suppresses_an_iou_exactly_at_the_threshold_as_torchvision_does():
+    """IoU 11/20 rounds to float32 0.55000001, above the double 0.55: torchvision suppresses it. Compared in
+    float32 (numpy's default for a Python float against a float32 array), it would be kept."""
+    from torchvision.ops import nms
+
+    boxes = np.array([[0, 0, 20, 1], [0, 0, 11, 1]], np.float32)
+    scores = np.array([0.9, 0.8], np.float32)
+    theirs = nms(torch.from_numpy(boxes), torch.from_numpy(scores), 0.55).tolist()
+    assert theirs == [0]
+    assert detection_decode.nms(boxes, scores, 0.55).tolist() == theirs
+    assert detection_decode.nms(boxes, scores, 0.55, labels=np.array([3, 3])).tolist() == theirs
