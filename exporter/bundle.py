@@ -150,6 +150,7 @@ def _artifact(doc: dict, role: str, entry: dict) -> dict:
         "size_bytes": entry["size_bytes"],
         "thresholds": entry["thresholds"],
         "fidelity": entry["fidelity"],
+        "golden_fidelity": entry.get("golden_fidelity"),  # what device_validate.py holds a device's run to
         "accuracy": entry["accuracy"],
         "runtime": _runtime(doc, entry),
     }
@@ -213,6 +214,8 @@ def _describe(doc: dict, chosen: list[tuple[str, dict]], golden: dict, listed: l
         "data": doc["data"],
         "eager": doc["eager"],
         "artifacts": [_artifact(doc, role, entry) for role, entry in chosen],
+        # jetson: what finishes and checks the build on the device (the app's --golden runs the validator)
+        "device_kit": {k: doc["jetson"][k] for k in ("validator", "build_script")} if "jetson" in doc else None,
         "files": listed,
     }
 

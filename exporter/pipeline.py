@@ -128,15 +128,16 @@ def _evaluate(session: Session, runner, thresholds: dict, timed: bool = True) ->
     return metrics, outputs
 
 
-VALIDATION_FIELDS = ("status", "reasons", "fidelity", "accuracy", "latency_ms", "eager_latency_ms", "speedup_vs_eager", "proxy",
-                     "preview")
+VALIDATION_FIELDS = ("status", "reasons", "fidelity", "golden_fidelity", "accuracy", "latency_ms", "eager_latency_ms",
+                     "speedup_vs_eager", "proxy", "preview")
+GOLDEN_COUNT = 8  # validation inputs written to golden/ for on-device checks
 
 
 def _validate(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
     """Validation, reusing an earlier identical one (same artifact bytes, inputs, thresholds, host
     and thread settings) from the cache; the manifest says when it did."""
     digest = cache.key(
-        kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency,
+        kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency, golden=GOLDEN_COUNT,
         cpu=manifest.host(session.latency["threads"])["cpu"],
         **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")},
     )
@@ -175,6 +176,9 @@ def _run_validation(session: Session, entry: dict, out: Path, progress: Progress
             return
         metrics, outputs = _evaluate(session, runner, entry["thresholds"])
         entry.update(metrics)
+        # what a device's run of this artifact on golden/ is held to (device_validate.py)
+        n = _golden_rows(session)
+        entry["golden_fidelity"] = session.task.fidelity(session.reference[:n], outputs[:n])
         _write_preview(session, entry, out, outputs)
 
 
@@ -289,13 +293,17 @@ def _write_device_files(out: Path, task) -> None:
         files.write_text(out / name, text)
 
 
-def _write_golden(out: Path, session: Session, count: int = 8) -> None:
-    """A few preprocessed inputs and what eager made of them (the task says which files), for on-device checks."""
+def _golden_rows(session: Session) -> int:
+    return min(GOLDEN_COUNT, len(session.inputs.validation))
+
+
+def _write_golden(out: Path, session: Session) -> None:
+    """The first validation inputs and what eager made of them (the task says which files), for on-device checks."""
     import numpy as np
 
     golden = out / "golden"
     golden.mkdir(exist_ok=True)
-    n = min(count, len(session.inputs.validation))
+    n = _golden_rows(session)
     labels = session.inputs.labels[:n] if session.inputs.labels is not None else None
     for name, content in session.task.golden(session.inputs.validation[:n], session.reference[:n], labels).items():
         if name.endswith(".json"):
@@ -471,6 +479,7 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
         inputs = _load_inputs(source, loaded, task, profiles.settings(profile)[0])
     session = _start_session(loaded, task, inputs, profile, progress)
     _write_device_files(out, task)  # what this validation decodes with is what the build ships
+    _write_golden(out, session)  # the inputs golden_fidelity is measured on, whatever --data says now
     doc["task"] = task.describe()
     doc["target"]["thresholds"] = profile.get("thresholds", {})
     doc["data"] = inputs.description

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -116,3 +117,26 @@ def android_build(tmp_path_factory, digits_model):
     out = tmp_path_factory.mktemp("android") / "build"
     result = run_cli(*build_args(digits_model, out, "--target", "android"))
     return out, result
+
+
+def assert_device_reproduces_the_build(directory: Path) -> None:
+    """device_validate.py here (ONNX Runtime, as the build ran its ONNX files) measures on the golden inputs
+    what the build recorded for them (golden_fidelity): the same counts, the same numbers to float
+    rounding, so it passes every ONNX artifact the build passed."""
+    from exporter import device_validate
+
+    doc = json.loads((directory / "manifest.json").read_text())
+    checked = {r["name"]: r for r in device_validate.validate(directory, "onnxruntime")}
+    entries = [a for a in doc["artifacts"] if a["format"] == "onnx" and a.get("path")]
+    assert entries and set(checked) == {a["name"] for a in entries}
+    for entry in entries:
+        recorded, measured = entry["golden_fidelity"], checked[entry["name"]]["fidelity"]
+        for key, value in recorded.items():
+            if key not in measured or value is None:
+                continue
+            if isinstance(value, int):
+                assert measured[key] == value, (entry["name"], key)
+            else:
+                assert measured[key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), (entry["name"], key)
+        if entry["status"] == "passed":
+            assert checked[entry["name"]]["status"] == "passed", checked[entry["name"]]

@@ -17,7 +17,7 @@ from exporter import digits_detection, files
 from exporter.bundle import make_bundle
 from exporter.thresholds import breaches
 
-from .conftest import CACHE, assert_clean_refusal, run_cli
+from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +92,7 @@ def test_jetson_bundle_checks_detection_on_the_device_kit(ssdlite_all):
                              capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "recall" in checked.stdout
+    assert_device_reproduces_the_build(bundle)
 
 
 def test_a_build_restored_from_the_cache_keeps_the_decode_it_validated_with(ssdlite_all, ssdlite, tmp_path):

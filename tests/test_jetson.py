@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from .conftest import assert_clean_refusal, run_without_torch, build_args, run_cli
+from .conftest import assert_clean_refusal, assert_device_reproduces_the_build, run_without_torch, build_args, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +72,7 @@ def test_device_validate_passes_on_the_build(jetson_build):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("PASSED onnx_") for line in lines)
+    assert_device_reproduces_the_build(out)
 
 
 def test_device_validate_rejects_a_corrupted_onnx(jetson_build, tmp_path):

@@ -16,7 +16,7 @@ from PIL import Image
 from exporter import digits_segmentation
 from exporter.thresholds import breaches
 
-from .conftest import CACHE, assert_clean_refusal, run_cli
+from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +138,7 @@ def test_jetson_bundle_checks_segmentation_on_the_device_kit(lraspp_all):
                              capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "pixel" in checked.stdout
+    assert_device_reproduces_the_build(bundle)
 
 
 def test_a_perturbed_artifact_fails_on_masks(tmp_path, lraspp_all):

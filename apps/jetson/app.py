@@ -12,8 +12,10 @@ classifier. Detection decodes the model's raw heads with the bundle's own detect
 and decode parameters (bundle.json task.decode). Runs the first ONNX artifact bundle.json lists (its
 order is the preferred one) as a TensorRT engine when tensorrt and cuda-python are installed and
 build_engine.sh has built the engine, else in ONNX Runtime. Needs numpy and pillow; never torch.
-Exit codes: 0 done (--golden: every top-1 agrees, or the pixel agreement or the matched recall holds
-the artifact's threshold), 1 the golden check fails, 2 bad input.
+--golden runs the golden inputs through this app's own runner and judges its outputs with the bundle's
+device_validate.py, by the same rule and numbers as the device kit.
+Exit codes: 0 done (--golden: the artifact holds its thresholds on the golden inputs), 1 the golden
+check fails, 2 bad input.
 """
 
 from __future__ import annotations
@@ -147,15 +149,29 @@ def preferred_artifact(directory: Path, info: dict) -> dict:
 
 
 def load_runner(directory: Path, artifact: dict):
-    """(description, run): the ONNX artifact, as an engine where one can run."""
+    """(description, runtime, run): the ONNX artifact, as an engine where one can run."""
     engine = artifact.get("engine")
     if engine and (directory / engine["file"]).is_file():
         try:
             run = _tensorrt(directory / engine["file"], engine["batch_profile"][0])
-            return f"{engine['file']} (TensorRT)", run
+            return f"{engine['file']} (TensorRT)", "tensorrt", run
         except ImportError:
             pass  # no tensorrt / cuda-python on this host: ONNX Runtime below
-    return f"{artifact['file']} (ONNX Runtime)", _onnx_runtime(directory / artifact["file"])
+    return f"{artifact['file']} (ONNX Runtime)", "onnxruntime", _onnx_runtime(directory / artifact["file"])
+
+
+def shipped_module(directory: Path, file: str):
+    """A numpy-only module the bundle ships (detection_decode.py, device_validate.py), loaded from it."""
+    path = directory / file
+    if not path.is_file():
+        raise ValueError(f"{file} is missing from {directory}")
+    spec = importlib.util.spec_from_file_location(Path(file).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except (SyntaxError, ImportError) as e:
+        raise ValueError(f"{file} does not load: {e}") from None
+    return module
 
 
 def top5(logits: np.ndarray, labels: list[str]) -> list[tuple[str, float]]:
@@ -200,16 +216,6 @@ def segment(logits: np.ndarray, labels: list[str]) -> tuple[np.ndarray, list[tup
     return mask, [(labels[i], counts[i] / mask.size) for i in np.argsort(-counts, kind="stable") if counts[i]]
 
 
-def mask_agreement(reference: np.ndarray, output: np.ndarray) -> tuple[float, float]:
-    """(pixel agreement, mIoU over the classes present in either) of output's argmax masks against reference's."""
-    ref, out = reference.argmax(1).ravel(), output.argmax(1).ravel()
-    classes = reference.shape[1]
-    same = ref == out
-    intersection = np.bincount(ref[same], minlength=classes)
-    union = np.bincount(ref, minlength=classes) + np.bincount(out, minlength=classes) - intersection
-    return float(same.mean()), float(np.mean(intersection[union > 0] / union[union > 0]))
-
-
 class Detector:
     """Raw SSD heads (anchors x (4 box deltas + C class logits)) -> boxes, with the bundle's own
     detection_decode.py, anchors and task.decode parameters, as the build decoded eager's and every
@@ -217,15 +223,7 @@ class Detector:
 
     def __init__(self, directory: Path, task: dict):
         decode = task["decode"]
-        code = directory / decode["code"]
-        if not code.is_file():
-            raise ValueError(f"{decode['code']} is missing from {directory}")
-        spec = importlib.util.spec_from_file_location("detection_decode", code)
-        self.code = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(self.code)
-        except (SyntaxError, ImportError) as e:
-            raise ValueError(f"{decode['code']} does not load: {e}") from None
+        self.code = shipped_module(directory, decode["code"])
         self.anchors = np.load(directory / decode["anchors"])
         self.params = {key: decode[key] for key in DECODE_PARAMS}
         self.match_score = decode["match_score"]
@@ -261,44 +259,22 @@ def draw_boxes(image: Image.Image, found: list[tuple[int, float, list[float]]], 
     return image
 
 
-def golden_detections(directory: Path, info: dict, detector: Detector, outputs: np.ndarray, needed: float) -> int:
-    """The artifact's boxes matched to eager's golden ones (same class, IoU >= 0.5, scores >= match_score)."""
-    path = info["golden"].get("eager_detections")
-    if path is None:
-        raise ValueError("bundle.json lists no golden eager_detections; bundle a build from this exporter")
-    reference = json.loads((directory / path).read_text(encoding="utf-8"))
-    if len(reference) != len(outputs):
-        raise ValueError(f"{len(reference)} golden eager detections for {len(outputs)} golden inputs")
-    counts = np.zeros(3, dtype=np.int64)
-    for eager, head in zip(reference, outputs):
-        eager = {"boxes": np.asarray(eager["boxes"], dtype=np.float64).reshape(-1, 4),
-                 "scores": np.asarray(eager["scores"], dtype=np.float64), "labels": np.asarray(eager["labels"])}
-        m = detector.code.match(eager, detector(head), detector.match_score)
-        counts += (m["reference"], m["candidate"], m["matched"])
-    ref, cand, matched = (int(c) for c in counts)
-    recall, precision = (matched / ref if ref else 1.0), (matched / cand if cand else 1.0)
-    print(f"golden matched recall: {recall:.4f} (needs >= {needed:g}), precision {precision:.4f}, "
-          f"{ref} eager boxes, {len(outputs)} images")
-    return 0 if recall >= needed else 1
-
-
-def golden(directory: Path, info: dict, task: dict, artifact: dict, run, detector: Detector | None = None) -> int:
-    inputs = np.load(directory / info["golden"]["inputs"])
-    reference = np.load(directory / info["golden"]["eager_logits"])
-    outputs = np.concatenate([run(np.ascontiguousarray(x[None])) for x in inputs])
-    if outputs.shape != reference.shape:
-        raise ValueError(f"the model outputs {outputs.shape[1:]} per input, the golden eager logits are {reference.shape[1:]}")
-    if task["name"] == DETECTION:
-        needed = artifact.get("thresholds", {}).get("matched_recall", 1.0)
-        return golden_detections(directory, info, detector or Detector(directory, task), outputs, needed)
-    if task["name"] == SEGMENTATION:
-        agreement, miou = mask_agreement(reference, outputs)
-        needed = artifact.get("thresholds", {}).get("pixel_agreement", 1.0)
-        print(f"golden pixel agreement: {agreement:.4f} (needs >= {needed:g}), mIoU vs eager {miou:.4f}, {len(inputs)} images")
-        return 0 if agreement >= needed else 1
-    agree = outputs.argmax(1) == reference.argmax(1)
-    print(f"golden top-1 agreement: {int(agree.sum())}/{len(agree)}")
-    return 0 if agree.all() else 1
+def golden(directory: Path, info: dict, artifact: dict, runtime: str, run) -> int:
+    """The golden inputs through `run`, judged by the bundle's device_validate.py as the device kit judges them."""
+    validator = (info.get("device_kit") or {}).get("validator")
+    if validator is None:
+        raise ValueError("bundle.json names no device_kit.validator; bundle the build with this exporter")
+    kit = shipped_module(directory, validator)
+    try:
+        reference = kit.read_golden(directory)
+    except kit.BadInput as e:
+        raise ValueError(str(e)) from None
+    outputs = [run(np.ascontiguousarray(x[None]))[0] for x in reference.inputs]
+    if outputs[0].shape != reference.logits.shape[1:]:
+        raise ValueError(f"the model outputs {outputs[0].shape} per input, the golden eager logits are {reference.logits.shape[1:]}")
+    result = kit.judge(reference, artifact, outputs, runtime)
+    print(kit.summary(result))
+    return 0 if result["status"] == "passed" else 1
 
 
 def _overlay_paths(target: Path | None, images: list[Path]) -> list[Path | None]:
@@ -368,7 +344,7 @@ def main(argv=None) -> int:
         task = task_of(info)
         artifact = preferred_artifact(args.bundle, info)
         detector = Detector(args.bundle, task) if task["name"] == DETECTION else None
-        description, run = load_runner(args.bundle, artifact)
+        description, runtime, run = load_runner(args.bundle, artifact)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {args.bundle} is not a usable bundle: {e}", file=sys.stderr)
         return 2
@@ -378,7 +354,7 @@ def main(argv=None) -> int:
         overlays = _overlay_paths(args.overlay, args.images)
         print(f"model: {description}")
         if args.golden:
-            return golden(args.bundle, info, task, artifact, run, detector)
+            return golden(args.bundle, info, artifact, runtime, run)
         for path, target in zip(args.images, overlays):
             try:
                 with Image.open(path) as image:

@@ -285,6 +285,7 @@ class Detection(Task):
             "max_score_error": float(np.max(errors)) if errors else None,
             "count_agreement": float(np.mean([m["reference"] == m["candidate"] for m in matches])),
             "eager_detections": total("reference"),
+            "artifact_detections": total("candidate"),
         }
 
     def labeled(self, outputs, labels):

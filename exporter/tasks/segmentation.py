@@ -184,6 +184,7 @@ class Segmentation(Task):
         eager, artifact = self._masks(reference), self._masks(outputs)
         return {
             **logit_fidelity(reference, outputs),
+            "pixels": eager.numel(),
             "pixel_agreement": (eager == artifact).double().mean().item(),
             "miou_vs_eager": miou(confusion(artifact, eager, self.num_classes)),
         }
