@@ -289,7 +289,8 @@ def test_classification_reads_as_before(tmp_path, task):
     result = _device_validate(build)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.fullmatch(r"PASSED onnx_fp32 \(onnxruntime, 4 golden inputs\): top1 1\.000, psnr [\d.]+ dB, "
-                        r"cosine [\d.]+, max abs \S+\n", result.stdout), result.stdout
+                        r"cosine [\d.]+, max abs [^;\s]+; note: too few items to resolve top1_agreement 0\.99 \(4 images\): "
+                        r"one miss each is let through\n", result.stdout), result.stdout
     np.save(build / "golden" / "eager_logits.npy", np.zeros((4, 11), np.float32))
     _one_error_line(_device_validate(build), "shape")
 
