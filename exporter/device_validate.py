@@ -19,8 +19,8 @@ checked: a handful of golden images cannot resolve a 1-point change, and they ca
 The build judged its thresholds on its whole validation set; 8 golden inputs cannot resolve them (one
 flipped image of 8 is 0.875 < 0.97). So a fraction of items (images, pixels, boxes) is judged in whole
 items: it may miss as many as its threshold allows on this many items, rounded up, or as many as the
-build's own run of the artifact missed on these same inputs (the manifest's golden_fidelity). Every other
-key takes the weaker of its threshold and that run's value.
+build's own run of the artifact missed on these same inputs (the manifest's golden_fidelity), when the
+build passed it. Every other key takes the weaker of its threshold and that run's value.
 """
 
 from __future__ import annotations
@@ -462,7 +462,9 @@ def judge(golden: Golden, entry: dict, outputs, runtime: str) -> dict:
         metrics = fidelity(golden.logits, np.stack(outputs))
     # the others (accuracy_drop, miou_drop, map_drop) need labeled data
     thresholds = {k: v for k, v in entry.get("thresholds", {}).items() if k in task.min_keys + task.max_keys}
-    reasons = breaches(metrics, thresholds, task, entry.get("golden_fidelity"))
+    # a run the build failed vouches for nothing: then the thresholds alone
+    host = entry.get("golden_fidelity") if entry.get("status") == "passed" else None
+    reasons = breaches(metrics, thresholds, task, host)
     return {"name": entry["name"], "path": entry.get("path", entry.get("file")), "runtime": runtime, "task": task.name,
             "fidelity": metrics, "thresholds": thresholds, "reasons": reasons, "notes": unresolved(metrics, thresholds),
             "status": "failed" if reasons else "passed"}

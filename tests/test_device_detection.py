@@ -271,6 +271,10 @@ def test_a_device_is_held_to_the_builds_own_run_on_the_golden_inputs(tmp_path, t
     _edit_manifest(build, lambda doc: doc["artifacts"][0].update(golden_fidelity=own))
     result = _device_validate(build)
     assert result.returncode == 0 and result.stdout.startswith("PASSED onnx_fp32"), result.stdout + result.stderr
+    # a run the build failed vouches for nothing
+    _edit_manifest(build, lambda doc: doc["artifacts"][0].update(status="failed"))
+    assert _device_validate(build).returncode == 1
+    _edit_manifest(build, lambda doc: doc["artifacts"][0].update(status="passed"))
     perfect = task.fidelity(eager, eager)
     _edit_manifest(build, lambda doc: doc["artifacts"][0].update(golden_fidelity=perfect))
     result = _device_validate(build)
