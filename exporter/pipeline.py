@@ -75,6 +75,11 @@ class Session:
     def eager(self, x):
         return self.loaded.eager(x)
 
+    @functools.cached_property
+    def golden_rows(self) -> list[int]:
+        """The validation rows written to golden/ and measured as golden_fidelity."""
+        return self.task.golden_rows(self.reference, GOLDEN_COUNT)
+
     def calibration(self, precision: str, log=lambda _message: None):
         """What a format quantizes with: for int8, the images plus the budget and how to meet it."""
         if precision != "int8":
@@ -137,7 +142,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
     """Validation, reusing an earlier identical one (same artifact bytes, inputs, thresholds, host
     and thread settings) from the cache; the manifest says when it did."""
     digest = cache.key(
-        kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency, golden=GOLDEN_COUNT,
+        kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency, golden=session.golden_rows,
         cpu=manifest.host(session.latency["threads"])["cpu"],
         **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")},
     )
@@ -177,8 +182,8 @@ def _run_validation(session: Session, entry: dict, out: Path, progress: Progress
         metrics, outputs = _evaluate(session, runner, entry["thresholds"])
         entry.update(metrics)
         # what a device's run of this artifact on golden/ is held to (device_validate.py)
-        n = _golden_rows(session)
-        entry["golden_fidelity"] = session.task.fidelity(session.reference[:n], outputs[:n])
+        rows = session.golden_rows
+        entry["golden_fidelity"] = session.task.fidelity(session.reference[rows], outputs[rows])
         _write_preview(session, entry, out, outputs)
 
 
@@ -293,19 +298,15 @@ def _write_device_files(out: Path, task) -> None:
         files.write_text(out / name, text)
 
 
-def _golden_rows(session: Session) -> int:
-    return min(GOLDEN_COUNT, len(session.inputs.validation))
-
-
 def _write_golden(out: Path, session: Session) -> None:
-    """The first validation inputs and what eager made of them (the task says which files), for on-device checks."""
+    """The task's golden validation inputs and what eager made of them (the task says which files), for on-device checks."""
     import numpy as np
 
     golden = out / "golden"
     golden.mkdir(exist_ok=True)
-    n = _golden_rows(session)
-    labels = session.inputs.labels[:n] if session.inputs.labels is not None else None
-    for name, content in session.task.golden(session.inputs.validation[:n], session.reference[:n], labels).items():
+    rows = session.golden_rows
+    labels = session.inputs.labels[rows] if session.inputs.labels is not None else None
+    for name, content in session.task.golden(session.inputs.validation[rows], session.reference[rows], labels).items():
         if name.endswith(".json"):
             files.write_text(golden / name, json.dumps(content) + "\n")
             continue

@@ -108,3 +108,28 @@ def test_the_items_each_fraction_counts_are_in_the_metrics_the_kit_computes():
             if key in device_validate.ITEMS:
                 assert device_validate.ITEMS[key].count in metrics, (task, key)
     assert by_task["segmentation"]["pixels"] == 4 * 5 * 6
+
+
+def test_golden_rows_are_where_a_device_shows_first():
+    """Classification writes its closest calls to golden/ (confident images agree under almost any error);
+    detection the images with the most boxes an app would show; segmentation, with pixels to spare, the first."""
+    import torch
+
+    from exporter import weights
+
+    classifier = weights.bind_task(weights.resolve("MobileNet_V3_Small_Weights.IMAGENET1K_V1"), 3)
+    logits = torch.tensor([[9.0, 0.0, 0.0], [1.0, 0.9, 0.0], [5.0, 4.0, 0.0], [0.0, 0.0, 8.0], [2.0, 2.0, 2.0]])
+    assert classifier.golden_rows(logits, 3) == [1, 2, 4]
+    assert classifier.golden_rows(logits, 8) == [0, 1, 2, 3, 4]
+
+    detector = weights.bind_task(weights.resolve("SSDLite320_MobileNet_V3_Large_Weights.COCO_V1"), 3)
+    anchors = len(detector.anchors)
+    heads = torch.zeros(4, anchors, 4 + 3)
+    heads[..., 4] = 10.0  # background everywhere
+    for image, objects in ((1, 3), (3, 1)):  # anchors far apart: NMS keeps each
+        for k in range(objects):
+            heads[image, k * (anchors // 4), 4:] = torch.tensor([0.0, 10.0, 0.0])
+    assert detector.golden_rows(heads.reshape(4, -1), 2) == [1, 3]
+
+    segmenter = weights.bind_task(weights.resolve("LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1"), 3, (8, 8))
+    assert segmenter.golden_rows(torch.zeros(12, 3 * 8 * 8), 8) == list(range(8))

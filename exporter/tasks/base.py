@@ -111,6 +111,11 @@ class Task:
         return {"agreement": metrics["fidelity"][self.agreement], "psnr_db": metrics["fidelity"]["psnr_db"],
                 "drop": accuracy.get(self.drop)}
 
+    def golden_rows(self, reference: torch.Tensor, count: int) -> list[int]:
+        """Which validation rows go to golden/ for on-device checks (indices into `reference`, eager's
+        outputs): those where a device's numerics show first. By default the first `count`."""
+        return list(range(min(count, len(reference))))
+
     def golden(self, inputs: torch.Tensor, reference: torch.Tensor, labels) -> dict:
         """File name under golden/ -> numpy array (.npy) or list (.json), for on-device checks."""
         raise NotImplementedError

@@ -120,6 +120,13 @@ class Classification(Task):
     def vs_eager(self, eager, artifact):
         return accuracy_vs_eager(eager, artifact)
 
+    def golden_rows(self, reference, count):
+        # the closest calls (smallest top-1 minus top-2 logit): a device's numerics flip those first, where
+        # confidently classified images would agree with eager under almost any error
+        top2 = reference.topk(min(2, reference.shape[1]), 1).values
+        margins = top2[:, 0] - top2[:, -1]
+        return sorted(torch.argsort(margins, stable=True)[:count].tolist())
+
     def golden(self, inputs, reference, labels):
         files = {"inputs.npy": inputs.numpy().astype(np.float32), "eager_logits.npy": reference.numpy().astype(np.float32)}
         if labels is not None:
