@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m exporter.demo
+	$(PY) -m exporter.standins.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-from . import data, detection_decode, formats, manifest, validation
+from . import data, formats, validation
+from .device import detection_decode
+from .release import manifest
 from .quant import SETTINGS, Calibration
 from .tasks import Detection
 from .weights import bind_task, resolve, task_class
@@ -122,7 +124,7 @@ def _stand_in_heads(name: str, weights, log) -> tuple[list, Detection]:
     """Raw heads of the trained digits SSDlite on its held-out canvases (trained once, ~5 min, if not cached)."""
     from PIL import Image
 
-    from . import digits_detection
+    from .standins import detection as digits_detection
 
     stand_in = digits_detection.prepare(STAND_IN_CACHE, log=log)
     state = torch.load(stand_in.checkpoint, map_location="cpu", weights_only=True)

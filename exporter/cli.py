@@ -155,7 +155,7 @@ def _options(raw: tuple[str, ...], **flags) -> dict:
 
 
 def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
-    from . import manifest, report
+    from .release import manifest, report
 
     if as_json:
         click.echo(manifest.dumps(doc), nl=False)
@@ -224,18 +224,18 @@ def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint
     docs = build_targets(request, expand_targets(targets), Progress(quiet=quiet or as_json))
     base = out or Path("exports") / docs[0]["weight"]["name"] / (docs[0]["target"]["name"] if len(docs) == 1 else "")
     if make_bundle and all(doc["status"] == "passed" for doc in docs):
-        from .bundle import make_bundles, zip_path
+        from .release.bundle import make_bundles, zip_path
 
         for directory in make_bundles(base):
             click.echo(f"bundle: {directory}  zip: {zip_path(directory)}", err=True)
     if len(docs) == 1:
         _emit(docs[0], as_json, quiet, base)
     if as_json:
-        from . import manifest
+        from .release import manifest
 
         click.echo(manifest.dumps({"builds": docs}), nl=False)
     elif not quiet:
-        from . import report
+        from .release import report
 
         for doc in docs:
             click.echo(report.markdown(doc))
@@ -249,7 +249,8 @@ def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint
 @one_line_errors
 def matrix(weight_names, targets):
     """Print a JSON build matrix (weights x targets) for a CI system's matrix feature."""
-    from . import profiles, weights
+    from . import weights
+    from .build import profiles
 
     known = profiles.available_targets()
     for target in targets:
@@ -284,7 +285,7 @@ def validate(out_dir, data, checkpoint, thresholds, quiet, as_json):
 @one_line_errors
 def validate_device(out_dir, runtime):
     """Run a Jetson build's golden inputs through its ONNX (or engines) and compare to the golden eager logits."""
-    from . import device_validate
+    from .device import device_validate
 
     try:
         results = device_validate.validate(out_dir, runtime)
@@ -302,7 +303,7 @@ def validate_device(out_dir, runtime):
 def bundle(out_dir, allow_failed):
     """Write OUT_DIR/bundle/<target>/ and <target>.zip (each target of a several-target build): the
     artifacts an app needs, labels, preprocessing, golden data."""
-    from .bundle import make_bundles, zip_path
+    from .release.bundle import make_bundles, zip_path
 
     for directory in make_bundles(out_dir, allow_failed=allow_failed):
         click.echo(f"bundle: {directory}\nzip: {zip_path(directory)}")

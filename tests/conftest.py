@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from exporter import digits
+from exporter.standins import digits
 from exporter.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +123,7 @@ def assert_device_reproduces_the_build(directory: Path) -> None:
     """device_validate.py here (ONNX Runtime, as the build ran its ONNX files) measures on the golden inputs
     what the build recorded for them (golden_fidelity): the same counts, the same numbers to float
     rounding, so it passes every ONNX artifact the build passed."""
-    from exporter import device_validate
+    from exporter.device import device_validate
 
     doc = json.loads((directory / "manifest.json").read_text())
     checked = {r["name"]: r for r in device_validate.validate(directory, "onnxruntime")}

@@ -6,7 +6,8 @@ import shutil
 import jsonschema
 import pytest
 
-from exporter import files, manifest
+from exporter import files
+from exporter.release import manifest
 
 from .conftest import build_args, run_cli
 

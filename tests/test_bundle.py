@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from exporter.bundle import extract_bundle, make_bundle
+from exporter.release.bundle import extract_bundle, make_bundle
 from exporter.errors import UsageError
 
 from .conftest import ROOT, build_args, run_cli, run_without_torch

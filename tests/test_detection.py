@@ -1,5 +1,5 @@
 """Object detection on every target, on a really trained SSDlite320 MobileNetV3-Large (digits pasted onto
-textured canvases, exporter.digits_detection): raw heads exported and validated against eager, decoded boxes
+textured canvases, exporter.standins.detection): raw heads exported and validated against eager, decoded boxes
 matched to eager's, COCO mAP against held-out boxes, bundled with the decode and the anchors."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from exporter import digits_detection, files
-from exporter.bundle import make_bundle
+from exporter import files
+from exporter.standins import detection as digits_detection
+from exporter.release.bundle import make_bundle
 from exporter.thresholds import breaches
 
 from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli

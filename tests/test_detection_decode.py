@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from exporter import detection_decode, weights
+from exporter import weights
+from exporter.device import detection_decode
 from exporter.tasks.detection import PAD, coco_map
 
 SSDLITE = "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1"

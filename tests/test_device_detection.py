@@ -16,8 +16,10 @@ import pytest
 import torch
 from PIL import Image
 
-from exporter import detection_decode, device_validate, files, manifest, weights
-from exporter.bundle import make_bundle
+from exporter import files, weights
+from exporter.device import detection_decode, device_validate
+from exporter.release import manifest
+from exporter.release.bundle import make_bundle
 from exporter.errors import UsageError
 
 from .conftest import ROOT, run_without_torch
@@ -184,7 +186,7 @@ def make_build(out: Path, task, target: str = "jetson", perturb: float = 0.0, la
         "data": {"kind": "synthetic"}, "eager": {"accuracy": None}, "artifacts": artifacts,
     }
     if target == "jetson":
-        from exporter.jetson import write_device_kit
+        from exporter.release.jetson_kit import write_device_kit
 
         write_device_kit(out, doc, SimpleNamespace(inputs=SimpleNamespace(example=np.zeros((1, 3, SIZE, SIZE)))))
     (out / "labels.txt").write_text("\n".join(LABELS) + "\n")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from exporter import device_validate
-from exporter.device_validate import TASKS, breaches
+from exporter.device import device_validate
+from exporter.device.device_validate import TASKS, breaches
 
 CLASSIFICATION, DETECTION, SEGMENTATION = TASKS["classification"], TASKS["detection"], TASKS["segmentation"]
 

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from exporter import device_validate, files, manifest
-from exporter.bundle import BUNDLE_VERSION, make_bundle
+from exporter import files
+from exporter.device import device_validate
+from exporter.release import manifest
+from exporter.release.bundle import BUNDLE_VERSION, make_bundle
 
 from .conftest import ROOT, run_without_torch
 from .test_bundle import APP_READS, _has
@@ -167,7 +169,7 @@ def make_build(out: Path, task: str | None = "segmentation", target: str = "jets
     if task is not None:
         doc["task"] = _task(task)
     if target == "jetson":
-        from exporter.jetson import write_device_kit
+        from exporter.release.jetson_kit import write_device_kit
 
         write_device_kit(out, doc, SimpleNamespace(inputs=SimpleNamespace(example=np.zeros((1, 3, H, W)))))
     (out / "labels.txt").write_text("\n".join(LABELS) + "\n")

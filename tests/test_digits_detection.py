@@ -1,4 +1,4 @@
-"""The detection digits data (exporter.digits_detection), without training: exact tight boxes inside the
+"""The detection digits data (exporter.standins.detection), without training: exact tight boxes inside the
 image, COCO files consistent with the images, a held-out set built only from held-out digits."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from exporter import digits_detection
-from exporter.digits_segmentation import make_canvases, split
+from exporter.standins import detection as digits_detection
+from exporter.standins.segmentation import make_canvases, split
 
 SIZE, CANVAS = digits_detection.SIZE, digits_detection.CANVAS
 

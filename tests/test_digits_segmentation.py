@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from exporter import digits_segmentation as ds
+from exporter.standins import segmentation as ds
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from exporter import digits, profiles
+from exporter.build import profiles
+from exporter.standins import digits
 from exporter.errors import UsageError
 from exporter.quant import Calibration
 from exporter.quant.search import _steps

@@ -11,7 +11,7 @@ import time
 
 from exporter import files
 from exporter.build import BuildRequest, _profile
-from exporter.build_record import BuildRecord
+from exporter.build.record import BuildRecord
 from exporter.progress import Progress
 
 from .conftest import FAST, build_args, run_cli
@@ -159,7 +159,7 @@ def test_killed_build_leaves_only_complete_artifacts_and_a_rerun_completes(tmp_p
 
 
 def test_a_build_whose_code_changed_while_it_ran_is_not_recorded(tmp_path, android_build, monkeypatch):
-    from exporter import build_record
+    from exporter.build import record as build_record
 
     out, _ = android_build
     docs = [_manifest(out)]

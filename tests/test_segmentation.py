@@ -1,5 +1,5 @@
 """Semantic segmentation on every target, on really trained LR-ASPP and DeepLabV3 MobileNetV3-Large models
-(digits pasted onto textured canvases, exporter.digits_segmentation): every artifact built, validated on
+(digits pasted onto textured canvases, exporter.standins.segmentation): every artifact built, validated on
 masks and logits against eager, labeled mIoU against held-out masks, bundled, and checked on the device kit."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from exporter import digits_segmentation
+from exporter.standins import segmentation as digits_segmentation
 from exporter.thresholds import breaches
 
 from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli

@@ -43,12 +43,13 @@ class Task:
         return None
 
     @classmethod
-    def bind(cls, weights, num_classes: int, input_size: tuple[int, int] | None = None) -> "Task":
-        """The task for one build's graph (input_size: --input-size, else the weight's own)."""
-        return cls(num_classes, cls.input_size_of(weights, input_size))
+    def bind(cls, weights, model_name: str, num_classes: int, input_size: tuple[int, int] | None = None) -> "Task":
+        """The task for one build's graph (input_size: --input-size, else the weight's own). The caller names
+        the model builder, so tasks never look weights up in the registry (exporter.weights imports tasks)."""
+        return cls(num_classes, cls.input_size_of(weights, model_name, input_size))
 
     @classmethod
-    def input_size_of(cls, weights, requested: tuple[int, int] | None) -> tuple[int, int]:
+    def input_size_of(cls, weights, model_name: str, requested: tuple[int, int] | None) -> tuple[int, int]:
         raise NotImplementedError
 
     @classmethod

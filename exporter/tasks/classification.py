@@ -58,7 +58,7 @@ class Classification(Task):
     drop = "drop_points"
 
     @classmethod
-    def input_size_of(cls, weights, requested):
+    def input_size_of(cls, weights, model_name, requested):
         crop = weights.transforms().crop_size
         size = (crop[0], crop[-1])
         if requested is not None and tuple(requested) != size:

@@ -2,7 +2,7 @@
 
 torch.export cannot take torchvision's batched NMS, and ExecuTorch / XNNPACK have no NMS kernel, so every
 format gets backbone + head, returning one array per image of (anchors, 4 box deltas + C class logits).
-exporter/detection_decode.py turns it into boxes for eager and for every artifact alike, and ships in the
+exporter/device/detection_decode.py turns it into boxes for eager and for every artifact alike, and ships in the
 bundle with the anchors. Fidelity is judged on the raw heads (PSNR, cosine) and on the decoded boxes
 (matched to eager's by IoU >= 0.5 and class); labeled metrics are COCO mAP from pycocotools.
 """
@@ -22,7 +22,7 @@ import torch
 from PIL import Image, ImageDraw, UnidentifiedImageError
 from torch import nn
 
-from .. import detection_decode
+from ..device import detection_decode
 from ..data import Inputs, split
 from ..errors import UsageError
 from .base import Task, logit_fidelity
@@ -117,22 +117,18 @@ class Detection(Task):
         return None
 
     @classmethod
-    def input_size_of(cls, weights, requested):
-        from ..weights import model_name_of
-
-        transform = _reference_model(model_name_of(weights), 2).transform
+    def input_size_of(cls, weights, model_name, requested):
+        transform = _reference_model(model_name, 2).transform
         size = tuple(transform.fixed_size or (transform.min_size[0], transform.max_size))
         if requested is not None and tuple(requested) != size:
             raise UsageError(f"--input-size: this detector's anchors are fixed for {size[0]}x{size[1]}")
         return size
 
     @classmethod
-    def bind(cls, weights, num_classes, input_size=None):
-        from ..weights import model_name_of
-
-        size = cls.input_size_of(weights, input_size)
+    def bind(cls, weights, model_name, num_classes, input_size=None):
+        size = cls.input_size_of(weights, model_name, input_size)
         # anchors depend on the architecture and the input size only, not on the weights
-        reference = _reference_model(model_name_of(weights), num_classes)
+        reference = _reference_model(model_name, num_classes)
         return cls(num_classes, size, _anchors(reference, size), tuple(reference.transform.image_mean),
                    tuple(reference.transform.image_std))
 

@@ -60,7 +60,7 @@ class Segmentation(Task):
     drop = "miou_drop_points"
 
     @classmethod
-    def input_size_of(cls, weights, requested):
+    def input_size_of(cls, weights, model_name, requested):
         if requested is not None:
             return tuple(int(v) for v in requested)
         # the weights resize the short side and do not crop; a mobile graph needs one size

@@ -12,9 +12,10 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from . import device_validate, files
-from .formats import onnx as onnx_format
-from .formats import tensorrt as tensorrt_format
+from .. import files
+from ..device import device_validate
+from ..formats import onnx as onnx_format
+from ..formats import tensorrt as tensorrt_format
 
 NANO_CLASS_LIMIT_MB = 100  # larger models often fail on the Jetson Nano's memory
 SCRIPT = "build_engine.sh"

@@ -10,7 +10,7 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from . import files
+from .. import files
 
 SCHEMA_VERSION = 2
 SCHEMA_FILE = Path(__file__).parent / "schema" / "manifest.schema.json"
@@ -31,7 +31,7 @@ def tool_versions() -> dict:
 
 def exporter_commit() -> str | None:
     """The git commit exporter runs from (with "-dirty" for local changes), when it is a checkout."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
         if head.returncode != 0:

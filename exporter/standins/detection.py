@@ -1,6 +1,6 @@
 """An offline, really trained torchvision detection model for demos and tests.
 
-The detection counterpart of `digits` and `digits_segmentation`: the segmentation canvases (scikit-learn
+The detection counterpart of `standins.digits` and `standins.segmentation`: the segmentation canvases (scikit-learn
 digits pasted onto textured backgrounds) are upsampled to SSDlite's fixed 320x320 input, each digit boxed
 by the pixels it really covers. SSDlite320 MobileNetV3-Large is trained from scratch on canvases of
 training digits only, with torchvision's own training loss, and scored with COCO mAP on canvases built
@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from .digits_segmentation import make_canvases, split
+from .segmentation import make_canvases, split
 
 WEIGHT = "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1"
 MODEL_NAME = "ssdlite320_mobilenet_v3_large"
@@ -92,7 +92,7 @@ def coco_dict(images, boxes) -> dict:
             annotations.append({"id": len(annotations) + 1, "image_id": i + 1, "category_id": int(label),
                                 "bbox": [x0, y0, w, h], "area": w * h, "iscrowd": 0})
     return {
-        "info": {"description": "scikit-learn digits on textured canvases (exporter.digits_detection)"},
+        "info": {"description": "scikit-learn digits on textured canvases (exporter.standins.detection)"},
         "images": [{"id": i + 1, "file_name": f"{i:04d}.png", "width": int(im.shape[1]), "height": int(im.shape[0])}
                    for i, im in enumerate(images)],
         "annotations": annotations,
@@ -147,7 +147,7 @@ def detect(model: nn.Module, images: np.ndarray, batch: int = 16) -> list[dict]:
 def coco_map(detections: list[dict], images, boxes) -> tuple[float, float]:
     """COCO mAP@[.5:.95] and mAP@.5 in [0, 1] of `detections` (model outputs, one per image), by the detection
     task's pycocotools evaluation."""
-    from .tasks.detection import PAD, coco_map as evaluate
+    from ..tasks.detection import PAD, coco_map as evaluate
 
     labels = torch.full((len(boxes), max(1, max(map(len, boxes), default=0)), 5), PAD)
     for i, per_image in enumerate(boxes):

@@ -94,7 +94,7 @@ def train(weight: str = WEIGHT, epochs: int = EPOCHS, log=print) -> tuple[dict, 
     """Train `weight`'s architecture from scratch on the digits; returns (state dict, held-out accuracy, data)."""
     from torchvision.models import get_model, get_weight
 
-    from .weights import model_name_of
+    from ..weights import model_name_of
 
     torch.manual_seed(SEED)
     x, y, train_idx, held_idx, (images, targets) = _dataset(weight)
@@ -161,7 +161,7 @@ def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOC
     """Train once and cache; later calls return the cached model."""
     from torchvision.models import get_weight
 
-    from .weights import model_name_of
+    from ..weights import model_name_of
 
     cache_dir = Path(cache_dir).resolve()  # the record holds absolute paths, valid from any working directory
     model_name = model_name_of(get_weight(weight))
@@ -216,7 +216,7 @@ def quantize_digits(weight: str, float_checkpoint: Path, calib_images: int = 256
     its int8 weights (calibrated on training images); returns it and its held-out accuracy."""
     from torchvision.models import get_model, get_weight
 
-    from .weights import model_name_of
+    from ..weights import model_name_of
 
     x, y, train_idx, held_idx, _ = _dataset(weight)
     model = get_model(model_name_of(get_weight(weight)), weights=None, num_classes=10)  # quantizable, float
@@ -230,7 +230,7 @@ def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=pr
     """Train the float model of a torchvision quantized weight on the digits and quantize it; cached."""
     from torchvision.models import get_weight
 
-    from .weights import canonical_name, model_name_of
+    from ..weights import canonical_name, model_name_of
 
     cache_dir = Path(cache_dir).resolve()
     quantized = get_weight(weight)

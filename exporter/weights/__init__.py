@@ -14,11 +14,12 @@ import torchvision
 from torch import nn
 from torchvision.models import WeightsEnum, get_model, get_model_weights, list_models
 
-from . import download, tasks
+from .. import tasks
+from . import download
 from .download import HASH_IN_NAME
-from .errors import UsageError
-from .files import sha256
-from .progress import Progress
+from ..errors import UsageError
+from ..files import sha256
+from ..progress import Progress
 
 TASK_MODULES = {
     "classification": torchvision.models,
@@ -110,7 +111,7 @@ def task_class(weights: WeightsEnum) -> type[tasks.Task]:
 
 def bind_task(weights: WeightsEnum, num_classes: int | None = None, input_size=None) -> tasks.Task:
     """The weight's task bound to a graph: its class count and the input size (--input-size, else the weight's)."""
-    return task_class(weights).bind(weights, num_classes or len(weights.meta.get("categories") or []) or 1000, input_size)
+    return task_class(weights).bind(weights, model_name_of(weights), num_classes or len(weights.meta.get("categories") or []) or 1000, input_size)
 
 
 def preprocessing_spec(weights: WeightsEnum, input_size=None) -> dict:

@@ -19,8 +19,9 @@ import stat
 import zipfile
 from pathlib import Path, PurePosixPath
 
-from . import files, manifest
-from .errors import UsageError
+from .. import files
+from . import manifest
+from ..errors import UsageError
 
 # Bumped only when an existing reader would misread a bundle it used to read. "task" is additive: a
 # classification bundle reads as before, a bundle without "task" is classification, and apps decide

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 # torch.hub's convention: "<name>-<sha256 prefix>.<ext>"
 HASH_IN_NAME = re.compile(r"-([a-f0-9]{6,64})\.")

@@ -24,7 +24,7 @@ from PIL import Image
 from torch import nn
 
 from .digits import _recompute_batchnorm_stats
-from .tasks.segmentation import confusion, miou
+from ..tasks.segmentation import confusion, miou
 
 WEIGHTS = (
     "LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
@@ -277,7 +277,7 @@ def prepare(cache_dir: Path, weight: str = WEIGHTS[0], log=print, steps: int = S
     """Train once and cache; later calls return the cached model."""
     from torchvision.models import get_weight
 
-    from .weights import canonical_name, model_name_of
+    from ..weights import canonical_name, model_name_of
 
     cache_dir = Path(cache_dir).resolve()  # the record holds absolute paths, valid from any working directory
     weights = get_weight(weight)

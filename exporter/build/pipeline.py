@@ -16,14 +16,16 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, cache, data, files, html_report, manifest, profiles, report, validation, weights
-from .tasks import Task
-from .quant import Calibration
-from .build import BuildRequest
+from .. import __version__, data, files, validation, weights
+from ..release import html_report, manifest, report
+from . import cache, profiles
+from ..tasks import Task
+from ..quant import Calibration
+from .request import BuildRequest
 from .cache import BuildCache
-from .errors import UsageError
-from .formats import FORMATS, RuntimeUnavailable
-from .progress import Progress
+from ..errors import UsageError
+from ..formats import FORMATS, RuntimeUnavailable
+from ..progress import Progress
 
 
 @dataclass
@@ -368,7 +370,7 @@ def run(request: BuildRequest, plans: list[dict], cache_root: Path | None, progr
     with progress.step("load weights"):
         loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels, request.offline, progress,
                               request.float_checkpoint)
-    task = task_class.bind(loaded.weights, loaded.num_classes, request.input_size)
+    task = task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
     single = len(plans) == 1
     base = Path(request.out or (Path("exports") / loaded.weight_name / (plans[0]["name"] if single else "")))
     outs = [base] if single else [base / p["name"] for p in plans]
@@ -474,7 +476,7 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
                               float_checkpoint=reference.get("path"))
         if loaded.checkpoint["sha256"] != recorded["sha256"]:
             raise UsageError(f"checkpoint {loaded.checkpoint['path']} is not the one this build used (sha256 differs)")
-    task = loaded.task_class.bind(loaded.weights, doc["task"]["num_classes"], tuple(doc["task"]["input_size"]))
+    task = loaded.task_class.bind(loaded.weights, loaded.model_name, doc["task"]["num_classes"], tuple(doc["task"]["input_size"]))
     source = data_dir or (None if doc["data"]["source"] == "synthetic" else Path(doc["data"]["source"]))
     with progress.step("load data"):
         inputs = _load_inputs(source, loaded, task, profiles.settings(profile)[0])

@@ -17,12 +17,14 @@ import stat
 import sys
 from pathlib import Path
 
-from . import cache, files, html_report, manifest, report
+from .. import files
+from ..release import html_report, manifest, report
+from . import cache
 from .cache import BuildCache
-from .formats import FORMATS
-from .progress import Progress
+from ..formats import FORMATS
+from ..progress import Progress
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]  # the whole exporter package
 # where and whether, not what; `offline` only forbids fetching a missing checkpoint, and a record is
 # replayed only when the checkpoint it read is still there, unchanged, so it never needs the network
 NOT_KEYED = ("out", "force", "cache", "cache_dir", "target", "offline")

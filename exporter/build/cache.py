@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import files
+from .. import files
 
 if TYPE_CHECKING:
     import torch

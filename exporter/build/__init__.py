@@ -1,42 +1,15 @@
 """The Python API behind `exporter build` and `exporter validate`.
 
 This module imports no torch: an unchanged re-run is answered from the build record in the cache
-(see build_record) in well under the seconds torch alone takes to import."""
+(see build.record) in well under the seconds torch alone takes to import."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import cache, profiles
-from .progress import Progress
-
-
-@dataclass
-class BuildRequest:
-    weight: str
-    target: str = "android"
-    out: Path | None = None
-    checkpoint: Path | None = None
-    verify: bool = True
-    labels: Path | None = None
-    data: Path | None = None
-    force: bool = False
-    thresholds: list[str] = field(default_factory=list)
-    quant_budget: list[str] = field(default_factory=list)  # KEY=VALUE: int8 budget keys or [quantization] settings
-    fallback: bool = True  # False: plain PTQ, no layers kept in float (for comparison)
-    formats: list[str] = field(default_factory=list)
-    options: dict = field(default_factory=dict)  # format options, applied to every artifact that takes them
-    cache: bool = True
-    cache_dir: Path | None = None  # default: $EXPORTER_CACHE or ~/.cache/exporter
-    calib_size: int | None = None
-    val_size: int | None = None
-    threads: int | None = None
-    warmup: int | None = None
-    iterations: int | None = None
-    offline: bool = False  # never download a missing checkpoint (also $EXPORTER_OFFLINE=1)
-    float_checkpoint: Path | None = None  # a quantized weight's float model, the eager reference
-    input_size: tuple[int, int] | None = None  # (H, W) of a segmentation graph; default: the weight's resize size, square
+from .request import BuildRequest
+from ..progress import Progress
 
 
 def expand_targets(targets) -> list[str]:
@@ -73,7 +46,7 @@ def build_targets(request: BuildRequest, targets, progress: Progress | None = No
     With one target its files go straight into --out; with several, into --out/<target>/, plus a
     combined report.html in --out. A request identical to an earlier one (same checkpoint, data,
     profiles, tools, exporter code and host) is answered from the cache without importing torch."""
-    from .build_record import BuildRecord
+    from .record import BuildRecord
 
     progress = progress or Progress(quiet=True)
     plans = [_profile(request, t) for t in expand_targets(targets)]

@@ -8,12 +8,12 @@ import math
 import tomllib
 from pathlib import Path
 
-from .errors import UsageError
-from .formats import FORMATS
-from .quant import ONNX_CALIBRATIONS, SETTINGS as QUANT_SETTINGS
-from .thresholds import FRACTIONS, TASK_KEYS, THRESHOLD_KEYS
+from ..errors import UsageError
+from ..formats import FORMATS
+from ..quant import ONNX_CALIBRATIONS, SETTINGS as QUANT_SETTINGS
+from ..thresholds import FRACTIONS, TASK_KEYS, THRESHOLD_KEYS
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "targets"
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "targets"
 SECTIONS = {
     "name": str,
     "description": str,

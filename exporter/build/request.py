@@ -1,0 +1,33 @@
+"""What a user asks a build for: the weight, the targets and every override (data, torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class BuildRequest:
+    weight: str
+    target: str = "android"
+    out: Path | None = None
+    checkpoint: Path | None = None
+    verify: bool = True
+    labels: Path | None = None
+    data: Path | None = None
+    force: bool = False
+    thresholds: list[str] = field(default_factory=list)
+    quant_budget: list[str] = field(default_factory=list)  # KEY=VALUE: int8 budget keys or [quantization] settings
+    fallback: bool = True  # False: plain PTQ, no layers kept in float (for comparison)
+    formats: list[str] = field(default_factory=list)
+    options: dict = field(default_factory=dict)  # format options, applied to every artifact that takes them
+    cache: bool = True
+    cache_dir: Path | None = None  # default: $EXPORTER_CACHE or ~/.cache/exporter
+    calib_size: int | None = None
+    val_size: int | None = None
+    threads: int | None = None
+    warmup: int | None = None
+    iterations: int | None = None
+    offline: bool = False  # never download a missing checkpoint (also $EXPORTER_OFFLINE=1)
+    float_checkpoint: Path | None = None  # a quantized weight's float model, the eager reference
+    input_size: tuple[int, int] | None = None  # (H, W) of a segmentation graph; default: the weight's resize size, square
