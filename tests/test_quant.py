@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from exporter.build import profiles
+from exporter.build.plan import make as make_plan
 from exporter.standins import digits
 from exporter.errors import UsageError
 from exporter.quant import Calibration
@@ -59,7 +60,8 @@ def test_fallback_steps_grow_and_stop_at_the_cap():
 def test_budget_follows_int8_thresholds_unless_overridden():
     profile = profiles.with_overrides(profiles.load("jetson"), thresholds=["int8.psnr_db=33"],
                                       quant_budget=["top1_agreement=0.995", "max_float_fraction=0.1"], fallback=False)
-    settings, budget = profiles.quantization(profile)
+    plan = make_plan(profile, "classification")
+    budget, settings = plan.quant_budget, plan.quant_settings
     assert budget["psnr_db"] == 33 and budget["top1_agreement"] == 0.995
     assert settings["max_float_fraction"] == 0.1 and settings["fallback"] is False
     with pytest.raises(UsageError, match="unknown key"):

@@ -10,7 +10,7 @@ import sys
 import time
 
 from exporter import files
-from exporter.build import BuildRequest, _profile
+from exporter.build import BuildRequest, target_profile
 from exporter.build.record import BuildRecord
 from exporter.progress import Progress
 
@@ -95,7 +95,7 @@ def test_unchanged_rerun_is_restored_whole_without_torch_and_any_input_change_is
     request = BuildRequest(digits_model.weight, out=tmp_path / "probe", checkpoint=digits_model.checkpoint, data=data,
                            labels=labels, calib_size=64, val_size=120, warmup=2, iterations=10, formats=["torchscript_lite"],
                            cache_dir=cache)
-    plans = [_profile(request, "android")]
+    plans = [target_profile(request, "android")]
 
     def restored():
         shutil.rmtree(request.out, ignore_errors=True)
@@ -164,7 +164,7 @@ def test_a_build_whose_code_changed_while_it_ran_is_not_recorded(tmp_path, andro
     out, _ = android_build
     docs = [_manifest(out)]
     request = BuildRequest(docs[0]["weight"]["name"], out=tmp_path / "unused", cache_dir=tmp_path / "cache")
-    plans = [_profile(request, "android")]
+    plans = [target_profile(request, "android")]
     changed = BuildRecord(tmp_path / "cache", request, plans)
     monkeypatch.setattr(build_record, "_source_digest", lambda: "edited while building")
     changed.store(out, docs)

@@ -19,7 +19,8 @@ def expand_targets(targets) -> list[str]:
     return list(dict.fromkeys(str(t) for t in targets))
 
 
-def _profile(request: BuildRequest, target: str) -> dict:
+def target_profile(request: BuildRequest, target: str) -> dict:
+    """The target's profile with the request's overrides, checked; the pipeline turns it into a Plan."""
     return profiles.with_overrides(
         profiles.load(target),
         thresholds=request.thresholds,
@@ -49,15 +50,15 @@ def build_targets(request: BuildRequest, targets, progress: Progress | None = No
     from .record import BuildRecord
 
     progress = progress or Progress(quiet=True)
-    plans = [_profile(request, t) for t in expand_targets(targets)]
-    record = BuildRecord(request.cache_dir or cache.default_root(), request, plans) if request.cache else None
+    chosen = [target_profile(request, t) for t in expand_targets(targets)]
+    record = BuildRecord(request.cache_dir or cache.default_root(), request, chosen) if request.cache else None
     if record is not None:
         docs = record.restore(progress)
         if docs is not None:
             return docs
     from . import pipeline
 
-    base, docs = pipeline.run(request, plans, record.cache_root if record else None, progress)
+    base, docs = pipeline.run(request, chosen, record.cache_root if record else None, progress)
     if record is not None:
         record.store(base, docs)
     return docs

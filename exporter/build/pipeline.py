@@ -19,6 +19,7 @@ import torch
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, report
 from . import cache, profiles
+from .plan import ArtifactSpec, Plan, make_all, make as make_plan
 from ..tasks import Task
 from ..quant import Calibration
 from .request import BuildRequest
@@ -37,10 +38,12 @@ class Session:
     inputs: data.Inputs
     reference: torch.Tensor
     eager_accuracy: dict | None
-    latency: dict
-    thresholds: dict
+    plan: Plan  # the target being built (a multi-target build replaces it per target)
     cache: BuildCache = field(default_factory=lambda: BuildCache(None))
-    quantization: tuple[dict, dict] = field(default_factory=lambda: profiles.quantization({}))  # (settings, budget)
+
+    @property
+    def latency(self) -> dict:
+        return self.plan.latency.describe()
 
     @functools.cached_property
     def digests(self) -> dict:
@@ -86,23 +89,21 @@ class Session:
         """What a format quantizes with: for int8, the images plus the budget and how to meet it."""
         if precision != "int8":
             return self.inputs.calibration
-        settings, budget = self.quantization
-        return Calibration(self.inputs.calibration, self.inputs.calibration_labels, budget, settings, log, self.task)
+        return Calibration(self.inputs.calibration, self.inputs.calibration_labels, dict(self.plan.quant_budget),
+                           dict(self.plan.quant_settings), log, self.task)
 
 
-def _load_inputs(path: Path | None, loaded: weights.LoadedModel, task: Task, data_settings: dict) -> data.Inputs:
+def _load_inputs(path: Path | None, loaded: weights.LoadedModel, task: Task, settings) -> data.Inputs:
     transform = task.transform(loaded.weights)
-    size = (data_settings["calib_size"], data_settings["val_size"], data_settings["seed"])
+    size = (settings.calib_size, settings.val_size, settings.seed)
     if path is None:
         return data.synthetic(transform, *size)
     return task.load_data(Path(path), transform, *size)
 
 
-def _start_session(loaded, task, inputs, profile, progress: Progress, build_cache: BuildCache | None = None) -> Session:
-    _, latency = profiles.settings(profile)
-    torch.set_num_threads(latency["threads"])
-    session = Session(loaded, task, inputs, None, None, latency, profile.get("thresholds", {}),
-                      build_cache or BuildCache(None), profiles.quantization(profile))
+def _start_session(loaded, task, inputs, plan: Plan, progress: Progress, build_cache: BuildCache | None = None) -> Session:
+    torch.set_num_threads(plan.latency.threads)
+    session = Session(loaded, task, inputs, None, None, plan, build_cache or BuildCache(None))
     reference_key = cache.key(kind="eager", **{k: session.digests[k] for k in ("checkpoint", "reference", "model", "task", "validation", "tools")})
     with progress.step("eager reference"):
         session.reference = session.cache.fetch_tensor(reference_key)
@@ -190,9 +191,18 @@ def _run_validation(session: Session, entry: dict, out: Path, progress: Progress
 
 
 def _write_preview(session: Session, entry: dict, out: Path, outputs: torch.Tensor) -> None:
-    """The task's picture of the first validation image: eager beside this artifact."""
-    picture = session.task.preview(session.inputs.validation[0], session.reference[0], outputs[0],
-                                   session.task.preprocessing(session.loaded.weights))
+    """The task's pictures of the validation inputs where this artifact departs most from eager (eager beside
+    the artifact), with `preview_rows` naming them; `preview_rows: []` and no picture when the artifact's
+    outputs are bit-identical to eager's on every input."""
+    from ..release import previews
+
+    entry.pop("preview", None)  # `exporter validate` re-draws over an earlier run's entry
+    entry.pop("preview_rows", None)
+    picture, rows = previews.draw(session.task, session.inputs.validation, session.reference, outputs,
+                                  session.task.preprocessing(session.loaded.weights), list(session.loaded.labels))
+    if picture is None and rows:  # the task draws no pictures
+        return
+    entry["preview_rows"] = rows
     if picture is None:
         return
     path = Path("previews") / f"{entry['name']}.png"
@@ -202,38 +212,38 @@ def _write_preview(session: Session, entry: dict, out: Path, outputs: torch.Tens
     entry["preview"] = path.as_posix()
 
 
-def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix: str = "") -> dict:
-    module = FORMATS[spec["format"]].load_module()
+def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress, prefix: str = "") -> dict:
+    module = FORMATS[spec.format].load_module()
     model_name = session.loaded.model_name
-    name = spec.get("name") or f"{spec['format']}_{spec['precision']}"
+    name = spec.label
     filename = f"{model_name}_{name}{module.SUFFIX}"
     entry = {
         "name": name,
-        "format": spec["format"],
-        "precision": spec["precision"],
+        "format": spec.format,
+        "precision": spec.precision,
         "path": None,
         "sha256": None,
         "size_bytes": None,
         "status": "failed",
         "reasons": [],
         "details": {},
-        "thresholds": dict(session.thresholds.get(spec["precision"], {})),
+        "thresholds": session.plan.thresholds_for(spec.precision),
         "fidelity": None,
         "accuracy": None,
         "latency_ms": None,
         "eager_latency_ms": None,
         "speedup_vs_eager": None,
     }
-    refusal = FORMATS[spec["format"]].no_quantized_eager if session.loaded.quantized else None
+    refusal = FORMATS[spec.format].no_quantized_eager if session.loaded.quantized else None
     if refusal:
         entry.update(status="unavailable", reasons=[f"cannot take an eager-quantized model: {refusal}"])
         return entry
-    if spec["precision"] not in module.PRECISIONS:
-        entry["reasons"] = [f"{spec['format']} does not offer {spec['precision']} (it offers {', '.join(module.PRECISIONS)})"]
+    if spec.precision not in module.PRECISIONS:
+        entry["reasons"] = [f"{spec.format} does not offer {spec.precision} (it offers {', '.join(module.PRECISIONS)})"]
         return entry
     label = f"{prefix}export {name}"
-    calibration = session.calibration(spec["precision"], progress.note)
-    digest = cache.key(kind="artifact", format=spec["format"], precision=spec["precision"], options=spec.get("options", {}),
+    calibration = session.calibration(spec.precision, progress.note)
+    digest = cache.key(kind="artifact", format=spec.format, precision=spec.precision, options=dict(spec.options),
                        example=list(session.inputs.example.shape),
                        quantization=calibration.describe() if isinstance(calibration, Calibration) else None,
                        **session.digests)
@@ -247,11 +257,11 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix:
                 entry["details"] = module.export(
                     session.loaded.model,
                     session.inputs.example,
-                    spec["precision"],
+                    spec.precision,
                     calibration,
                     tmp,
                     session.meta,
-                    **spec.get("options", {}),
+                    **dict(spec.options),
                 )
                 session.cache.store_artifact(digest, tmp, entry["details"])
     except UsageError:
@@ -269,30 +279,17 @@ def _export(session: Session, spec: dict, out: Path, progress: Progress, prefix:
     return entry
 
 
-def _apply_options(plans: list[dict], options: dict) -> None:
-    unused = set(options)
-    for profile in plans:
-        for spec in profile["artifacts"]:
-            accepted = set(FORMATS[spec["format"]].load_module().OPTIONS)
-            for key in accepted & set(options):
-                spec.setdefault("options", {})[key] = options[key]
-                unused.discard(key)
-    if unused:
-        names = ", ".join(p["name"] for p in plans)
-        raise UsageError(f"option(s) {', '.join(sorted(unused))} apply to no format of target {names}")
-
-
-def _preflight(profile: dict) -> None:
+def _preflight(plan: Plan) -> None:
     """Missing extras and impossible options fail here, before anything is written."""
-    for spec in profile["artifacts"]:
-        module = FORMATS[spec["format"]].load_module()
+    for spec in plan.artifacts:
+        module = FORMATS[spec.format].load_module()
         if hasattr(module, "preflight"):
             try:
-                module.preflight(spec["precision"], **spec.get("options", {}))
+                module.preflight(spec.precision, **spec.options)
             except RuntimeUnavailable:
                 pass  # reported per artifact by export
             except TypeError as e:
-                raise UsageError(f"target {profile['name']}: bad options for {spec['format']}: {e}") from None
+                raise UsageError(f"target {plan.target}: bad options for {spec.format}: {e}") from None
 
 
 def _write_device_files(out: Path, task) -> None:
@@ -317,22 +314,12 @@ def _write_golden(out: Path, session: Session) -> None:
                 np.save(f, content)
 
 
-def _specs_for(loaded: weights.LoadedModel, specs: list[dict]) -> list[dict]:
-    """An eager-quantized weight is int8 whatever the profile asks: one int8 artifact per format."""
-    if not loaded.quantized:
-        return specs
-    by_format = {}
-    for spec in specs:
-        by_format.setdefault(spec["format"], {**spec, "precision": "int8", "name": None})
-    return list(by_format.values())
-
-
-def _post_build(profile: dict, out: Path, doc: dict, session: Session) -> None:
-    if not profile.get("post_build"):
+def _post_build(plan: Plan, out: Path, doc: dict, session: Session) -> None:
+    if not plan.post_build:
         return
     import importlib
 
-    module_name, _, function = profile["post_build"].partition(":")
+    module_name, _, function = plan.post_build.partition(":")
     getattr(importlib.import_module(module_name), function)(out, doc, session)
 
 
@@ -354,50 +341,42 @@ def _finish(out: Path, doc: dict, progress: Progress, prefix: str = "") -> dict:
     return doc
 
 
-def run(request: BuildRequest, plans: list[dict], cache_root: Path | None, progress: Progress) -> tuple[Path, list[dict]]:
-    """Build the targets in `plans`, sharing one model load, one calibration set and one eager run;
+def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, progress: Progress) -> tuple[Path, list[dict]]:
+    """Build the target profiles in `targets`, sharing one model load, one calibration set and one eager run;
     returns the output directory and the manifests. See build.build_targets."""
     # Everything that can be wrong with the request is checked before anything is written.
-    _apply_options(plans, request.options)
-    for profile in plans:
-        _preflight(profile)
     task_class = weights.task_class(weights.resolve(request.weight))
-    plans = [profiles.for_task(p, task_class.name) for p in plans]
-    data_settings = {json.dumps(profiles.settings(p)[0], sort_keys=True) for p in plans}
-    if len(data_settings) > 1:
-        names = ", ".join(p["name"] for p in plans)
-        raise UsageError(f"targets {names} ask for different [data] settings; pass --calib-size and --val-size to share one set")
+    plans = make_all(targets, task_class.name, request.options)
+    for plan in plans:
+        _preflight(plan)
     with progress.step("load weights"):
         loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels, request.offline, progress,
                               request.float_checkpoint)
     task = task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
     single = len(plans) == 1
-    base = Path(request.out or (Path("exports") / loaded.weight_name / (plans[0]["name"] if single else "")))
-    outs = [base] if single else [base / p["name"] for p in plans]
+    base = Path(request.out or (Path("exports") / loaded.weight_name / (plans[0].target if single else "")))
+    outs = [base] if single else [base / p.target for p in plans]
     for out in ([base] if single else [base, *outs]):
         files.check_out_dir(out, request.force)
     with progress.step("load data"):
-        inputs = _load_inputs(request.data, loaded, task, profiles.settings(plans[0])[0])
+        inputs = _load_inputs(request.data, loaded, task, plans[0].data)
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
             loaded.labels = list(inputs.classes)
     shared = _start_session(loaded, task, inputs, plans[0], progress, BuildCache(cache_root))
     docs = []
-    for profile, out in zip(plans, outs):
-        _, latency = profiles.settings(profile)
-        session = dataclasses.replace(shared, latency=latency, thresholds=profile.get("thresholds", {}),
-                                      quantization=profiles.quantization(profile))
+    for plan, out in zip(plans, outs):
+        session = dataclasses.replace(shared, plan=plan)
         session.digests = shared.digests  # hashing the inputs once is enough
-        prefix = "" if single else f"{profile['name']}: "
-        docs.append(_build_one(request, profile, session, out, progress, prefix))
+        prefix = "" if single else f"{plan.target}: "
+        docs.append(_build_one(request, session, out, progress, prefix))
     if not single:
         files.write_text(base / "report.html", html_report.render(docs, outs))
     return base, docs
 
 
-def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path, progress: Progress, prefix: str) -> dict:
-    loaded, inputs = session.loaded, session.inputs
-    data_settings, latency = profiles.settings(profile)
+def _build_one(request: BuildRequest, session: Session, out: Path, progress: Progress, prefix: str) -> dict:
+    loaded, inputs, plan = session.loaded, session.inputs, session.plan
     out.mkdir(parents=True, exist_ok=True)
     for stale in manifest.BUILD_FILES:
         (out / stale).unlink(missing_ok=True)
@@ -421,17 +400,9 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
         "checkpoint": loaded.checkpoint,
         "preprocessing": session.task.preprocessing(loaded.weights),
         "labels": {"file": "labels.txt", "count": len(loaded.labels), "from_file": str(request.labels) if request.labels else None},
-        "target": {
-            "name": profile["name"],
-            "profile": profile["path"],
-            "artifacts": profile["artifacts"],
-            "thresholds": profile.get("thresholds", {}),
-            "quantization": dict(zip(("settings", "budget"), session.quantization)),
-            "data": data_settings,
-            "latency": latency,
-        },
+        "target": plan.describe(),
         "tools": manifest.tool_versions(),
-        "host": manifest.host(latency["threads"]),
+        "host": manifest.host(plan.latency.threads),
         "data": inputs.description,
         "eager": {"accuracy": session.eager_accuracy, "reference": loaded.reference},
         "artifacts": [],
@@ -442,11 +413,11 @@ def _build_one(request: BuildRequest, profile: dict, session: Session, out: Path
     manifest.write(out, doc)
     _write_golden(out, session)
     _write_device_files(out, session.task)
-    for spec in _specs_for(loaded, profile["artifacts"]):
+    for spec in (plan.for_eager_quantized() if loaded.quantized else plan).artifacts:
         doc["artifacts"].append(_export(session, spec, out, progress, prefix))
         doc["timings_s"] = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
-    _post_build(profile, out, doc, session)
+    _post_build(plan, out, doc, session)
     doc["cache"] = {"root": str(session.cache.root) if session.cache.root else None, "events": list(session.cache.events)}
     return _finish(out, doc, progress, prefix)
 
@@ -467,8 +438,8 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
     profile = {"name": doc["target"]["name"], "path": doc["target"]["profile"], "artifacts": doc["target"]["artifacts"],
                "thresholds": doc["target"]["thresholds"], "data": doc["target"]["data"], "latency": doc["target"]["latency"],
                "task": doc["task"]["name"]}
-    profile = profiles.for_task(profiles.with_overrides(profile, thresholds=list(thresholds)), doc["task"]["name"])
-    _preflight(profile)
+    plan = make_plan(profiles.with_overrides(profile, thresholds=list(thresholds)), doc["task"]["name"])
+    _preflight(plan)
     with progress.step("load weights"):
         recorded = doc["checkpoint"]
         reference = (doc["eager"].get("reference") or {}).get("checkpoint") or {}
@@ -479,16 +450,16 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
     task = loaded.task_class.bind(loaded.weights, loaded.model_name, doc["task"]["num_classes"], tuple(doc["task"]["input_size"]))
     source = data_dir or (None if doc["data"]["source"] == "synthetic" else Path(doc["data"]["source"]))
     with progress.step("load data"):
-        inputs = _load_inputs(source, loaded, task, profiles.settings(profile)[0])
-    session = _start_session(loaded, task, inputs, profile, progress)
+        inputs = _load_inputs(source, loaded, task, plan.data)
+    session = _start_session(loaded, task, inputs, plan, progress)
     _write_device_files(out, task)  # what this validation decodes with is what the build ships
     _write_golden(out, session)  # the inputs golden_fidelity is measured on, whatever --data says now
     doc["task"] = task.describe()
-    doc["target"]["thresholds"] = profile.get("thresholds", {})
+    doc["target"]["thresholds"] = plan.describe()["thresholds"]
     doc["data"] = inputs.description
     doc["eager"] = {"accuracy": session.eager_accuracy, "reference": loaded.reference}
     for entry in doc["artifacts"]:
-        entry["thresholds"] = dict(session.thresholds.get(entry["precision"], {}))
+        entry["thresholds"] = plan.thresholds_for(entry["precision"])
         if entry.get("path"):
             entry.update(reasons=[], status="failed")
             _validate(session, entry, out, progress)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import math
 import tomllib
 from pathlib import Path
@@ -262,17 +261,3 @@ def for_task(profile: dict, task: str) -> dict:
             raise UsageError(f"{where}: threshold {key} does not apply to {task} weights; their keys: {', '.join(allowed)}")
     resolved["task"] = task
     return resolved
-
-
-def quantization(profile: dict) -> tuple[dict, dict]:
-    """(settings, budget) for int8 artifacts: the budget is [thresholds.int8] unless [quantization.budget] says otherwise."""
-    table = dict(profile.get("quantization", {}))
-    budget = {**profile.get("thresholds", {}).get("int8", {}), **table.pop("budget", {})}
-    return {**QUANT_SETTINGS, **table}, budget
-
-
-def settings(profile: dict) -> tuple[dict, dict]:
-    data = {"calib_size": 128, "val_size": 256, "seed": 0, **profile.get("data", {})}
-    latency = {"threads": 0, "warmup": 10, "iterations": 100, **profile.get("latency", {})}
-    latency["threads"] = latency["threads"] or os.cpu_count() or 1
-    return data, latency

@@ -118,15 +118,15 @@ def _files_under(directory: Path, names: list[str]) -> list[Path]:
 
 
 class BuildRecord:
-    def __init__(self, cache_root: Path, request, plans: list[dict]):
+    def __init__(self, cache_root: Path, request, profiles: list[dict]):
         self.cache_root = Path(cache_root)
         self.request = request
         self.cache = BuildCache(self.cache_root)
-        self.plans = plans
+        self.profiles = profiles  # each target's, with the request's overrides
         self.key = self._key()
 
     def _key(self) -> str:
-        return cache.key(kind="build", request=_request_fields(self.request), plans=self.plans, environment=_environment())
+        return cache.key(kind="build", request=_request_fields(self.request), plans=self.profiles, environment=_environment())
 
     def _blob(self, digest: str) -> Path:
         return self.cache_root / "blobs" / digest[:2] / digest

@@ -1,0 +1,155 @@
+"""One target's build plan: its profile and the CLI's overrides resolved ONCE, for one task, into frozen values.
+
+The pipeline parses each target profile into a Plan right after it knows the weight's task, and passes the
+Plan along; nothing reads the TOML dicts again. `describe()` is the manifest's view of it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Mapping
+
+from ..errors import UsageError
+from ..formats import FORMATS
+from ..quant import SETTINGS as QUANT_SETTINGS
+from . import profiles
+
+
+def _frozen(table: Mapping) -> Mapping:
+    return MappingProxyType({k: _frozen(v) if isinstance(v, Mapping) else v for k, v in table.items()})
+
+
+def _plain(table: Mapping) -> dict:
+    return {k: _plain(v) if isinstance(v, Mapping) else v for k, v in table.items()}
+
+
+@dataclass(frozen=True)
+class ArtifactSpec:
+    """One [[artifacts]] entry: what to export; `name` is the profile's own, if it gave one."""
+
+    format: str
+    precision: str
+    name: str | None = None
+    options: Mapping = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.format}_{self.precision}"
+
+    @classmethod
+    def read(cls, entry: Mapping) -> "ArtifactSpec":
+        return cls(entry["format"], entry["precision"], entry.get("name"), _frozen(entry.get("options", {})))
+
+    def describe(self) -> dict:
+        entry = {"format": self.format, "precision": self.precision}
+        if self.name is not None:
+            entry["name"] = self.name
+        if self.options:
+            entry["options"] = _plain(self.options)
+        return entry
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    calib_size: int = 128
+    val_size: int = 256
+    seed: int = 0
+
+    def describe(self) -> dict:
+        return {"calib_size": self.calib_size, "val_size": self.val_size, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class LatencySettings:
+    threads: int
+    warmup: int = 10
+    iterations: int = 100
+
+    def describe(self) -> dict:
+        return {"threads": self.threads, "warmup": self.warmup, "iterations": self.iterations}
+
+
+@dataclass(frozen=True)
+class Plan:
+    target: str
+    profile_path: str
+    task: str
+    artifacts: tuple[ArtifactSpec, ...]
+    thresholds: Mapping  # precision -> {key: value}, for this task
+    data: DataSettings
+    latency: LatencySettings
+    quant_settings: Mapping  # exporter.quant SETTINGS with the profile's [quantization] on top
+    quant_budget: Mapping  # what int8 must hold: [thresholds.int8] unless [quantization.budget] says otherwise
+    post_build: str | None = None  # "module:function" called with (out_dir, manifest, session) after the artifacts
+
+    def thresholds_for(self, precision: str) -> dict:
+        return dict(self.thresholds.get(precision, {}))
+
+    def for_eager_quantized(self) -> "Plan":
+        """An eager-quantized weight is int8 whatever the profile asks: one int8 artifact per format."""
+        by_format = {}
+        for spec in self.artifacts:
+            by_format.setdefault(spec.format, replace(spec, precision="int8", name=None))
+        return replace(self, artifacts=tuple(by_format.values()))
+
+    def describe(self) -> dict:
+        """The manifest's `target` section."""
+        return {
+            "name": self.target,
+            "profile": self.profile_path,
+            "artifacts": [spec.describe() for spec in self.artifacts],
+            "thresholds": _plain(self.thresholds),
+            "quantization": {"settings": _plain(self.quant_settings), "budget": _plain(self.quant_budget)},
+            "data": self.data.describe(),
+            "latency": self.latency.describe(),
+        }
+
+
+def _options_applied(targets: list[dict], options: Mapping) -> list[dict]:
+    """The request's --option KEY=VALUE on every artifact whose format takes it; one that none takes is refused."""
+    unused = set(options)
+    resolved = []
+    for profile in targets:
+        artifacts = []
+        for entry in profile["artifacts"]:
+            accepted = set(FORMATS[entry["format"]].load_module().OPTIONS) & set(options)
+            if accepted:
+                entry = {**entry, "options": {**entry.get("options", {}), **{k: options[k] for k in sorted(accepted)}}}
+                unused -= accepted
+            artifacts.append(entry)
+        resolved.append({**profile, "artifacts": artifacts})
+    if unused:
+        names = ", ".join(p["name"] for p in targets)
+        raise UsageError(f"option(s) {', '.join(sorted(unused))} apply to no format of target {names}")
+    return resolved
+
+
+def make(profile: dict, task: str) -> Plan:
+    """A checked profile (profiles.load + with_overrides) resolved for one task."""
+    resolved = profiles.for_task(profile, task)
+    table = dict(resolved.get("quantization", {}))
+    budget = {**resolved.get("thresholds", {}).get("int8", {}), **table.pop("budget", {})}
+    latency = {**resolved.get("latency", {})}
+    latency["threads"] = latency.get("threads") or os.cpu_count() or 1
+    return Plan(
+        target=resolved["name"],
+        profile_path=resolved["path"],
+        task=task,
+        artifacts=tuple(ArtifactSpec.read(entry) for entry in resolved["artifacts"]),
+        thresholds=_frozen(resolved.get("thresholds", {})),
+        data=DataSettings(**resolved.get("data", {})),
+        latency=LatencySettings(**latency),
+        quant_settings=_frozen({**QUANT_SETTINGS, **table}),
+        quant_budget=_frozen(budget),
+        post_build=resolved.get("post_build"),
+    )
+
+
+def make_all(targets: list[dict], task: str, options: Mapping = MappingProxyType({})) -> list[Plan]:
+    """Every target's Plan for one build; the targets must share one calibration and validation set."""
+    plans = [make(profile, task) for profile in _options_applied(targets, options)]
+    if len({p.data for p in plans}) > 1:
+        names = ", ".join(p.target for p in plans)
+        raise UsageError(f"targets {names} ask for different [data] settings; pass --calib-size and --val-size to share one set")
+    return plans
