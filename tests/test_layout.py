@@ -1,0 +1,143 @@
+"""The package layout holds: no import circles, a purpose line atop every module, device files that run with numpy alone."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "exporter"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every exporter module `name` imports, at module level or inside functions. Importing a.b.c also runs
+    the __init__ of a.b and a, except of the packages `name` itself lives in (already loaded by then)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            targets.add(base)
+            targets |= {f"{base}.{alias.name}" for alias in node.names}
+    edges = set()
+    own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
+    for target in targets:
+        parts = target.split(".")
+        for i in range(1, len(parts) + 1):
+            module = ".".join(parts[:i])
+            if module in known and module not in own and module != "exporter":
+                edges.add(module)
+    return edges
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def test_the_import_graph_is_read():
+    graph = _graph()
+    assert "exporter.build.plan" in graph["exporter.build.pipeline"]
+    assert "exporter.tasks" in graph["exporter.weights"]  # weights binds tasks, so tasks must not import weights
+    assert "exporter.device.detection_decode" in graph["exporter.tasks.detection"]
+
+
+def test_no_import_circles():
+    assert _cycles(_graph()) == []
+
+
+def test_a_circle_is_found():
+    graph = _graph()
+    graph["exporter.tasks.detection"] = graph["exporter.tasks.detection"] | {"exporter.weights"}
+    assert any({"exporter.weights", "exporter.tasks"} <= set(c) for c in _cycles(graph))
+
+
+def test_every_module_opens_with_its_purpose():
+    for name, path in _modules().items():
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        assert doc and doc.strip(), f"{name} has no docstring saying what it holds"
+
+
+def test_device_files_import_no_exporter_module():
+    for path in (PACKAGE / "device").glob("*.py"):
+        graph = _imports(f"exporter.device.{path.stem}", path, set(_modules()))
+        assert graph == set(), (path.name, graph)
+
+
+def test_device_files_run_with_numpy_alone(tmp_path):
+    """Copied out of the package as bundles ship them, with torch and the exporter made unimportable."""
+    for path in (PACKAGE / "device").glob("*.py"):
+        if path.name != "__init__.py":
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    script = textwrap.dedent(f"""
+        import importlib.abc, sys
+        class Forbid(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "torchvision", "exporter"):
+                    raise ImportError(name + " is not on a device")
+        sys.meta_path.insert(0, Forbid())
+        sys.path.insert(0, {str(tmp_path)!r})
+        import numpy as np
+        import detection_decode, device_validate
+        rng = np.random.default_rng(0)
+        anchors = np.stack([rng.uniform(0, 0.5, 50), rng.uniform(0, 0.5, 50), rng.uniform(0.5, 1, 50), rng.uniform(0.5, 1, 50)], 1)
+        head = rng.normal(size=(50, 4 + 3)).astype(np.float32)
+        found = detection_decode.decode(head, anchors * 64, (64, 64))
+        assert set(found) >= {{"boxes", "scores", "labels"}}, found
+        same = detection_decode.match(found, found, min_score=0.0)
+        ref = rng.normal(size=(4, 10))
+        metrics = device_validate.fidelity(ref, ref + 1e-3 * rng.normal(size=ref.shape))
+        assert metrics["top1_agreement"] == 1.0, metrics
+        assert device_validate.breaches(metrics, {{"psnr_db": 200.0}}), metrics
+        assert not {{"torch", "exporter"}} & set(sys.modules)
+        print("ok", len(found["boxes"]), same)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr
