@@ -178,7 +178,7 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--labels", type=click.Path(path_type=Path), default=None, help="Class names, one per line (fine-tuned checkpoints).")
 @click.option("--data", type=click.Path(path_type=Path), default=None,
               help="Calibration and labeled validation data: an ImageFolder (classification), or DIR/images + DIR/masks "
-                   "(segmentation, VOC-style: class index per pixel, 255 = ignore).")
+                   "(segmentation, VOC-style: class index per pixel, 255 = ignore), or DIR/annotations.json (detection, COCO).")
 @click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None, metavar="H W",
               help="Fixed input size of a segmentation graph [default: the weight's resize size, square].")
 @click.option("--calib-size", type=click.IntRange(min=0), default=None)
@@ -193,7 +193,7 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--no-fallback", is_flag=True, help="Plain PTQ: keep no layer in float, whatever the budget says.")
 @click.option("--format", "formats", multiple=True, help="Only these formats, e.g. executorch or executorch:int8 (repeatable).")
 @click.option("--option", "raw_options", multiple=True, help="Format option KEY=VALUE for every artifact that takes it (repeatable).")
-@click.option("--batch", default=None, help="TensorRT batch profile MIN:OPT:MAX.")
+@click.option("--batch", default=None, help="Batch profile MIN:OPT:MAX of the ONNX files and their TensorRT engines.")
 @click.option("--workspace", type=click.IntRange(min=1), default=None, help="TensorRT workspace limit in MB.")
 @click.option("--dla-core", type=click.IntRange(min=0), default=None, help="Build TensorRT engines for this DLA core.")
 @click.option("--require-engine", is_flag=True, default=None, help="Exit 2 instead of reporting engines unavailable.")
@@ -263,7 +263,7 @@ def matrix(weight_names, targets):
 
 @main.command(epilog=EXIT_CODES)
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--data", type=click.Path(path_type=Path), default=None, help="Validate on this ImageFolder instead of the build's.")
+@click.option("--data", type=click.Path(path_type=Path), default=None, help="Validate on this data (the task's own format, as build --data) instead of the build's.")
 @click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="The build's checkpoint, where it lives on this host.")
 @click.option("--threshold", "thresholds", multiple=True, help=_threshold_help())
 @click.option("--quiet", is_flag=True)
