@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .tasks import Task
+from .thresholds import THRESHOLD_KEYS, breaches
 
 Runner = Callable[[torch.Tensor], torch.Tensor]
 
@@ -55,6 +56,23 @@ def measure_latency(
     return {name: percentiles(s) for name, s in samples.items()}
 
 
+def blind_spot(task: Task, reference: torch.Tensor, thresholds: Mapping[str, float]) -> str | None:
+    """Why these fidelity thresholds cannot judge an artifact against this eager reference, or None.
+
+    An artifact that ignored its input and returned eager's mean output for every image would pass them: the
+    reference barely varies across the inputs (a zero-initialised head, a collapsed random model), so a
+    pass would be a verdict on nothing."""
+    limits = {k: v for k, v in thresholds.items() if THRESHOLD_KEYS[k][0][0] == "fidelity"}
+    if not limits:
+        return None
+    constant = reference.double().mean(0, keepdim=True).expand_as(reference).float()
+    if breaches({"fidelity": task.fidelity(reference, constant)}, limits):
+        return None
+    return (f"fidelity not measurable: degenerate eager reference (its outputs barely vary across the "
+            f"{len(reference)} validation inputs: returning their mean for every input passes "
+            f"{', '.join(sorted(limits))} too)")
+
+
 def evaluate(
     task: Task,
     runner: Runner,
@@ -72,6 +90,9 @@ def evaluate(
     Untimed for stand-ins whose speed says nothing about the runtime they stand in for."""
     outputs = run_all(runner, inputs)
     metrics = task.quality(outputs, reference, labels, eager_accuracy, thresholds)
+    blind = blind_spot(task, reference, thresholds)
+    if blind:
+        metrics["reasons"].append(blind)
     metrics["status"] = "failed" if metrics["reasons"] else "passed"
     if not timed:
         metrics.update(latency_ms=None, eager_latency_ms=None, speedup_vs_eager=None)

@@ -97,3 +97,62 @@ def test_segmentation_fidelity_and_labeled_metrics():
     metrics = task.quality(_pixel_logits(artifact_masks, 3), _pixel_logits(eager_masks, 3), None, None,
                            {"pixel_agreement": 0.9, "psnr_db": 10.0})
     assert metrics["reasons"] and metrics["reasons"][0].startswith("pixel_agreement 0.833")
+
+
+def test_a_constant_reference_cannot_pass_anything():
+    """ViT's zero-initialised head: every logit 0, so any artifact 'matches' it at infinite dB."""
+    task = classification.Classification(num_classes=10, input_size=(8, 8))
+    zeros = torch.zeros(8, 10)
+    reason = validation.blind_spot(task, zeros, {"top1_agreement": 1.0, "psnr_db": 60.0})
+    assert reason and "degenerate eager reference" in reason
+    metrics, _ = validation.evaluate(task, lambda x: torch.zeros(1, 10), None, torch.zeros(8, 3, 8, 8), zeros,
+                                     None, None, {"top1_agreement": 1.0, "psnr_db": 60.0}, 0, 1, timed=False)
+    assert metrics["status"] == "failed" and metrics["reasons"] == [reason]
+
+
+def test_a_near_constant_reference_is_caught_at_the_thresholds_it_cannot_resolve():
+    """Outputs that vary by 1e-4 of their size: a 30 dB int8 threshold cannot tell an input-blind artifact
+    from a good one; a 100 dB one can."""
+    task = classification.Classification(num_classes=10, input_size=(8, 8))
+    base = torch.linspace(-3, 3, 10)
+    reference = base + 1e-4 * torch.randn(16, 10, generator=torch.Generator().manual_seed(0))
+    assert validation.blind_spot(task, reference, {"psnr_db": 30.0}) is not None
+    assert validation.blind_spot(task, reference, {"psnr_db": 100.0}) is None
+    assert validation.blind_spot(task, reference, {"accuracy_drop": 1.0}) is None  # no fidelity threshold to fool
+
+
+def test_a_trained_reference_is_judgeable(digits_model):
+    """The trained digits model's eager logits on its held-out images: a constant artifact breaks every
+    target's thresholds, so the check never flags a real model."""
+    from exporter import weights
+
+    loaded = weights.load(digits_model.weight, digits_model.checkpoint, verify=False)
+    task = weights.bind_task(loaded.weights, loaded.num_classes)
+    images = task.load_data(digits_model.data_dir, task.transform(loaded.weights), 0, 32, 0).validation
+    reference = validation.run_all(loaded.eager, images)
+    for thresholds in ({"top1_agreement": 1.0, "psnr_db": 60.0}, {"top1_agreement": 0.97, "psnr_db": 30.0},
+                       {"psnr_db": 20.0}):
+        assert validation.blind_spot(task, reference, thresholds) is None, thresholds
+
+
+def test_a_build_on_a_zero_initialised_head_fails_saying_why(tmp_path):
+    """As ViT ships its head (all zeros) with random weights: the build must not report a pass at inf dB."""
+    from torchvision.models import get_model
+
+    from tests.conftest import run_cli
+
+    model = get_model("mobilenet_v3_small", weights=None, num_classes=10)
+    torch.nn.init.zeros_(model.classifier[-1].weight)
+    torch.nn.init.zeros_(model.classifier[-1].bias)
+    checkpoint = tmp_path / "zero_head.pth"
+    torch.save(model.state_dict(), checkpoint)
+    out = tmp_path / "build"
+    result = run_cli("build", "MobileNet_V3_Small_Weights.IMAGENET1K_V1", "--checkpoint", checkpoint, "--no-verify",
+                     "--target", "jetson", "--format", "onnx:fp32", "--calib-size", "4", "--val-size", "8",
+                     "--warmup", "1", "--iterations", "2", "--out", out, "--quiet", "--no-cache")
+    assert result.exit_code == 1, result.output
+    import json
+
+    (entry,) = json.loads((out / "manifest.json").read_text())["artifacts"]
+    assert entry["status"] == "failed" and entry["fidelity"]["psnr_db"] == "inf"  # a perfect match, on nothing
+    assert any("degenerate eager reference" in r for r in entry["reasons"]), entry["reasons"]
