@@ -141,3 +141,48 @@ def test_device_files_run_with_numpy_alone(tmp_path):
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr
+
+
+# Which part of the package may import which (docs/architecture.md, "Dependency rule"): the engine sits
+# on top, the shared leaves at the bottom, and what ships to devices imports nothing of ours.
+LEAVES = {"errors", "files", "progress", "thresholds"}
+MAY_IMPORT = {
+    "errors": set(),
+    "thresholds": set(),
+    "files": {"errors"},
+    "progress": {"errors"},
+    "device": set(),
+    "data": {"errors"},
+    "tasks": {"data", "device", "thresholds", "errors"},
+    "validation": {"tasks", "thresholds"},
+    "quant": {"tasks", "validation", "errors"},
+    "formats": {"quant", "files", "errors"},
+    "weights": {"tasks", "files", "progress", "errors"},
+    "release": {"formats", "device", "files", "errors"},
+    "build": {"weights", "tasks", "formats", "quant", "validation", "data", "release", *LEAVES, "exporter"},
+    "standins": {"weights", "tasks", "errors"},
+    "coverage": {"build", "weights", "tasks", "data", "release", *LEAVES, "exporter"},
+    "cli": {"build", "weights", "release", "device", "coverage", *LEAVES, "exporter"},
+    "bench": {"data", "formats", "validation", "quant", "tasks", "weights", "release", "device", "standins",
+              *LEAVES, "exporter"},
+}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "exporter"
+
+
+def test_each_part_imports_only_what_the_dependency_rule_allows():
+    broken = []
+    for module, targets in _graph().items():
+        part = _part(module)
+        if part == "exporter":
+            continue
+        allowed = MAY_IMPORT[part] | {part}
+        broken += [f"{module} -> {t}" for t in sorted(targets) if _part(t) not in allowed]
+    assert broken == []
+
+
+def test_the_rule_names_every_part():
+    assert {_part(m) for m in _modules()} - {"exporter"} <= set(MAY_IMPORT)
