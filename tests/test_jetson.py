@@ -4,6 +4,7 @@ TensorRT engines reported unavailable without a GPU, and the device kit (build s
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import shutil
 
 import numpy as np
@@ -38,6 +39,18 @@ def test_onnx_artifacts_pass_and_engines_are_unavailable(jetson_build):
         assert engine["status"] == "unavailable" and engine["path"] is None
         assert engine["reasons"][0].startswith("not built on this host: ")
     assert _artifact(doc, "onnx_fp32")["fidelity"]["psnr_db"] >= 60
+
+
+def test_onnx_files_carry_no_host_paths(jetson_build):
+    """torch.onnx writes each node's Python stack into the file; kept, the bytes would depend on where the
+    exporter and its venv are installed and on the line numbers of the code that called the export."""
+    out, doc = jetson_build
+    import exporter
+
+    checkout = str(Path(exporter.__file__).resolve().parents[1]).encode()
+    for precision in ("fp32", "fp16", "int8"):
+        raw = (out / _artifact(doc, f"onnx_{precision}")["path"]).read_bytes()
+        assert b"pkg.torch.onnx.stack_trace" not in raw and checkout not in raw, precision
 
 
 def test_int8_qdq_keeps_labeled_accuracy(jetson_build):

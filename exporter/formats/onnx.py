@@ -81,7 +81,17 @@ def _export_graph(model, example, opset: int, path: Path) -> None:
             # 354 -> 122 nodes; PSNR vs eager in ONNX Runtime 139.5 -> 135.4 dB, both at fp32 rounding level)
             optimize=True,
         )
+    _drop_stack_traces(program.model)
     program.save(str(path))
+
+
+def _drop_stack_traces(model) -> None:
+    """torch.onnx records each node's Python stack (absolute paths of the exporter and the venv, line numbers):
+    the file would change with the checkout's path and any edit to the code that called the export."""
+    graphs = [model.graph, *model.functions.values()]
+    for graph in graphs:
+        for node in graph.all_nodes() if hasattr(graph, "all_nodes") else graph:
+            node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
 
 
 def _quantize(model, example, opset: int, calibration, path: Path) -> dict:
