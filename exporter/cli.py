@@ -309,5 +309,81 @@ def bundle(out_dir, allow_failed):
         click.echo(f"bundle: {directory}\nzip: {zip_path(directory)}")
 
 
+def _command_line(ctx: click.Context) -> str:
+    """The command as given (options at their default left out), for the files a command writes."""
+    import shlex
+
+    words, arguments = ["exporter", ctx.info_name], []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if isinstance(param, click.Argument):
+            arguments += [str(v) for v in (value if isinstance(value, tuple) else (value,)) if v is not None]
+            continue
+        default = param.default if isinstance(param.default, (str, int, float, tuple, list, Path)) else None
+        if value is None or value == () or value is False or (
+                default is not None and (tuple(value) == tuple(default) if isinstance(value, tuple) else value == default)):
+            continue
+        flag = param.opts[-1] if len(param.opts) > 1 and param.opts[-1].startswith("--") else param.opts[0]
+        if param.is_flag:
+            words.append(flag)
+        elif param.multiple:
+            for v in value:
+                words += [flag, str(v)]
+        elif isinstance(value, tuple):
+            words += [flag, *map(str, value)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words + arguments)
+
+
+@main.command()
+@click.argument("merge_paths", nargs=-1, type=click.Path(path_type=Path), metavar="[PATH]...")
+@click.option("--target", "targets", multiple=True, help="A target (repeatable) [default: every target].")
+@click.option("--format", "formats", multiple=True, help="Only these artifacts, e.g. onnx:fp32 (repeatable); targets without one are left out.")
+@click.option("--models", multiple=True, help="Builder or weight names or globs, e.g. 'resnet*' (repeatable, or comma-separated).")
+@click.option("--task", "tasks", multiple=True, help="classification, segmentation, detection, quantization, video, optical_flow (repeatable) [default: all].")
+@click.option("--one-per-builder", is_flag=True, help="Each builder's DEFAULT weight instead of every weight.")
+@click.option("--max-params", type=click.IntRange(min=1), default=None, help="Skip (⏭) weights with more parameters than this.")
+@click.option("--time-limit", type=click.FloatRange(min=0), default=900, show_default=True, help="Seconds per build (weight x target); 0: none.")
+@click.option("--calib-size", type=click.IntRange(min=0), default=16, show_default=True)
+@click.option("--val-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--iterations", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Threads per build.")
+@click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=(128, 128), show_default=True,
+              metavar="H W", help="Input size of segmentation graphs.")
+@click.option("--shard", default=None, metavar="I/N", help="Run only shard I of N (weights I, I+N, …); writes OUT/coverage-shard-I-of-N.json/.md.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("docs"), show_default=True, help="Where coverage.md and coverage.json go.")
+@click.option("--builds", type=click.Path(path_type=Path), default=None, help="Keep every build under DIR/<weight>/<target> [default: temporary].")
+@click.option("--no-cache", is_flag=True, help="Rebuild rows cached in $EXPORTER_CACHE/coverage.")
+@click.option("--matrix", "matrix_shards", type=int, default=None, metavar="N", help="Print a CI matrix of N shards as JSON and exit.")
+@click.option("--merge", "merge", is_flag=True, help="Merge the coverage JSON files or directories PATH... into OUT instead of building.")
+@one_line_errors
+def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_params, time_limit, calib_size, val_size,
+             warmup, iterations, threads, input_size, shard, out, builds, no_cache, matrix_shards, merge):
+    """Sweep torchvision: build every weight (random weights, settled batch norms) for every target, validate
+    on synthetic inputs, and write the weight x artifact table (OUT/coverage.md) and its JSON."""
+    from . import coverage as sweep
+
+    command = _command_line(click.get_current_context())
+    if matrix_shards is not None:
+        click.echo(json.dumps(sweep.matrix(matrix_shards)))
+        return
+    if merge:
+        if not merge_paths:
+            raise UsageError("--merge needs the coverage JSON files or directories to merge")
+        sweep.merge(merge_paths, out, command)
+    else:
+        if merge_paths:
+            raise UsageError(f"unexpected argument {merge_paths[0]} (paths are for --merge)")
+        settings = sweep.Settings(targets=tuple(targets) or ("all",), formats=tuple(formats), calib_size=calib_size,
+                                  val_size=val_size, warmup=warmup, iterations=iterations, threads=threads,
+                                  input_size=tuple(input_size), time_limit=time_limit or None)
+        sweep.run(settings, models, tasks, one_per_builder, max_params, shard, out, cache=not no_cache,
+                  builds_dir=builds, command=command)
+    json_path, md_path = sweep.output_paths(out, None if merge else sweep.select.parse_shard(shard))
+    click.echo(f"table: {md_path}\njson: {json_path}", err=True)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,73 @@
+"""The coverage sweep behind `exporter coverage` and `make coverage`: every torchvision weight (or each builder's
+DEFAULT), with random weights, built for every artifact of every target and validated on synthetic inputs, one
+build per process; the results as a table (docs/coverage.md) and JSON (docs/coverage.json).
+
+    from exporter.coverage import Settings, run
+    doc = run(Settings(targets=("jetson",), formats=("onnx:fp32",)), models=["mobilenet_v3_small"], out=Path("cov"))
+
+Modules: select (which weights, shards, refusals), randomize (the random checkpoints, made in the build's
+process), worker (one build per process), outcome (a manifest read into cells; failure kinds), rowcache (the
+resumable row cache), sweep (the loop), table (JSON, Markdown, merge). The parent process imports torch only to
+list and resolve weights; the builds import it in their own processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+
+from . import select
+from .sweep import Settings
+
+__all__ = ["Settings", "run", "merge", "matrix", "output_paths"]
+
+
+def _command() -> str:
+    args = sys.argv[1:]
+    return shlex.join(["exporter", *args])
+
+
+def output_paths(out: Path, shard: tuple[int, int] | None) -> tuple[Path, Path]:
+    """OUT/coverage.json and .md, or OUT/coverage-shard-I-of-N.json and .md for a shard (a shard never
+    overwrites the whole table)."""
+    stem = "coverage" if shard is None else f"coverage-shard-{shard[0]}-of-{shard[1]}"
+    out = Path(out)
+    return out / f"{stem}.json", out / f"{stem}.md"
+
+
+def run(settings: Settings, models=(), tasks=(), one_per_builder: bool = False, max_params: int | None = None,
+        shard: str | None = None, out: Path = Path("docs"), cache: bool = True, cache_dir: Path | None = None,
+        builds_dir: Path | None = None, command: str | None = None) -> dict:
+    """Run the sweep (or one shard of it, "I/N"); writes the table after every build and returns the document."""
+    from .sweep import Sweep
+
+    which = select.parse_shard(shard)
+    targets = tuple(select.targets_for(settings.targets, settings.formats))
+    settings = dataclasses.replace(settings, targets=targets)
+    found = select.shard(select.candidates(models, tasks, one_per_builder, max_params), which)
+    json_path, md_path = output_paths(out, which)
+    selection = {"models": select.patterns(models), "tasks": list(tasks), "one_per_builder": one_per_builder,
+                 "max_params": max_params, "shard": shard, "weights": len(found)}
+    sweep = Sweep(settings, found, json_path, md_path, command or _command(), selection, cache, cache_dir, builds_dir)
+    return sweep.run()
+
+
+def merge(paths, out: Path = Path("docs"), command: str | None = None) -> dict:
+    """Merge coverage JSON files (or directories of them, e.g. downloaded CI shard artifacts) into
+    OUT/coverage.json and OUT/coverage.md; returns the merged document."""
+    from . import table
+
+    doc = table.merge(paths, command or _command())
+    json_path, md_path = output_paths(out, None)
+    table.write(doc, json_path, md_path)
+    return doc
+
+
+def matrix(shards: int) -> dict:
+    """A CI matrix with one entry per shard: {"include": [{"shard": "1/N"}, …]}."""
+    from ..errors import UsageError
+
+    if shards < 1:
+        raise UsageError("--matrix N needs N >= 1")
+    return {"include": [{"shard": f"{i}/{shards}"} for i in range(1, shards + 1)]}

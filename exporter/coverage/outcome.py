@@ -1,0 +1,149 @@
+"""What one build of the coverage sweep came to: a manifest's artifacts read into cells, and why a cell failed.
+
+A cell is one artifact of one weight on one target. Its `outcome`:
+
+    passed       ✅  built and validated within the target's thresholds
+    failed       ❎  built, but broke a threshold (the first reason)
+    export       ❌  export failed (the first line of the error), `kind` classified by CLASSIFIERS
+    unavailable  ⚪  this host cannot run (or build) it: Core ML predicts only on macOS, TensorRT needs a GPU
+    refused      ⛔  refused by design (a video or optical-flow weight, a two-stage detector, a format that
+                     cannot take an eager-quantized model)
+    time         ⏱  the build hit the sweep's time limit before this artifact was done
+    skipped      ⏭  not built: the weight is larger than --max-params
+    not_run      ·   not reached: the build stopped (crashed or was killed) at an earlier artifact
+
+Torch-free: the sweep's parent process and `--merge` use it without importing torch."""
+
+from __future__ import annotations
+
+import re
+
+SYMBOLS = {"passed": "✅", "failed": "❎", "export": "❌", "unavailable": "⚪", "refused": "⛔", "time": "⏱",
+           "skipped": "⏭", "not_run": "·"}
+ORDER = tuple(SYMBOLS)
+
+# first match wins; tested against the first line of the error (lower case)
+CLASSIFIERS = (
+    ("degenerate reference", re.compile(r"degenerate")),
+    ("out of memory", re.compile(r"out of memory|outofmemory|memoryerror|can't allocate memory|cannot allocate memory|"
+                                 r"std::bad_alloc|killed by the kernel|oom")),
+    ("time limit", re.compile(r"time limit|timed out|timeout")),
+    ("delegate fallback", re.compile(r"xnnpack|delegate|partition|lowered|backend_details|preprocess")),
+    ("unsupported op", re.compile(r"unsupported|not supported|not implemented|notimplementederror|no decomposition|"
+                                  r"no kernel|could not find .*(op|kernel)|unknown (op|operator|builtin)|"
+                                  r"exporting the operator|is not a registered|missing .*(op|lowering)|"
+                                  r"cannot convert|unable to convert|no (converter|translation)|"
+                                  r"dynamic shape|data-dependent|guardonDataDependent|constraint|"
+                                  r"opset|onnxruntime.*(invalid_graph|not_implemented)", re.I)),
+)
+
+
+def classify(error_line: str) -> str:
+    """An export failure's kind from the first line of its error; anything else is a converter crash."""
+    text = error_line.lower()
+    for kind, pattern in CLASSIFIERS:
+        if pattern.search(text):
+            return kind
+    return "converter crash"
+
+
+def _first(reasons) -> str:
+    return (reasons or [""])[0]
+
+
+def cell_from_artifact(artifact: dict) -> dict:
+    """One manifest artifact entry -> a cell."""
+    reasons = list(artifact.get("reasons") or [])
+    reason = _first(reasons)
+    built = artifact.get("path") is not None
+    details = artifact.get("details") or {}
+    cell = {
+        "name": artifact["name"],
+        "format": artifact["format"],
+        "precision": artifact["precision"],
+        "status": artifact["status"],
+        "reason": reason,
+        "size_bytes": artifact.get("size_bytes"),
+        "export_s": artifact.get("export_s"),
+    }
+    if "delegation" in details:
+        delegation = details["delegation"]
+        cell["delegation"] = {k: delegation.get(k) for k in ("delegated_nodes", "non_delegated_nodes",
+                                                             "delegated_subgraphs", "ops_outside_delegate",
+                                                             "ops_outside_on_tensors")}
+    if "quantization" in details and isinstance(details["quantization"], dict):
+        q = details["quantization"]
+        cell["quantization"] = {k: q[k] for k in ("float_layers", "layers", "met_budget") if k in q}
+    if any("degenerate" in r.lower() for r in reasons):
+        cell.update(outcome="failed" if built else "export", kind="degenerate reference")
+    elif artifact["status"] == "passed":
+        cell["outcome"] = "passed"
+    elif artifact["status"] == "unavailable":
+        refused = "cannot take an eager-quantized model" in reason
+        cell["outcome"] = "refused" if refused else "unavailable"
+        cell["kind"] = "by design" if refused else ("built, cannot run here" if built else "cannot build here")
+    elif built:
+        cell.update(outcome="failed", kind="validation")
+    else:
+        error = reason.removeprefix("export failed: ")
+        cell.update(outcome="export", kind=classify(error))
+    return cell
+
+
+def cells_from_manifest(doc: dict) -> list[dict]:
+    return [cell_from_artifact(a) for a in doc.get("artifacts", [])]
+
+
+def kill_kind(returncode: int | None, timed_out: bool, error: str | None) -> tuple[str, str]:
+    """(outcome, kind) for the artifact a build was at when it stopped without finishing."""
+    if timed_out:
+        return "time", "time limit"
+    if error:
+        return "export", classify(error)
+    if returncode == -9:
+        return "export", "out of memory"  # SIGKILL we did not send: the kernel's OOM killer
+    return "export", "converter crash"
+
+
+def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: bool, error: str | None,
+                  limit_s: float | None) -> list[dict]:
+    """Cells for a build that did not finish: those it completed, the one it was at, and those not reached."""
+    cells = list(done)
+    names = {c["name"] for c in done}
+    outcome, kind = kill_kind(returncode, timed_out, error)
+    if timed_out:
+        why = f"time limit: the build was stopped after {limit_s:g} s"
+    elif error:
+        why = error
+    else:
+        why = f"the build process died (exit code {returncode})" + (
+            ": out of memory (killed by the kernel)" if returncode == -9 else "")
+    whole = error is not None and not done  # stopped before any artifact: the error is every artifact's
+    first = True
+    for spec in planned:
+        if spec["name"] in names:
+            continue
+        cell = {"name": spec["name"], "format": spec["format"], "precision": spec["precision"], "status": None,
+                "size_bytes": None, "export_s": None}
+        if first or whole:
+            cell.update(outcome=outcome, kind=kind, reason=why)
+        elif timed_out:
+            cell.update(outcome=outcome, kind=kind, reason=f"not reached within the time limit ({limit_s:g} s)")
+        else:
+            cell.update(outcome="not_run", kind="not reached", reason=f"not reached: {why}")
+        cells.append(cell)
+        first = False
+    return cells
+
+
+def reclassify(row: dict) -> dict:
+    """A stored row with its export failures classified by today's CLASSIFIERS (a cached row keeps its
+    reasons, and the kinds are derived from them)."""
+    for cell in row.get("cells", []):
+        if cell.get("outcome") == "export" and cell.get("reason") and cell.get("kind") not in ("out of memory", "time limit"):
+            cell["kind"] = classify(cell["reason"].removeprefix("export failed: "))
+    return row
+
+
+def icon(cell: dict) -> str:
+    return SYMBOLS[cell["outcome"]]

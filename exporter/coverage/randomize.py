@@ -1,0 +1,172 @@
+"""Random checkpoints for the coverage sweep: a weight's architecture with random weights whose batch-norm
+statistics are settled on synthetic images, so that nothing is downloaded and yet the eager reference means
+something (its outputs vary across inputs).
+
+How a checkpoint is made (deterministic: the seed comes from the weight's name):
+1. the model is constructed as the exporter constructs it (the task's `construct`, the weight's category count);
+2. every Linear/Conv whose weight is all zeros (torchvision zero-initialises some heads, e.g. ViT's
+   `heads.head`, whose logits would then be 0 for every input) is re-initialised with PyTorch's default init;
+3. every BatchNorm gets momentum=None (a cumulative average) and fresh statistics, then a few no-grad passes
+   over synthetic images, preprocessed like the weight's own transforms, run with only the BatchNorms in
+   train mode (so dropout stays off and detectors need no targets);
+4. the state dict is saved with torch.save (the exporter reads it with weights_only=True).
+
+A quantized torchvision weight gets two files: its float model's (the eager reference, --float-checkpoint)
+and that model quantized as torchvision quantizes it (fuse, observe on the synthetic images, convert; the
+QAT-prepared layout for MobileNetV3, as torchvision ships it)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import data, weights
+
+SETTLE_IMAGES = 16  # synthetic images the statistics are settled on
+SETTLE_BATCH = 4
+
+
+def seed_for(weight_name: str) -> int:
+    return int.from_bytes(hashlib.sha256(weight_name.encode()).digest()[:4], "little")
+
+
+def _reinit_zero_layers(model: nn.Module) -> list[str]:
+    """Re-initialise every Linear/Conv whose weight is all zeros; returns their names."""
+    done = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and not bool(module.weight.any()):
+            module.reset_parameters()
+            done.append(name)
+    return done
+
+
+def _batchnorms(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def _settle(graph: nn.Module, images: torch.Tensor) -> int:
+    """Batch-norm statistics from `images` (cumulative average over every pass); returns how many layers."""
+    norms = _batchnorms(graph)
+    for bn in norms:
+        bn.momentum = None
+        bn.reset_running_stats()
+    graph.eval()
+    for bn in norms:
+        bn.train()
+    with torch.no_grad():
+        for start in range(0, len(images), SETTLE_BATCH):
+            graph(images[start:start + SETTLE_BATCH])
+    graph.eval()
+    return len(norms)
+
+
+def _spread(graph: nn.Module, images: torch.Tensor) -> dict:
+    """How much the eager outputs vary across inputs: mean per-output std across images, relative to their
+    mean magnitude (0: every input gets the same output, a reference that judges nothing)."""
+    with torch.no_grad():
+        out = graph(images[:SETTLE_BATCH]).flatten(1).double()
+    std = out.std(0).mean().item()
+    scale = out.abs().mean().item()
+    return {"output_std": std, "relative_std": std / scale if scale > 0 else 0.0,
+            "finite": bool(math.isfinite(std) and torch.isfinite(out).all())}
+
+
+def _synthetic_images(w, task, count: int, seed: int) -> torch.Tensor:
+    return data.synthetic(task.transform(w), 0, count, seed).validation
+
+
+def _float_model(w, model_name: str, num_classes: int, input_size, seed: int) -> tuple[nn.Module, dict]:
+    """A settled random float model built as the exporter builds it, and what was done to it."""
+    task_class = weights.task_class(w)
+    task = task_class.bind(w, model_name, num_classes, input_size)
+    torch.manual_seed(seed)
+    model = task_class.construct(model_name, num_classes, {})
+    graph = task_class.graph(model)
+    reinitialised = _reinit_zero_layers(model)
+    images = _synthetic_images(w, task, SETTLE_IMAGES, seed % (2**31))
+    settled = _settle(graph, images)
+    info = {"seed": seed, "num_classes": num_classes, "batchnorms_settled": settled, "settle_images": len(images),
+            "reinitialised_zero_layers": reinitialised, "params": sum(p.numel() for p in model.parameters()),
+            "reference_spread": _spread(graph, images)}
+    return model.eval(), info
+
+
+def _quantized_state(w, float_model: nn.Module, model_name: str, num_classes: int, images: torch.Tensor) -> dict:
+    """The float model quantized as torchvision quantizes its builders' models (eager mode)."""
+    from torchvision.models import get_model
+
+    backend = w.meta["backend"]
+    if backend not in torch.backends.quantized.supported_engines:
+        raise RuntimeError(f"{model_name} needs the {backend} quantized engine, which this torch build lacks")
+    torch.backends.quantized.engine = backend
+    model = get_model(model_name, weights=None, quantize=False, num_classes=num_classes)
+    model.load_state_dict(float_model.state_dict())
+    model.eval()
+    if model_name.startswith("quantized_mobilenet_v3"):
+        # torchvision ships MobileNetV3 as a QAT checkpoint: the prepared model's state (the loader converts it)
+        model.fuse_model(is_qat=True)
+        model.qconfig = torch.ao.quantization.get_default_qat_qconfig(backend)
+        torch.ao.quantization.prepare_qat(model.train(), inplace=True)
+        model.eval()
+        with torch.no_grad():
+            for start in range(0, len(images), SETTLE_BATCH):
+                model(images[start:start + SETTLE_BATCH])
+        return model.state_dict()
+    observer = (torch.ao.quantization.default_per_channel_weight_observer if backend == "fbgemm"
+                else torch.ao.quantization.default_weight_observer)
+    model.qconfig = torch.ao.quantization.QConfig(activation=torch.ao.quantization.default_observer, weight=observer)
+    model.fuse_model()
+    torch.ao.quantization.prepare(model, inplace=True)
+    with torch.no_grad():
+        for start in range(0, len(images), SETTLE_BATCH):
+            model(images[start:start + SETTLE_BATCH])
+    torch.ao.quantization.convert(model, inplace=True)
+    return model.state_dict()
+
+
+def make(weight_name: str, directory: Path, input_size=None) -> dict:
+    """Write the weight's random checkpoint(s) into `directory` (kept if already there); returns
+    {"checkpoint": path, "float_checkpoint": path or None, ...what was done}."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    w = weights.resolve(weight_name)
+    name = weights.canonical_name(w)
+    model_name = weights.model_name_of(w)
+    num_classes = len(w.meta.get("categories") or []) or 1000
+    seed = seed_for(name)
+    checkpoint = directory / f"{name}.random.pt"
+    info_path = directory / f"{name}.random.json"
+    float_path = directory / f"{name}.random-float.pt" if weights.is_quantized(w) else None
+    if checkpoint.is_file() and info_path.is_file() and (float_path is None or float_path.is_file()):
+        import json
+
+        return json.loads(info_path.read_text())
+    if weights.is_quantized(w):
+        unquantized = w.meta["unquantized"]
+        float_name = weights.model_name_of(unquantized)
+        model, info = _float_model(unquantized, float_name, num_classes, None, seed)
+        torch.save(model.state_dict(), _tmp(float_path))
+        _tmp(float_path).replace(float_path)
+        task = weights.task_class(unquantized).bind(unquantized, float_name, num_classes, None)
+        images = _synthetic_images(unquantized, task, SETTLE_IMAGES, (seed + 1) % (2**31))
+        state = _quantized_state(w, model, model_name, num_classes, images)
+        info["quantized"] = {"backend": w.meta["backend"], "float_model": float_name}
+    else:
+        task_input = input_size if weights.task_class(w).name == "segmentation" else None
+        model, info = _float_model(w, model_name, num_classes, task_input, seed)
+        state = model.state_dict()
+    torch.save(state, _tmp(checkpoint))
+    _tmp(checkpoint).replace(checkpoint)
+    info.update(checkpoint=str(checkpoint), float_checkpoint=str(float_path) if float_path else None)
+    import json
+
+    info_path.write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")

@@ -1,0 +1,46 @@
+"""The sweep's row cache: each finished build (weight x target) is stored as
+`$EXPORTER_CACHE/coverage/<key>.json`, keyed on the weight, the target, the sweep's settings and the exporter
+and tool versions, so an interrupted sweep continues where it stopped and a re-run rebuilds nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .. import __version__, files
+
+ROW_VERSION = 1  # bump when a row's meaning changes
+
+
+def root(cache_dir: Path | None = None) -> Path:
+    from ..build.cache import default_root
+
+    return Path(cache_dir or default_root()) / "coverage"
+
+
+def key(weight: str, target: str, settings: dict, tools: dict) -> str:
+    parts = {"row_version": ROW_VERSION, "exporter": __version__, "weight": weight, "target": target,
+             "settings": settings, "tools": tools}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def fetch(directory: Path, row_key: str, time_limit: float | None) -> dict | None:
+    """The stored row, unless it stopped at a time limit shorter than today's (then it is built again)."""
+    path = directory / f"{row_key}.json"
+    try:
+        row = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if row.get("key") != row_key:
+        return None
+    if row.get("timed_out"):
+        earlier = row.get("time_limit_s")
+        if earlier is None or (time_limit is None or time_limit > earlier):
+            return None
+    return row
+
+
+def store(directory: Path, row: dict) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    files.write_text(directory / f"{row['key']}.json", json.dumps(row, indent=2) + "\n")

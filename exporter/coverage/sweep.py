@@ -1,0 +1,261 @@
+"""The sweep itself: for each chosen weight and target, one build in its own process (isolated from crashes
+and out-of-memory kills, stopped at the time limit), its cells read from the manifest it wrote, the row
+cached, a progress line on stderr, and the table rewritten after every row (so an interrupted sweep leaves a
+partial table that says so)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import outcome, rowcache, table
+from .select import Candidate, planned_artifacts
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How each build of the sweep runs. Small on purpose: the sweep asks "does it export and agree", not
+    "how fast" (that is `make bench`)."""
+
+    targets: tuple[str, ...] = ("android", "ios", "jetson")
+    formats: tuple[str, ...] = ()
+    calib_size: int = 16
+    val_size: int = 8
+    warmup: int = 1
+    iterations: int = 2
+    threads: int = 1
+    input_size: tuple[int, int] = (128, 128)  # segmentation graphs (classifiers and detectors keep their own)
+    time_limit: float | None = 900.0  # seconds per build (weight x target); None: no limit
+
+    def key_parts(self) -> dict:
+        """What a row's result depends on (the time limit only decides whether it finished)."""
+        parts = asdict(self)
+        parts.pop("time_limit")
+        parts.pop("targets")
+        return json.loads(json.dumps(parts))
+
+    def describe(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))
+
+
+@dataclass
+class Sweep:
+    settings: Settings
+    candidates: list[Candidate]
+    json_path: Path
+    md_path: Path
+    command: str
+    selection: dict = field(default_factory=dict)  # the filters, for the table's header
+    cache: bool = True
+    cache_dir: Path | None = None
+    builds_dir: Path | None = None  # keep every build here; default: temporary, removed per weight
+
+    @staticmethod
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def run(self) -> dict:
+        from ..release.manifest import tool_versions
+
+        tools = tool_versions()
+        started = time.time()
+        doc = table.new_document(self.command, self.settings.describe(), self.selection, tools)
+        planned = [(c, t) for c in self.candidates for t in self.settings.targets]
+        doc["planned_rows"] = len(planned)
+        rows: list[dict] = []
+        cache_root = rowcache.root(self.cache_dir)
+        stop = _StopOnSignal()
+        n = 0
+        try:
+            for candidate in _build_order(self.candidates):
+                weight_dir = self._weight_dir(candidate)
+                try:
+                    for target in self.settings.targets:
+                        n += 1
+                        row = self._row(candidate, target, tools, cache_root, weight_dir, stop)
+                        rows.append(row)
+                        self.log(_progress_line(n, len(planned), row))
+                        doc = self._write(doc, rows, started, complete=False)
+                        if stop.signalled:
+                            raise KeyboardInterrupt
+                finally:
+                    if self.builds_dir is None:
+                        shutil.rmtree(weight_dir, ignore_errors=True)
+        except KeyboardInterrupt:
+            self.log(f"interrupted: {len(rows)} of {len(planned)} rows done; the table says it is partial")
+            return self._write(doc, rows, started, complete=False, interrupted=True)
+        finally:
+            stop.restore()
+        return self._write(doc, rows, started, complete=True)
+
+    def _write(self, doc: dict, rows: list[dict], started: float, complete: bool, interrupted: bool = False) -> dict:
+        doc = dict(doc, rows=table.sorted_rows(rows), complete=complete and len(rows) == doc["planned_rows"],
+                   interrupted=interrupted)
+        doc["run"] = {"started": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(timespec="seconds"),
+                      "wall_s": round(time.time() - started, 1),
+                      "rows_built": sum(1 for r in rows if r.get("built_now")),
+                      "rows_from_cache": sum(1 for r in rows if r.get("from_cache"))}
+        table.write(doc, self.json_path, self.md_path)
+        return doc
+
+    def _weight_dir(self, candidate: Candidate) -> Path:
+        if self.builds_dir is not None:
+            path = Path(self.builds_dir) / candidate.weight
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+        return Path(tempfile.mkdtemp(prefix=f"coverage-{candidate.model}-"))
+
+    def _row(self, candidate: Candidate, target: str, tools: dict, cache_root: Path, weight_dir: Path, stop) -> dict:
+        row = {"weight": candidate.weight, "model": candidate.model, "task": candidate.task, "params": candidate.params,
+               "quantized": candidate.quantized, "target": target}
+        if candidate.refused:
+            return dict(row, outcome="refused", reason=candidate.refused, cells=[], seconds=0.0)
+        if candidate.skipped:
+            return dict(row, outcome="skipped", reason=candidate.skipped, cells=[], seconds=0.0)
+        key = rowcache.key(candidate.weight, target, self.settings.key_parts(), tools)
+        if self.cache:
+            cached = rowcache.fetch(cache_root, key, self.settings.time_limit)
+            if cached is not None:
+                return dict(outcome.reclassify(cached), from_cache=True, built_now=False)
+        row = dict(row, key=key, **self._build(candidate, target, weight_dir, stop))
+        row["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        if not stop.signalled:  # a build cut short by Ctrl-C says nothing about the weight
+            rowcache.store(cache_root, row)
+        return dict(row, from_cache=False, built_now=True)
+
+    def _build(self, candidate: Candidate, target: str, weight_dir: Path, stop) -> dict:
+        s = self.settings
+        out = weight_dir / target
+        spec = {
+            "weight": candidate.weight, "task": candidate.task, "target": target, "formats": list(s.formats),
+            "calib_size": s.calib_size, "val_size": s.val_size, "warmup": s.warmup, "iterations": s.iterations,
+            "threads": s.threads, "input_size": list(s.input_size) if s.input_size else None,
+            "checkpoints": str(weight_dir / "checkpoints"), "build_cache": str(weight_dir / "cache"),
+            "out": str(out), "result": str(weight_dir / f"{target}.result.json"),
+        }
+        spec_path = weight_dir / f"{target}.spec.json"
+        spec_path.write_text(json.dumps(spec, indent=2))
+        Path(spec["result"]).unlink(missing_ok=True)
+        log_path = weight_dir / f"{target}.log"
+        env = dict(os.environ, EXPORTER_OFFLINE="1", PYTHONWARNINGS="ignore", TQDM_DISABLE="1",
+                   **{k: str(s.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
+        start = time.perf_counter()
+        timed_out = False
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "exporter.coverage.worker", str(spec_path)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            stop.child = proc
+            try:
+                proc.wait(timeout=s.time_limit)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc)
+            except KeyboardInterrupt:
+                _kill_group(proc)
+                raise
+            finally:
+                stop.child = None
+        seconds = round(time.perf_counter() - start, 1)
+        result = _read_json(Path(spec["result"])) or {}
+        manifest = _read_json(out / "manifest.json")
+        done = outcome.cells_from_manifest(manifest) if manifest else []
+        error = result.get("error")
+        finished = result.get("stage") == "done" and not timed_out
+        info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out,
+                "time_limit_s": s.time_limit, "checkpoint": _checkpoint_summary(result.get("checkpoint")),
+                "checkpoint_s": result.get("checkpoint_s")}
+        if manifest:
+            info["status"] = manifest.get("status")
+            info["timings_s"] = {k: v for k, v in (manifest.get("timings_s") or {}).items()
+                                 if k in ("load weights", "load data", "eager reference")}
+        if finished:
+            return dict(info, outcome="built", reason=None, cells=done)
+        planned = planned_artifacts(candidate.weight, target, s.formats, candidate.quantized)
+        cells = outcome.stopped_cells(planned, done, proc.returncode, timed_out, error, s.time_limit)
+        if timed_out:
+            reason = f"time limit: stopped after {s.time_limit:g} s"
+        elif error:
+            reason = error
+        else:
+            reason = f"the build process died (exit code {proc.returncode})"
+        return dict(info, outcome="stopped", reason=reason, cells=cells, log_tail=_tail(log_path))
+
+
+class _StopOnSignal:
+    """SIGTERM (a CI job cancelled, `kill PID`) stops the sweep like Ctrl-C: the running build is killed and
+    the partial table is written."""
+
+    def __init__(self):
+        self.signalled = False
+        self.child = None
+        self._previous = signal.getsignal(signal.SIGTERM)
+        try:
+            signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread
+            self._previous = None
+
+    def _handle(self, signum, frame):
+        self.signalled = True
+        if self.child is not None:
+            _kill_group(self.child)
+
+    def restore(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """The build and whatever it started (its own process group, made by start_new_session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _build_order(candidates: list[Candidate]) -> list[Candidate]:
+    """Refused and skipped first (instant), then the smallest models first: a sweep cut short has covered as
+    many weights as it could."""
+    return sorted(candidates, key=lambda c: (not (c.refused or c.skipped), c.params or 0))
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _tail(path: Path, lines: int = 6) -> list[str]:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line[:300] for line in text if line.strip()][-lines:]
+
+
+def _checkpoint_summary(info: dict | None) -> dict | None:
+    if not info:
+        return None
+    keep = ("seed", "num_classes", "params", "batchnorms_settled", "reinitialised_zero_layers", "reference_spread",
+            "quantized")
+    return {k: info[k] for k in keep if k in info}
+
+
+def _progress_line(n: int, total: int, row: dict) -> str:
+    head = f"[{n}/{total}] {row['weight']} {row['target']}:"
+    if row["outcome"] in ("refused", "skipped"):
+        return f"{head} {outcome.SYMBOLS[row['outcome']]} {row['outcome']}: {row['reason']}"
+    icons = "".join(outcome.icon(c) for c in row["cells"])
+    where = "cached" if row.get("from_cache") else f"{row['seconds']:.0f} s"
+    tail = f" — {row['reason']}" if row["outcome"] == "stopped" else ""
+    return f"{head} {icons} ({where}){tail}"

@@ -1,0 +1,369 @@
+"""The coverage table: the JSON document (header, rows, summary), its Markdown rendering, and the merge of
+several row files (CI shards) into one. Torch-free."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+from .. import files
+from ..errors import UsageError
+from .outcome import ORDER, SYMBOLS
+from .select import TASK_ORDER
+
+COVERAGE_VERSION = 1
+TARGET_ORDER = ("android", "ios", "jetson")
+SHOWN_TOOLS = ("exporter", "torch", "torchvision", "executorch", "coremltools", "onnx", "onnxruntime", "tensorrt")
+ROW_OUTCOMES = ("built", "stopped", "refused", "skipped")
+
+
+def host_info() -> dict:
+    from ..release.manifest import host
+
+    info = host(1)
+    info.pop("threads", None)
+    return info
+
+
+def exporter_commit() -> str | None:
+    from ..release.manifest import exporter_commit as commit
+
+    return commit()
+
+
+def new_document(command: str, settings: dict, selection: dict, tools: dict) -> dict:
+    return {
+        "coverage_version": COVERAGE_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "exporter_commit": exporter_commit(),
+        "host": host_info(),
+        "tools": tools,
+        "settings": settings,
+        "selection": selection,
+        "planned_rows": 0,
+        "complete": False,
+        "rows": [],
+    }
+
+
+def _order(value, order) -> int:
+    return order.index(value) if value in order else len(order)
+
+
+def sorted_rows(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: (_order(r["task"], TASK_ORDER), r["model"], r["weight"],
+                                       _order(r["target"], TARGET_ORDER), r["target"]))
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per target and task: how many builds and weights ended how, and how many artifacts per outcome."""
+    groups: dict[tuple[str, str], dict] = {}
+    for row in rows:
+        group = groups.setdefault((row["target"], row["task"]), {
+            "target": row["target"], "task": row["task"], **{k: 0 for k in ROW_OUTCOMES},
+            "artifacts": {k: 0 for k in ORDER}, "export_failures": {}})
+        group[row["outcome"]] += 1
+        for cell in row["cells"]:
+            group["artifacts"][cell["outcome"]] += 1
+            if cell["outcome"] in ("export", "time"):
+                group["export_failures"][cell["kind"]] = group["export_failures"].get(cell["kind"], 0) + 1
+    return [groups[k] for k in sorted(groups, key=lambda k: (_order(k[0], TARGET_ORDER), k[0], _order(k[1], TASK_ORDER)))]
+
+
+def write(doc: dict, json_path: Path, md_path: Path | None) -> None:
+    doc["summary"] = summary(doc["rows"])
+    for path in (json_path, md_path):
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    files.write_text(Path(json_path), json.dumps(doc, indent=2, allow_nan=False, default=str) + "\n")
+    if md_path is not None:
+        files.write_text(Path(md_path), markdown(doc))
+
+
+# --- merge ---------------------------------------------------------------------------------------------------
+
+def _row_files(paths) -> list[Path]:
+    found = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found += sorted(path.rglob("*.json"))
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise UsageError(f"--merge: {path} does not exist")
+    return found
+
+
+def merge(paths, command: str) -> dict:
+    """One document from several coverage JSON files (or directories holding them, e.g. CI shard artifacts).
+    A weight x target present in several files keeps the last one read."""
+    docs = []
+    for path in _row_files(paths):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and doc.get("coverage_version") == COVERAGE_VERSION:
+            docs.append((path, doc))
+    if not docs:
+        raise UsageError(f"--merge: no coverage JSON files (from `exporter coverage`) in {', '.join(map(str, paths))}")
+    first = docs[0][1]
+
+    def comparable(settings):
+        return {k: v for k, v in settings.items() if k != "time_limit"}
+
+    for path, doc in docs[1:]:
+        if comparable(doc["settings"]) != comparable(first["settings"]):
+            raise UsageError(f"--merge: {path} was made with other settings than {docs[0][0]}; "
+                             f"merge rows of one sweep (same targets, formats, sizes)")
+    rows = {}
+    for _, doc in docs:
+        for row in doc["rows"]:
+            rows[(row["weight"], row["target"])] = row
+    merged = new_document(command, first["settings"], dict(first.get("selection") or {}, shard=None), first["tools"])
+    hosts = {json.dumps(d["host"], sort_keys=True) for _, d in docs}
+    merged["host"] = first["host"]
+    merged["exporter_commit"] = first.get("exporter_commit")
+    if len(hosts) > 1:
+        merged["hosts"] = [json.loads(h) for h in sorted(hosts)]
+    merged["planned_rows"] = sum(d.get("planned_rows", 0) for _, d in docs)
+    merged["rows"] = sorted_rows(list(rows.values()))
+    merged["complete"] = all(d.get("complete") for _, d in docs) and len(merged["rows"]) >= merged["planned_rows"]
+    merged["merged_from"] = [{"file": str(p), "created": d.get("created"), "shard": (d.get("selection") or {}).get("shard"),
+                              "rows": len(d["rows"]), "complete": d.get("complete"), "run": d.get("run")} for p, d in docs]
+    walls = [(d.get("run") or {}).get("wall_s") or 0 for _, d in docs]
+    merged["run"] = {"wall_s": max(walls), "shards_wall_s": walls, "started": min(((d.get("run") or {}).get("started") or "")
+                                                                                  for _, d in docs) or None}
+    return merged
+
+
+# --- Markdown ------------------------------------------------------------------------------------------------
+
+def _esc(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    if minutes:
+        return f"{minutes} min {secs:02d} s"
+    return f"{secs} s"
+
+
+def _mb(size) -> str:
+    return f"{size / 1e6:.1f} MB" if size else ""
+
+
+def _short_reason(reason: str) -> str:
+    match = re.match(r"^([A-Za-z0-9_]+) (-?[0-9.]+(?:e[-+]?\d+)?|inf|nan)", reason or "")
+    if match:
+        return f"{match.group(1)} {match.group(2)}"
+    return (reason or "")[:40]
+
+
+def cell_text(cell: dict) -> str:
+    symbol = SYMBOLS[cell["outcome"]]
+    kind = cell.get("kind")
+    if cell["outcome"] == "passed":
+        return f"{symbol} {_mb(cell.get('size_bytes'))}".strip()
+    if cell["outcome"] == "failed":
+        return f"{symbol} {'degenerate' if kind == 'degenerate reference' else _short_reason(cell.get('reason'))}"
+    if cell["outcome"] == "export":
+        return f"{symbol} {kind}"
+    if cell["outcome"] == "unavailable":
+        return f"{symbol} {_mb(cell.get('size_bytes'))}".strip()
+    return symbol
+
+
+def _outside_xnnpack(cells: list[dict]) -> str:
+    parts = []
+    for cell in cells:
+        delegation = cell.get("delegation")
+        if not delegation:
+            continue
+        ops = delegation.get("ops_outside_on_tensors") or {}
+        text = ", ".join(f"{op}×{n}" for op, n in sorted(ops.items())) or "none"
+        parts.append(f"{cell['precision']}: {text}")
+    return "; ".join(dict.fromkeys(parts)) or "—"
+
+
+def _settings_line(settings: dict) -> str:
+    limit = settings.get("time_limit")
+    parts = [
+        f"targets {', '.join(settings['targets'])}",
+        f"formats {', '.join(settings['formats'])}" if settings.get("formats") else "every artifact of each target",
+        f"{settings['calib_size']} calibration + {settings['val_size']} validation synthetic images",
+        f"latency {settings['warmup']} warm-up + {settings['iterations']} timed iterations",
+        f"{settings['threads']} thread{'s' if settings['threads'] != 1 else ''}",
+        "segmentation input " + ("×".join(map(str, settings["input_size"])) if settings.get("input_size") else "the weight's"),
+        f"time limit {limit:g} s per build" if limit else "no time limit",
+    ]
+    return "; ".join(parts)
+
+
+def _selection_line(selection: dict) -> str:
+    if not selection:
+        return "every weight"
+    parts = []
+    parts.append("each builder's DEFAULT weight" if selection.get("one_per_builder") else "every weight")
+    if selection.get("tasks"):
+        parts.append(f"tasks {', '.join(selection['tasks'])}")
+    if selection.get("models"):
+        parts.append(f"models {', '.join(selection['models'])}")
+    if selection.get("max_params"):
+        parts.append(f"at most {selection['max_params'] / 1e6:g}M parameters built (larger: ⏭)")
+    if selection.get("shard"):
+        parts.append(f"shard {selection['shard']}")
+    return "; ".join(parts)
+
+
+LEGEND = ("✅ passed · ❎ built, failed validation (first reason) · ❌ export failed (kind: unsupported op, delegate "
+          "fallback, converter crash, out of memory, degenerate reference, …) · ⚪ unavailable on this host (Core ML "
+          "predicts only on macOS, TensorRT needs a CUDA GPU; the size when it was built) · ⛔ refused by design · "
+          "⏱ time limit · · not reached (the build stopped earlier) · ⏭ skipped for size")
+
+HOW = """## How this table is made
+
+`exporter coverage` ([cli.md](cli.md#exporter-coverage)) builds each chosen weight for each target with the real
+`exporter build` pipeline, one build per process (a crash or an out-of-memory kill costs one row, and a build
+past the time limit is killed and marked ⏱), offline and without `--data`:
+
+- **Random weights, nothing downloaded.** The model is constructed as the exporter constructs it, with the
+  weight's category count. Linear/Conv layers that torchvision zero-initialises (ViT's `heads.head`: every logit
+  0 for every input) are re-initialised with PyTorch's default init; every BatchNorm's statistics are then
+  settled (momentum=None, reset, no-grad passes) on synthetic images preprocessed like the weight's own
+  transforms. The state dict goes to a temporary file the build loads with `--checkpoint … --no-verify`.
+  Quantized weights get their float model (the eager reference) and that model quantized as torchvision does.
+- **Small on purpose.** Synthetic calibration and validation images, few latency iterations, one thread,
+  segmentation at a small fixed input size: the table answers "does it export, and does the artifact agree
+  with eager", not "how fast" ([benchmarks.md](benchmarks.md)) and not "how accurate" (random weights have
+  no accuracy; no labeled metric is measured).
+- **Random weights judge harder than trained ones on agreement.** A random classifier's 1000 logits are close
+  together, so int8 rounding flips its top-1 far more often than a trained model's confident one: an int8 ❎
+  on top-1 agreement here is a lower bound on how the artifact does with real weights, not a verdict on it.
+- **⛔ is the exporter's own refusal** (video and optical-flow weights, two-stage detectors: the one-line
+  error `exporter build` exits 2 with), asked without building. A format that cannot take an eager-quantized
+  model is ⛔ per artifact.
+- **⚪ is not a failure**: the artifact cannot be run (Core ML off macOS) or built (TensorRT without a GPU) on
+  this host; a Core ML package that converted shows its size.
+- **Resumable.** Each build's row is cached in `$EXPORTER_CACHE/coverage/` keyed on the weight, the target,
+  these settings and the exporter and tool versions: an interrupted sweep continues, and a re-run rebuilds
+  nothing (a row stopped at a shorter time limit is built again).
+- "ops outside XNNPACK" lists the `.pte` graphs' ops that touch tensors and were left outside the XNNPACK
+  delegate (the manifest's `details.delegation.ops_outside_on_tensors`; scalar casts are not counted).
+"""
+
+
+def markdown(doc: dict) -> str:
+    rows = doc["rows"]
+    settings = doc["settings"]
+    tools = doc.get("tools") or {}
+    host = doc.get("host") or {}
+    run = doc.get("run") or {}
+    done = len(rows)
+    if doc.get("complete"):
+        status = f"complete: {done} of {doc.get('planned_rows', done)} builds (weight × target)"
+    else:
+        status = (f"**partial**: {done} of {doc.get('planned_rows', '?')} builds (weight × target) done"
+                  + (" — the sweep was interrupted" if doc.get("interrupted") else " — the sweep is running or was stopped"))
+    built_s = sum(r.get("seconds") or 0 for r in rows)
+    lines = [
+        "# torchvision coverage",
+        "",
+        "Every chosen torchvision weight with **random weights** (nothing downloaded), built for each target by the "
+        "real `exporter build` and validated against its eager reference on synthetic inputs. "
+        "[How this table is made](#how-this-table-is-made).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| made | {_esc(doc.get('created'))} |",
+        f"| command | `{_esc(doc.get('command'))}`"
+        + (f" at exporter commit `{doc['exporter_commit'][:12]}{'-dirty' if doc['exporter_commit'].endswith('-dirty') else ''}`"
+           if doc.get("exporter_commit") else "") + " |",
+        f"| status | {status} |",
+        f"| run time | {_duration(run.get('wall_s'))} wall clock"
+        + (f" (shards side by side: the longest)" if doc.get("merged_from") else "")
+        + f"; {_duration(built_s)} of builds in all"
+        + (f" ({run.get('rows_from_cache')} rows from the row cache, timed when first built)" if run.get("rows_from_cache") else "")
+        + " |",
+        f"| host | {_esc(host.get('cpu'))}, {host.get('cores')} cores, {_esc(host.get('platform'))}, Python {host.get('python')} |",
+        "| tools | " + ", ".join(f"{name} {tools.get(name) or '—'}" for name in SHOWN_TOOLS) + " |",
+        f"| settings | {_esc(_settings_line(settings))} |",
+        f"| selection | {_esc(_selection_line(doc.get('selection') or {}))} |",
+        "",
+        LEGEND,
+        "",
+        "## Summary",
+        "",
+        "Builds (weight × target) by how they ended, and artifacts by outcome.",
+        "",
+        "| target | task | built | stopped | ⛔ refused | ⏭ skipped | " + " | ".join(SYMBOLS[k] for k in ORDER if k != "skipped") + " |",
+        "|---|---|---:|---:|---:|---:|" + "---:|" * (len(ORDER) - 1),
+    ]
+    groups = summary(rows)
+    for g in groups:
+        a = g["artifacts"]
+        lines.append(f"| {g['target']} | {g['task']} | {g['built']} | {g['stopped']} | {g['refused']} | {g['skipped']} | "
+                     + " | ".join(str(a[k]) for k in ORDER if k != "skipped") + " |")
+    kinds = Counter()
+    for g in groups:
+        for kind, n in g["export_failures"].items():
+            kinds[(g["target"], kind)] += n
+    if kinds:
+        lines += ["", "Export failures (❌, ⏱) by kind:", "", "| target | kind | artifacts |", "|---|---|---:|"]
+        for (target, kind), n in sorted(kinds.items(), key=lambda kv: (_order(kv[0][0], TARGET_ORDER), -kv[1], kv[0][1])):
+            lines.append(f"| {target} | {kind} | {n} |")
+
+    targets = sorted({r["target"] for r in rows}, key=lambda t: (_order(t, TARGET_ORDER), t))
+    for target in targets:
+        built = [r for r in rows if r["target"] == target and r["outcome"] in ("built", "stopped")]
+        if not built:
+            continue
+        columns = list(dict.fromkeys(c["name"] for r in built for c in r["cells"]))
+        has_pte = any(c.get("delegation") for r in built for c in r["cells"])
+        lines += ["", f"## {target}", "",
+                  "| weight | task | params (M) | build s | " + " | ".join(columns) + (" | ops outside XNNPACK |" if has_pte else " |"),
+                  "|---|---|---:|---:|" + "---|" * len(columns) + ("---|" if has_pte else "")]
+        for r in built:
+            by_name = {c["name"]: c for c in r["cells"]}
+            cells = [cell_text(by_name[name]) if name in by_name else "" for name in columns]
+            params = f"{r['params'] / 1e6:.1f}" if r.get("params") else "—"
+            lines.append(f"| {_esc(r['weight'])} | {r['task']} | {params} | {r.get('seconds') or 0:.0f} | "
+                         + " | ".join(_esc(c) for c in cells)
+                         + (f" | {_esc(_outside_xnnpack(r['cells']))} |" if has_pte else " |"))
+
+    for label, kind, heading in (("refused", "refused", "Refused by design (⛔)"), ("skipped", "skipped", "Skipped (⏭)")):
+        seen = {}
+        for r in rows:
+            if r["outcome"] == kind:
+                seen.setdefault(r["weight"], r)
+        if seen:
+            lines += ["", f"## {heading}", "", "| weight | task | params (M) | why |", "|---|---|---:|---|"]
+            for r in seen.values():
+                params = f"{r['params'] / 1e6:.1f}" if r.get("params") else "—"
+                lines.append(f"| {_esc(r['weight'])} | {r['task']} | {params} | {_esc(r['reason'])} |")
+
+    failures = [(r, c) for r in rows for c in r["cells"] if c["outcome"] in ("failed", "export", "time")]
+    if failures:
+        lines += ["", "## Failures", "", "Every ❎, ❌ and ⏱ artifact with the first line of its reason.", "",
+                  "| weight | target | artifact | | kind | first line |", "|---|---|---|---|---|---|"]
+        for r, c in failures:
+            lines.append(f"| {_esc(r['weight'])} | {r['target']} | {c['name']} | {SYMBOLS[c['outcome']]} | "
+                         f"{_esc(c.get('kind') or '')} | {_esc((c.get('reason') or '')[:240])} |")
+    stopped = [r for r in rows if r["outcome"] == "stopped"]
+    if stopped:
+        lines += ["", "## Stopped builds", "", "| weight | target | after | why |", "|---|---|---:|---|"]
+        for r in stopped:
+            lines.append(f"| {_esc(r['weight'])} | {r['target']} | {r.get('seconds') or 0:.0f} s | {_esc((r.get('reason') or '')[:240])} |")
+    lines += ["", HOW]
+    return "\n".join(lines).rstrip() + "\n"

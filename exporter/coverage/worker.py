@@ -1,0 +1,84 @@
+"""One build of the coverage sweep, run in its own process (`python -m exporter.coverage.worker SPEC.json`):
+the weight's random checkpoint (made once per weight, kept beside the builds) and then a real
+`exporter.build.build_targets` of one target, offline, on synthetic data, with the sweep's settings.
+
+The parent reads the build's manifest.json; this process adds RESULT.json: the checkpoint's description, its
+timings and, when the build stopped with an error, that error's first line. A crash or a kill leaves the
+manifest as far as it got (it lists only complete artifacts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}".rstrip(": ")
+
+
+def _write(path: Path, result: dict) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def run(spec: dict) -> int:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    result_path = Path(spec["result"])
+    result: dict = {"stage": "checkpoint"}
+    started = time.perf_counter()
+    code = 0
+    try:
+        import torch
+
+        from ..build import BuildRequest, build_targets
+        from ..progress import Progress
+        from . import randomize
+
+        torch.set_num_threads(spec["threads"])
+        input_size = tuple(spec["input_size"]) if spec.get("input_size") else None
+        result["checkpoint"] = randomize.make(spec["weight"], Path(spec["checkpoints"]), input_size)
+        result["checkpoint_s"] = round(time.perf_counter() - started, 3)
+        result["stage"] = "build"
+        float_checkpoint = result["checkpoint"].get("float_checkpoint")
+        request = BuildRequest(
+            weight=spec["weight"], target=spec["target"], out=Path(spec["out"]),
+            checkpoint=Path(result["checkpoint"]["checkpoint"]), verify=False, offline=True, force=True,
+            formats=list(spec.get("formats") or []), calib_size=spec["calib_size"], val_size=spec["val_size"],
+            threads=spec["threads"], warmup=spec["warmup"], iterations=spec["iterations"],
+            input_size=input_size if spec.get("task") == "segmentation" else None,
+            float_checkpoint=Path(float_checkpoint) if float_checkpoint else None,
+            cache=True, cache_dir=Path(spec["build_cache"]),  # shared by the weight's targets, then removed
+        )
+        (doc,) = build_targets(request, [spec["target"]], Progress())
+        result.update(stage="done", status=doc["status"])
+    except Exception as e:  # UsageError included: the exporter's own one-line refusal of this build
+        from ..errors import UsageError
+
+        traceback.print_exc()
+        result["error"] = str(e).strip().splitlines()[0] if isinstance(e, UsageError) else _first_line(e)
+        result["usage_error"] = isinstance(e, UsageError)
+        code = 2 if isinstance(e, UsageError) else 1
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    _write(result_path, result)
+    return code
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m exporter.coverage.worker SPEC.json", file=sys.stderr)
+        return 2
+    return run(json.loads(Path(argv[1]).read_text()))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,195 @@
+"""`exporter coverage` cannot rot: a real sweep of two small weights (random weights, ONNX fp32 on the jetson
+target, the cheapest artifact), one weight the exporter refuses (optical flow) and one skipped for size;
+resumed from the row cache, sharded and merged, stopped at a time limit; plus the pieces the sweep classifies
+and randomises with. About a minute on 2 shared cores."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from exporter.coverage import outcome, randomize, table
+
+from .conftest import run_cli
+
+SMALL = ["mobilenet_v3_small", "squeezenet1_1"]
+SWEEP = ["coverage", "--models", ",".join(SMALL + ["raft_small", "resnet18"]), "--one-per-builder",
+         "--target", "jetson", "--format", "onnx:fp32", "--max-params", "3000000"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """A row cache of this module's own (the builds' children inherit it through the environment)."""
+    return tmp_path_factory.mktemp("coverage_cache")
+
+
+def _sweep(cache_dir: Path, out: Path, *extra: str):
+    started = time.perf_counter()
+    result = run_cli(*SWEEP, "--out", out, *extra, env={"EXPORTER_CACHE": str(cache_dir)})
+    return result, time.perf_counter() - started
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("coverage_out")
+    result, seconds = _sweep(cache_dir, out)
+    assert result.exit_code == 0, (result.output, result.exception)
+    return out, result, seconds
+
+
+def _rows(out: Path, name: str = "coverage.json") -> dict:
+    doc = json.loads((out / name).read_text())
+    return {r["weight"].split("_Weights")[0].lower(): r for r in doc["rows"]}
+
+
+def test_sweep_builds_refuses_and_skips(first_run, cache_dir):
+    out, result, _ = first_run
+    doc = json.loads((out / "coverage.json").read_text())
+    rows = _rows(out)
+    assert set(rows) == {"mobilenet_v3_small", "squeezenet1_1", "raft_small", "resnet18"}
+    assert doc["complete"] and doc["planned_rows"] == 4 and {r["target"] for r in doc["rows"]} == {"jetson"}
+    for name in SMALL:
+        row = rows[name]
+        assert row["outcome"] == "built" and row["status"] == "passed", row
+        (cell,) = row["cells"]
+        assert (cell["name"], cell["outcome"]) == ("onnx_fp32", "passed"), cell
+        assert cell["size_bytes"] > 1_000_000 and cell["export_s"] > 0 and row["seconds"] > 0
+        # the random checkpoint: BN statistics settled, outputs that vary across inputs
+        assert row["checkpoint"]["batchnorms_settled"] > 0 or name == "squeezenet1_1"
+        assert row["checkpoint"]["reference_spread"]["relative_std"] > 0.01
+    assert rows["raft_small"]["outcome"] == "refused" and "optical flow" in rows["raft_small"]["reason"]
+    assert rows["raft_small"]["cells"] == []  # refused without building
+    assert rows["resnet18"]["outcome"] == "skipped" and "--max-params" in rows["resnet18"]["reason"]
+    (group,) = [g for g in doc["summary"] if g["task"] == "classification"]
+    assert (group["built"], group["skipped"], group["artifacts"]["passed"]) == (2, 1, 2)
+    # one progress line per build, on stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    assert len(lines) == 4 and sum("✅" in line for line in lines) == 2 and any("⛔" in line for line in lines)
+
+
+def test_the_table_says_what_made_it(first_run):
+    out, _, _ = first_run
+    md = (out / "coverage.md").read_text()
+    for needle in ("# torchvision coverage", "complete: 4 of 4", "`exporter coverage --target jetson --format onnx:fp32 --models", "cores",
+                   f"torch {torch.__version__.split('+')[0]}", "onnxruntime", "executorch", "coremltools",
+                   "## Summary", "## jetson", "| onnx_fp32 |", "✅", "## Refused by design (⛔)", "Raft_Small_Weights",
+                   "## Skipped (⏭)", "ResNet18_Weights", "## How this table is made"):
+        assert needle in md, needle
+
+
+def test_a_second_run_is_served_from_the_row_cache(first_run, cache_dir, tmp_path):
+    out, _, first_seconds = first_run
+    result, seconds = _sweep(cache_dir, tmp_path)
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "coverage.json").read_text())
+    assert doc["run"]["rows_built"] == 0 and doc["run"]["rows_from_cache"] == 2
+    assert all(r["from_cache"] for r in doc["rows"] if r["outcome"] == "built")
+    assert sum("(cached)" in line for line in result.stderr.splitlines()) == 2
+    assert seconds < first_seconds
+    before, after = _rows(out), _rows(tmp_path)
+    assert {k: r["cells"] for k, r in before.items()} == {k: r["cells"] for k, r in after.items()}
+
+
+def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
+    out, _, _ = first_run
+    matrix = run_cli("coverage", "--matrix", "2")
+    assert json.loads(matrix.output) == {"include": [{"shard": "1/2"}, {"shard": "2/2"}]}
+    for shard in ("1/2", "2/2"):
+        result, _ = _sweep(cache_dir, tmp_path / "shards", "--shard", shard)
+        assert result.exit_code == 0, result.output
+    one, two = (_rows(tmp_path / "shards", f"coverage-shard-{i}-of-2.json") for i in (1, 2))
+    assert set(one) | set(two) == set(_rows(out)) and not set(one) & set(two)
+    merged = run_cli("coverage", "--merge", tmp_path / "shards", "--out", tmp_path / "merged")
+    assert merged.exit_code == 0, merged.output
+    doc = json.loads((tmp_path / "merged" / "coverage.json").read_text())
+    assert doc["complete"] and len(doc["rows"]) == 4 and len(doc["merged_from"]) == 2
+    assert {k: r["outcome"] for k, r in _rows(tmp_path / "merged").items()} == {k: r["outcome"] for k, r in _rows(out).items()}
+    assert "complete: 4 of 4" in (tmp_path / "merged" / "coverage.md").read_text()
+
+
+def test_a_build_past_the_time_limit_is_killed_and_marked(cache_dir, tmp_path):
+    result = run_cli("coverage", "--models", "shufflenet_v2_x0_5", "--one-per-builder", "--target", "jetson",
+                     "--format", "onnx:fp32", "--time-limit", "2", "--out", tmp_path, env={"EXPORTER_CACHE": str(cache_dir)})
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads((tmp_path / "coverage.json").read_text())["rows"]
+    assert row["outcome"] == "stopped" and row["timed_out"] and row["seconds"] < 30
+    assert [(c["name"], c["outcome"], c["kind"]) for c in row["cells"]] == [("onnx_fp32", "time", "time limit")]
+    assert "⏱" in (tmp_path / "coverage.md").read_text()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--shard", "3/2"], "--shard"),
+    (["--models", "no_such_model"], "matches no weight"),
+    (["--target", "android", "--format", "onnx:fp32"], "matches no artifact"),
+    (["--merge"], "--merge needs"),
+    (["--task", "poetry"], "--task"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle, tmp_path):
+    result = run_cli("coverage", "--out", tmp_path, *args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr.strip().splitlines()[-1]
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("error,kind", [
+    ("export failed: Unsupported: torch.* op returned non-Tensor", "unsupported op"),
+    ("export failed: NotImplementedError: aten::_upsample_bicubic2d_aa has no lowering", "unsupported op"),
+    ("export failed: RuntimeError: XNNPACK partitioner left the graph unlowered", "delegate fallback"),
+    ("export failed: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes", "out of memory"),
+    ("export failed: AssertionError: ", "converter crash"),
+    ("the eager reference is degenerate: every input gives the same output", "degenerate reference"),
+])
+def test_export_failures_are_classified_from_their_first_line(error, kind):
+    assert outcome.classify(error.removeprefix("export failed: ")) == kind
+
+
+def test_cells_read_from_a_manifest():
+    def artifact(**kw):
+        return {"name": "a", "format": "coreml", "precision": "fp16", "path": None, "size_bytes": None,
+                "status": "failed", "reasons": [], "details": {}, **kw}
+
+    core_ml = outcome.cell_from_artifact(artifact(status="unavailable", path="m.mlpackage", size_bytes=5_000_000,
+                                                  reasons=["not validated: Core ML predict needs macOS"]))
+    assert (core_ml["outcome"], table.cell_text(core_ml)) == ("unavailable", "⚪ 5.0 MB")
+    refused = outcome.cell_from_artifact(artifact(status="unavailable", reasons=["cannot take an eager-quantized model: …"]))
+    assert refused["outcome"] == "refused"
+    broke = outcome.cell_from_artifact(artifact(path="m.pte", size_bytes=1, reasons=["top1_agreement 0.375 (needs >= 0.97)"]))
+    assert (broke["outcome"], table.cell_text(broke)) == ("failed", "❎ top1_agreement 0.375")
+    degenerate = outcome.cell_from_artifact(artifact(path="m.pte", reasons=["degenerate eager reference: constant outputs"]))
+    assert (degenerate["outcome"], degenerate["kind"]) == ("failed", "degenerate reference")
+    crashed = outcome.cell_from_artifact(artifact(reasons=["export failed: TypeError: bad thing"]))
+    assert (crashed["outcome"], crashed["kind"], table.cell_text(crashed)) == ("export", "converter crash", "❌ converter crash")
+    pte = outcome.cell_from_artifact(artifact(format="executorch", status="passed", path="m.pte", details={"delegation": {
+        "delegated_nodes": 9, "non_delegated_nodes": 1, "delegated_subgraphs": 1, "ops_outside_delegate": {"mean": 1},
+        "ops_outside_on_tensors": {"mean": 1}}}))
+    assert table._outside_xnnpack([pte]) == "fp16: mean×1"
+
+
+def test_a_killed_build_marks_where_it_stopped():
+    planned = [{"name": n, "format": "executorch", "precision": p} for n, p in (("x_fp32", "fp32"), ("x_int8", "int8"), ("y", "fp32"))]
+    done = [{"name": "x_fp32", "outcome": "passed"}]
+    cells = outcome.stopped_cells(planned, done, -9, False, None, 900)
+    assert [(c["name"], c["outcome"], c.get("kind")) for c in cells] == [
+        ("x_fp32", "passed", None), ("x_int8", "export", "out of memory"), ("y", "not_run", "not reached")]
+    refused = outcome.stopped_cells(planned, [], 2, False, "the eager reference is degenerate", 900)
+    assert {(c["outcome"], c["kind"]) for c in refused} == {("export", "degenerate reference")}
+
+
+def test_random_checkpoints_mean_something():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    nn.init.zeros_(model[4].weight)  # as torchvision zero-initialises ViT's head
+    assert randomize._reinit_zero_layers(model) == ["4"]
+    images = torch.randn(8, 3, 8, 8) * 3 + 2
+    assert randomize._settle(model, images) == 1
+    bn = model[1]
+    assert bn.momentum is None and not bn.training and bn.num_batches_tracked.item() == 2
+    with torch.no_grad():
+        expected = model[0](images).mean((0, 2, 3))
+    assert torch.allclose(bn.running_mean, expected, atol=1e-4)  # the cumulative mean over both passes
+    assert randomize._spread(model, images)["relative_std"] > 0.01
