@@ -82,11 +82,15 @@ class Sweep:
                     for target in self.settings.targets:
                         n += 1
                         row = self._row(candidate, target, tools, cache_root, weight_dir, stop)
+                        if stop.signalled:  # a build cut short by Ctrl-C or SIGTERM says nothing about the weight
+                            raise KeyboardInterrupt
                         rows.append(row)
+                        if row["outcome"] in ("refused", "skipped"):  # one line for all its targets
+                            if target == self.settings.targets[-1]:
+                                self.log(_progress_line(n, len(planned), dict(row, target="every target")))
+                            continue
                         self.log(_progress_line(n, len(planned), row))
                         doc = self._write(doc, rows, started, complete=False)
-                        if stop.signalled:
-                            raise KeyboardInterrupt
                 finally:
                     if self.builds_dir is None:
                         shutil.rmtree(weight_dir, ignore_errors=True)
@@ -128,7 +132,7 @@ class Sweep:
                 return dict(outcome.reclassify(cached), from_cache=True, built_now=False)
         row = dict(row, key=key, **self._build(candidate, target, weight_dir, stop))
         row["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        if not stop.signalled:  # a build cut short by Ctrl-C says nothing about the weight
+        if not stop.signalled and _cacheable(row):
             rowcache.store(cache_root, row)
         return dict(row, from_cache=False, built_now=True)
 
@@ -170,7 +174,7 @@ class Sweep:
         done = outcome.cells_from_manifest(manifest) if manifest else []
         error = result.get("error")
         finished = result.get("stage") == "done" and not timed_out
-        info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out,
+        info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out, "usage_error": result.get("usage_error"),
                 "time_limit_s": s.time_limit, "checkpoint": _checkpoint_summary(result.get("checkpoint")),
                 "checkpoint_s": result.get("checkpoint_s")}
         if manifest:
@@ -188,6 +192,15 @@ class Sweep:
         else:
             reason = f"the build process died (exit code {proc.returncode})"
         return dict(info, outcome="stopped", reason=reason, cells=cells, log_tail=_tail(log_path))
+
+
+def _cacheable(row: dict) -> bool:
+    """Whether a row says something lasting about the weight. Not a build that stopped on a Python error before
+    any artifact (an ImportError, a broken checkout, a full disk: the environment, not the weight); the
+    exporter's own one-line refusals (UsageError) are about the weight and are kept."""
+    if row.get("outcome") != "stopped" or row.get("timed_out") or row.get("usage_error") or row.get("returncode", 0) < 0:
+        return True
+    return any(c.get("status") for c in row.get("cells", []))  # an artifact was done: the error came from the build
 
 
 class _StopOnSignal:

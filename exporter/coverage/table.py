@@ -133,7 +133,8 @@ def merge(paths, command: str) -> dict:
     merged["planned_rows"] = sum(d.get("planned_rows", 0) for _, d in docs)
     merged["rows"] = sorted_rows(list(rows.values()))
     merged["complete"] = all(d.get("complete") for _, d in docs) and len(merged["rows"]) >= merged["planned_rows"]
-    merged["merged_from"] = [{"file": str(p), "created": d.get("created"), "shard": (d.get("selection") or {}).get("shard"),
+    merged["merged_from"] = [{"file": str(p), "created": d.get("created"), "command": d.get("command"),
+                              "shard": (d.get("selection") or {}).get("shard"),
                               "rows": len(d["rows"]), "complete": d.get("complete"), "run": d.get("run")} for p, d in docs]
     walls = [(d.get("run") or {}).get("wall_s") or 0 for _, d in docs]
     merged["run"] = {"wall_s": max(walls), "shards_wall_s": walls, "started": min(((d.get("run") or {}).get("started") or "")
