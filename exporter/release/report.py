@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from . import ship
+
 
 def _num(value, fmt: str, missing: str = "—") -> str:
     if value is None:
@@ -103,9 +105,8 @@ def markdown(doc: dict) -> str:
     reference = doc["eager"].get("reference") or {}
     if reference.get("note"):  # a quantized weight: which eager model the artifacts were measured against
         lines.append(f"- eager reference: **{reference['kind']}** — {reference['note']}")
-    lines += [
-        "",
-    ]
+    head, _, rest = ship.line(doc, markdown=True).partition(": ")
+    lines += ["", f"**{head}:** {rest}", ""]
     table = rows(doc)
     if table:
         headers = list(table[0])

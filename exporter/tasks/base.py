@@ -121,6 +121,15 @@ class Task:
         """File name under golden/ -> numpy array (.npy) or list (.json), for on-device checks."""
         raise NotImplementedError
 
-    def preview(self, image: torch.Tensor, eager_row: torch.Tensor, artifact_row: torch.Tensor, preprocessing: dict):
-        """A picture a person can judge an artifact by (PIL image), or None."""
+    def departure(self, reference: torch.Tensor, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """How far each row of an artifact's outputs departs from eager's: term -> (N,) scores, the terms in
+        ranking order (the first what a person sees in the preview, the last the raw error that breaks ties).
+        Higher is further; 0 on every term when the row is the same. By default the row's RMSE."""
+        diff = (outputs.double() - reference.double()).reshape(len(reference), -1)
+        return {"logit_rmse": diff.pow(2).mean(1).sqrt()}
+
+    def preview(self, image: torch.Tensor, eager_row: torch.Tensor, artifact_row: torch.Tensor, preprocessing: dict,
+                labels: list[str] | None = None):
+        """A picture of one validation input a person can judge an artifact by (PIL image), or None;
+        `labels` names the classes when the picture names any."""
         return None

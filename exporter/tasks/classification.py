@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -132,3 +133,54 @@ class Classification(Task):
         if labels is not None:
             files["labels.json"] = labels.tolist()
         return files
+
+    def departure(self, reference, outputs):
+        # a flipped call first, then how much the gap between eager's two best classes moved, then the logits
+        ref, out = reference.double(), outputs.double()
+        top = ref.topk(min(2, ref.shape[1]), 1).indices
+        first, second = top[:, :1], top[:, -1:]
+        gap = lambda x: (x.gather(1, first) - x.gather(1, second))[:, 0]  # noqa: E731
+        return {"top1_flipped": (out.argmax(1) != first[:, 0]).double(), "margin_change": (gap(out) - gap(ref)).abs(),
+                **super().departure(reference, outputs)}
+
+    def preview(self, image, eager_row, artifact_row, preprocessing, labels=None):
+        """input | eager's five most likely classes, eager's probability (grey) over the artifact's (blue, red
+        where the artifact's top-1 is another class), under the logit margin of eager's top-1 over its runner-up
+        in both."""
+        from PIL import Image, ImageDraw, ImageFont
+
+        mean, std = torch.tensor(preprocessing["mean"])[:, None, None], torch.tensor(preprocessing["std"])[:, None, None]
+        rgb = Image.fromarray(((image * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy(), "RGB")
+        eager, artifact = eager_row.double().softmax(0), artifact_row.double().softmax(0)
+        classes = eager.topk(min(5, len(eager))).indices.tolist()
+        flipped = int(artifact.argmax()) != classes[0]
+        if flipped and int(artifact.argmax()) not in classes:
+            classes.append(int(artifact.argmax()))
+        h, w = rgb.height, max(rgb.width, 240)
+        panel = Image.new("RGB", (w, h), "white")
+        draw = ImageDraw.Draw(panel)
+        row = h / (len(classes) + 1)  # the first row holds the margins
+        font = ImageFont.load_default(size=max(8, min(14, int(row * 0.3))))
+        named = lambda c: labels[c] if labels and c < len(labels) else f"class {c}"  # noqa: E731
+        runner_up = classes[1 % len(classes)]
+        gap = lambda logits: float(logits[classes[0]] - logits[runner_up])  # noqa: E731
+        draw.text((4, 2), f"logit margin over {named(runner_up)}:", font=font, fill=(87, 96, 106))
+        draw.text((4, 2 + row * 0.45), f"eager {gap(eager_row):.3g}, artifact {gap(artifact_row):.3g}", font=font,
+                  fill=(207, 34, 46) if flipped else (31, 35, 40))
+        for i, c in enumerate(classes, start=1):
+            y = i * row
+            name = named(c)
+            mine = c == int(artifact.argmax())
+            draw.text((4, y + 1), f"{name}{'  <- artifact top-1' if mine and flipped else ''}", font=font,
+                      fill=(207, 34, 46) if mine and flipped else (31, 35, 40))
+            bar = (w - 60) * 1.0
+            top = y + row * 0.42
+            for j, (p, colour) in enumerate(((eager[c], (140, 149, 159)), (artifact[c], (207, 34, 46) if flipped else (9, 105, 218)))):
+                y0, p = top + j * row * 0.26, float(p)
+                length = bar * p if math.isfinite(p) else 0.0  # an artifact that returned NaN: no bar, "nan%"
+                draw.rectangle([4, y0, 4 + max(1.0, length), y0 + row * 0.2], fill=colour)
+                draw.text((8 + length + 2, y0 - 2), f"{p:.1%}", font=font, fill=(87, 96, 106))
+        sheet = Image.new("RGB", (rgb.width + 4 + w, h), "white")
+        sheet.paste(rgb, (0, 0))
+        sheet.paste(panel, (rgb.width + 4, 0))
+        return sheet

@@ -306,7 +306,13 @@ class Detection(Task):
             files["boxes.json"] = [[row for row in rows if row[0] != PAD] for rows in labels.tolist()]
         return files
 
-    def preview(self, image, eager_row, artifact_row, preprocessing):
+    def departure(self, reference, outputs):
+        # boxes an app would show that have no partner on the other side (missed or extra), then the raw heads
+        matches = [detection_decode.match(r, o, MATCH_SCORE) for r, o in zip(self.decode(reference), self.decode(outputs))]
+        unmatched = torch.tensor([m["reference"] + m["candidate"] - 2 * m["matched"] for m in matches], dtype=torch.float64)
+        return {"unmatched_boxes": unmatched, "head_rmse": super().departure(reference, outputs)["logit_rmse"]}
+
+    def preview(self, image, eager_row, artifact_row, preprocessing, labels=None):
         """input | eager boxes | artifact boxes (scores >= MATCH_SCORE)."""
         mean, std = torch.tensor(self.mean)[:, None, None], torch.tensor(self.std)[:, None, None]
         rgb = Image.fromarray(((image * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy(), "RGB")
@@ -316,9 +322,10 @@ class Detection(Task):
             panel = rgb.copy()
             draw = ImageDraw.Draw(panel)
             for box, score, label in zip(d["boxes"], d["scores"], d["labels"]):
-                if score >= MATCH_SCORE:
+                if score >= MATCH_SCORE and np.isfinite(box).all():
                     draw.rectangle([float(v) for v in box], outline=(255, 40, 40), width=2)
-                    draw.text((float(box[0]) + 2, float(box[1]) + 1), f"{label} {score:.2f}", fill=(255, 255, 0))
+                    name = labels[label] if labels and 0 <= label < len(labels) else label
+                    draw.text((float(box[0]) + 2, float(box[1]) + 1), f"{name} {score:.2f}", fill=(255, 255, 0))
             panels.append(panel)
         h, w = self.input_size
         sheet = Image.new("RGB", (3 * w + 8, h), "white")

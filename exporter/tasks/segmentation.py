@@ -207,7 +207,12 @@ class Segmentation(Task):
             files["masks.npy"] = labels.reshape(len(labels), h, w).numpy().astype(np.uint8)
         return files
 
-    def preview(self, image, eager_row, artifact_row, preprocessing):
+    def departure(self, reference, outputs):
+        # the share of pixels whose class differs from eager's, then the logits
+        changed = (self._masks(reference) != self._masks(outputs)).double().mean(1)
+        return {"changed_pixels": changed, **super().departure(reference, outputs)}
+
+    def preview(self, image, eager_row, artifact_row, preprocessing, labels=None):
         """input | eager mask | artifact mask, pixels where the two masks differ outlined in white."""
         h, w = self.input_size
         mean, std = torch.tensor(preprocessing["mean"])[:, None, None], torch.tensor(preprocessing["std"])[:, None, None]

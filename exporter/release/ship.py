@@ -1,0 +1,51 @@
+"""Which artifact to ship, per target: the fastest that passed (p50) and the smallest that passed (bytes).
+
+Only measured numbers count and only artifacts that passed: one without a latency (not timed on this host)
+can be the smallest but never the fastest; a failed or unvalidated (unavailable) one is never picked."""
+
+from __future__ import annotations
+
+
+def _p50(a: dict) -> float:
+    p50 = (a.get("latency_ms") or {}).get("p50")
+    return float("inf") if p50 is None else p50
+
+
+def _size(a: dict) -> float:
+    return a.get("size_bytes") or float("inf")
+
+
+def choose(doc: dict) -> dict:
+    """{"passed": names, "fastest": artifact or None, "smallest": artifact or None, "failed": names,
+    "unavailable": names}; ties go to the other measure, then to the name."""
+    passed = [a for a in doc["artifacts"] if a["status"] == "passed"]
+    return {
+        "passed": [a["name"] for a in passed],
+        "fastest": min((a for a in passed if _p50(a) != float("inf")), key=lambda a: (_p50(a), _size(a), a["name"]), default=None),
+        "smallest": min((a for a in passed if a.get("size_bytes")), key=lambda a: (_size(a), _p50(a), a["name"]), default=None),
+        "failed": [a["name"] for a in doc["artifacts"] if a["status"] == "failed"],
+        "unavailable": [a["name"] for a in doc["artifacts"] if a["status"] == "unavailable"],
+    }
+
+
+def line(doc: dict, markdown: bool = False) -> str:
+    """One sentence for the target of `doc`, e.g. "Ship for android: executorch_int8, the fastest (p50 1.20 ms)
+    and the smallest (2.41 MB) of the 2 that passed." Artifact names in backticks when `markdown`."""
+    pick, target = choose(doc), doc["target"]["name"]
+    code = (lambda n: f"`{n}`") if markdown else (lambda n: n)
+    unvalidated = (f" Not validated on this host (runtime unavailable): {', '.join(map(code, pick['unavailable']))}."
+                   if pick["unavailable"] else "")
+    if not pick["passed"]:
+        failed = f"{len(pick['failed'])} failed" if pick["failed"] else "none was validated"
+        return f"Nothing to ship for {target}: no artifact passed ({failed}).{unvalidated}"
+    fastest, smallest, count = pick["fastest"], pick["smallest"], len(pick["passed"])
+    speed = f"p50 {fastest['latency_ms']['p50']:.2f} ms" if fastest else None
+    mb = f"{smallest['size_bytes'] / 1e6:.2f} MB" if smallest else None
+    if fastest and smallest and fastest is smallest:
+        if count == 1:
+            return f"Ship for {target}: {code(fastest['name'])}, the only one that passed ({speed}, {mb}).{unvalidated}"
+        return (f"Ship for {target}: {code(fastest['name'])}, the fastest ({speed}) and the smallest ({mb}) "
+                f"of the {count} that passed.{unvalidated}")
+    parts = [f"fastest {code(fastest['name'])} ({speed})" if fastest else "fastest: none was timed on this host",
+             f"smallest {code(smallest['name'])} ({mb})" if smallest else "smallest: no size recorded"]
+    return f"Ship for {target} ({count} passed): {'; '.join(parts)}.{unvalidated}"
