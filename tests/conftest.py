@@ -140,3 +140,21 @@ def assert_device_reproduces_the_build(directory: Path) -> None:
                 assert measured[key] == pytest.approx(float(value), rel=1e-4, abs=1e-6), (entry["name"], key)
         if entry["status"] == "passed":
             assert checked[entry["name"]]["status"] == "passed", checked[entry["name"]]
+
+
+def assert_preview(build: Path, entry: dict, size: int) -> None:
+    """An artifact's preview: a stack of one strip (input | eager | artifact under a title) per departing
+    input it lists, or no picture when it is bit-identical to eager everywhere."""
+    from PIL import Image
+
+    from exporter.release import previews
+
+    rows = entry["preview_rows"]
+    if rows == []:
+        assert "preview" not in entry, entry
+        return
+    assert 1 <= len(rows) <= previews.MOST and all(r["departure"] for r in rows), rows
+    with Image.open(build / entry["preview"]) as im:
+        n = len(rows)
+        assert im.size[1] == n * (size + previews.TITLE) + (n - 1) * previews.GAP, (im.size, n)
+        assert im.size[0] > 3 * size  # input | eager | artifact

@@ -11,14 +11,13 @@ import sys
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from exporter import files
 from exporter.standins import detection as digits_detection
 from exporter.release.bundle import make_bundle
 from exporter.thresholds import breaches
 
-from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
+from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, assert_preview, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -67,8 +66,7 @@ def test_ssdlite_builds_validates_and_bundles_on_every_target(ssdlite_all):
             fid = a["fidelity"]
             assert fid["eager_detections"] > 0 and fid["matched_recall"] is not None
             assert a["accuracy"]["map_drop_points"] is not None
-            with Image.open(out / target / a["preview"]) as im:
-                assert im.size[1] == 320 and im.size[0] > 3 * 320
+            assert_preview(out / target, a, 320)
             if a["precision"] == "fp32":  # fp32 matches eager to fp32 rounding: a guarantee, not a host number
                 assert a["status"] == "passed", a
                 assert fid["matched_recall"] >= 0.99 and fid["psnr_db"] >= 60

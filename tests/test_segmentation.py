@@ -16,7 +16,7 @@ from PIL import Image
 from exporter.standins import segmentation as digits_segmentation
 from exporter.thresholds import breaches
 
-from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
+from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, assert_preview, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -91,9 +91,7 @@ def _check_build(out, result, docs, model, single=None):
             assert set(a["thresholds"]) <= {"pixel_agreement", "miou_vs_eager", "psnr_db", "cosine", "max_abs_error", "miou_drop"}
             assert (a["status"] == "passed") == (breaches(a, a["thresholds"]) == []), a
             assert a["fidelity"]["pixel_agreement"] is not None and a["accuracy"]["miou_drop_points"] is not None
-            assert (build / a["preview"]).is_file()
-            with Image.open(build / a["preview"]) as im:
-                assert im.size[1] == model.size and im.size[0] > 3 * model.size  # input | eager | artifact
+            assert_preview(build, a, model.size)
             if a["precision"] == "fp32":  # fp32 matches eager to fp32 rounding: a guarantee, not a host number
                 assert a["status"] == "passed", a
                 assert a["fidelity"]["pixel_agreement"] >= 0.999 and a["fidelity"]["psnr_db"] >= 60

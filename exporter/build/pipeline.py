@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__, data, files, validation, weights
-from ..release import html_report, manifest, report
+from ..release import html_report, manifest, previews, report
 from . import cache, profiles
 from .plan import ArtifactSpec, Plan, make_all, make as make_plan
 from ..tasks import Task
@@ -137,7 +137,7 @@ def _evaluate(session: Session, runner, thresholds: dict, timed: bool = True) ->
 
 
 VALIDATION_FIELDS = ("status", "reasons", "fidelity", "golden_fidelity", "accuracy", "latency_ms", "eager_latency_ms",
-                     "speedup_vs_eager", "proxy", "preview")
+                     "speedup_vs_eager", "proxy", "preview", "preview_rows")
 GOLDEN_COUNT = 8  # validation inputs written to golden/ for on-device checks
 
 
@@ -146,6 +146,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
     and thread settings) from the cache; the manifest says when it did."""
     digest = cache.key(
         kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency, golden=session.golden_rows,
+        preview=previews.VERSION,
         cpu=manifest.host(session.latency["threads"])["cpu"],
         **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")},
     )
@@ -194,8 +195,6 @@ def _write_preview(session: Session, entry: dict, out: Path, outputs: torch.Tens
     """The task's pictures of the validation inputs where this artifact departs most from eager (eager beside
     the artifact), with `preview_rows` naming them; `preview_rows: []` and no picture when the artifact's
     outputs are bit-identical to eager's on every input."""
-    from ..release import previews
-
     entry.pop("preview", None)  # `exporter validate` re-draws over an earlier run's entry
     entry.pop("preview_rows", None)
     picture, rows = previews.draw(session.task, session.inputs.validation, session.reference, outputs,
