@@ -26,9 +26,9 @@ ORDER = tuple(SYMBOLS)
 CLASSIFIERS = (
     ("degenerate reference", re.compile(r"degenerate")),
     ("out of memory", re.compile(r"out of memory|outofmemory|memoryerror|can't allocate memory|cannot allocate memory|"
-                                 r"std::bad_alloc|killed by the kernel|oom")),
+                                 r"std::bad_alloc|killed by the kernel|\boom\b")),
     ("time limit", re.compile(r"time limit|timed out|timeout")),
-    ("delegate fallback", re.compile(r"xnnpack|delegate|partition|lowered|backend_details|preprocess")),
+    ("delegate fallback", re.compile(r"xnnpack|delegate|partition|lowered|backend_details")),
     ("unsupported op", re.compile(r"unsupported|not supported|not implemented|notimplementederror|no decomposition|"
                                   r"no kernel|could not find .*(op|kernel)|unknown (op|operator|builtin)|"
                                   r"exporting the operator|is not a registered|missing .*(op|lowering)|"

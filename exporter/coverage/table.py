@@ -65,12 +65,13 @@ def summary(rows: list[dict]) -> list[dict]:
     for row in rows:
         group = groups.setdefault((row["target"], row["task"]), {
             "target": row["target"], "task": row["task"], **{k: 0 for k in ROW_OUTCOMES},
-            "artifacts": {k: 0 for k in ORDER}, "export_failures": {}})
+            "artifacts": {k: 0 for k in ORDER}, "failures": {}})
         group[row["outcome"]] += 1
         for cell in row["cells"]:
             group["artifacts"][cell["outcome"]] += 1
-            if cell["outcome"] in ("export", "time"):
-                group["export_failures"][cell["kind"]] = group["export_failures"].get(cell["kind"], 0) + 1
+            if cell["outcome"] in ("failed", "export", "time"):
+                label = f"{SYMBOLS[cell['outcome']]} {cell.get('kind') or ''}".strip()
+                group["failures"][label] = group["failures"].get(label, 0) + 1
     return [groups[k] for k in sorted(groups, key=lambda k: (_order(k[0], TARGET_ORDER), k[0], _order(k[1], TASK_ORDER)))]
 
 
@@ -291,6 +292,9 @@ def markdown(doc: dict) -> str:
         f"| command | `{_esc(doc.get('command'))}`"
         + (f" at exporter commit `{doc['exporter_commit'][:12]}{'-dirty' if doc['exporter_commit'].endswith('-dirty') else ''}`"
            if doc.get("exporter_commit") else "") + " |",
+        *([f"| merged from | {len(doc['merged_from'])} file(s), made by "
+            + "; ".join(f"`{_esc(c)}`" for c in dict.fromkeys(m.get("command") or "?" for m in doc["merged_from"])) + " |"]
+          if doc.get("merged_from") else []),
         f"| status | {status} |",
         f"| run time | {_duration(run.get('wall_s'))} wall clock"
         + (f" (shards side by side: the longest)" if doc.get("merged_from") else "")
@@ -318,10 +322,12 @@ def markdown(doc: dict) -> str:
                      + " | ".join(str(a[k]) for k in ORDER if k != "skipped") + " |")
     kinds = Counter()
     for g in groups:
-        for kind, n in g["export_failures"].items():
+        for kind, n in g["failures"].items():
             kinds[(g["target"], kind)] += n
     if kinds:
-        lines += ["", "Export failures (❌, ⏱) by kind:", "", "| target | kind | artifacts |", "|---|---|---:|"]
+        lines += ["", "Failures by kind (❎ validation: a threshold broken; ❎ degenerate reference: eager's outputs barely "
+                  "vary across the inputs, so agreement with it proves nothing):", "",
+                  "| target | kind | artifacts |", "|---|---|---:|"]
         for (target, kind), n in sorted(kinds.items(), key=lambda kv: (_order(kv[0][0], TARGET_ORDER), -kv[1], kv[0][1])):
             lines.append(f"| {target} | {kind} | {n} |")
 
