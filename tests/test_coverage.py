@@ -95,6 +95,20 @@ def test_a_second_run_is_served_from_the_row_cache(first_run, cache_dir, tmp_pat
     assert {k: r["cells"] for k, r in before.items()} == {k: r["cells"] for k, r in after.items()}
 
 
+def test_a_resumed_sweep_counts_the_interrupted_runs_clock(first_run, cache_dir, tmp_path):
+    out, _, _ = first_run
+    doc = json.loads((out / "coverage.json").read_text())
+    doc.update(complete=False, interrupted=True, rows=doc["rows"][:1])
+    doc["run"] = dict(doc["run"], wall_s=1234.0)
+    (tmp_path / "coverage.json").write_text(json.dumps(doc))
+    result, _ = _sweep(cache_dir, tmp_path)
+    assert result.exit_code == 0, result.output
+    resumed = json.loads((tmp_path / "coverage.json").read_text())
+    assert resumed["complete"] and [r["wall_s"] for r in resumed["run"]["earlier_runs"]] == [1234.0]
+    assert resumed["run"]["total_wall_s"] >= 1234.0
+    assert "over 2 runs" in (tmp_path / "coverage.md").read_text()
+
+
 def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     out, _, _ = first_run
     matrix = run_cli("coverage", "--matrix", "2")

@@ -71,6 +71,7 @@ class Sweep:
         doc = table.new_document(self.command, self.settings.describe(), self.selection, tools)
         planned = [(c, t) for c in self.candidates for t in self.settings.targets]
         doc["planned_rows"] = len(planned)
+        self._earlier = _earlier_runs(self.json_path, doc)
         rows: list[dict] = []
         cache_root = rowcache.root(self.cache_dir)
         stop = _StopOnSignal()
@@ -108,6 +109,9 @@ class Sweep:
                       "wall_s": round(time.time() - started, 1),
                       "rows_built": sum(1 for r in rows if r.get("built_now")),
                       "rows_from_cache": sum(1 for r in rows if r.get("from_cache"))}
+        if self._earlier:  # this run resumed an interrupted one of the same sweep: its clock counts too
+            doc["run"]["earlier_runs"] = self._earlier
+            doc["run"]["total_wall_s"] = round(doc["run"]["wall_s"] + sum(r["wall_s"] for r in self._earlier), 1)
         table.write(doc, self.json_path, self.md_path)
         return doc
 
@@ -192,6 +196,19 @@ class Sweep:
         else:
             reason = f"the build process died (exit code {proc.returncode})"
         return dict(info, outcome="stopped", reason=reason, cells=cells, log_tail=_tail(log_path))
+
+
+def _earlier_runs(json_path: Path, doc: dict) -> list[dict]:
+    """The runs of the same sweep (settings and selection) that an unfinished table at `json_path` records:
+    a resumed sweep reports the wall clock of all of them."""
+    old = _read_json(json_path)
+    if not old or old.get("complete") or old.get("settings") != doc["settings"] or old.get("selection") != doc["selection"]:
+        return []
+    run = old.get("run") or {}
+    earlier = list(run.get("earlier_runs") or [])
+    if run.get("wall_s") is not None:
+        earlier.append({"started": run.get("started"), "wall_s": run["wall_s"], "rows_built": run.get("rows_built")})
+    return earlier
 
 
 def _cacheable(row: dict) -> bool:

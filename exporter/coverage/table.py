@@ -137,7 +137,7 @@ def merge(paths, command: str) -> dict:
     merged["merged_from"] = [{"file": str(p), "created": d.get("created"), "command": d.get("command"),
                               "shard": (d.get("selection") or {}).get("shard"),
                               "rows": len(d["rows"]), "complete": d.get("complete"), "run": d.get("run")} for p, d in docs]
-    walls = [(d.get("run") or {}).get("wall_s") or 0 for _, d in docs]
+    walls = [(d.get("run") or {}).get("total_wall_s") or (d.get("run") or {}).get("wall_s") or 0 for _, d in docs]
     merged["run"] = {"wall_s": max(walls), "shards_wall_s": walls, "started": min(((d.get("run") or {}).get("started") or "")
                                                                                   for _, d in docs) or None}
     return merged
@@ -296,7 +296,9 @@ def markdown(doc: dict) -> str:
             + "; ".join(f"`{_esc(c)}`" for c in dict.fromkeys(m.get("command") or "?" for m in doc["merged_from"])) + " |"]
           if doc.get("merged_from") else []),
         f"| status | {status} |",
-        f"| run time | {_duration(run.get('wall_s'))} wall clock"
+        f"| run time | {_duration(run.get('total_wall_s', run.get('wall_s')))} wall clock"
+        + (f" over {len(run['earlier_runs']) + 1} runs (resumed after an interruption; this one {_duration(run.get('wall_s'))})"
+           if run.get("earlier_runs") else "")
         + (f" (shards side by side: the longest)" if doc.get("merged_from") else "")
         + f"; {_duration(built_s)} of builds in all"
         + (f" ({run.get('rows_from_cache')} rows from the row cache, timed when first built)" if run.get("rows_from_cache") else "")
