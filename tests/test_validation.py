@@ -119,6 +119,10 @@ def test_a_near_constant_reference_is_caught_at_the_thresholds_it_cannot_resolve
     assert validation.blind_spot(task, reference, {"psnr_db": 30.0}) is not None
     assert validation.blind_spot(task, reference, {"psnr_db": 100.0}) is None
     assert validation.blind_spot(task, reference, {"accuracy_drop": 1.0}) is None  # no fidelity threshold to fool
+    # thresholds set to pass anything (as a byte-reproducibility test does) flag only a reference that barely varies
+    varied = torch.randn(16, 10, generator=torch.Generator().manual_seed(1))
+    assert validation.blind_spot(task, varied, {"top1_agreement": 0.0, "psnr_db": 0.0}) is None
+    assert validation.blind_spot(task, reference, {"top1_agreement": 0.0, "psnr_db": 0.0}) is not None
 
 
 def test_a_trained_reference_is_judgeable(digits_model):
