@@ -96,7 +96,8 @@ class Sweep:
                     if self.builds_dir is None:
                         shutil.rmtree(weight_dir, ignore_errors=True)
         except KeyboardInterrupt:
-            self.log(f"interrupted: {len(rows)} of {len(planned)} rows done; the table says it is partial")
+            why = "SIGTERM" if stop.signalled else "Ctrl-C (SIGINT)"
+            self.log(f"interrupted by {why}: {len(rows)} of {len(planned)} rows done; the table says it is partial")
             return self._write(doc, rows, started, complete=False, interrupted=True)
         finally:
             stop.restore()
