@@ -1,12 +1,23 @@
-"""Detection post-processing in numpy: raw SSD heads -> boxes, scores, labels.
+"""Detection post-processing in numpy: raw single-stage heads -> boxes, scores, labels.
 
 The exported graphs stop at the raw heads (torch.export cannot take torchvision's batched NMS, and the
-mobile runtimes have no NMS kernel), so this one file does what torchvision's SSD.postprocess_detections
+mobile runtimes have no NMS kernel), so this one file does what torchvision's `postprocess_detections`
 does, for eager and for every artifact alike. It needs only numpy and ships in bundles and the Jetson kit
-beside anchors.npy; bundle.json carries `params` (DEFAULTS' keys).
+beside anchors.npy; bundle.json carries `params` (DEFAULTS' keys, plus `levels` and `normalize_by_size`
+where the kind uses them).
 
-A graph's output is one array per image, (anchors, 4 + classes): the box deltas (dx, dy, dw, dh) against
-each anchor, scaled by the box coder weights, then the class logits (class 0 = background).
+A graph's output is one array per image, (anchors, K), and `params["kind"]` says what K holds:
+
+- "ssd" (SSD, SSDlite): 4 box deltas (dx, dy, dw, dh) against each anchor, scaled by `box_coder_weights`,
+  then C class logits. Softmax; class 0 is background; per class: score threshold and top-k; NMS per class.
+- "retinanet": 4 box deltas as SSD's (weights (1, 1, 1, 1) in torchvision), then C class logits. Sigmoid;
+  per pyramid level (`levels`: anchors per level, in order): score threshold and top-k over all
+  (anchor, class) pairs of the level; then NMS per class across the levels. Any class may be a label.
+- "fcos": 4 distances (left, top, right, bottom) from the anchor's centre, in units of its width/height
+  when `normalize_by_size`; then 1 centerness logit; then C class logits. Score
+  sqrt(sigmoid(class) * sigmoid(centerness)); otherwise as "retinanet".
+
+Boxes are clipped to the image in every kind; at most `detections_per_img` are returned, best first.
 """
 
 from __future__ import annotations
@@ -15,7 +26,8 @@ import math
 
 import numpy as np
 
-DEFAULTS = {
+DEFAULTS = {  # torchvision's SSDlite320; a build's params say what its model uses
+    "kind": "ssd",
     "box_coder_weights": [10.0, 10.0, 5.0, 5.0],
     "score_thresh": 0.001,
     "nms_thresh": 0.55,
@@ -30,6 +42,11 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(-1, keepdims=True)
 
 
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(logits))  # never overflows
+    return np.where(logits >= 0, 1 / (1 + e), e / (1 + e)).astype(logits.dtype)
+
+
 def decode_boxes(deltas: np.ndarray, anchors: np.ndarray, weights, clip: float) -> np.ndarray:
     """(A, 4) deltas against (A, 4) xyxy anchors -> (A, 4) xyxy boxes."""
     widths, heights = anchors[:, 2] - anchors[:, 0], anchors[:, 3] - anchors[:, 1]
@@ -40,6 +57,23 @@ def decode_boxes(deltas: np.ndarray, anchors: np.ndarray, weights, clip: float) 
     x, y = dx * widths + ctr_x, dy * heights + ctr_y
     w, h = np.exp(dw) * widths, np.exp(dh) * heights
     return np.stack([x - 0.5 * w, y - 0.5 * h, x + 0.5 * w, y + 0.5 * h], axis=1)
+
+
+def decode_distances(distances: np.ndarray, anchors: np.ndarray, normalize_by_size: bool) -> np.ndarray:
+    """(A, 4) distances (left, top, right, bottom) from the centres of (A, 4) xyxy anchors -> xyxy boxes."""
+    ctr_x, ctr_y = 0.5 * (anchors[:, 0] + anchors[:, 2]), 0.5 * (anchors[:, 1] + anchors[:, 3])
+    if normalize_by_size:
+        widths, heights = anchors[:, 2] - anchors[:, 0], anchors[:, 3] - anchors[:, 1]
+        distances = distances * np.stack([widths, heights, widths, heights], axis=1)
+    return np.stack([ctr_x - distances[:, 0], ctr_y - distances[:, 1],
+                     ctr_x + distances[:, 2], ctr_y + distances[:, 3]], axis=1)
+
+
+def clip_boxes(boxes: np.ndarray, image_size) -> np.ndarray:
+    h, w = image_size
+    boxes[:, 0::2] = boxes[:, 0::2].clip(0, w)
+    boxes[:, 1::2] = boxes[:, 1::2].clip(0, h)
+    return boxes
 
 
 def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -83,14 +117,23 @@ def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, limit: int | No
 
 
 def decode(head: np.ndarray, anchors: np.ndarray, image_size, params: dict | None = None) -> dict:
-    """One image's raw head (A, 4 + C) -> {"boxes" (K, 4) xyxy in input pixels, "scores" (K,), "labels" (K,)},
-    best first, as torchvision's SSD post-processing (per-class threshold and top-k, class-wise NMS)."""
+    """One image's raw head (A, K) -> {"boxes" (N, 4) xyxy in input pixels, "scores" (N,), "labels" (N,)},
+    best first, as torchvision's `postprocess_detections` of the model `params["kind"]` names."""
     p = {**DEFAULTS, **(params or {})}
     head = np.asarray(head, dtype=np.float32).reshape(len(anchors), -1)
-    boxes = decode_boxes(head[:, :4], anchors, p["box_coder_weights"], p["bbox_xform_clip"])
-    h, w = image_size
-    boxes[:, 0::2] = boxes[:, 0::2].clip(0, w)
-    boxes[:, 1::2] = boxes[:, 1::2].clip(0, h)
+    if p["kind"] == "ssd":
+        boxes, scores, labels = _ssd_candidates(head, anchors, image_size, p)
+    elif p["kind"] in ("retinanet", "fcos"):
+        boxes, scores, labels = _per_level_candidates(head, anchors, image_size, p)
+    else:
+        raise ValueError(f"unknown detection decode kind {p['kind']!r} (ssd, retinanet, fcos)")
+    keep = nms(boxes, scores, p["nms_thresh"], p["detections_per_img"], labels)  # class-wise, in one pass
+    return {"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep]}
+
+
+def _ssd_candidates(head, anchors, image_size, p):
+    """SSD: softmax over classes; per class except background, the scores above the threshold, top-k."""
+    boxes = clip_boxes(decode_boxes(head[:, :4], anchors, p["box_coder_weights"], p["bbox_xform_clip"]), image_size)
     scores = softmax(head[:, 4:])
     kept_boxes, kept_scores, kept_labels = [], [], []
     for label in range(1, scores.shape[1]):
@@ -100,9 +143,33 @@ def decode(head: np.ndarray, anchors: np.ndarray, image_size, params: dict | Non
         kept_boxes.append(boxes[index])
         kept_scores.append(score[index])
         kept_labels.append(np.full(index.size, label, dtype=np.int64))
-    boxes, scores, labels = np.concatenate(kept_boxes), np.concatenate(kept_scores), np.concatenate(kept_labels)
-    keep = nms(boxes, scores, p["nms_thresh"], p["detections_per_img"], labels)  # class-wise, in one pass
-    return {"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep]}
+    return np.concatenate(kept_boxes), np.concatenate(kept_scores), np.concatenate(kept_labels)
+
+
+def _per_level_candidates(head, anchors, image_size, p):
+    """RetinaNet, FCOS: sigmoid scores; per level, the (anchor, class) pairs above the threshold, top-k."""
+    fcos = p["kind"] == "fcos"
+    scores = sigmoid(head[:, 5:] if fcos else head[:, 4:])
+    if fcos:
+        scores = np.sqrt(scores * sigmoid(head[:, 4:5]))
+    num_classes = scores.shape[1]
+    levels = [int(n) for n in p["levels"]]
+    if sum(levels) != len(anchors):
+        raise ValueError(f"params levels add up to {sum(levels)} anchors, the head has {len(anchors)}")
+    kept_boxes, kept_scores, kept_labels = [], [], []
+    for start, stop in zip(np.cumsum([0] + levels[:-1]), np.cumsum(levels)):
+        flat = scores[start:stop].ravel()  # anchor-major: index = anchor * num_classes + class
+        index = np.nonzero(flat > p["score_thresh"])[0]
+        index = index[np.argsort(-flat[index], kind="stable")[: p["topk_candidates"]]]
+        anchor = start + index // num_classes
+        if fcos:
+            boxes = decode_distances(head[anchor, :4], anchors[anchor], p["normalize_by_size"])
+        else:
+            boxes = decode_boxes(head[anchor, :4], anchors[anchor], p["box_coder_weights"], p["bbox_xform_clip"])
+        kept_boxes.append(clip_boxes(boxes, image_size))
+        kept_scores.append(flat[index])
+        kept_labels.append((index % num_classes).astype(np.int64))
+    return np.concatenate(kept_boxes), np.concatenate(kept_scores), np.concatenate(kept_labels)
 
 
 def match(reference: dict, candidate: dict, min_score: float, iou: float = 0.5) -> dict:

@@ -1,9 +1,11 @@
-"""Object detection (SSD family): the graph returns the raw heads; decoding and NMS are shared numpy.
+"""Object detection (single-stage: SSD, SSDlite, RetinaNet, FCOS): the graph returns the raw heads; decoding
+and NMS are shared numpy.
 
 torch.export cannot take torchvision's batched NMS, and ExecuTorch / XNNPACK have no NMS kernel, so every
-format gets backbone + head, returning one array per image of (anchors, 4 box deltas + C class logits).
+format gets backbone (+ FPN) + head, returning one array per image of (anchors, 4 box values [+ 1 FCOS
+centerness] + C class logits), the per-level outputs concatenated as torchvision's heads do.
 exporter/device/detection_decode.py turns it into boxes for eager and for every artifact alike, and ships in the
-bundle with the anchors. Fidelity is judged on the raw heads (PSNR, cosine) and on the decoded boxes
+bundle with the anchors; its parameters (`Detection.params`) are read from the model object. Fidelity is judged on the raw heads (PSNR, cosine) and on the decoded boxes
 (matched to eager's by IoU >= 0.5 and class); labeled metrics are COCO mAP from pycocotools.
 """
 
@@ -32,8 +34,12 @@ PAD = -1.0  # class of padding rows in the (N, K, 5) label tensor
 DECODE_CODE = "detection_decode.py"  # written into every detection build, beside the manifest
 
 
+SINGLE_STAGE = ("ssd", "retinanet", "fcos")  # model name prefixes: torchvision's SSD, RetinaNet and FCOS classes
+
+
 class RawHeads(nn.Module):
-    """Backbone + SSD head on an already resized and normalized image: (1, anchors, 4 + classes)."""
+    """Backbone + head on an already resized and normalized image: (1, anchors, 4 + classes), FCOS
+    (1, anchors, 4 + 1 centerness + classes)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -41,8 +47,9 @@ class RawHeads(nn.Module):
 
     def forward(self, x):
         features = list(self.backbone(x).values())
-        heads = self.head(features)
-        return torch.cat([heads["bbox_regression"], heads["cls_logits"]], dim=-1)
+        heads = self.head(features)  # each (1, anchors of all levels, k)
+        parts = ["bbox_regression", "bbox_ctrness", "cls_logits"] if "bbox_ctrness" in heads else ["bbox_regression", "cls_logits"]
+        return torch.cat([heads[k] for k in parts], dim=-1)
 
 
 @lru_cache(maxsize=None)
@@ -52,13 +59,42 @@ def _reference_model(model_name: str, num_classes: int) -> nn.Module:
     return get_model(model_name, weights=None, weights_backbone=None, num_classes=num_classes).eval()
 
 
-def _anchors(model: nn.Module, size: tuple[int, int]) -> np.ndarray:
+def _anchors(model: nn.Module, size: tuple[int, int]) -> tuple[np.ndarray, list[int]]:
+    """The model's anchors (FCOS: the points, as boxes one stride wide) for an input of `size`, and how many
+    of them each feature level has, in order."""
     from torchvision.models.detection.image_list import ImageList
 
     x = torch.zeros(1, 3, *size)
     with torch.no_grad():
         features = list(model.backbone(x).values())
-        return model.anchor_generator(ImageList(x, [tuple(size)]), features)[0].numpy().astype(np.float32)
+        anchors = model.anchor_generator(ImageList(x, [tuple(size)]), features)[0].numpy().astype(np.float32)
+    per_location = model.anchor_generator.num_anchors_per_location()
+    levels = [int(f.shape[-2] * f.shape[-1] * a) for f, a in zip(features, per_location)]
+    assert sum(levels) == len(anchors), (levels, anchors.shape)
+    return anchors, levels
+
+
+def decode_params(model: nn.Module, levels: list[int]) -> dict:
+    """What detection_decode.decode needs, read from a torchvision SSD, RetinaNet or FCOS model object: its
+    kind, thresholds, top-k, detections per image and box coder (and the anchors per level, which
+    RetinaNet's and FCOS's per-level top-k needs)."""
+    from torchvision.models.detection.fcos import FCOS
+    from torchvision.models.detection.retinanet import RetinaNet
+    from torchvision.models.detection.ssd import SSD
+
+    kind = next((k for cls, k in ((SSD, "ssd"), (RetinaNet, "retinanet"), (FCOS, "fcos")) if isinstance(model, cls)), None)
+    if kind is None:
+        raise UsageError(f"{type(model).__name__} is not a single-stage detector the decode knows (SSD, RetinaNet, FCOS)")
+    coder = model.box_coder
+    params = {"kind": kind, "score_thresh": float(model.score_thresh), "nms_thresh": float(model.nms_thresh),
+              "topk_candidates": int(model.topk_candidates), "detections_per_img": int(model.detections_per_img)}
+    if kind == "fcos":  # BoxLinearCoder: distances from the point, no weights, no clip
+        params.update(box_coder_weights=None, bbox_xform_clip=None, normalize_by_size=bool(coder.normalize_by_size))
+    else:  # BoxCoder
+        params.update(box_coder_weights=[float(w) for w in coder.weights], bbox_xform_clip=float(coder.bbox_xform_clip))
+    if kind != "ssd":
+        params["levels"] = list(levels)
+    return params
 
 
 def _gt_coco(labels: torch.Tensor, size) -> dict:
@@ -104,6 +140,7 @@ class Detection(Task):
     anchors: np.ndarray | None = field(default=None, compare=False, repr=False)
     mean: tuple = (0.5, 0.5, 0.5)
     std: tuple = (0.5, 0.5, 0.5)
+    decoding: dict | None = field(default=None, compare=False, repr=False)  # decode_params of the model
 
     name = "detection"
     agreement = "matched_recall"
@@ -111,17 +148,29 @@ class Detection(Task):
 
     @classmethod
     def refusal(cls, model_name: str) -> str | None:
-        if not model_name.startswith("ssd"):
-            return (f"{model_name} cannot be exported yet: only SSD-family detectors (raw heads plus the shared "
-                    "decode and NMS) are; two-stage detectors keep data-dependent ROI steps inside the graph")
+        if not model_name.startswith(SINGLE_STAGE):
+            return (f"{model_name} cannot be exported yet: only single-stage detectors (SSD, RetinaNet, FCOS: raw "
+                    "heads plus the shared decode and NMS) are; two-stage detectors keep data-dependent ROI steps "
+                    "inside the graph")
         return None
 
     @classmethod
     def input_size_of(cls, weights, model_name, requested):
         transform = _reference_model(model_name, 2).transform
-        size = tuple(transform.fixed_size or (transform.min_size[0], transform.max_size))
-        if requested is not None and tuple(requested) != size:
-            raise UsageError(f"--input-size: this detector's anchors are fixed for {size[0]}x{size[1]}")
+        if transform.fixed_size:  # SSD: resized to one size, which its anchors are made for
+            size = tuple(transform.fixed_size)
+            if requested is not None and tuple(requested) != size:
+                raise UsageError(f"--input-size: this detector's anchors are fixed for {size[0]}x{size[1]}")
+            return size
+        # RetinaNet, FCOS: torchvision resizes the short side to min_size (long side at most max_size) and pads
+        # to a multiple of size_divisible; one graph takes one size: --input-size, by default a min_size square
+        step = transform.size_divisible
+        if requested is None:
+            return transform.min_size[0], transform.min_size[0]
+        size = tuple(int(v) for v in requested)
+        if any(v <= 0 or v % step for v in size):
+            raise UsageError(f"--input-size: {model_name} takes sides that are multiples of {step} "
+                             f"(torchvision pads to them), not {size[0]}x{size[1]}")
         return size
 
     @classmethod
@@ -129,12 +178,15 @@ class Detection(Task):
         size = cls.input_size_of(weights, model_name, input_size)
         # anchors depend on the architecture and the input size only, not on the weights
         reference = _reference_model(model_name, num_classes)
-        return cls(num_classes, size, _anchors(reference, size), tuple(reference.transform.image_mean),
-                   tuple(reference.transform.image_std))
+        anchors, levels = _anchors(reference, size)
+        return cls(num_classes, size, anchors, tuple(reference.transform.image_mean),
+                   tuple(reference.transform.image_std), decode_params(reference, levels))
 
     @classmethod
     def num_classes_in(cls, state, model_name, default):
-        prefix = "head.classification_head.module_list.0."  # its last conv: anchors per location x classes
+        # the classification head's last conv gives anchors per location x classes: SSD's first level
+        # (module_list.0.*), RetinaNet's and FCOS's shared cls_logits
+        prefix = "head.classification_head.module_list.0." if model_name.startswith("ssd") else "head.classification_head.cls_logits."
         convs = [v for k, v in state.items() if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.ndim == 4]
         per_location = _reference_model(model_name, 2).anchor_generator.num_anchors_per_location()[0]
         if convs and convs[-1].shape[0] % per_location == 0:
@@ -153,13 +205,14 @@ class Detection(Task):
 
     @property
     def params(self) -> dict:
-        return {**detection_decode.DEFAULTS, "match_score": MATCH_SCORE}
+        """detection_decode's parameters (read from the model when bound) and the score compared against eager."""
+        return {**detection_decode.DEFAULTS, **(self.decoding or {}), "match_score": MATCH_SCORE}
 
     def preprocessing(self, weights):
         return {
             "task": self.name,
             "input_size": list(self.input_size),
-            "resize_size": list(self.input_size),  # exactly, aspect ratio not kept, as torchvision's SSD transform
+            "resize_size": list(self.input_size),  # exactly, aspect ratio not kept (SSD's transform does the same)
             "crop_size": None,
             "interpolation": "bilinear",
             "antialias": True,
@@ -181,9 +234,18 @@ class Detection(Task):
 
     def output(self):
         count = 0 if self.anchors is None else len(self.anchors)
-        return {"name": self.output_name, "layout": "NAK", "shape": [1, count, 4 + self.num_classes],
-                "meaning": "per anchor: 4 box deltas (dx, dy, dw, dh, scaled by box_coder_weights) then class logits "
-                           "(class 0 = background); decode with detection_decode.py and anchors.npy"}
+        kind = self.params["kind"]
+        meaning = {
+            "ssd": "per anchor: 4 box deltas (dx, dy, dw, dh, scaled by box_coder_weights) then class logits "
+                   "(softmax, class 0 = background)",
+            "retinanet": "per anchor, levels in order (decode.levels anchors each): 4 box deltas (dx, dy, dw, dh, "
+                         "scaled by box_coder_weights) then class logits (sigmoid each)",
+            "fcos": "per point, levels in order (decode.levels points each; anchors.npy holds each point as a box one "
+                    "stride wide): 4 distances (left, top, right, bottom) from its centre in units of that box's "
+                    "size, 1 centerness logit, then class logits; score = sqrt(sigmoid(class) * sigmoid(centerness))",
+        }[kind]
+        return {"name": self.output_name, "layout": "NAK", "shape": [1, count, (5 if kind == "fcos" else 4) + self.num_classes],
+                "meaning": f"{meaning}; decode with detection_decode.py and anchors.npy"}
 
     def describe(self):
         code = self.device_files()[DECODE_CODE].encode("utf-8")
