@@ -207,3 +207,90 @@ def test_random_checkpoints_mean_something():
         expected = model[0](images).mean((0, 2, 3))
     assert torch.allclose(bn.running_mean, expected, atol=1e-4)  # the cumulative mean over both passes
     assert randomize._spread(model, images)["relative_std"] > 0.01
+
+
+def _task(num_classes: int):
+    from exporter.tasks import Classification
+
+    return Classification(num_classes=num_classes, input_size=(4, 4))
+
+
+THRESHOLDS = {"fp32": {"top1_agreement": 1.0, "psnr_db": 60.0}, "fp16": {"top1_agreement": 0.99, "psnr_db": 40.0},
+              "int8": {"top1_agreement": 0.97, "psnr_db": 30.0}}
+
+
+def test_the_precision_floor_tells_a_fragile_reference_from_a_sound_one():
+    """Two linear classifiers on the same inputs: one whose top-1 wins by a wide margin, one whose two leading
+    logits differ by far less than 8-bit rounding moves them. Rounded to 8 bits, eager keeps the first's top-1
+    and loses the second's; float16 and float64 keep both."""
+    from exporter.coverage import conditioning
+
+    torch.manual_seed(0)
+    unit = nn.functional.normalize(torch.randn(48), dim=0)
+    features = torch.randn(16, 48)
+    sign = torch.tensor([1.0, -1.0]).repeat(8)
+    features = features - (features @ unit)[:, None] * unit + 4 * sign[:, None] * unit  # ±4 along `unit`
+    images = features.view(16, 3, 4, 4)
+
+    def classifier(rows: list[torch.Tensor]) -> nn.Module:
+        model = nn.Sequential(nn.Flatten(), nn.Linear(48, len(rows)))
+        with torch.no_grad():
+            model[1].weight.copy_(torch.stack(rows))
+            model[1].bias.zero_()
+        return model.eval()
+
+    other = torch.randn(48)
+    models = {"sound": classifier([unit, -unit, 0.05 * other]),  # top-1 wins by 8 on every image
+              "fragile": classifier([unit, unit + 1e-5 * other, -unit])}  # classes 0 and 1 tie on half of them
+    floors = {}
+    for name, model in models.items():
+        with torch.no_grad():
+            reference = model(images)
+        floors[name] = conditioning.floor(_task(3), model, images, reference, THRESHOLDS)
+    assert set(floors["sound"]) == {"fp32", "fp16", "int8"}
+    assert all(not row["reasons"] for row in floors["sound"].values()), floors["sound"]
+    assert not floors["fragile"]["fp32"]["reasons"]
+    assert "top1_agreement" in outcome.broken_keys(floors["fragile"]["int8"]["reasons"]), floors["fragile"]["int8"]
+    assert floors["fragile"]["int8"]["fidelity"]["top1_agreement"] < 0.97
+
+
+def test_a_failure_the_floor_also_shows_is_marked_ill_conditioned():
+    floor = {"int8": {"fidelity": {"top1_agreement": 0.5, "psnr_db": 29.6}, "reasons": ["top1_agreement 0.5 (needs >= 0.97)",
+                                                                                         "psnr_db 29.6 (needs >= 30)"]},
+             "fp32": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 130.0}, "reasons": []}}
+
+    def cell(precision, reasons):
+        return {"name": f"x_{precision}", "precision": precision, "outcome": "failed", "kind": "validation",
+                "reason": reasons[0], "reasons": reasons}
+
+    row = {"floor": floor, "cells": [cell("int8", ["top1_agreement 0.375 (needs >= 0.97)"]),
+                                     cell("int8", ["top1_agreement 0.375 (needs >= 0.97)", "accuracy_drop 5 (needs <= 1)"]),
+                                     cell("fp32", ["top1_agreement 0.875 (needs >= 1)"])]}
+    kinds = [c["kind"] for c in outcome.reclassify(row)["cells"]]
+    # explained only when every broken threshold is one eager's own rounding breaks too
+    assert kinds == ["ill-conditioned reference", "validation", "validation"]
+    assert table.cell_text(row["cells"][0]) == "❎ top1_agreement 0.375 · ill-conditioned"
+    assert table.floor_text(row, row["cells"][0]) == "eager rounded to int8: top1_agreement 0.5"
+    assert outcome.reclassify({"cells": [cell("int8", ["top1_agreement 0.375 (needs >= 0.97)"])]})["cells"][0]["kind"] == "validation"
+
+
+def test_a_cached_row_with_a_failure_gets_its_floor_measured(first_run, cache_dir, tmp_path):
+    """A row cached before floors were measured: the sweep remakes the checkpoint and measures the floor
+    (in a worker process, on the build's own validation inputs) instead of rebuilding."""
+    out, _, _ = first_run
+    row = _rows(out)["mobilenet_v3_small"]
+    path = cache_dir / "coverage" / f"{row['key']}.json"
+    cached = json.loads(path.read_text())
+    (cell,) = cached["cells"]
+    cell.update(status="failed", outcome="failed", kind="validation", reason="top1_agreement 0.875 (needs >= 1)")
+    cell.pop("reasons", None)
+    cached.pop("floor", None)
+    path.write_text(json.dumps(cached))
+    result, _ = _sweep(cache_dir, tmp_path)
+    assert result.exit_code == 0, result.output
+    measured = _rows(tmp_path)["mobilenet_v3_small"]
+    assert measured["from_cache"] and set(measured["floor"]) >= {"fp32", "fp16", "int8"}, measured.get("floor")
+    # float64 eager keeps float32 eager's top-1 on a settled MobileNetV3-Small: the failure is not explained
+    assert measured["floor"]["fp32"]["fidelity"]["top1_agreement"] == 1.0
+    assert measured["cells"][0]["kind"] == "validation"
+    assert "floor" in json.loads(path.read_text())  # stored back: a third run measures nothing

@@ -3,7 +3,8 @@
 A cell is one artifact of one weight on one target. Its `outcome`:
 
     passed       ✅  built and validated within the target's thresholds
-    failed       ❎  built, but broke a threshold (the first reason)
+    failed       ❎  built, but broke a threshold (the first reason); `kind` "ill-conditioned reference" when eager
+                     itself, rounded to the artifact's precision, broke the same thresholds (coverage.conditioning)
     export       ❌  export failed (the first line of the error), `kind` classified by CLASSIFIERS
     unavailable  ⚪  this host cannot run (or build) it: Core ML predicts only on macOS, TensorRT needs a GPU
     refused      ⛔  refused by design (a video or optical-flow weight, a two-stage detector, a format that
@@ -51,6 +52,21 @@ def _first(reasons) -> str:
     return (reasons or [""])[0]
 
 
+def broken_keys(reasons) -> set[str]:
+    """The metric names in reasons such as 'top1_agreement 0.375 (needs >= 0.97)'."""
+    return {r.split(" ", 1)[0] for r in reasons or [] if " (needs " in r}
+
+
+def floor_explains(floor: dict | None, precision: str, reasons) -> bool:
+    """True when eager with its tensors rounded to `precision` (coverage.conditioning) already broke every
+    threshold the artifact broke: the failure is the random reference's conditioning, not the export."""
+    row = (floor or {}).get(precision)
+    if not row:
+        return False
+    broken = broken_keys(reasons)
+    return bool(broken) and broken <= broken_keys(row.get("reasons"))
+
+
 def cell_from_artifact(artifact: dict) -> dict:
     """One manifest artifact entry -> a cell."""
     reasons = list(artifact.get("reasons") or [])
@@ -63,6 +79,7 @@ def cell_from_artifact(artifact: dict) -> dict:
         "precision": artifact["precision"],
         "status": artifact["status"],
         "reason": reason,
+        "reasons": reasons,
         "size_bytes": artifact.get("size_bytes"),
         "export_s": artifact.get("export_s"),
     }
@@ -137,11 +154,15 @@ def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: 
 
 
 def reclassify(row: dict) -> dict:
-    """A stored row with its export failures classified by today's CLASSIFIERS (a cached row keeps its
-    reasons, and the kinds are derived from them)."""
+    """A row with its cells' kinds derived from their reasons: export failures by today's CLASSIFIERS,
+    validation failures by the row's precision `floor` (a cached row keeps its reasons and floor)."""
     for cell in row.get("cells", []):
         if cell.get("outcome") == "export" and cell.get("reason") and cell.get("kind") not in ("out of memory", "time limit"):
             cell["kind"] = classify(cell["reason"].removeprefix("export failed: "))
+        elif cell.get("outcome") == "failed" and cell.get("kind") in ("validation", "ill-conditioned reference"):
+            reasons = cell.get("reasons") or [cell.get("reason")]
+            explained = floor_explains(row.get("floor"), cell["precision"], reasons)
+            cell["kind"] = "ill-conditioned reference" if explained else "validation"
     return row
 
 

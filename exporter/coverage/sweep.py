@@ -134,27 +134,35 @@ class Sweep:
         if self.cache:
             cached = rowcache.fetch(cache_root, key, self.settings.time_limit)
             if cached is not None:
+                if "floor" not in cached and any(c.get("outcome") == "failed" for c in cached.get("cells", [])):
+                    cached["floor"] = self._floor_only(candidate, cached, weight_dir, stop)
+                    if not stop.signalled:
+                        rowcache.store(cache_root, cached)
                 return dict(outcome.reclassify(cached), from_cache=True, built_now=False)
-        row = dict(row, key=key, **self._build(candidate, target, weight_dir, stop))
+        row = outcome.reclassify(dict(row, key=key, **self._build(candidate, target, weight_dir, stop)))
         row["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         if not stop.signalled and _cacheable(row):
             rowcache.store(cache_root, row)
         return dict(row, from_cache=False, built_now=True)
 
-    def _build(self, candidate: Candidate, target: str, weight_dir: Path, stop) -> dict:
+    def _spec(self, candidate: Candidate, target: str, weight_dir: Path) -> dict:
         s = self.settings
-        out = weight_dir / target
-        spec = {
+        return {
             "weight": candidate.weight, "task": candidate.task, "target": target, "formats": list(s.formats),
             "calib_size": s.calib_size, "val_size": s.val_size, "warmup": s.warmup, "iterations": s.iterations,
             "threads": s.threads, "input_size": list(s.input_size) if s.input_size else None,
             "checkpoints": str(weight_dir / "checkpoints"), "build_cache": str(weight_dir / "cache"),
-            "out": str(out), "result": str(weight_dir / f"{target}.result.json"),
+            "out": str(weight_dir / target), "result": str(weight_dir / f"{target}.result.json"),
         }
-        spec_path = weight_dir / f"{target}.spec.json"
+
+    def _run_worker(self, spec: dict, weight_dir: Path, stop) -> tuple[subprocess.Popen, bool, float, Path]:
+        """One worker process on `spec`, under the time limit; (process, timed out, seconds, log path)."""
+        s = self.settings
+        name = spec["target"] + (".floor" if spec.get("floor_only") else "")
+        spec_path = weight_dir / f"{name}.spec.json"
         spec_path.write_text(json.dumps(spec, indent=2))
         Path(spec["result"]).unlink(missing_ok=True)
-        log_path = weight_dir / f"{target}.log"
+        log_path = weight_dir / f"{name}.log"
         env = dict(os.environ, EXPORTER_OFFLINE="1", PYTHONWARNINGS="ignore", TQDM_DISABLE="1",
                    **{k: str(s.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
         start = time.perf_counter()
@@ -173,7 +181,22 @@ class Sweep:
                 raise
             finally:
                 stop.child = None
-        seconds = round(time.perf_counter() - start, 1)
+        return proc, timed_out, round(time.perf_counter() - start, 1), log_path
+
+    def _floor_only(self, candidate: Candidate, row: dict, weight_dir: Path, stop) -> dict:
+        """The precision floor for a cached row that has validation failures but was built before floors
+        were measured (the checkpoint is deterministic, so it is remade as the build made it)."""
+        spec = dict(self._spec(candidate, row["target"], weight_dir), floor_only=True,
+                    result=str(weight_dir / f"{row['target']}.floor.json"))
+        self._run_worker(spec, weight_dir, stop)
+        result = _read_json(Path(spec["result"])) or {}
+        return result.get("floor") or {"error": result.get("error") or "the floor was not measured"}
+
+    def _build(self, candidate: Candidate, target: str, weight_dir: Path, stop) -> dict:
+        s = self.settings
+        spec = self._spec(candidate, target, weight_dir)
+        out = Path(spec["out"])
+        proc, timed_out, seconds, log_path = self._run_worker(spec, weight_dir, stop)
         result = _read_json(Path(spec["result"])) or {}
         manifest = _read_json(out / "manifest.json")
         done = outcome.cells_from_manifest(manifest) if manifest else []
@@ -181,7 +204,7 @@ class Sweep:
         finished = result.get("stage") == "done" and not timed_out
         info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out, "usage_error": result.get("usage_error"),
                 "time_limit_s": s.time_limit, "checkpoint": _checkpoint_summary(result.get("checkpoint")),
-                "checkpoint_s": result.get("checkpoint_s")}
+                "checkpoint_s": result.get("checkpoint_s"), "floor": result.get("floor")}
         if manifest:
             info["status"] = manifest.get("status")
             info["timings_s"] = {k: v for k, v in (manifest.get("timings_s") or {}).items()

@@ -3,7 +3,9 @@ the weight's random checkpoint (made once per weight, kept beside the builds) an
 `exporter.build.build_targets` of one target, offline, on synthetic data, with the sweep's settings.
 
 The parent reads the build's manifest.json; this process adds RESULT.json: the checkpoint's description, its
-timings and, when the build stopped with an error, that error's first line. A crash or a kill leaves the
+timings, when the build stopped with an error that error's first line, and when an artifact failed validation
+the weight's precision floor (coverage.conditioning). A spec with "floor_only" makes the checkpoint and measures
+the floor without building (for rows cached before floors were measured). A crash or a kill leaves the
 manifest as far as it got (it lists only complete artifacts)."""
 
 from __future__ import annotations
@@ -59,8 +61,16 @@ def run(spec: dict) -> int:
             float_checkpoint=Path(float_checkpoint) if float_checkpoint else None,
             cache=True, cache_dir=Path(spec["build_cache"]),  # shared by the weight's targets, then removed
         )
-        (doc,) = build_targets(request, [spec["target"]], Progress())
-        result.update(stage="done", status=doc["status"])
+        if spec.get("floor_only"):
+            result.update(stage="floor", floor=floor(request, spec["target"]), status=None)
+            result["stage"] = "done"
+        else:
+            (doc,) = build_targets(request, [spec["target"]], Progress())
+            result.update(stage="done", status=doc["status"])
+            if any(a["status"] == "failed" and a.get("path") for a in doc["artifacts"]):
+                result["stage"] = "floor"
+                result["floor"] = floor(request, spec["target"])
+                result["stage"] = "done"
     except Exception as e:  # UsageError included: the exporter's own one-line refusal of this build
         from ..errors import UsageError
 
@@ -71,6 +81,31 @@ def run(spec: dict) -> int:
     result["seconds"] = round(time.perf_counter() - started, 3)
     _write(result_path, result)
     return code
+
+
+def floor(request, target: str) -> dict:
+    """The precision floor of the request's checkpoint on the inputs its build validates with, judged with
+    `target`'s thresholds."""
+    import torch
+
+    from .. import data, weights
+    from ..build import target_profile
+    from ..build.plan import make
+    from . import conditioning
+
+    started = time.perf_counter()
+    loaded = weights.load(request.weight, request.checkpoint, verify=False, offline=True,
+                          float_checkpoint=request.float_checkpoint)
+    task = loaded.task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
+    plan = make(target_profile(request, target), task.name)
+    images = data.synthetic(task.transform(loaded.weights), plan.data.calib_size, plan.data.val_size,
+                            plan.data.seed).validation
+    eager = loaded.eager.float().eval()
+    with torch.no_grad():
+        reference = torch.cat([eager(x[None]) for x in images])
+    result = conditioning.floor(task, eager, images, reference, {k: dict(v) for k, v in plan.thresholds.items()})
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    return result
 
 
 def main(argv: list[str]) -> int:
