@@ -309,6 +309,31 @@ def bundle(out_dir, allow_failed):
         click.echo(f"bundle: {directory}\nzip: {zip_path(directory)}")
 
 
+@main.command("arm-setup")
+@click.option("--rebuild", is_flag=True, help="Build the runner anew even when a complete one is cached.")
+@click.option("--offline", is_flag=True, help="Never download: use the cached runner or exit 2 (also EXPORTER_OFFLINE=1).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was set up as JSON.")
+@one_line_errors
+def arm_setup(rebuild, offline, as_json):
+    """Set up (once) the aarch64 runner under $EXPORTER_CACHE/aarch64: qemu-user, an arm64 Debian root with
+    Python and the aarch64 wheels of the pinned versions; print where it is, its size and set-up time."""
+    from . import aarch64
+    from .progress import Progress
+
+    runner = aarch64.prepare(progress=Progress(quiet=as_json), rebuild=rebuild, offline=offline or None)
+    info = runner.info
+    summary = {"path": str(runner.path), "size_mb": round(info.get("size_bytes", 0) / 1e6),
+               "setup_seconds": info.get("seconds"), "qemu": info.get("qemu_version"),
+               "packages": info.get("packages"), "cpus": runner.cpus}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo(f"aarch64 runner: {summary['path']}\nsize: {summary['size_mb']} MB, set up in "
+               f"{summary['setup_seconds']} s\nqemu: {summary['qemu']}\n"
+               f"packages: {', '.join(f'{k} {v}' for k, v in (summary['packages'] or {}).items())}\n"
+               f"cpus: {', '.join(summary['cpus'])}")
+
+
 def _command_line(ctx: click.Context) -> str:
     """The command as given (options at their default left out), for the files a command writes."""
     import shlex

@@ -162,7 +162,8 @@ MAY_IMPORT = {
     "build": {"weights", "tasks", "formats", "quant", "validation", "data", "release", *LEAVES, "exporter"},
     "standins": {"weights", "tasks", "errors"},
     "coverage": {"build", "weights", "tasks", "data", "release", *LEAVES, "exporter"},
-    "cli": {"build", "weights", "release", "device", "coverage", *LEAVES, "exporter"},
+    "aarch64": {"errors", "files", "progress"},
+    "cli": {"build", "weights", "release", "device", "coverage", "aarch64", *LEAVES, "exporter"},
     "bench": {"data", "formats", "validation", "quant", "tasks", "weights", "release", "device", "standins",
               *LEAVES, "exporter"},
 }

@@ -1,0 +1,87 @@
+"""Run artifacts on emulated aarch64 CPUs: one qemu process per artifact and CPU, running every image.
+
+`run(runner, artifacts, inputs, cpus)` is what a build calls after its x86 validation: the outputs come
+back as numpy arrays (output k of every image stacked), with the seconds taken; nothing is judged here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import UsageError
+from . import cpus as named
+from .runner import Runner
+
+SUFFIXES = (".pte", ".ptl", ".onnx")
+
+
+@dataclass
+class Result:
+    artifact: Path
+    cpu: str
+    outputs: list = field(default_factory=list)  # numpy arrays, output k of every image stacked
+    seconds: float = 0.0  # the whole qemu process: start-up, imports, load, every image
+    info: dict = field(default_factory=dict)  # what ran it (runtime, backends, delegate), load/run seconds
+    error: str | None = None  # the artifact could not be run there (one line)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def run(runner: Runner, artifacts: list[Path], inputs, cpus: list[str], threads: int = 1,
+        timeout: float = 1800) -> list[Result]:
+    """Each artifact on each CPU (artifact-major). `inputs`: an N x C x H x W float32 array or a .npy path.
+    A failure to run is a Result with `error`, not an exception; a bad request is a UsageError."""
+    import numpy as np
+
+    cpus = named.check(cpus, runner.cpus)
+    artifacts = [Path(a).resolve() for a in artifacts]
+    for artifact in artifacts:
+        if artifact.suffix not in SUFFIXES or not artifact.is_file():
+            raise UsageError(f"{artifact}: not a .pte, .ptl or .onnx file")
+    work = Path(tempfile.mkdtemp(prefix="exporter-aarch64-"))
+    try:
+        if isinstance(inputs, (str, Path)):
+            batch = Path(inputs).resolve()
+        else:
+            array = np.ascontiguousarray(inputs, dtype=np.float32)
+            if array.ndim != 4:
+                raise UsageError(f"inputs: expected N x C x H x W, got shape {array.shape}")
+            batch = work / "inputs.npy"
+            np.save(batch, array)
+        results = []
+        for i, artifact in enumerate(artifacts):
+            for cpu in cpus:
+                out = work / f"{i}-{cpu}.npz"
+                results.append(_one(runner, artifact, batch, out, cpu, threads, timeout))
+        return results
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _one(runner: Runner, artifact: Path, batch: Path, out: Path, cpu: str, threads: int, timeout: float) -> Result:
+    import numpy as np
+
+    command = runner.python(cpu, "/opt/exporter/inside.py", "--artifact", str(artifact), "--inputs", str(batch),
+                            "--out", str(out), "--threads", str(threads))
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Result(artifact, cpu, seconds=timeout, error=f"timed out after {timeout:.0f} s under qemu ({cpu})")
+    seconds = round(time.perf_counter() - started, 2)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines or not out.exists():
+        errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        reason = errors[-1] if errors else f"exit code {done.returncode}"
+        return Result(artifact, cpu, seconds=seconds, error=f"{reason[:300]} ({cpu})")
+    with np.load(out) as saved:
+        outputs = [saved[f"out{k}"] for k in range(len(saved.files))]
+    return Result(artifact, cpu, outputs=outputs, seconds=seconds, info=json.loads(lines[-1]))
