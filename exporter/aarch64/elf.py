@@ -22,6 +22,7 @@ R_AARCH64_RELATIVE = 1027
 DT_NEEDED, DT_SONAME = 1, 14
 SHT_RELA, SHT_DYNAMIC, SHT_DYNSYM = 4, 6, 11
 SHT_GNU_VERNEED, SHT_GNU_VERSYM = 0x6FFFFFFE, 0x6FFFFFFF
+DATA_SECTION = 5  # the stub's .data, in its section headers
 
 
 class Library:
@@ -162,7 +163,7 @@ def write_stub(path: Path, soname: str, symbols: dict[str, str | None], objects:
     for i, sym in enumerate(names, 1):
         function = sym not in objects and not sym.startswith("_ZTI")
         # STB_GLOBAL | STT_FUNC or STT_OBJECT, default visibility, an ordinary section index (not UNDEF/ABS)
-        struct.pack_into("<IBBHQQ", out, sym_at + 24 * i, offsets[sym], 0x12 if function else 0x11, 0, 1,
+        struct.pack_into("<IBBHQQ", out, sym_at + 24 * i, offsets[sym], 0x12 if function else 0x11, 0, DATA_SECTION,
                          data_at + where[sym], slot[sym])
         struct.pack_into("<H", out, versym_at + 2 * i, index.get(symbols[sym], 1))
         if function:  # adr x0, .+32; ret
@@ -179,4 +180,28 @@ def write_stub(path: Path, soname: str, symbols: dict[str, str | None], objects:
         struct.pack_into("<QQq", out, rela_at + 24 * i, where, R_AARCH64_RELATIVE, target)
     for i, (tag, val) in enumerate(dynamic):
         struct.pack_into("<qQ", out, dyn_at + 16 * i, tag, val)
+    # section headers, for tools (readelf, this module's reader); the loader needs none
+    sections = [(".hash", 5, 2, hash_at, 4 * (2 + nbucket + nsyms), 2, 0, 4, 4),
+                (".dynsym", 11, 2, sym_at, 24 * nsyms, 3, 1, 8, 24),
+                (".dynstr", 3, 2, str_at, len(strtab), 0, 0, 1, 0),
+                (".gnu.version", 0x6FFFFFFF, 2, versym_at, 2 * nsyms, 2, 0, 2, 2),
+                (".data", 1, 7, data_at, at, 0, 0, 16, 0),  # DATA_SECTION
+                (".dynamic", 6, 3, dyn_at, 16 * len(dynamic), 3, 0, 8, 16)]
+    if versions:
+        sections.append((".gnu.version_d", 0x6FFFFFFD, 2, verdef_at, 28 * (len(versions) + 1), 3, len(versions) + 1, 4, 0))
+    if relocs:
+        sections.append((".rela.dyn", 4, 2, rela_at, 24 * len(relocs), 2, 0, 8, 24))
+    shstrtab = b"\0" + b"".join(name.encode() + b"\0" for name, *_ in sections) + b".shstrtab\0"
+    names_at, cursor = [], 1
+    for name, *_ in sections:
+        names_at.append(cursor)
+        cursor += len(name) + 1
+    shstr_at = len(out)
+    out += shstrtab
+    shoff = (len(out) + 7) & ~7
+    out += bytes(shoff - len(out) + 64 * (len(sections) + 2))
+    for i, ((_, kind, flags, addr, size, link, info, align, entsize), name_at) in enumerate(zip(sections, names_at), 1):
+        struct.pack_into("<IIQQQQIIQQ", out, shoff + 64 * i, name_at, kind, flags, addr, addr, size, link, info, align, entsize)
+    struct.pack_into("<IIQQQQIIQQ", out, shoff + 64 * (len(sections) + 1), cursor, 3, 0, 0, shstr_at, len(shstrtab), 0, 0, 1, 0)
+    struct.pack_into("<QIHHHHHH", out, 0x28, shoff, 0, 64, 56, phnum, 64, len(sections) + 2, len(sections) + 1)
     Path(path).write_bytes(bytes(out))

@@ -1,0 +1,267 @@
+"""The aarch64 runner: a half-built runner is never used, the key follows the pinned versions, refusals are one
+line with exit 2, the CUDA stubs are well-formed ELF, and (opt-in, EXPORTER_TEST_AARCH64=1) the digits .pte
+fp32/int8 and ONNX int8 give the x86 outputs on two named emulated CPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from exporter import aarch64
+from exporter.aarch64 import cpus, elf, runner, sysfs
+from exporter.aarch64 import versions as pins
+from exporter.cli import main
+from exporter.errors import UsageError
+
+WANTED = {"torch": "2.14.1", "executorch": "1.5.1", "onnxruntime": "1.32.0", "numpy": "2.4.6"}
+
+
+class FakeBuilder:
+    """Writes a runner's files without downloading anything; can fail part way, as a killed set-up would."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.builds = fail, []
+
+    def check_host(self):
+        pass
+
+    def qemu_version(self, progress):
+        return "qemu-user=1:10.0.2"
+
+    def build(self, tmp, wanted, progress):
+        self.builds.append(tmp)
+        (tmp / "root").mkdir()
+        (tmp / "qemu-aarch64").write_text("fake")
+        if self.fail:
+            raise UsageError("the network went away")
+        return {"cpus": {"cortex-a53": "0x410fd034"}}
+
+
+def _prepare(tmp_path, builder, **kwargs):
+    return aarch64.prepare(tmp_path, builder=builder, wanted=WANTED, offline=False, **kwargs)
+
+
+def test_a_runner_is_built_once_then_reused(tmp_path):
+    builder = FakeBuilder()
+    first = _prepare(tmp_path, builder)
+    assert first.path.parent == tmp_path / "aarch64" and (first.path / runner.READY).exists()
+    assert json.loads((first.path / runner.READY).read_text())["packages"] == WANTED
+    again = _prepare(tmp_path, builder)
+    assert again.path == first.path and len(builder.builds) == 1
+    assert _prepare(tmp_path, builder, rebuild=True).path == first.path and len(builder.builds) == 2
+
+
+def test_a_killed_setup_leaves_nothing_taken_for_ready(tmp_path):
+    """A set-up killed part way leaves its .tmp-* directory (even with a READY file in it): it is never
+    used, and the next set-up removes it and builds."""
+    leftover = tmp_path / "aarch64" / f".tmp-{pins.key(WANTED, 'qemu-user=1:10.0.2')}-killed"
+    (leftover / "root").mkdir(parents=True)
+    (leftover / runner.READY).write_text(json.dumps({"packages": WANTED, "layout": pins.LAYOUT}))
+    assert aarch64.find(tmp_path, WANTED) is None
+    builder = FakeBuilder()
+    built = _prepare(tmp_path, builder)
+    assert len(builder.builds) == 1 and not leftover.exists() and built.path.name != leftover.name
+
+
+def test_a_final_directory_without_its_marker_is_rebuilt(tmp_path):
+    final = tmp_path / "aarch64" / pins.key(WANTED, "qemu-user=1:10.0.2")
+    (final / "root").mkdir(parents=True)
+    (final / "stale").write_text("from a copy that lost READY.json")
+    assert aarch64.find(tmp_path, WANTED) is None
+    builder = FakeBuilder()
+    built = _prepare(tmp_path, builder)
+    assert built.path == final and len(builder.builds) == 1
+    assert not (final / "stale").exists() and (final / runner.READY).exists()
+
+
+def test_a_failed_setup_leaves_no_directory(tmp_path):
+    with pytest.raises(UsageError, match="network"):
+        _prepare(tmp_path, FakeBuilder(fail=True))
+    assert [p.name for p in (tmp_path / "aarch64").iterdir()] == [".lock"]
+    assert aarch64.find(tmp_path, WANTED) is None
+
+
+def test_a_runner_for_other_versions_is_not_used(tmp_path):
+    _prepare(tmp_path, FakeBuilder())
+    assert aarch64.find(tmp_path, {**WANTED, "torch": "2.15.0"}) is None
+    assert aarch64.find(tmp_path, WANTED) is not None
+
+
+def test_offline_with_nothing_cached_is_refused(tmp_path):
+    builder = FakeBuilder()
+    with pytest.raises(UsageError, match="offline.*arm-setup"):
+        aarch64.prepare(tmp_path, builder=builder, wanted=WANTED, offline=True)
+    assert builder.builds == []
+
+
+PYPROJECT = """
+[project]
+dependencies = [
+    "torch==2.14.1",
+    "numpy",
+]
+[project.optional-dependencies]
+android = ["executorch==1.5.1"]
+jetson = ["onnx>=1.16", "onnxruntime>=1.18"]
+"""
+
+
+def test_the_key_follows_every_pinned_version():
+    versions = pins.wanted(PYPROJECT)
+    assert versions["torch"] == "2.14.1" and versions["executorch"] == "1.5.1"
+    bumped = pins.wanted(PYPROJECT.replace("executorch==1.5.1", "executorch==1.6.0"))
+    assert bumped["executorch"] == "1.6.0"
+    assert pins.key(versions, "q") != pins.key(bumped, "q")
+    assert pins.key(pins.wanted(PYPROJECT.replace("torch==2.14.1", "torch==2.15.0")), "q") != pins.key(versions, "q")
+    assert pins.key(versions, "qemu-user=1:10.0.2") != pins.key(versions, "qemu-user-static=1:7.2")
+    assert pins.key(versions, "q") == pins.key(dict(reversed(list(versions.items()))), "q")
+
+
+def test_the_real_pyproject_pins_torch_and_executorch():
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pinned = pins._pins(text)
+    assert pinned["torch"] and pinned["executorch"]
+    assert pins.wanted(text)["torch"] == pinned["torch"]
+
+
+def test_arm_setup_refuses_a_host_that_is_not_x86_64(monkeypatch, tmp_path):
+    monkeypatch.setattr(runner.platform, "machine", lambda: "aarch64")
+    result = CliRunner().invoke(main, ["arm-setup"], env={"EXPORTER_CACHE": str(tmp_path)})
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Linux x86_64" in lines[0], result.output
+    assert not (tmp_path / "aarch64").exists()
+
+
+def test_arm_setup_offline_with_nothing_cached_is_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["arm-setup", "--offline"], env={"EXPORTER_CACHE": str(tmp_path)})
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "offline" in lines[0] and "exporter arm-setup" in lines[0], result.output
+
+
+def test_max_and_unknown_cpus_are_refused():
+    assert cpus.check(["cortex-a53", "cortex-a76", "cortex-a53"]) == ["cortex-a53", "cortex-a76"]
+    for bad in ("max", "max,sme=off", "cortex-x9"):
+        with pytest.raises(UsageError):
+            cpus.check([bad])
+    with pytest.raises(UsageError, match="does not model"):
+        cpus.check(["neoverse-n2"], available=["cortex-a53"])
+    assert all(name in cpus.WHY for names in cpus.FOR_TARGET.values() for name in names)
+
+
+def test_a_stub_library_defines_what_it_is_asked_to(tmp_path):
+    """The stub is read back by the same ELF reader that finds what torch's libraries need; readelf agrees."""
+    symbols = {"cudaMalloc": "libcudart.so.13", "cudaFree": "libcudart.so.13", "_ZTIN3foo3BarE": None,
+               "_ZN3c104cuda9allocatorE": None}
+    path = tmp_path / "libcudart.so.13"
+    elf.write_stub(path, "libcudart.so.13", symbols, objects={"_ZN3c104cuda9allocatorE": 8})
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF" and struct.unpack_from("<H", data, 18)[0] == elf.EM_AARCH64
+    back = elf.Library(path)
+    assert back.defined == set(symbols) and back.needed == [] and back.undefined == {}
+    assert set(back.objects) == {"_ZTIN3foo3BarE", "_ZN3c104cuda9allocatorE"}  # the rest are functions
+    readelf = subprocess.run(["readelf", "-W", "--dyn-syms", "-V", str(path)], capture_output=True, text=True)
+    if readelf.returncode == 0:  # binutils present: it agrees, versions included
+        assert "cudaMalloc@@libcudart.so.13" in readelf.stdout and "Warning" not in readelf.stderr, readelf.stderr
+        assert "_ZN3c104cuda9allocatorE" in readelf.stdout and "_ZTIN3foo3BarE" in readelf.stdout
+
+
+def test_the_elf_reader_sees_needed_libraries_and_versions():
+    """On the host's own libraries (x86_64, the same ELF64 layout): libc's needs and a versioned import."""
+    python = Path(os.path.realpath(sys.executable))
+    libs = [p for p in (Path("/lib/x86_64-linux-gnu"), Path("/usr/lib/x86_64-linux-gnu")) if (p / "libm.so.6").exists()]
+    if not libs:
+        pytest.skip("no /lib/x86_64-linux-gnu/libm.so.6 here")
+    libm = elf.Library(libs[0] / "libm.so.6")
+    assert "libc.so.6" in libm.needed and "cos" in libm.defined
+    versioned = [v for f, v in libm.undefined.values() if f == "libc.so.6"]
+    assert versioned and all(v.startswith("GLIBC_") for v in versioned)
+    assert python.exists()
+
+
+def test_midr_is_read_from_an_emulated_cpuinfo(tmp_path):
+    cpuinfo = "processor\t: 0\nCPU implementer\t: 0x41\nCPU variant\t: 0x4\nCPU part\t: 0xd0b\nCPU revision\t: 1\n"
+    assert sysfs.midr(cpuinfo) == 0x414FD0B1  # Cortex-A76 r4p1
+    (tmp_path / "root" / "usr").mkdir(parents=True)
+    sysfs.write_prefix(tmp_path / "cpu", tmp_path / "root", 0x414FD0B1, count=2)
+    cpu = tmp_path / "cpu" / "sys" / "devices" / "system" / "cpu"
+    assert (cpu / "possible").read_text() == "0-1\n"
+    assert (cpu / "cpu1" / "regs" / "identification" / "midr_el1").read_text() == "0x00000000414fd0b1\n"
+    assert (tmp_path / "cpu" / "usr").resolve() == (tmp_path / "root" / "usr").resolve()
+
+
+def test_importing_the_package_imports_neither_torch_nor_numpy():
+    code = "import sys, exporter.aarch64, exporter.aarch64.execute; print(sorted({'torch','numpy'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+# -- end to end under qemu (opt-in: it sets up the runner once, minutes and ~1.5 GB, in the user's cache) ----
+
+E2E = os.environ.get("EXPORTER_TEST_AARCH64", "") not in ("", "0")
+RUNNER_CACHE = Path(os.environ.get("EXPORTER_TEST_AARCH64_CACHE") or Path.home() / ".cache" / "exporter")
+E2E_CPUS = ["cortex-a53", "cortex-a76"]
+
+
+@pytest.fixture(scope="module")
+def arm_runner():
+    """Built once into the user's cache (outside the clone; the suite's own cache is temporary)."""
+    return aarch64.prepare(RUNNER_CACHE, offline=False)
+
+
+@pytest.fixture(scope="module")
+def jetson_int8(tmp_path_factory, digits_model):
+    from .conftest import build_args, run_cli
+
+    out = tmp_path_factory.mktemp("jetson") / "build"
+    result = run_cli(*build_args(digits_model, out, "--target", "jetson", "--format", "onnx:int8"))
+    assert result.exit_code in (0, 1), result.output
+    return out
+
+
+def _x86_outputs(artifact: Path, inputs: Path, tmp_path: Path):
+    """The same standalone script, on this host's runtimes."""
+    import numpy as np
+
+    out = tmp_path / f"{artifact.stem}.x86.npz"
+    done = subprocess.run([sys.executable, str(Path(aarch64.__file__).with_name("inside.py")), "--artifact", str(artifact),
+                           "--inputs", str(inputs), "--out", str(out), "--threads", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with np.load(out) as saved:
+        return [saved[k] for k in sorted(saved.files)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not E2E, reason="set EXPORTER_TEST_AARCH64=1: sets up the aarch64 runner (minutes, ~1.5 GB) once")
+def test_digits_artifacts_give_the_x86_outputs_on_arm_cores(arm_runner, android_build, jetson_int8, tmp_path):
+    import numpy as np
+
+    build, result = android_build
+    assert result.exit_code in (0, 1), result.output
+    artifacts = [build / "mobilenet_v3_small_executorch_fp32.pte", build / "mobilenet_v3_small_executorch_int8.pte",
+                 *sorted(jetson_int8.glob("*int8*.onnx"))]
+    assert all(a.exists() for a in artifacts) and len(artifacts) == 3, artifacts
+    golden = sorted((build / "golden").glob("*input*.npy"))
+    assert golden, list((build / "golden").iterdir())
+    inputs = tmp_path / "inputs.npy"
+    np.save(inputs, np.load(golden[0]).astype(np.float32)[:8])
+    results = aarch64.run(arm_runner, artifacts, inputs, E2E_CPUS)
+    assert len(results) == len(artifacts) * len(E2E_CPUS)
+    for r in results:
+        assert r.ok, r.error
+        x86 = _x86_outputs(r.artifact, inputs, tmp_path)
+        diff = float(np.max(np.abs(r.outputs[0].astype(np.float64) - x86[0])))
+        if r.artifact.suffix == ".pte":
+            assert r.info["delegate"] == "XnnpackBackend" and "XnnpackBackend" in r.info["backends"]
+        assert np.array_equal(r.outputs[0].argmax(-1), x86[0].argmax(-1)), (r.artifact.name, r.cpu)
+        limit = 1e-4 * float(np.max(np.abs(x86[0]))) if "fp32" in r.artifact.name else 0.0
+        assert diff <= limit, (r.artifact.name, r.cpu, diff)
