@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..errors import UsageError
 
 WHY = {
+    "cortex-a35": "ARMv8.0, no dotprod: low-end in-order core (wearables, Android Go)",
     "cortex-a53": "ARMv8.0, no dotprod: the little core of older and budget Android phones (plain NEON int8 kernels)",
     "cortex-a55": "ARMv8.2 + dotprod: the little core of most current Android phones",
     "cortex-a76": "ARMv8.2 + dotprod: a typical Android big core (dotprod int8 kernels); also the stand-in for "
