@@ -111,6 +111,9 @@ class _FakeBackend:
     def float_closure(self, float_layers):
         return list(float_layers)
 
+    def float_ops(self, float_layers):
+        return {"linear": len(float_layers)} if float_layers else {}
+
     def quantize(self, float_layers, range_images, method):
         error = 0.0 if self.culprit in float_layers else (0.5 if method == "coarse" else 0.2)
 
@@ -155,6 +158,49 @@ def test_search_respects_the_cap_and_no_fallback(monkeypatch):
     assert [s["float_layers"] for s in capped["steps"][2:]] == [1, 2] and "cap of 2" in capped["note"]
     plain = _search(monkeypatch, "layer0", list(_FakeBackend.LAYERS), fallback=False)
     assert plain["float_layers"] == [] and len(plain["steps"]) == 2 and "--no-fallback" in plain["note"]
+
+
+class _TinyTransformer(torch.nn.Module):
+    """Patch embedding, pre-norm attention and a GELU MLP: the ops a ViT has, at toy size."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.patch, self.norm = nn.Conv2d(3, 16, 4, 4), nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        t = self.patch(x).flatten(2).transpose(1, 2)
+        h = self.norm(t)
+        t = t + self.attn(h, h, h, need_weights=False)[0]
+        t = t + self.mlp(self.norm(t))
+        return self.head(t.mean(1))
+
+
+def test_the_report_names_the_ops_int8_leaves_in_float(tmp_path):
+    """LayerNorm, GELU and attention have no int8 pattern in the XNNPACK quantizer; the Q/DQ ONNX puts Q/DQ on
+    Conv/Gemm only. Each backend says which compute ops stay float, and a layer kept in float joins them."""
+    from exporter.formats.onnx import INPUT, _export_graph
+    from exporter.quant.onnx_qdq import OnnxQdqBackend
+    from exporter.quant.pt2e import Pt2eBackend
+
+    torch.manual_seed(0)
+    model, example = _TinyTransformer().eval(), torch.randn(1, 3, 16, 16)
+    pt2e = Pt2eBackend(model, example)
+    assert pt2e.layers() == ["patch", "mlp.0", "mlp.2", "head"]
+    plain = pt2e.float_ops([])
+    assert {"layer_norm", "gelu", "scaled_dot_product_attention"} <= set(plain), plain
+    assert not {"conv2d", "linear", "view", "transpose"} & set(plain), plain
+    assert pt2e.float_ops(["head"]).get("linear") == 1
+
+    fp32 = tmp_path / "fp32.onnx"
+    _export_graph(model, example, 18, fp32)
+    qdq = OnnxQdqBackend(model, fp32, INPUT, "minmax", tmp_path)
+    onnx_plain = qdq.float_ops([])
+    assert "Conv" not in onnx_plain and {"LayerNormalization", "Softmax"} & set(onnx_plain), onnx_plain
+    assert qdq.float_ops(["patch"]).get("Conv") == 1
 
 
 # --- whole builds ------------------------------------------------------------------------------------

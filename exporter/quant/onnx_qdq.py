@@ -28,6 +28,8 @@ from .calibration import ONNX_CALIBRATIONS
 from .sensitivity import activation_scales
 
 QUANTIZED_OPS = ("Conv", "Gemm")
+DATA_MOVEMENT = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Concat", "Slice", "Gather", "Shape",
+                 "Constant", "Identity", "Split", "Expand", "Cast", "QuantizeLinear", "DequantizeLinear", "Pad"}
 
 
 class QdqCandidate:
@@ -71,6 +73,20 @@ class OnnxQdqBackend:
 
     def float_closure(self, float_layers: list[str]) -> list[str]:
         return list(float_layers)
+
+    def float_ops(self, float_layers: list[str]) -> dict[str, int]:
+        """ONNX ops, by type, without Q/DQ on their inputs: everything but the Conv/Gemm layers quantized
+        (TensorRT may still fuse some of them, e.g. a Relu, into an int8 kernel)."""
+        import onnx
+
+        excluded = {self._nodes[name][0] for name in float_layers}
+        quantized = {node for node, _ in self._nodes.values()} - excluded
+        counts: dict[str, int] = {}
+        for node in onnx.load(str(self.fp32_path), load_external_data=False).graph.node:
+            if node.op_type in DATA_MOVEMENT or node.name in quantized:
+                continue
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
     @staticmethod
     def describe(method: str) -> str:

@@ -9,6 +9,9 @@ the mixed graph into its delegate."""
 
 from __future__ import annotations
 
+import copy
+from collections import Counter
+
 import torch
 from torch.fx import Node
 
@@ -17,6 +20,12 @@ from .threads import one_thread
 
 LAYER_TARGETS = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.linear.default}
 KEY = "quantization_annotation"
+# ops that only move or reshape data: whether they are "float" says nothing about where the time or error goes
+DATA_MOVEMENT = {"view", "reshape", "_unsafe_view", "permute", "transpose", "t", "flatten", "expand", "unsqueeze",
+                 "squeeze", "slice", "select", "clone", "contiguous", "alias", "detach", "dropout", "split",
+                 "split_with_sizes", "chunk", "unbind", "unflatten", "cat", "stack", "sym_size", "_assert_tensor_metadata",
+                 "lift_fresh_copy", "_to_copy", "to", "arange", "zeros", "ones", "full", "empty", "scalar_tensor",
+                 "index", "gather", "roll", "pad", "constant_pad_nd"}
 MAX_WALK = 6  # ops between a layer and the producer whose output annotation quantizes its input
 
 
@@ -167,3 +176,19 @@ class Pt2eBackend:
 
     def float_closure(self, float_layers: list[str]) -> list[str]:
         return self._floated.get(tuple(float_layers), list(float_layers))
+
+    def float_ops(self, float_layers: list[str]) -> dict[str, int]:
+        """Compute ops, by aten name, that the quantizer leaves in float when `float_layers` are float: those it
+        has no int8 pattern for (LayerNorm, softmax, GELU, …) and the layers kept in float."""
+        annotated = _quantizer(set(float_layers)).annotate(copy.deepcopy(self.exported.module()))
+        counts = Counter()
+        for node in annotated.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            name = node.target._schema.name.split("::")[-1]
+            if name in DATA_MOVEMENT:
+                continue
+            annotation = node.meta.get(KEY)
+            if annotation is None or not (annotation.input_qspec_map or annotation.output_qspec is not None):
+                counts[name] += 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -43,6 +43,9 @@ class Backend(Protocol):
         """The layers that were in float in the last quantize() of `float_layers`: those asked for, plus
         any the backend had to leave in float with them."""
 
+    def float_ops(self, float_layers: list[str]) -> dict[str, int]:
+        """Compute ops, by name, that run in float in the int8 model with `float_layers` in float."""
+
 
 def _steps(cap: int):
     """How many layers are in float after each step: 1, 2, 3, then growing by half, up to the cap."""
@@ -74,6 +77,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         method = backend.range_methods[0]
         candidate = backend.quantize([], range_images, method)
         report.update(calibration_method=backend.describe(method), float_layers=[], int8_layers=len(layers), steps=[],
+                      float_ops=backend.float_ops([]),
                       seconds=round(time.perf_counter() - start, 1),
                       note="too few calibration images to hold any out: plain PTQ, budget not checked")
         return candidate, report
@@ -128,6 +132,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         float_layers, candidate, metrics, chosen = tried[-1]
     kept = backend.float_closure(float_layers)
     report.update(
+        float_ops=backend.float_ops(float_layers),
         float_layers=[_layer_entry(n, sensitivity, n not in float_layers) for n in kept],
         int8_layers=len(layers) - len(kept),
         before=plain,

@@ -42,6 +42,9 @@ def quantization_summary(q: dict) -> str:
                          f"{f['name']} (output {_num(f['output_psnr_db'], '.1f')} dB when alone int8, "
                          f"own SQNR {_num(f['local_sqnr_db'], '.1f')} dB)" for f in q["float_layers"])
         text += f"; kept in float: {kept}"
+    if q.get("float_ops"):
+        ops = ", ".join(f"{name}×{n}" for name, n in q["float_ops"].items())
+        text += f"; ops computed in float (no int8 pattern in the quantizer, or kept in float): {ops}"
     return text + f"; {q['calibration_method']}; {q['seconds']} s"
 
 
