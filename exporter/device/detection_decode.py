@@ -43,8 +43,17 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def sigmoid(logits: np.ndarray) -> np.ndarray:
-    e = np.exp(-np.abs(logits))  # never overflows
-    return np.where(logits >= 0, 1 / (1 + e), e / (1 + e)).astype(logits.dtype)
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x < -88: 1 / inf = 0, as it should be
+        return 1 / (1 + np.exp(-logits))
+
+
+def top_k(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values, largest first (argpartition first: a level can have 10^6 candidates)."""
+    if values.size > k:
+        index = np.argpartition(-values, k - 1)[:k] if k > 0 else np.zeros(0, dtype=np.int64)
+    else:
+        index = np.arange(values.size)
+    return index[np.argsort(-values[index], kind="stable")]
 
 
 def decode_boxes(deltas: np.ndarray, anchors: np.ndarray, weights, clip: float) -> np.ndarray:
@@ -160,7 +169,7 @@ def _per_level_candidates(head, anchors, image_size, p):
     for start, stop in zip(np.cumsum([0] + levels[:-1]), np.cumsum(levels)):
         flat = scores[start:stop].ravel()  # anchor-major: index = anchor * num_classes + class
         index = np.nonzero(flat > p["score_thresh"])[0]
-        index = index[np.argsort(-flat[index], kind="stable")[: p["topk_candidates"]]]
+        index = index[top_k(flat[index], p["topk_candidates"])]
         anchor = start + index // num_classes
         if fcos:
             boxes = decode_distances(head[anchor, :4], anchors[anchor], p["normalize_by_size"])
