@@ -147,6 +147,18 @@ def test_arm_setup_offline_with_nothing_cached_is_one_line(tmp_path):
     assert len(lines) == 1 and "offline" in lines[0] and "exporter arm-setup" in lines[0], result.output
 
 
+def test_setting_up_without_root_is_one_line(monkeypatch, tmp_path):
+    from exporter.aarch64 import debian
+
+    monkeypatch.setattr(debian.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(debian.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    result = CliRunner().invoke(main, ["arm-setup"], env={"EXPORTER_CACHE": str(tmp_path), "EXPORTER_OFFLINE": "0"})
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "root" in lines[0] and "sudo -E exporter arm-setup" in lines[0], result.output
+    assert [p.name for p in (tmp_path / "aarch64").iterdir()] == [".lock"]
+
+
 def test_max_and_unknown_cpus_are_refused():
     assert cpus.check(["cortex-a53", "cortex-a76", "cortex-a53"]) == ["cortex-a53", "cortex-a76"]
     for bad in ("max", "max,sme=off", "cortex-x9"):

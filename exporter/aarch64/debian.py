@@ -251,7 +251,7 @@ class DebianBuilder:
     def _smoke(self, tmp: Path, cpus: dict) -> dict:
         import json
 
-        from .runner import Runner
+        from .layout import Runner
 
         runner = Runner(tmp, {"cpus": cpus})
         cpu = "cortex-a53" if "cortex-a53" in cpus else next(iter(cpus))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from . import cpus as named
-from .runner import Runner
+from .layout import Runner
 
 SUFFIXES = (".pte", ".ptl", ".onnx")
 

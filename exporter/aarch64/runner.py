@@ -14,54 +14,19 @@ import platform
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
 from ..errors import UsageError
 from ..progress import Progress
 from . import versions as pins
-
-READY = "READY.json"
+from .layout import READY, Runner
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:
     """`<cache>/aarch64`, the cache being $EXPORTER_CACHE or ~/.cache/exporter (as the build's)."""
     base = cache_dir or Path(os.environ.get("EXPORTER_CACHE") or Path.home() / ".cache" / "exporter")
     return Path(base) / "aarch64"
-
-
-@dataclass
-class Runner:
-    """A complete runner: qemu-aarch64, the arm64 root, one `-L` prefix per CPU model."""
-
-    path: Path
-    info: dict = field(default_factory=dict)
-
-    @property
-    def qemu(self) -> Path:
-        return self.path / "qemu-aarch64"
-
-    @property
-    def root(self) -> Path:
-        return self.path / "root"
-
-    @property
-    def cpus(self) -> list[str]:
-        return list(self.info.get("cpus", {}))
-
-    def python(self, cpu: str, script: str, *args: str) -> list[str]:
-        """The command running `script` (a path inside the root) with the runner's Python on `cpu`."""
-        prefix = self.path / "cpus" / cpu
-        return [str(self.qemu), "-cpu", cpu, "-L", str(prefix), str(prefix / "usr" / "bin" / "python3"),
-                "-s", script, *args]
-
-    @staticmethod
-    def environment() -> dict[str, str]:
-        """The guest's whole environment (qemu passes its own on): nothing of the host's (no x86
-        LD_LIBRARY_PATH), the installed wheels on the path, CUDA off, no byte code written."""
-        return {"PATH": "/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "PYTHONPATH": "/opt/site",
-                "PYTHONDONTWRITEBYTECODE": "1", "EXPORTER_AARCH64_NO_CUDA": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _read_ready(path: Path) -> dict | None:
