@@ -182,6 +182,8 @@ class _TinyTransformer(torch.nn.Module):
 def test_the_report_names_the_ops_int8_leaves_in_float(tmp_path):
     """LayerNorm, GELU and attention have no int8 pattern in the XNNPACK quantizer; the Q/DQ ONNX puts Q/DQ on
     Conv/Gemm only. Each backend says which compute ops stay float, and a layer kept in float joins them."""
+    import onnx
+
     from exporter.formats.onnx import INPUT, _export_graph
     from exporter.quant.onnx_qdq import OnnxQdqBackend
     from exporter.quant.pt2e import Pt2eBackend
@@ -198,9 +200,24 @@ def test_the_report_names_the_ops_int8_leaves_in_float(tmp_path):
     fp32 = tmp_path / "fp32.onnx"
     _export_graph(model, example, 18, fp32)
     qdq = OnnxQdqBackend(model, fp32, INPUT, "minmax", tmp_path)
+    # the MLP's Linears are MatMuls in ONNX (3-D input), found by their weights; the attention's
+    # packed input projection and its score MatMuls are no Linear layer's
+    assert sorted(qdq.layers()) == ["attn.out_proj", "head", "mlp.0", "mlp.2", "patch"]
     onnx_plain = qdq.float_ops([])
     assert "Conv" not in onnx_plain and {"LayerNormalization", "Softmax"} & set(onnx_plain), onnx_plain
     assert qdq.float_ops(["patch"]).get("Conv") == 1
+    assert qdq.float_ops(["mlp.0"]).get("MatMul", 0) == onnx_plain.get("MatMul", 0) + 1
+    candidate = qdq.quantize(["mlp.2"], [torch.randn(1, 3, 16, 16) for _ in range(4)], "minmax")
+    graph = onnx.load(str(candidate.path)).graph
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    fed_by_dq = {n.name: [producers.get(i) for i in n.input[:2]] for n in graph.node if n.op_type == "MatMul"}
+    mlp_in, mlp_out = (qdq._nodes[name][0] for name in ("mlp.0", "mlp.2"))
+    assert fed_by_dq[mlp_in] == ["DequantizeLinear", "DequantizeLinear"], fed_by_dq
+    assert "DequantizeLinear" not in fed_by_dq[mlp_out] and set(qdq._unmapped) <= set(fed_by_dq)
+    assert all("DequantizeLinear" not in fed_by_dq[n] for n in qdq._unmapped)
+    with torch.no_grad():
+        x = torch.randn(1, 3, 16, 16)
+        assert torch.allclose(candidate(x), model(x), atol=0.1)
 
 
 # --- whole builds ------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Explicit Q/DQ int8 ONNX as TensorRT takes it, through ONNX Runtime's static quantizer.
 
-TensorRT's rules: symmetric signed int8 with zero point 0, per-channel weights on axis 0, Q/DQ on
-the inputs of the layers it fuses (Conv, Gemm), bias left to TensorRT. A layer kept in float gets no
-Q/DQ on its weights or its input.
+TensorRT's rules: symmetric signed int8 with zero point 0, per-channel weights on the output-channel axis,
+Q/DQ on the inputs of the layers it fuses (Conv, Gemm, and MatMul with a weight: a Linear on a 3-D input, as in
+every transformer block, exports as MatMul + Add), bias left to TensorRT. A layer kept in float gets no
+Q/DQ on its weights or its input. A MatMul of two activations (attention scores) stays float.
 
 Activation ranges: "mse" picks each layer input's clipping range by least squared error, the
 objective of PT2E's HistogramObserver, measured on the eager model (a Conv's input in the ONNX graph
@@ -27,7 +28,7 @@ import torch
 from .calibration import ONNX_CALIBRATIONS
 from .sensitivity import activation_scales
 
-QUANTIZED_OPS = ("Conv", "Gemm")
+QUANTIZED_OPS = ("Conv", "Gemm", "MatMul")
 DATA_MOVEMENT = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Concat", "Slice", "Gather", "Shape",
                  "Constant", "Identity", "Split", "Expand", "Cast", "QuantizeLinear", "DequantizeLinear", "Pad"}
 
@@ -60,13 +61,23 @@ class OnnxQdqBackend:
         self._attempts = 0
         self._overrides: dict | None = None
         graph = onnx.load(str(fp32_path), load_external_data=False).graph
-        initializers = {i.name for i in graph.initializer}
-        # the dynamo exporter names each weight after its parameter ("features.0.0.weight"), which ties
-        # an ONNX node to the module path the sensitivity analysis and the ranges use
+        initializers = {i.name: i for i in graph.initializer}
+        # the dynamo exporter names each Conv/Gemm weight after its parameter ("features.0.0.weight"), which
+        # ties an ONNX node to the module path the sensitivity analysis and the ranges use; a MatMul's weight is
+        # the Linear's transposed weight under a generated name, found by its values
         self._nodes: dict[str, tuple[str, str]] = {}  # layer -> (node name, input tensor)
+        self._unmapped: list[str] = []  # MatMul nodes that are no Linear layer's: left float
+        linears = _linear_weights(model)
         for node in graph.node:
-            if node.op_type in QUANTIZED_OPS and len(node.input) > 1 and node.input[1] in initializers:
-                self._nodes[node.input[1].removesuffix(".weight")] = (node.name, node.input[0])
+            weight = node.input[1] if len(node.input) > 1 else None
+            if node.op_type in ("Conv", "Gemm") and weight in initializers:
+                self._nodes[weight.removesuffix(".weight")] = (node.name, node.input[0])
+            elif node.op_type == "MatMul":
+                layer = _linear_of(initializers.get(weight), linears)
+                if layer is None:
+                    self._unmapped.append(node.name)
+                else:
+                    self._nodes[layer] = (node.name, node.input[0])
 
     def layers(self) -> list[str]:
         return list(self._nodes)
@@ -75,7 +86,7 @@ class OnnxQdqBackend:
         return list(float_layers)
 
     def float_ops(self, float_layers: list[str]) -> dict[str, int]:
-        """ONNX ops, by type, without Q/DQ on their inputs: everything but the Conv/Gemm layers quantized
+        """ONNX ops, by type, without Q/DQ on their inputs: everything but the Conv/Gemm/MatMul layers quantized
         (TensorRT may still fuse some of them, e.g. a Relu, into an int8 kernel)."""
         import onnx
 
@@ -121,11 +132,12 @@ class OnnxQdqBackend:
 
         self._attempts += 1
         path = self.workdir / f"attempt{self._attempts}.onnx"
-        excluded = {self._nodes[name][0] for name in float_layers}
+        excluded = {self._nodes[name][0] for name in float_layers} | set(self._unmapped)
         # Q/DQ on the inputs only: ONNX Runtime also quantizes each Conv/Gemm output by default, which
         # put the logits through int8 and kept an outlier tensor quantized after its consumer went float
         extra = {"ActivationSymmetric": True, "WeightSymmetric": True,
                  "OpTypesToExcludeOutputQuantization": list(QUANTIZED_OPS),
+                 "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},  # a (in, out) weight: out is axis 1
                  "TensorQuantOverrides": self._range_overrides(method, range_images)}
         if method == "percentile":
             extra["CalibTensorRangeSymmetric"] = True
@@ -137,6 +149,26 @@ class OnnxQdqBackend:
                 calibrate_method=CalibrationMethod.Percentile if method == "percentile" else CalibrationMethod.MinMax,
             )
         return QdqCandidate(path, input_name)
+
+
+def _linear_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Each Linear layer's weight as a MatMul holds it: transposed, (in, out)."""
+    return {name: m.weight.detach().numpy().T for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _linear_of(initializer, linears: dict[str, np.ndarray]) -> str | None:
+    if initializer is None or len(initializer.dims) != 2:
+        return None
+    from onnx import numpy_helper
+
+    try:
+        values = numpy_helper.to_array(initializer)
+    except Exception:  # held as external data, not loaded: leave the MatMul float
+        return None
+    for name, weight in linears.items():
+        if weight.shape == values.shape and np.array_equal(weight, values):
+            return name
+    return None
 
 
 @contextlib.contextmanager
