@@ -26,7 +26,8 @@ class Result:
     artifact: Path
     cpu: str
     outputs: list = field(default_factory=list)  # numpy arrays, output k of every image stacked
-    seconds: float = 0.0  # the whole qemu process: start-up, imports, load, every image
+    seconds: float = 0.0  # the whole qemu process: start-up, imports, load, every image (wall clock)
+    cpu_seconds: float = 0.0  # CPU time the qemu process took (wall clock less waiting for a busy host)
     info: dict = field(default_factory=dict)  # what ran it (runtime, backends, delegate), load/run seconds
     error: str | None = None  # the artifact could not be run there (one line)
 
@@ -71,17 +72,24 @@ def _one(runner: Runner, artifact: Path, batch: Path, out: Path, cpu: str, threa
 
     command = runner.python(cpu, "/opt/exporter/inside.py", "--artifact", str(artifact), "--inputs", str(batch),
                             "--out", str(out), "--threads", str(threads))
-    started = time.perf_counter()
+    started, used = time.perf_counter(), _children_cpu()
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=timeout)
     except subprocess.TimeoutExpired:
         return Result(artifact, cpu, seconds=timeout, error=f"timed out after {timeout:.0f} s under qemu ({cpu})")
-    seconds = round(time.perf_counter() - started, 2)
+    seconds, cpu_seconds = round(time.perf_counter() - started, 2), round(_children_cpu() - used, 2)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines or not out.exists():
         errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
         reason = errors[-1] if errors else f"exit code {done.returncode}"
-        return Result(artifact, cpu, seconds=seconds, error=f"{reason[:300]} ({cpu})")
+        return Result(artifact, cpu, seconds=seconds, cpu_seconds=cpu_seconds, error=f"{reason[:300]} ({cpu})")
     with np.load(out) as saved:
         outputs = [saved[f"out{k}"] for k in range(len(saved.files))]
-    return Result(artifact, cpu, outputs=outputs, seconds=seconds, info=json.loads(lines[-1]))
+    return Result(artifact, cpu, outputs=outputs, seconds=seconds, cpu_seconds=cpu_seconds, info=json.loads(lines[-1]))
+
+
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
