@@ -155,7 +155,9 @@ class DebianBuilder:
         package, version = self._qemu
         deb = self._download(package, version, work / "debs", private=package == "qemu-user")
         wanted = {"./usr/bin/qemu-aarch64", "./usr/bin/qemu-aarch64-static"}
-        with subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE) as unpack:
+        # stops reading once the binary is out: dpkg-deb then dies of a broken pipe, quietly
+        with subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL) as unpack:
             with tarfile.open(fileobj=unpack.stdout, mode="r|") as archive:
                 for member in archive:
                     if member.name in wanted and member.isfile():
