@@ -5,8 +5,9 @@ torch.export cannot take torchvision's batched NMS, and ExecuTorch / XNNPACK hav
 format gets backbone (+ FPN) + head, returning one array per image of (anchors, 4 box values [+ 1 FCOS
 centerness] + C class logits), the per-level outputs concatenated as torchvision's heads do.
 exporter/device/detection_decode.py turns it into boxes for eager and for every artifact alike, and ships in the
-bundle with the anchors; its parameters (`Detection.params`) are read from the model object. Fidelity is judged on the raw heads (PSNR, cosine) and on the decoded boxes
-(matched to eager's by IoU >= 0.5 and class); labeled metrics are COCO mAP from pycocotools.
+bundle with the anchors; its parameters (`Detection.params`) are read from the model object. Fidelity is
+judged on the raw heads (PSNR, cosine) and on the decoded boxes (matched to eager's by IoU >= 0.5 and
+class); labeled metrics are COCO mAP from pycocotools.
 """
 
 from __future__ import annotations
