@@ -201,10 +201,11 @@ class DebianBuilder:
             raise UsageError("the arm64 root has no /usr/bin/python3 after unpacking")
 
     def _pip(self, *args) -> list[str]:
-        return [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
+        # no pip cache: it would keep a second copy of every wheel (0.5 GB) in ~/.cache/pip
+        return [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-cache-dir", *args]
 
     def _wheels(self, site: Path, wanted: dict[str, str], work: Path) -> dict:
-        cache = work.parent.parent / "wheels"  # <cache>/aarch64/wheels (work: <cache>/aarch64/.tmp-*/.work)
+        cache = work / "wheels"  # removed with the work directory: the runner holds them installed
         cache.mkdir(exist_ok=True)
         tags = [a for p in PLATFORMS for a in ("--platform", p)]
         common = ["--only-binary=:all:", "--no-deps", "--python-version", pins.PYTHON, "--implementation", "cp", *tags]
