@@ -151,8 +151,9 @@ class Detection(Task):
     def refusal(cls, model_name: str) -> str | None:
         if not model_name.startswith(SINGLE_STAGE):
             return (f"{model_name} cannot be exported yet: only single-stage detectors (SSD, RetinaNet, FCOS: raw "
-                    "heads plus the shared decode and NMS) are; two-stage detectors keep data-dependent ROI steps "
-                    "inside the graph")
+                    "heads plus the shared decode and NMS) are; torch.export (behind ExecuTorch, Core ML and the "
+                    "ONNX exporter used here) stops in the region proposal step: batched_nms branches on "
+                    "boxes.numel() > 4000, then MultiScaleRoIAlign takes len(rois) (data-dependent sizes)")
         return None
 
     @classmethod
