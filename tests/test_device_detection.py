@@ -65,7 +65,9 @@ DETECTION_READS = {
     "jetson": {
         # --golden hands artifacts[] records to the bundled device_validate.py, run on real bundles elsewhere
         "sources": ["jetson/app.py"],
-        "bundle.json": ["task.name", "task.input_size", "task.decode.code", *DECODE_PARAMS, "artifacts[].name", "device_kit.validator"],
+        # hands every task.decode entry but the file names to the decode (test_jetson_app_hands_…)
+        "bundle.json": ["task.name", "task.input_size", "task.decode.code", "task.decode.anchors", "task.decode.match_score",
+                        "artifacts[].name", "device_kit.validator"],
         "preprocessing.json": ["resize_size", "crop_size", "interpolation", "mean", "std", "dtype"],
     },
 }
@@ -439,6 +441,15 @@ def test_jetson_app_golden_on_detection(tmp_path, task):
     result = _app(perturbed, "--golden")
     assert result.returncode == 1, result.stdout + result.stderr
     assert re.search(r"^FAILED onnx_fp32 .*; matched_recall 0\.\d+ \(\d+ of \d+ eager boxes unmatched", result.stdout, re.M), result.stdout
+
+
+def test_jetson_app_hands_the_decode_every_parameter_the_build_used(tmp_path, task):
+    """The detector's kind (SSD, RetinaNet, FCOS) and whatever its decode takes reach the shipped decode."""
+    directory = make_bundle(make_build(tmp_path / "build", task))
+    app = _jetson_app()
+    info, _, _ = app.load_bundle(directory)
+    detector = app.Detector(directory, app.task_of(info))
+    assert detector.params == json.loads(json.dumps(task.params)) and detector.params["kind"] == "ssd"
 
 
 def test_jetson_app_prints_and_draws_boxes_at_the_image_size(tmp_path, task):

@@ -42,8 +42,9 @@ FILTERS = {
 }
 CLASSIFICATION, SEGMENTATION, DETECTION = "classification", "segmentation", "detection"
 TASKS = (CLASSIFICATION, SEGMENTATION, DETECTION)
-# task.decode keys handed to detection_decode.decode (match_score is the app's display threshold)
-DECODE_PARAMS = ("box_coder_weights", "score_thresh", "nms_thresh", "topk_candidates", "detections_per_img", "bbox_xform_clip")
+# task.decode keys that name files, not decode parameters (the rest, the detector's kind included, go to
+# detection_decode.decode; match_score is the app's display threshold)
+DECODE_FILES = ("anchors", "code", "code_sha256")
 BACKGROUND = ("__background__", "background")  # class names an overlay leaves unpainted (torchvision's first)
 OVERLAY_ALPHA = 0.5
 
@@ -217,7 +218,7 @@ def segment(logits: np.ndarray, labels: list[str]) -> tuple[np.ndarray, list[tup
 
 
 class Detector:
-    """Raw SSD heads (anchors x (4 box deltas + C class logits)) -> boxes, with the bundle's own
+    """Raw detector heads (anchors x (4 box values [+ centerness] + C class logits)) -> boxes, with the bundle's own
     detection_decode.py, anchors and task.decode parameters, as the build decoded eager's and every
     artifact's heads."""
 
@@ -225,7 +226,7 @@ class Detector:
         decode = task["decode"]
         self.code = shipped_module(directory, decode["code"])
         self.anchors = np.load(directory / decode["anchors"])
-        self.params = {key: decode[key] for key in DECODE_PARAMS}
+        self.params = {key: value for key, value in decode.items() if key not in DECODE_FILES}
         self.match_score = decode["match_score"]
         self.input_size = tuple(task["input_size"])  # (h, w): boxes come out in these pixels
 
