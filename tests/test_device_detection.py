@@ -49,7 +49,7 @@ TARGET_ARTIFACTS = {
 # tests/test_device_segmentation.py check. A key path is dotted; "[]" is any element of a list.
 DECODE_PARAMS = ["task.decode.box_coder_weights", "task.decode.score_thresh", "task.decode.nms_thresh",
                  "task.decode.topk_candidates", "task.decode.detections_per_img", "task.decode.bbox_xform_clip",
-                 "task.decode.match_score", "task.decode.anchors"]
+                 "task.decode.match_score", "task.decode.anchors", "task.decode.kind"]
 DETECTION_READS = {
     "android": {
         "sources": ["android/app/src/main/java/org/example/bundleclassifier/BundleClassifier.kt",

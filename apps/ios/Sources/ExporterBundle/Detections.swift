@@ -58,7 +58,26 @@ public struct DecodeParameters: Decodable {
     enum CodingKeys: String, CodingKey {
         case boxCoderWeights = "box_coder_weights", scoreThresh = "score_thresh", nmsThresh = "nms_thresh"
         case topkCandidates = "topk_candidates", detectionsPerImg = "detections_per_img", bboxXformClip = "bbox_xform_clip"
-        case matchScore = "match_score", anchors = "anchors"
+        case matchScore = "match_score", anchors = "anchors", kind = "kind"
+    }
+
+    /// Refuses a detector this port does not decode (RetinaNet and FCOS score with sigmoids and code boxes
+    /// otherwise) before reading parameters it may not have.
+    public init(from decoder: Decoder) throws {
+        let values = try decoder.container(keyedBy: CodingKeys.self)
+        let kind = try values.decodeIfPresent(String.self, forKey: .kind) ?? "ssd"
+        guard kind == "ssd" else {
+            throw BundleError(description: "this app decodes SSD heads only; the bundle's detector is \(kind) "
+                + "(the bundle's detection_decode.py decodes it)")
+        }
+        boxCoderWeights = try values.decode([Float].self, forKey: .boxCoderWeights)
+        scoreThresh = try values.decode(Float.self, forKey: .scoreThresh)
+        nmsThresh = try values.decode(Float.self, forKey: .nmsThresh)
+        topkCandidates = try values.decode(Int.self, forKey: .topkCandidates)
+        detectionsPerImg = try values.decode(Int.self, forKey: .detectionsPerImg)
+        bboxXformClip = try values.decode(Float.self, forKey: .bboxXformClip)
+        matchScore = try values.decode(Float.self, forKey: .matchScore)
+        anchors = try values.decode(String.self, forKey: .anchors)
     }
 }
 

@@ -47,6 +47,11 @@ class NpyArray(val shape: IntArray, val values: FloatArray) {
  * detections_per_img kept. Boxes come out in input pixels, best first.
  */
 class DetectionDecoder(decode: JSONObject, anchors: NpyArray, private val inputHeight: Int, private val inputWidth: Int) {
+    init {
+        // RetinaNet and FCOS score with sigmoids and code boxes otherwise: refused before reading their parameters
+        val kind = decode.optString("kind", "ssd")
+        require(kind == "ssd") { "this app decodes SSD heads only; the bundle's detector is $kind (the bundle's detection_decode.py decodes it)" }
+    }
     private val weights = decode.getJSONArray("box_coder_weights").let { a -> FloatArray(a.length()) { a.getDouble(it).toFloat() } }
     private val scoreThresh = decode.getDouble("score_thresh").toFloat()
     private val nmsThresh = decode.getDouble("nms_thresh").toFloat()
