@@ -180,7 +180,8 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
               help="Calibration and labeled validation data: an ImageFolder (classification), or DIR/images + DIR/masks "
                    "(segmentation, VOC-style: class index per pixel, 255 = ignore), or DIR/annotations.json (detection, COCO).")
 @click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None, metavar="H W",
-              help="Fixed input size of a segmentation graph [default: the weight's resize size, square].")
+              help="Fixed input size of a segmentation graph (the weight's resize size, square) or of a RetinaNet/FCOS "
+                   "graph (multiples of 32; 800 800); SSD and classifiers take their weight's own.")
 @click.option("--calib-size", type=click.IntRange(min=0), default=None)
 @click.option("--val-size", type=click.IntRange(min=1), default=None)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for eager and every runtime alike.")
