@@ -62,15 +62,16 @@ def run(spec: dict) -> int:
             cache=True, cache_dir=Path(spec["build_cache"]),  # shared by the weight's targets, then removed
         )
         if spec.get("floor_only"):
-            result.update(stage="floor", floor=floor(request, spec["target"]), status=None)
-            result["stage"] = "done"
+            result.update(stage="done", floor=floor(request, spec["target"]), status=None)
         else:
             (doc,) = build_targets(request, [spec["target"]], Progress())
             result.update(stage="done", status=doc["status"])
             if any(a["status"] == "failed" and a.get("path") for a in doc["artifacts"]):
-                result["stage"] = "floor"
-                result["floor"] = floor(request, spec["target"])
-                result["stage"] = "done"
+                try:  # the build's row stands whatever happens here
+                    result["floor"] = floor(request, spec["target"])
+                except Exception as e:
+                    traceback.print_exc()
+                    result["floor"] = {"error": _first_line(e)}
     except Exception as e:  # UsageError included: the exporter's own one-line refusal of this build
         from ..errors import UsageError
 
