@@ -377,7 +377,7 @@ def _command_line(ctx: click.Context) -> str:
 @click.option("--iterations", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Threads per build.")
 @click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=(128, 128), show_default=True,
-              metavar="H W", help="Input size of segmentation graphs.")
+              metavar="H W", help="Input size of the graphs that take one: segmentation, RetinaNet, FCOS.")
 @click.option("--shard", default=None, metavar="I/N", help="Run only shard I of N (weights I, I+N, …); writes OUT/coverage-shard-I-of-N.json/.md.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("docs"), show_default=True, help="Where coverage.md and coverage.json go.")
 @click.option("--builds", type=click.Path(path_type=Path), default=None, help="Keep every build under DIR/<weight>/<target> [default: temporary].")

@@ -294,3 +294,11 @@ def test_a_cached_row_with_a_failure_gets_its_floor_measured(first_run, cache_di
     assert measured["floor"]["fp32"]["fidelity"]["top1_agreement"] == 1.0
     assert measured["cells"][0]["kind"] == "validation"
     assert "floor" in json.loads(path.read_text())  # stored back: a third run measures nothing
+
+
+def test_the_sweeps_input_size_goes_to_the_graphs_that_take_one():
+    size = (128, 128)
+    assert randomize.accepted_input_size("LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1", size) == size
+    assert randomize.accepted_input_size("FCOS_ResNet50_FPN_Weights.COCO_V1", size) == size
+    assert randomize.accepted_input_size("SSD300_VGG16_Weights.COCO_V1", size) is None  # SSD: its anchors' size
+    assert randomize.accepted_input_size("MobileNet_V3_Small_Weights.IMAGENET1K_V1", size) is None

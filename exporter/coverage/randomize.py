@@ -128,6 +128,21 @@ def _quantized_state(w, float_model: nn.Module, model_name: str, num_classes: in
     return model.state_dict()
 
 
+def accepted_input_size(weight_name: str, input_size):
+    """`input_size` where the weight's graph takes one (segmentation, RetinaNet/FCOS), else None (classifiers
+    and SSD keep their weight's own size)."""
+    from ..errors import UsageError
+
+    if input_size is None:
+        return None
+    w = weights.resolve(weight_name)
+    try:
+        weights.task_class(w).input_size_of(w, weights.model_name_of(w), tuple(input_size))
+    except UsageError:
+        return None
+    return tuple(input_size)
+
+
 def make(weight_name: str, directory: Path, input_size=None) -> dict:
     """Write the weight's random checkpoint(s) into `directory` (kept if already there); returns
     {"checkpoint": path, "float_checkpoint": path or None, ...what was done}."""
@@ -156,8 +171,7 @@ def make(weight_name: str, directory: Path, input_size=None) -> dict:
         state = _quantized_state(w, model, model_name, num_classes, images)
         info["quantized"] = {"backend": w.meta["backend"], "float_model": float_name}
     else:
-        task_input = input_size if weights.task_class(w).name == "segmentation" else None
-        model, info = _float_model(w, model_name, num_classes, task_input, seed)
+        model, info = _float_model(w, model_name, num_classes, accepted_input_size(weight_name, input_size), seed)
         state = model.state_dict()
     torch.save(state, _tmp(checkpoint))
     _tmp(checkpoint).replace(checkpoint)

@@ -226,7 +226,7 @@ def _settings_line(settings: dict) -> str:
         f"{settings['calib_size']} calibration + {settings['val_size']} validation synthetic images",
         f"latency {settings['warmup']} warm-up + {settings['iterations']} timed iterations",
         f"{settings['threads']} thread{'s' if settings['threads'] != 1 else ''}",
-        "segmentation input " + ("×".join(map(str, settings["input_size"])) if settings.get("input_size") else "the weight's"),
+        "segmentation, RetinaNet and FCOS input " + ("×".join(map(str, settings["input_size"])) if settings.get("input_size") else "the weight's"),
         f"time limit {limit:g} s per build" if limit else "no time limit",
     ]
     return "; ".join(parts)

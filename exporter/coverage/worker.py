@@ -47,7 +47,7 @@ def run(spec: dict) -> int:
         from . import randomize
 
         torch.set_num_threads(spec["threads"])
-        input_size = tuple(spec["input_size"]) if spec.get("input_size") else None
+        input_size = randomize.accepted_input_size(spec["weight"], spec.get("input_size"))
         result["checkpoint"] = randomize.make(spec["weight"], Path(spec["checkpoints"]), input_size)
         result["checkpoint_s"] = round(time.perf_counter() - started, 3)
         result["stage"] = "build"
@@ -57,7 +57,7 @@ def run(spec: dict) -> int:
             checkpoint=Path(result["checkpoint"]["checkpoint"]), verify=False, offline=True, force=True,
             formats=list(spec.get("formats") or []), calib_size=spec["calib_size"], val_size=spec["val_size"],
             threads=spec["threads"], warmup=spec["warmup"], iterations=spec["iterations"],
-            input_size=input_size if spec.get("task") == "segmentation" else None,
+            input_size=input_size,
             float_checkpoint=Path(float_checkpoint) if float_checkpoint else None,
             cache=True, cache_dir=Path(spec["build_cache"]),  # shared by the weight's targets, then removed
         )
