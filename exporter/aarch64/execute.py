@@ -2,6 +2,7 @@
 
 `run(runner, artifacts, inputs, cpus)` is what a build calls after its x86 validation: the outputs come
 back as numpy arrays (output k of every image stacked), with the seconds taken; nothing is judged here.
+`verify_bundled(runner, bpte, cpus, rtol, atol)` runs ExecuTorch's own verifier on a `.bpte` on each CPU.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from . import cpus as named
 from .layout import Runner
 
 SUFFIXES = (".pte", ".ptl", ".onnx")
+# The package's inside.py, run by its host path (qemu falls back to host paths outside the -L prefix): the copy
+# in a runner's root dates from its set-up, and may predate a mode (--bundled) this module asks for.
+INSIDE = Path(__file__).with_name("inside.py")
 
 
 @dataclass
@@ -86,6 +90,41 @@ def _one(runner: Runner, artifact: Path, batch: Path, out: Path, cpu: str, threa
     with np.load(out) as saved:
         outputs = [saved[f"out{k}"] for k in range(len(saved.files))]
     return Result(artifact, cpu, outputs=outputs, seconds=seconds, cpu_seconds=cpu_seconds, info=json.loads(lines[-1]))
+
+
+def verify_bundled(runner: Runner, bpte: Path, cpus: list[str], rtol: float, atol: float, threads: int = 1,
+                   timeout: float = 1800) -> list[dict]:
+    """ExecuTorch's verifier on every test case of `bpte`, one qemu process per CPU, in the order given:
+    [{"cpu", "passed", "cases", "error", "seconds", "cpu_seconds"}]. A mismatch, or a CPU the program cannot
+    run on, is passed False with the reason, not an exception; a bad request is a UsageError."""
+    cpus = named.check(cpus, runner.cpus)
+    bpte = Path(bpte).resolve()
+    if bpte.suffix != ".bpte" or not bpte.is_file():
+        raise UsageError(f"{bpte}: not a .bpte file")
+    if not (rtol >= 0 and atol >= 0):
+        raise UsageError(f"rtol {rtol} and atol {atol} must be non-negative")
+    results = []
+    for cpu in cpus:
+        command = runner.python(cpu, str(INSIDE), "--bundled", str(bpte), "--rtol", repr(float(rtol)),
+                                "--atol", repr(float(atol)), "--threads", str(threads))
+        started, used = time.perf_counter(), _children_cpu()
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            results.append({"cpu": cpu, "passed": False, "cases": 0, "seconds": timeout, "cpu_seconds": None,
+                            "error": f"timed out after {timeout:.0f} s under qemu ({cpu})"})
+            continue
+        measured = {"seconds": round(time.perf_counter() - started, 2), "cpu_seconds": round(_children_cpu() - used, 2)}
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
+            reason = errors[-1] if errors else f"exit code {done.returncode}"
+            results.append({"cpu": cpu, "passed": False, "cases": 0, "error": f"{reason[:300]} ({cpu})", **measured})
+            continue
+        answer = json.loads(lines[-1])
+        results.append({"cpu": cpu, "passed": bool(answer.get("passed")), "cases": int(answer.get("cases", 0)),
+                        "error": answer.get("error"), **measured})
+    return results
 
 
 def _children_cpu() -> float:

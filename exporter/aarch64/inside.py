@@ -8,6 +8,10 @@ exporter's, only numpy and the runtime of the artifact.
         load one artifact (.pte: ExecuTorch, .ptl: the lite interpreter, .onnx: ONNX Runtime CPU), run every
         image of X (N x C x H x W float32) through it one at a time, save output k of every image stacked as
         `out{k}` in Y, print one JSON line (load and run seconds, what ran it)
+    inside.py --bundled PATH --rtol R --atol A [--threads N]
+        ExecuTorch's verifier on every test case of a BundledProgram (.bpte); print one JSON line
+        {"passed", "cases", "error", ...}: a mismatch is passed false with the first failing case and its
+        worst element, not a failure of the script
 
 The runner's torch is the CUDA build with its CUDA libraries replaced by stubs; with EXPORTER_AARCH64_NO_CUDA
 set, torch is told so as soon as its core is loaded (no CUDA, no distributed package) so nothing reaches a stub.
@@ -135,6 +139,93 @@ def run(artifact, inputs, out, threads):
     return info
 
 
+# -- .bpte: a reader kept in step with exporter/formats/bundled_program.py (read), which this may not import ----
+
+_SCALAR_TYPES = {0: "uint8", 1: "int8", 3: "int32", 4: "int64", 5: "float16", 6: "float32", 7: "float64", 11: "bool"}
+
+
+def _bpte_cases(data):
+    """(method name, [(inputs, expected)] as numpy arrays) of a .bpte's first test suite."""
+    import struct
+
+    import numpy as np
+
+    def u32(at):
+        return struct.unpack_from("<I", data, at)[0]
+
+    def ref(at):
+        return at + u32(at)
+
+    def field(table, k):
+        vtable = table - struct.unpack_from("<i", data, table)[0]
+        if 4 + 2 * k >= struct.unpack_from("<H", data, vtable)[0]:
+            return None
+        offset = struct.unpack_from("<H", data, vtable + 4 + 2 * k)[0]
+        return table + offset if offset else None
+
+    def vector(table, k):
+        at = field(table, k)
+        return (0, 0) if at is None else (ref(at) + 4, u32(ref(at)))
+
+    def tables(table, k):
+        start, n = vector(table, k)
+        return [ref(start + 4 * i) for i in range(n)]
+
+    def tensor(value):
+        if data[field(value, 0)] != 1:
+            raise ValueError("only tensor values are read")
+        t = ref(field(value, 1))
+        scalar = struct.unpack_from("<b", data, field(t, 0))[0] if field(t, 0) is not None else 0
+        start, n = vector(t, 1)
+        sizes = struct.unpack_from(f"<{n}i", data, start)
+        start, n = vector(t, 2)
+        return np.frombuffer(data[start:start + n], dtype=_SCALAR_TYPES[scalar]).reshape(sizes)
+
+    if data[4:8] != b"BP08":
+        raise ValueError("not a bundled program (file identifier BP08 missing)")
+    suite = tables(u32(0), 1)[0]
+    name = ref(field(suite, 0))
+    method = data[name + 4:name + 4 + u32(name)].decode()
+    return method, [([tensor(v) for v in tables(c, 0)], [tensor(v) for v in tables(c, 1)]) for c in tables(suite, 1)]
+
+
+def bundled(path, rtol, atol, threads):
+    import numpy as np
+    import torch
+    from executorch.extension.pybindings import _C
+
+    started = time.time()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        method, cases = _bpte_cases(data)
+        if _C._threadpool_get_thread_count() != threads:
+            _C._unsafe_reset_threadpool(threads)
+        bundle = _C._load_bundled_program_from_buffer(data)
+    except (ValueError, RuntimeError, IndexError) as e:
+        return {"passed": False, "cases": 0, "error": f"cannot load {os.path.basename(path)}: {e}"}
+    info = {"passed": True, "cases": len(cases), "error": None, "backends": list(_C._get_registered_backend_names())}
+    for i, (inputs, expected) in enumerate(cases):
+        try:
+            bundle.verify_result_with_bundled_expected_output(method, i, rtol, atol)
+        except RuntimeError as e:
+            detail = ""
+            try:  # the worst element, from the program's own run of this case
+                program = _C._load_for_executorch_from_bundled_program(bundle)
+                got = program.run_method(method, tuple(torch.from_numpy(x.copy()) for x in inputs))
+                worst = max(
+                    (float(np.max(np.abs(o.numpy().astype(np.float64) - w) - (atol + np.abs(rtol * o.numpy())))), k,
+                     float(np.max(np.abs(o.numpy().astype(np.float64) - w))))
+                    for k, (o, w) in enumerate(zip(got, expected)))
+                detail = f"; output {worst[1]}: max |out - expected| {worst[2]:.3g}, {worst[0]:.3g} beyond what is allowed"
+            except Exception as inner:  # noqa: BLE001  (the verifier's own word stands)
+                detail = f"; (no detail: {inner})"
+            info.update(passed=False, error=f"case {i} of {len(cases)}: {e}{detail} (rtol {rtol:.3g}, atol {atol:.3g})")
+            break
+    info["seconds"] = round(time.time() - started, 3)
+    return info
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
@@ -142,8 +233,18 @@ def main():
     parser.add_argument("--inputs")
     parser.add_argument("--out")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bundled")
+    parser.add_argument("--rtol", type=float)
+    parser.add_argument("--atol", type=float)
     args = parser.parse_args()
-    result = check() if args.check else run(args.artifact, args.inputs, args.out, args.threads)
+    if args.bundled:
+        if args.rtol is None or args.atol is None:
+            parser.error("--bundled needs --rtol and --atol")
+        result = bundled(args.bundled, args.rtol, args.atol, args.threads)
+    elif args.check:
+        result = check()
+    else:
+        result = run(args.artifact, args.inputs, args.out, args.threads)
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
 

@@ -7,7 +7,9 @@ build wrote (Jetson: build_engine.sh, device_validate.py), for detection the bui
 (what turns the raw heads into boxes, on every target; checked against its sha256) and bundle.json,
 which lists every file with its sha256, the model's task (classification, segmentation or detection:
 its input size, output layout and, for detection, the decode parameters and where the anchors and
-decode code are) and, per artifact, its validation results and the runtime it needs.
+decode code are) and, per artifact, its validation results and the runtime it needs. An artifact
+with a `bundled_program` in the manifest (a `.pte`'s ExecuTorch golden program, `.bpte`) brings it along,
+checked against its sha256, and bundle.json lists it under that artifact with its rtol/atol and verifications.
 OUT/bundle/<target>.zip holds the same files, built byte for byte reproducibly.
 """
 
@@ -25,7 +27,8 @@ from ..errors import UsageError
 
 # Bumped only when an existing reader would misread a bundle it used to read. "task" is additive: a
 # classification bundle reads as before, a bundle without "task" is classification, and apps decide
-# segmentation from task.name, not from this number.
+# segmentation from task.name, not from this number. An artifact's "bundled_program" (and its .bpte file) is
+# additive too: a reader that does not know it reads the bundle as before.
 BUNDLE_VERSION = 1
 
 # Per target, the artifacts a bundle carries, keyed by (format, precision) and listed in the order
@@ -157,6 +160,13 @@ def _artifact(doc: dict, role: str, entry: dict) -> dict:
     }
     if entry["format"] == "coreml":
         record["input"] = entry["details"]["input"]
+    golden_program = entry.get("bundled_program")
+    if golden_program:
+        # ExecuTorch's own golden program: the .pte with the golden inputs and its outputs, which the
+        # runtime's verifier checks within rtol/atol (docs/validation.md); verified: where the build ran it
+        record["bundled_program"] = {"file": golden_program["path"], "sha256": golden_program["sha256"],
+                                     "rtol": golden_program["rtol"], "atol": golden_program["atol"],
+                                     "verified": golden_program.get("verified")}
     engine = next((e for e in doc.get("jetson", {}).get("engines", []) if e["onnx"] == entry["path"]), None)
     if engine:
         # built on the device by build_engine.sh: engines do not carry across GPUs or TensorRT versions
@@ -269,6 +279,8 @@ def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
             stage.mkdir()
             for _, entry in chosen:
                 _copy(out, stage, entry["path"], entry["sha256"])
+                if entry.get("bundled_program"):  # beside its .pte, as in the build directory
+                    _copy(out, stage, entry["bundled_program"]["path"], entry["bundled_program"]["sha256"])
             for name, sha256 in doc.get("jetson", {}).get("sha256", {}).items():
                 _copy(out, stage, name, sha256)
             for name in (*SIDE_FILES, *golden.values()):

@@ -16,7 +16,8 @@ import java.util.concurrent.Executors
 /**
  * Pick an image and run the bundled model on it: a classifier shows (and logs) the top-5 classes, a
  * segmenter the mask over the image and each class's share of the pixels, a detector the boxes over the
- * image and each object's class, score and box.
+ * image and each object's class, score and box. "Self-test" (or launching with `--ez selftest true`) checks the
+ * bundle's ExecuTorch golden programs (.bpte) on this phone ([SelfTest]) and logs PASSED/FAILED per artifact.
  */
 class MainActivity : ComponentActivity() {
     private lateinit var output: TextView
@@ -33,12 +34,40 @@ class MainActivity : ComponentActivity() {
             text = "Pick an image"
             setOnClickListener { pickImage.launch("image/*") }
         }
+        val selfTest = Button(this).apply {
+            text = "Self-test (.bpte)"
+            setOnClickListener { selfTest() }
+        }
         setContentView(LinearLayout(this).apply {
             orientation = LinearLayout.VERTICAL
             addView(pick)
+            addView(selfTest)
             addView(picture)
             addView(output)
         })
+        if (intent.getBooleanExtra("selftest", false)) selfTest()
+    }
+
+    /** Every .bpte of the bundle run here and held to its rtol/atol; one log line per artifact and a verdict. */
+    private fun selfTest() {
+        output.text = "Self-test…"
+        picture.setImageDrawable(null)
+        worker.execute {
+            val results = try {
+                SelfTest(applicationContext).run()
+            } catch (e: Exception) {
+                listOf(SelfTestResult("bundle", "bundle.json", false, 0, "${e.javaClass.simpleName}: ${e.message}"))
+            }
+            results.forEach { Log.i(SELF_TEST_TAG, it.toString()) }
+            val verdict = when {
+                results.isEmpty() -> "SELFTEST NONE: the bundle has no .bpte"
+                results.all { it.passed } -> "SELFTEST PASSED"
+                else -> "SELFTEST FAILED"
+            }
+            Log.i(SELF_TEST_TAG, verdict)
+            val text = (results.map { it.toString() } + verdict).joinToString("\n")
+            runOnUiThread { output.text = text }
+        }
     }
 
     private fun classify(uri: Uri) {
@@ -89,5 +118,6 @@ class MainActivity : ComponentActivity() {
 
     private companion object {
         const val TAG = "BundleClassifier"
+        const val SELF_TEST_TAG = "BundleSelfTest"
     }
 }

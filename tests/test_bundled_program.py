@@ -1,0 +1,213 @@
+"""ExecuTorch's own golden program (.bpte) on the trained digits model: made from a build's .pte, verified by
+ExecuTorch's verifier on x86 (and, opt-in with EXPORTER_TEST_AARCH64=1, inside the aarch64 runner), a
+perturbed one refused with its reason, the tolerances derived from the measured gap, and bundles carrying it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exporter.formats import bundled_program
+
+INSIDE = Path(__file__).resolve().parent.parent / "exporter" / "aarch64" / "inside.py"
+FP32 = "mobilenet_v3_small_executorch_fp32.pte"
+
+
+# -- tolerances: a pure function ------------------------------------------------------------------------------
+
+def test_bit_identical_artifact_still_gets_a_floor():
+    eager = np.array([[3.0, -8.0, 0.5]], dtype=np.float32)
+    tol = bundled_program.tolerances(eager.copy(), eager)
+    assert tol["max_abs_gap"] == 0.0 and tol["output_scale"] == 8.0
+    assert tol["atol"] == pytest.approx(bundled_program.FLOOR * 8.0) and tol["atol"] > 0
+    assert tol["rtol"] == bundled_program.FLOOR
+    assert "gap" in tol["rule"]
+
+
+def test_a_larger_measured_gap_gives_larger_tolerances():
+    rng = np.random.default_rng(0)
+    eager = rng.normal(scale=5.0, size=(8, 10))
+    small = bundled_program.tolerances(eager + 1e-3 * rng.normal(size=eager.shape), eager)
+    large = bundled_program.tolerances(eager + 1e-1 * rng.normal(size=eager.shape), eager)
+    assert large["atol"] > small["atol"] > bundled_program.FLOOR * small["output_scale"]
+    assert large["rtol"] > small["rtol"]
+    assert small["atol"] == pytest.approx(bundled_program.MARGIN * small["max_abs_gap"])
+    # every measured element passes ExecuTorch's rule with room to spare
+    artifact = eager + 1e-1 * rng.normal(size=eager.shape)
+    tol = bundled_program.tolerances(artifact, eager)
+    assert np.all(np.abs(artifact - eager) <= tol["atol"] + tol["rtol"] * np.abs(artifact))
+
+
+def test_tolerances_take_several_outputs_and_refuse_mismatched_ones():
+    a, b = np.ones((1, 4)), np.full((1, 2, 3), 100.0)
+    tol = bundled_program.tolerances([a + 0.5, b], [a, b])
+    assert tol["max_abs_gap"] == 0.5 and tol["output_scale"] == 100.0
+    with pytest.raises(ValueError):
+        bundled_program.tolerances([a], [a, b])
+    with pytest.raises(ValueError):
+        bundled_program.tolerances(np.ones((1, 3)), np.ones((1, 4)))
+    assert bundled_program.tolerances(np.zeros(3), np.zeros(3))["atol"] > 0  # all-zero outputs: absolute floor
+
+
+# -- on a real .pte of the digits build ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def golden_program(android_build, tmp_path_factory):
+    """The fp32 .pte's .bpte as the pipeline makes it: its own outputs on golden/ inputs, tolerances from its
+    distance to eager there."""
+    import torch
+
+    build, result = android_build
+    assert result.exit_code == 0, result.output
+    pte = build / FP32
+    inputs = torch.from_numpy(np.load(build / "golden" / "inputs.npy"))
+    expected = bundled_program.outputs(pte, inputs)
+    tol = bundled_program.tolerances([torch.cat([e[0] for e in expected])], [np.load(build / "golden" / "eager_logits.npy")])
+    out = tmp_path_factory.mktemp("bpte")
+    details = bundled_program.write(pte, inputs, expected, tol["rtol"], tol["atol"], out / "fp32.bpte")
+    # the same outputs pushed beyond atol on one element of one case: the verifier must refuse it
+    bad = [tuple(t.clone() for t in e) for e in expected]
+    bad[3][0][0, 2] += 10 * tol["atol"] + 10 * tol["rtol"] * abs(float(bad[3][0][0, 2]))
+    bundled_program.write(pte, inputs, bad, tol["rtol"], tol["atol"], out / "bad.bpte")
+    return {"build": build, "pte": pte, "inputs": inputs, "expected": expected, "tol": tol, "details": details,
+            "good": out / "fp32.bpte", "bad": out / "bad.bpte"}
+
+
+def test_bpte_made_from_a_pte_verifies_on_x86(golden_program):
+    g = golden_program
+    assert g["details"]["cases"] == len(g["inputs"]) == 8
+    assert g["details"]["program_sha256"] == json.loads((g["build"] / "manifest.json").read_text())["artifacts"][
+        [a["path"] for a in json.loads((g["build"] / "manifest.json").read_text())["artifacts"]].index(FP32)]["sha256"]
+    assert 0 < g["tol"]["atol"] < 0.01 * g["tol"]["output_scale"]  # fp32: a small measured gap, not a guess
+    assert bundled_program.verify(g["good"], g["tol"]["rtol"], g["tol"]["atol"]) == {"passed": True, "cases": 8, "error": None}
+
+
+def test_bpte_holds_the_pte_the_inputs_and_the_outputs(golden_program, tmp_path):
+    g = golden_program
+    content = bundled_program.read(g["good"].read_bytes())
+    assert content["method"] == "forward" and content["program"] == g["pte"].read_bytes()
+    assert len(content["cases"]) == 8
+    for i, case in enumerate(content["cases"]):
+        assert np.array_equal(case["inputs"][0], g["inputs"][i:i + 1].numpy())
+        assert np.array_equal(case["expected"][0], g["expected"][i][0].numpy())
+    again = bundled_program.write(g["pte"], g["inputs"], g["expected"], g["tol"]["rtol"], g["tol"]["atol"],
+                                  tmp_path / "again.bpte")
+    assert again["sha256"] == g["details"]["sha256"]  # byte-reproducible
+
+
+def test_expected_outputs_are_what_the_build_validated(golden_program):
+    """outputs() gives, bit for bit, what the build's own runner (formats.executorch.load) gives."""
+    import torch
+
+    from exporter.formats import executorch
+
+    g = golden_program
+    runner = executorch.load(g["pte"], torch.get_num_threads())
+    for i, e in enumerate(g["expected"]):
+        assert torch.equal(runner(g["inputs"][i:i + 1]), e[0]), i
+
+
+def test_perturbed_outputs_fail_verification_with_the_reason(golden_program):
+    g = golden_program
+    verdict = bundled_program.verify(g["bad"], g["tol"]["rtol"], g["tol"]["atol"])
+    assert verdict["passed"] is False and verdict["cases"] == 8
+    assert verdict["error"].startswith("case 3 of 8") and "1 of 10 elements outside" in verdict["error"], verdict
+    # the same file within tolerances wide enough passes: it is the tolerance that decides
+    assert bundled_program.verify(g["bad"], 0.0, 1e6)["passed"] is True
+    assert bundled_program.verify(g["pte"], 0.0, 1.0)["passed"] is False  # a .pte is not a .bpte: refused, not raised
+
+
+def test_write_refuses_cases_the_program_cannot_take(golden_program, tmp_path):
+    g = golden_program
+    with pytest.raises(ValueError, match="expected outputs"):
+        bundled_program.write(g["pte"], g["inputs"], g["expected"][:3], 1e-5, 1e-5, tmp_path / "x.bpte")
+    with pytest.raises(ValueError, match="program takes"):
+        bundled_program.write(g["pte"], g["inputs"][:, :, :8], g["expected"], 1e-5, 1e-5, tmp_path / "x.bpte")
+    assert not (tmp_path / "x.bpte").exists()
+
+
+def test_inside_script_gives_the_same_verdicts_on_x86(golden_program):
+    """inside.py --bundled, the aarch64 runner's verifier, run here with the host's packages."""
+    g = golden_program
+    verdicts = []
+    for path in (g["good"], g["bad"]):
+        done = subprocess.run([sys.executable, str(INSIDE), "--bundled", str(path), "--rtol", repr(g["tol"]["rtol"]),
+                               "--atol", repr(g["tol"]["atol"])], check=False, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        verdicts.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert verdicts[0]["passed"] is True and verdicts[0]["cases"] == 8 and verdicts[0]["error"] is None
+    assert verdicts[1]["passed"] is False and verdicts[1]["error"].startswith("case 3 of 8"), verdicts[1]
+
+
+def test_bundle_carries_the_bpte_beside_its_pte(golden_program, tmp_path):
+    """A manifest entry with `bundled_program`, as the pipeline writes it, puts the .bpte in the bundle, in
+    bundle.json under its artifact and in the file list; the zip stays byte-reproducible."""
+    from exporter.release.bundle import make_bundle, zip_path
+
+    g = golden_program
+    build = tmp_path / "build"
+    shutil.copytree(g["build"], build, ignore=shutil.ignore_patterns("bundle"))
+    name = FP32.replace(".pte", bundled_program.SUFFIX)
+    shutil.copyfile(g["good"], build / name)
+    doc = json.loads((build / "manifest.json").read_text())
+    entry = next(a for a in doc["artifacts"] if a["path"] == FP32)
+    verified = {"x86": bundled_program.verify(build / name, g["tol"]["rtol"], g["tol"]["atol"])}
+    entry["bundled_program"] = {**g["details"], "path": name, "tolerances": g["tol"], "verified": verified}
+    (build / "manifest.json").write_text(json.dumps(doc))
+    bundle = make_bundle(build)
+    assert (bundle / name).read_bytes() == g["good"].read_bytes() and (bundle / FP32).is_file()
+    described = json.loads((bundle / "bundle.json").read_text())
+    record = next(a for a in described["artifacts"] if a["file"] == FP32)
+    assert record["bundled_program"] == {"file": name, "sha256": g["details"]["sha256"], "rtol": g["tol"]["rtol"],
+                                         "atol": g["tol"]["atol"], "verified": verified}
+    assert {"path": name, "sha256": g["details"]["sha256"], "size_bytes": g["details"]["size_bytes"]} in described["files"]
+    assert all("bundled_program" not in a for a in described["artifacts"] if a["file"] != FP32)
+    # what the Android self-test reads of it (the app is not compiled here: its keys are checked instead)
+    kotlin = (Path(__file__).resolve().parent.parent / "apps/android/app/src/main/java/org/example/bundleclassifier/SelfTest.kt").read_text()
+    for key in ("bundled_program", "file", "rtol", "atol"):
+        assert f'"{key}"' in kotlin and key in record["bundled_program"] | {"bundled_program": 1}, key
+    with zipfile.ZipFile(zip_path(bundle)) as zf:
+        assert zf.read(name) == g["good"].read_bytes()
+    first = zip_path(bundle).read_bytes()
+    make_bundle(build)
+    assert zip_path(bundle).read_bytes() == first
+    # a .bpte that is not what the manifest says is refused like a tampered artifact
+    (build / name).write_bytes(g["bad"].read_bytes())
+    from exporter.errors import UsageError
+
+    with pytest.raises(UsageError, match="sha256"):
+        make_bundle(build)
+
+
+# -- inside the aarch64 runner (opt-in) -------------------------------------------------------------------------
+
+E2E = os.environ.get("EXPORTER_TEST_AARCH64", "") not in ("", "0")
+E2E_CPUS = ["cortex-a53", "cortex-a76"]
+# the user's cache, as tests/test_aarch64.py (the suite's own $EXPORTER_CACHE is temporary)
+RUNNER_CACHE = Path(os.environ.get("EXPORTER_TEST_AARCH64_CACHE") or Path.home() / ".cache" / "exporter")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not E2E, reason="set EXPORTER_TEST_AARCH64=1: needs the aarch64 runner (exporter arm-setup)")
+def test_bpte_verifies_inside_the_aarch64_runner(golden_program):
+    from exporter import aarch64
+    from exporter.aarch64.execute import verify_bundled
+
+    runner = aarch64.find(RUNNER_CACHE)
+    if runner is None:
+        pytest.skip("no aarch64 runner in the cache: run `exporter arm-setup` first")
+    g = golden_program
+    good = verify_bundled(runner, g["good"], E2E_CPUS, g["tol"]["rtol"], g["tol"]["atol"])
+    assert [r["cpu"] for r in good] == E2E_CPUS
+    for r in good:
+        assert r["passed"] is True and r["cases"] == 8 and r["error"] is None, r
+    bad = verify_bundled(runner, g["bad"], E2E_CPUS[:1], g["tol"]["rtol"], g["tol"]["atol"])
+    assert bad[0]["passed"] is False and bad[0]["error"].startswith("case 3 of 8"), bad
