@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import data, formats, validation
+from . import data, formats, hostload, validation
 from .device import detection_decode
 from .release import manifest
 from .quant import SETTINGS, Calibration
@@ -95,8 +95,12 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
         torch.set_num_threads(threads)
         outside = (details.get("delegation") or {}).get("ops_outside_delegate")
         log(f"  {name}: built {label} in {build_s[label]} s" + (f"; outside delegate: {outside}" if outside else ""))
-    timing = validation.measure_latency(runners, example, warmup, iterations, rounds=10)
-    result = {"input": list(task.input_size), "latency_ms": timing, "build_s": build_s, "quantization": quantization}
+    timing, conditions = validation.measure_latency_on_host(runners, example, warmup, iterations, rounds=10)
+    conditions = hostload.judged(conditions, threads)  # what the host did while timing; busy: unreliable
+    if not conditions["reliable"]:
+        log(f"  {name}: host busy while timing, numbers unreliable: {hostload.summary(conditions)}")
+    result = {"input": list(task.input_size), "latency_ms": timing, "latency_conditions": conditions, "build_s": build_s,
+              "quantization": quantization}
     if isinstance(task, Detection):
         with torch.no_grad():
             random_heads = model(example)[0].numpy()
@@ -148,6 +152,22 @@ def _time_decode(heads: list, task: Detection, repeats: int) -> dict:
     return validation.percentiles(samples)
 
 
+def _host_lines(results: dict) -> list[str]:
+    """Per model, what the host did while it was timed (exporter.hostload), and why a busy run is unreliable."""
+    lines = ["", "host while timing (1-min load, CPU other processes took, steal, worst p90/p50):", ""]
+    for model, r in results.items():
+        c = r.get("latency_conditions")
+        if not c:
+            continue
+        share = "—" if c.get("other_cpu_share") is None else f"{c['other_cpu_share']:.0%}"
+        steal = "—" if c.get("steal_s") is None else f"{c['steal_s']:.2f} s"
+        worst = max((v for v in (c.get("spread") or {}).values() if v is not None), default=None)
+        verdict = "reliable" if c["reliable"] else f"**unreliable**: {hostload.summary(c)}"
+        lines.append(f"- {model}: load {c.get('load_avg_1m')}, others {share} over {c['window_s']:.1f} s, steal {steal}, "
+                     f"p90/p50 up to {worst if worst is None else f'{worst:.2f}'}; {verdict}")
+    return lines
+
+
 def table(results: dict) -> str:
     labels = ["eager", "eager NHWC"] + [label for label, *_ in RUNTIMES]
     ratios = ("pte fp32 / eager", "pte int8 plain vs pte fp32", "pte int8 budget vs plain", "onnx int8 budget vs plain", "ptl / eager")
@@ -160,9 +180,11 @@ def table(results: dict) -> str:
         def ratio(a, b):
             return f"{lat[b] / lat[a]:.2f}×" if a in lat and b in lat else "—"
 
-        lines.append(f"| {model} {'x'.join(map(str, r['input']))} | " + " | ".join(cells) + f" | {ratio('pte fp32', 'eager')} | {ratio('pte int8 plain', 'pte fp32')}"
+        busy = "" if (r.get("latency_conditions") or {}).get("reliable", True) else " (busy host: unreliable)"
+        lines.append(f"| {model} {'x'.join(map(str, r['input']))}{busy} | " + " | ".join(cells) + f" | {ratio('pte fp32', 'eager')} | {ratio('pte int8 plain', 'pte fp32')}"
                      f" | {ratio('pte int8 budget', 'pte int8 plain')} | {ratio('onnx int8 budget (ORT)', 'onnx int8 plain (ORT)')}"
                      f" | {ratio('ptl fp32', 'eager')} |")
+    lines += _host_lines(results)
     lines += ["", f"int8 budget: output PSNR >= {BUDGET_PSNR_DB:g} dB (+{SETTINGS['psnr_margin_db']:g} margin) on held-out "
               f"calibration images; layers kept in float, build seconds (quantization seconds):", ""]
     for model, r in results.items():

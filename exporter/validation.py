@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
+from . import hostload
 from .tasks import Task
 from .thresholds import THRESHOLD_KEYS, breaches
 
@@ -41,19 +42,45 @@ def measure_latency(
 ) -> dict[str, dict]:
     """Latency of several runners on the same input, interleaved in rounds so that
     drift on the host (thermal, other load) hits all of them alike."""
+    return measure_latency_on_host(runners, example, warmup, iterations, rounds)[0]
+
+
+def measure_latency_on_host(
+    runners: Mapping[str, Runner], example: torch.Tensor, warmup: int, iterations: int, rounds: int = 5
+) -> tuple[dict[str, dict], dict]:
+    """measure_latency, plus what the host did over the timed rounds (hostload.conditions, with each
+    runner's p90/p50 as `spread`; not yet judged). Interleaving protects a ratio from slow drift only: when
+    other processes oversubscribe the cores, runtimes that use threads differently lose different shares."""
     samples: dict[str, list[float]] = {name: [] for name in runners}
     per_round = max(1, math.ceil(iterations / rounds))
     with torch.no_grad():
         for run in runners.values():
             for _ in range(warmup):
                 run(example)
-        for _ in range(rounds):
-            for name, run in runners.items():
-                for _ in range(per_round):
-                    start = time.perf_counter()
-                    run(example)
-                    samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: percentiles(s) for name, s in samples.items()}
+        with hostload.Window() as window:
+            for _ in range(rounds):
+                for name, run in runners.items():
+                    for _ in range(per_round):
+                        start = time.perf_counter()
+                        run(example)
+                        samples[name].append((time.perf_counter() - start) * 1e3)
+    timing = {name: percentiles(s) for name, s in samples.items()}
+    return timing, {**window.conditions, "spread": {name: hostload.spread(t) for name, t in timing.items()}}
+
+
+def latency_against_eager(runner: Runner, eager: Runner, example: torch.Tensor, warmup: int, iterations: int,
+                          threads: int | None = None, max_spread: float | None = None) -> dict:
+    """The contract's latency fields for one runner timed beside eager: latency_ms, eager_latency_ms,
+    speedup_vs_eager (as measured, whatever the host did) and latency_conditions, judged with `threads` (torch's
+    current setting when None) and the profile's `max_spread`. Status never depends on any of them."""
+    threads = threads or torch.get_num_threads()
+    timing, conditions = measure_latency_on_host({"eager": eager, "artifact": runner}, example, warmup, iterations)
+    return {
+        "latency_ms": timing["artifact"],
+        "eager_latency_ms": timing["eager"],
+        "speedup_vs_eager": timing["eager"]["p50"] / timing["artifact"]["p50"],
+        "latency_conditions": hostload.judged(conditions, threads, max_spread),
+    }
 
 
 NEAR_CONSTANT_DB = 40.0  # eager's outputs vary by less than 1 % of their peak across the inputs
@@ -90,9 +117,12 @@ def evaluate(
     warmup: int,
     iterations: int,
     timed: bool = True,
+    max_spread: float | None = None,
 ) -> tuple[dict, torch.Tensor]:
     """The whole contract for one runner against the eager reference: (metrics, the runner's outputs).
-    Untimed for stand-ins whose speed says nothing about the runtime they stand in for."""
+    Untimed for stand-ins whose speed says nothing about the runtime they stand in for. The latency is judged
+    (hostload.judge) with torch's thread setting on entry, the build's, and `max_spread`; it never sets status."""
+    threads = torch.get_num_threads()  # the build's setting, before a runtime can change it
     outputs = run_all(runner, inputs)
     metrics = task.quality(outputs, reference, labels, eager_accuracy, thresholds)
     blind = blind_spot(task, reference, thresholds)
@@ -102,8 +132,5 @@ def evaluate(
     if not timed:
         metrics.update(latency_ms=None, eager_latency_ms=None, speedup_vs_eager=None)
         return metrics, outputs
-    timing = measure_latency({"eager": eager, "artifact": runner}, inputs[:1], warmup, iterations)
-    metrics["latency_ms"] = timing["artifact"]
-    metrics["eager_latency_ms"] = timing["eager"]
-    metrics["speedup_vs_eager"] = timing["eager"]["p50"] / timing["artifact"]["p50"]
+    metrics.update(latency_against_eager(runner, eager, inputs[:1], warmup, iterations, threads, max_spread))
     return metrics, outputs

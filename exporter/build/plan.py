@@ -65,9 +65,10 @@ class LatencySettings:
     threads: int
     warmup: int = 10
     iterations: int = 100
+    max_spread: float = 2.0  # p90/p50 above this: the latency is unreliable (hostload.judge), never a failure
 
     def describe(self) -> dict:
-        return {"threads": self.threads, "warmup": self.warmup, "iterations": self.iterations}
+        return {"threads": self.threads, "warmup": self.warmup, "iterations": self.iterations, "max_spread": self.max_spread}
 
 
 @dataclass(frozen=True)

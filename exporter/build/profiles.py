@@ -145,7 +145,11 @@ def check(profile: dict, where: str) -> None:
         _check_keys(table, TASK_SECTIONS, f"{where} [tasks.{task}]")
         _check_thresholds(table.get("thresholds", {}), where, f"tasks.{task}.thresholds", task)
         _check_ints(table.get("data", {}), DATA_KEYS, f"{where} [tasks.{task}.data]", 0)
-    _check_ints(profile.get("latency", {}), LATENCY_KEYS, f"{where} [latency]", 0)
+    latency = profile.get("latency", {})
+    _check_ints({k: v for k, v in latency.items() if k != "max_spread"}, LATENCY_KEYS, f"{where} [latency]", 0)
+    spread = latency.get("max_spread", 2.0)  # p90/p50 beyond which latency is reported unreliable (hostload)
+    if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not spread >= 1:
+        raise UsageError(f"{where} [latency]: max_spread (p90/p50) must be a number >= 1, got {spread!r}")
     if profile.get("latency", {}).get("iterations", 1) < 1:
         raise UsageError(f"{where} [latency]: iterations must be >= 1")
 

@@ -3,7 +3,8 @@
 The key covers the request (paths made absolute), the resolved target profiles, the tool versions,
 which format packages are installed, the exporter's own source and the host. The record lists the
 input files the build read (checkpoint, labels, every file of the data folder) with their sha256,
-checked again at every lookup, and the files the build wrote, stored by content under blobs/.
+checked again at every lookup, and the files the build wrote, stored by content under blobs/. A build whose
+latency was timed on a busy host (exporter.hostload judged it unreliable) is not recorded: the next run times it again.
 """
 
 from __future__ import annotations
@@ -117,6 +118,11 @@ def _files_under(directory: Path, names: list[str]) -> list[Path]:
     return found
 
 
+def _noisy_latency(docs: list[dict]) -> bool:
+    """Whether any artifact's latency was judged unreliable (exporter.hostload: timed on a busy host)."""
+    return any(not (a.get("latency_conditions") or {}).get("reliable", True) for doc in docs for a in doc["artifacts"])
+
+
 class BuildRecord:
     def __init__(self, cache_root: Path, request, profiles: list[dict]):
         self.cache_root = Path(cache_root)
@@ -137,7 +143,7 @@ class BuildRecord:
     def restore(self, progress: Progress) -> list[dict] | None:
         """The earlier build's manifests, with its files restored into --out; None when there is none."""
         record = self.cache.fetch_json("builds", self.key)
-        if record is None or not _inputs_unchanged(record["inputs"]):
+        if record is None or _noisy_latency(record["docs"]) or not _inputs_unchanged(record["inputs"]):
             return None
         base = Path(self.request.out or record["default_out"])
         outs = self._outs(base, record["targets"])
@@ -182,6 +188,8 @@ class BuildRecord:
     def store(self, base: Path, docs: list[dict]) -> None:
         if any(r.startswith("export failed") for doc in docs for a in doc["artifacts"] for r in a["reasons"]):
             return  # a crash in a converter may not happen again; only settled outcomes are replayed
+        if _noisy_latency(docs):
+            return  # latency timed on a busy host is not settled: the next run times it again (per-step cache keeps fidelity)
         if self._key() != self.key:
             return  # tools or exporter code changed while it built: the result belongs to neither key
         targets = [doc["target"]["name"] for doc in docs]

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from . import previews, ship, svg_text
-from .report import COLUMNS, eager_summary, rows, task_name
+from .report import COLUMNS, eager_summary, latency_warnings, rows, task_name
 from .svg_text import Box
 
 STATUS_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "unavailable": "#9a6700"}
@@ -26,6 +26,7 @@ li{margin:.2rem 0}
 figure{margin:1rem 0}img{image-rendering:pixelated;max-width:100%}figcaption{color:#57606a}
 .ship{border-left:4px solid #0969da;background:#f6f8fa;padding:.4rem .8rem;margin:1rem 0}.ship p{margin:.2rem 0}
 details{margin:.6rem 0}summary{cursor:pointer}
+.busy{border-left:4px solid #9a6700;background:#fff8c5;padding:.4rem .8rem;margin:1rem 0}.busy p,.busy ul{margin:.2rem 0}
 """
 
 
@@ -166,6 +167,18 @@ def _reasons(docs: list[dict]) -> str:
     return f"<h2>Why not passed</h2><ul>{''.join(items)}</ul>" if items else ""
 
 
+def _latency_warning(docs: list[dict]) -> str:
+    """Beside the table and the latency chart: which latencies were taken on a busy host, and why."""
+    parts = []
+    for doc in docs:
+        head, noisy = latency_warnings(doc)
+        if head:
+            where = f"{doc['target']['name']}: " if len(docs) > 1 else ""
+            items = "".join(f"<li><b>{_esc(name)}</b>: {_esc(why)}</li>" for name, why in noisy)
+            parts.append(f'<div class="busy"><p><b>{_esc(where + head)}.</b></p><ul>{items}</ul></div>')
+    return "".join(parts)
+
+
 def _table(docs: list[dict]) -> str:
     table = [({"target": d["target"]["name"]} if len(docs) > 1 else {}) | r for d in docs for r in rows(d)]
     head = "".join(f"<th>{_esc(h)}</th>" for h in table[0]) if table else ""
@@ -263,10 +276,12 @@ def render(docs: list[dict], dirs: list[Path] | None = None) -> str:
 exporter {_esc(first['exporter_version'])}, torch {_esc(first['tools'].get('torch'))}</p>
 {_ship(docs)}
 {_table(docs)}
+{_latency_warning(docs)}
 {_reasons(docs)}
 {_previews(docs, dirs)}
 {_quantization(docs)}
 <h2>Latency against eager (same run, same threads)</h2>
+{_latency_warning(docs)}
 <div class="charts">{latency_chart(docs)}</div>
 <h2>Labeled accuracy against size</h2>
 <div class="charts">{accuracy_size_chart(docs)}</div>

@@ -72,6 +72,29 @@ def eager_summary(doc: dict) -> str:
     return f"acc@1 {eager['acc1']:.2f}%, acc@5 {eager['acc5']:.2f}%"
 
 
+def unreliable_latency(a: dict) -> bool:
+    """Whether an artifact's latency was timed on a busy host (exporter.hostload judged it unreliable)."""
+    return not (a.get("latency_conditions") or {}).get("reliable", True)
+
+
+def latency_warnings(doc: dict) -> tuple[str, list[tuple[str, str]]]:
+    """('' , []) when every timed latency stands; else a headline and (artifact, why) per unreliable one."""
+    noisy = [(a["name"], "; ".join(a["latency_conditions"].get("reasons") or ["host busy"]))
+             for a in doc["artifacts"] if unreliable_latency(a)]
+    if not noisy:
+        return "", []
+    threads = (doc.get("host") or {}).get("threads")
+    head = (f"Latency unreliable for {len(noisy)} of {sum(1 for a in doc['artifacts'] if a.get('latency_ms'))} timed "
+            f"artifacts: taken on a busy host ({threads} threads timed); ratios to eager shown as measured, the verdict "
+            "does not use them, and the cache does not keep them (the next run times them again)")
+    return head, noisy
+
+
+def _latency_markdown(doc: dict) -> list[str]:
+    head, noisy = latency_warnings(doc)
+    return ["", f"**{head}:**", *(f"- `{name}`: {why}" for name, why in noisy)] if head else []
+
+
 def rows(doc: dict) -> list[dict]:
     table = []
     fidelity_columns, (metric, drop, label) = COLUMNS[task_name(doc)]
@@ -87,7 +110,8 @@ def rows(doc: dict) -> list[dict]:
                 "p50 ms": _num(lat.get("p50"), ".2f"),
                 "p90 ms": _num(lat.get("p90"), ".2f"),
                 "eager p50": _num((a.get("eager_latency_ms") or {}).get("p50"), ".2f"),
-                "speedup": _num(a.get("speedup_vs_eager"), ".2f", "—") + ("×" if a.get("speedup_vs_eager") else ""),
+                "speedup": _num(a.get("speedup_vs_eager"), ".2f", "—") + ("×" if a.get("speedup_vs_eager") else "")
+                + (" (unreliable)" if unreliable_latency(a) else ""),
                 "MB": _num(a["size_bytes"] / 1e6 if a.get("size_bytes") else None, ".2f"),
             }
         )
@@ -116,6 +140,7 @@ def markdown(doc: dict) -> str:
         lines.append("| " + " | ".join(headers) + " |")
         lines.append("|" + "---|" * len(headers))
         lines += ["| " + " | ".join(str(r[h]) for h in headers) + " |" for r in table]
+    lines += _latency_markdown(doc)
     notes = []
     for a in doc["artifacts"]:
         for reason in a.get("reasons", []):

@@ -40,6 +40,8 @@ def line(doc: dict, markdown: bool = False) -> str:
         return f"Nothing to ship for {target}: no artifact passed ({failed}).{unvalidated}"
     fastest, smallest, count = pick["fastest"], pick["smallest"], len(pick["passed"])
     speed = f"p50 {fastest['latency_ms']['p50']:.2f} ms" if fastest else None
+    if fastest and not (fastest.get("latency_conditions") or {}).get("reliable", True):
+        speed += ", timed on a busy host: unreliable"
     mb = f"{smallest['size_bytes'] / 1e6:.2f} MB" if smallest else None
     if fastest and smallest and fastest is smallest:
         if count == 1:
