@@ -188,6 +188,11 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--warmup", type=click.IntRange(min=0), default=None)
 @click.option("--iterations", type=click.IntRange(min=1), default=None, help="Timed iterations per runner.")
 @click.option("--threshold", "thresholds", multiple=True, help=_threshold_help())
+@click.option("--arch", "arches", multiple=True, type=click.Choice(["x86_64", "aarch64"]),
+              help="Also validate on this architecture (repeatable): aarch64 re-runs every .pte, .ptl and ONNX on "
+                   "emulated CPUs (qemu-user; the runner is set up on first use, see `exporter arm-setup`).")
+@click.option("--cpu", "cpus", multiple=True, metavar="NAME",
+              help="Emulated aarch64 CPU (repeatable), replacing the profile's [validate] cpus (implies --arch aarch64), e.g. cortex-a53.")
 @click.option("--quant-budget", "quant_budget", multiple=True,
               help="int8 budget KEY=VALUE (repeatable): a threshold key (default: the int8 thresholds) or "
                    "max_float_fraction, psnr_margin_db, check_fraction, onnx_calibration.")
@@ -206,7 +211,7 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest JSON on stdout.")
 @one_line_errors
 def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint, labels, data, input_size, calib_size, val_size, threads,
-          warmup, iterations, thresholds, quant_budget, no_fallback, formats, raw_options, batch, workspace, dla_core,
+          warmup, iterations, thresholds, arches, cpus, quant_budget, no_fallback, formats, raw_options, batch, workspace, dla_core,
           require_engine, deployment_target, make_bundle,
           no_cache, force, quiet, as_json):
     """Export WEIGHT for a target, validate every artifact against eager PyTorch, write manifest and report."""
@@ -221,6 +226,7 @@ def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint
         options=_options(raw_options, batch=batch, workspace_mb=workspace, dla_core=dla_core,
                          require_engine=require_engine, deployment_target=deployment_target),
         cache=not no_cache, offline=offline, float_checkpoint=float_checkpoint, input_size=input_size,
+        arch=list(arches), cpus=list(cpus),
     )
     docs = build_targets(request, expand_targets(targets), Progress(quiet=quiet or as_json))
     base = out or Path("exports") / docs[0]["weight"]["name"] / (docs[0]["target"]["name"] if len(docs) == 1 else "")
@@ -316,7 +322,7 @@ def bundle(out_dir, allow_failed):
 @click.option("--json", "as_json", is_flag=True, help="Print what was set up as JSON.")
 @one_line_errors
 def arm_setup(rebuild, offline, as_json):
-    """Set up (once) the aarch64 runner under $EXPORTER_CACHE/aarch64: qemu-user, an arm64 Debian root with
+    """Set up (once) the aarch64 runner under $EXPORTER_AARCH64_CACHE or $EXPORTER_CACHE/aarch64: qemu-user, an arm64 Debian root with
     Python and the aarch64 wheels of the pinned versions; print where it is, its size and set-up time."""
     from . import aarch64
     from .progress import Progress

@@ -105,6 +105,24 @@ def blind_spot(task: Task, reference: torch.Tensor, thresholds: Mapping[str, flo
             f"{', '.join(sorted(limits))} too)")
 
 
+def judge(
+    task: Task,
+    outputs: torch.Tensor,
+    reference: torch.Tensor,
+    labels: torch.Tensor | None,
+    eager_accuracy: dict | None,
+    thresholds: Mapping[str, float],
+) -> dict:
+    """Fidelity and accuracy of outputs already computed (one flattened row per input, as run_all makes them)
+    against the eager reference, with the status they earn: the contract without running or timing anything."""
+    metrics = task.quality(outputs, reference, labels, eager_accuracy, thresholds)
+    blind = blind_spot(task, reference, thresholds)
+    if blind:
+        metrics["reasons"].append(blind)
+    metrics["status"] = "failed" if metrics["reasons"] else "passed"
+    return metrics
+
+
 def evaluate(
     task: Task,
     runner: Runner,
@@ -124,11 +142,7 @@ def evaluate(
     (hostload.judge) with torch's thread setting on entry, the build's, and `max_spread`; it never sets status."""
     threads = torch.get_num_threads()  # the build's setting, before a runtime can change it
     outputs = run_all(runner, inputs)
-    metrics = task.quality(outputs, reference, labels, eager_accuracy, thresholds)
-    blind = blind_spot(task, reference, thresholds)
-    if blind:
-        metrics["reasons"].append(blind)
-    metrics["status"] = "failed" if metrics["reasons"] else "passed"
+    metrics = judge(task, outputs, reference, labels, eager_accuracy, thresholds)
     if not timed:
         metrics.update(latency_ms=None, eager_latency_ms=None, speedup_vs_eager=None)
         return metrics, outputs

@@ -160,7 +160,7 @@ MAY_IMPORT = {
     "formats": {"quant", "files", "errors"},
     "weights": {"tasks", "files", "progress", "errors"},
     "release": {"formats", "device", "files", "errors", "hostload"},
-    "build": {"weights", "tasks", "formats", "quant", "validation", "data", "release", *LEAVES, "exporter"},
+    "build": {"weights", "tasks", "formats", "quant", "validation", "data", "release", "aarch64", *LEAVES, "exporter"},
     "standins": {"weights", "tasks", "errors"},
     "coverage": {"build", "weights", "tasks", "data", "release", *LEAVES, "exporter"},
     "aarch64": {"errors", "files", "progress"},

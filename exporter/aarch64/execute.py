@@ -41,9 +41,11 @@ class Result:
 
 
 def run(runner: Runner, artifacts: list[Path], inputs, cpus: list[str], threads: int = 1,
-        timeout: float = 1800) -> list[Result]:
+        timeout: float = 1800, bundled: dict | None = None) -> list[Result]:
     """Each artifact on each CPU (artifact-major). `inputs`: an N x C x H x W float32 array or a .npy path.
-    A failure to run is a Result with `error`, not an exception; a bad request is a UsageError."""
+    `bundled`: artifact -> (its .bpte, rtol, atol), verified in the same process (`info["bundled"]`, as
+    verify_bundled answers). A failure to run is a Result with `error`, not an exception; a bad request is
+    a UsageError."""
     import numpy as np
 
     cpus = named.check(cpus, runner.cpus)
@@ -65,17 +67,23 @@ def run(runner: Runner, artifacts: list[Path], inputs, cpus: list[str], threads:
         for i, artifact in enumerate(artifacts):
             for cpu in cpus:
                 out = work / f"{i}-{cpu}.npz"
-                results.append(_one(runner, artifact, batch, out, cpu, threads, timeout))
+                golden = (bundled or {}).get(artifact) or (bundled or {}).get(Path(artifact).name)
+                results.append(_one(runner, artifact, batch, out, cpu, threads, timeout, golden))
         return results
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _one(runner: Runner, artifact: Path, batch: Path, out: Path, cpu: str, threads: int, timeout: float) -> Result:
+def _one(runner: Runner, artifact: Path, batch: Path, out: Path, cpu: str, threads: int, timeout: float,
+         golden: tuple | None = None) -> Result:
     import numpy as np
 
-    command = runner.python(cpu, "/opt/exporter/inside.py", "--artifact", str(artifact), "--inputs", str(batch),
+    # the package's own inside.py (qemu's -L prefix falls back to host paths): a runner's copy predates changes
+    command = runner.python(cpu, str(INSIDE), "--artifact", str(artifact), "--inputs", str(batch),
                             "--out", str(out), "--threads", str(threads))
+    if golden is not None:
+        bpte, rtol, atol = golden
+        command += ["--bundled", str(Path(bpte).resolve()), "--rtol", repr(float(rtol)), "--atol", repr(float(atol))]
     started, used = time.perf_counter(), _children_cpu()
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=timeout)

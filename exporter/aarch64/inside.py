@@ -81,6 +81,9 @@ def _lite(path, threads):
     from torch.jit.mobile import _load_for_lite_interpreter
 
     torch.set_num_threads(threads)
+    # PyPI's aarch64 torch runs convolutions through oneDNN/ACL built for ARMv8.2 (SIGILL on cortex-a53/a57);
+    # PyTorch Mobile on a phone has no oneDNN, so its ATen kernels are the ones to run
+    torch.backends.mkldnn.enabled = False
     if "qnnpack" in torch.backends.quantized.supported_engines:
         torch.backends.quantized.engine = "qnnpack"
     module = _load_for_lite_interpreter(str(path))
@@ -237,14 +240,16 @@ def main():
     parser.add_argument("--rtol", type=float)
     parser.add_argument("--atol", type=float)
     args = parser.parse_args()
-    if args.bundled:
-        if args.rtol is None or args.atol is None:
-            parser.error("--bundled needs --rtol and --atol")
-        result = bundled(args.bundled, args.rtol, args.atol, args.threads)
-    elif args.check:
+    if args.bundled and (args.rtol is None or args.atol is None):
+        parser.error("--bundled needs --rtol and --atol")
+    if args.check:
         result = check()
-    else:
+    elif args.artifact:
         result = run(args.artifact, args.inputs, args.out, args.threads)
+        if args.bundled:  # the .pte's golden program, verified in the same emulated process
+            result["bundled"] = bundled(args.bundled, args.rtol, args.atol, args.threads)
+    else:
+        result = bundled(args.bundled, args.rtol, args.atol, args.threads)
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
 

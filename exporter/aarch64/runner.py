@@ -24,7 +24,10 @@ from .layout import READY, Runner
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:
-    """`<cache>/aarch64`, the cache being $EXPORTER_CACHE or ~/.cache/exporter (as the build's)."""
+    """Where runners live: $EXPORTER_AARCH64_CACHE when set (a runner is large and independent of any build),
+    else `<cache>/aarch64`, the cache being `cache_dir`, $EXPORTER_CACHE or ~/.cache/exporter (as the build's)."""
+    if cache_dir is None and os.environ.get("EXPORTER_AARCH64_CACHE"):
+        return Path(os.environ["EXPORTER_AARCH64_CACHE"])
     base = cache_dir or Path(os.environ.get("EXPORTER_CACHE") or Path.home() / ".cache" / "exporter")
     return Path(base) / "aarch64"
 

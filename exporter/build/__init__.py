@@ -32,6 +32,8 @@ def target_profile(request: BuildRequest, target: str) -> dict:
         threads=request.threads,
         warmup=request.warmup,
         iterations=request.iterations,
+        arch=request.arch,
+        cpus=request.cpus,
     )
 
 

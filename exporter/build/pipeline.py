@@ -18,7 +18,7 @@ import torch
 
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, report
-from . import cache, profiles
+from . import arch_rows, cache, golden_program, profiles
 from .plan import ArtifactSpec, Plan, make_all, make as make_plan
 from ..tasks import Task
 from ..quant import Calibration
@@ -40,6 +40,7 @@ class Session:
     eager_accuracy: dict | None
     plan: Plan  # the target being built (a multi-target build replaces it per target)
     cache: BuildCache = field(default_factory=lambda: BuildCache(None))
+    x86_outputs: dict = field(default_factory=dict)  # artifact name -> its outputs on this host (for the aarch64 rows)
 
     @property
     def latency(self) -> dict:
@@ -203,6 +204,8 @@ def _run_validation(session: Session, entry: dict, out: Path, progress: Progress
             return
         metrics, outputs = _evaluate(session, runner, entry["thresholds"])
         entry.update(metrics)
+        if session.plan.validate.aarch64_cpus:
+            session.x86_outputs[entry["name"]] = outputs
         # what a device's run of this artifact on golden/ is held to (device_validate.py)
         rows = session.golden_rows
         entry["golden_fidelity"] = session.task.fidelity(session.reference[rows], outputs[rows])
@@ -293,6 +296,7 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
     entry["export_s"] = progress.timings.get(label)
     entry.update(path=filename, sha256=files.sha256(out / filename), size_bytes=files.size(out / filename))
     _validate(session, entry, out, progress, prefix)
+    golden_program.add(session, entry, out, progress, prefix)
     return entry
 
 
@@ -383,7 +387,7 @@ def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, pro
     shared = _start_session(loaded, task, inputs, plans[0], progress, BuildCache(cache_root))
     docs = []
     for plan, out in zip(plans, outs):
-        session = dataclasses.replace(shared, plan=plan)
+        session = dataclasses.replace(shared, plan=plan, x86_outputs={})
         session.digests = shared.digests  # hashing the inputs once is enough
         prefix = "" if single else f"{plan.target}: "
         docs.append(_build_one(request, session, out, progress, prefix))
@@ -434,6 +438,8 @@ def _build_one(request: BuildRequest, session: Session, out: Path, progress: Pro
         doc["artifacts"].append(_export(session, spec, out, progress, prefix))
         doc["timings_s"] = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
+    arch_rows.add(session, doc, out, progress, request.cache_dir, request.offline, prefix,
+                  write=lambda: manifest.write(out, doc))
     _post_build(plan, out, doc, session)
     doc["cache"] = {"root": str(session.cache.root) if session.cache.root else None, "events": list(session.cache.events)}
     return _finish(out, doc, progress, prefix)

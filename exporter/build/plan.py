@@ -72,6 +72,21 @@ class LatencySettings:
 
 
 @dataclass(frozen=True)
+class ValidateSettings:
+    """Where artifacts are validated: this host always; on aarch64 (emulated) on each named CPU when asked."""
+
+    arches: tuple[str, ...] = ("x86_64",)
+    cpus: tuple[str, ...] = ()
+
+    @property
+    def aarch64_cpus(self) -> tuple[str, ...]:
+        return self.cpus if "aarch64" in self.arches else ()
+
+    def describe(self) -> dict:
+        return {"arch": list(self.arches), "cpus": list(self.cpus)}
+
+
+@dataclass(frozen=True)
 class Plan:
     target: str
     profile_path: str
@@ -83,6 +98,7 @@ class Plan:
     quant_settings: Mapping  # exporter.quant SETTINGS with the profile's [quantization] on top
     quant_budget: Mapping  # what int8 must hold: [thresholds.int8] unless [quantization.budget] says otherwise
     post_build: str | None = None  # "module:function" called with (out_dir, manifest, session) after the artifacts
+    validate: ValidateSettings = ValidateSettings()
 
     def thresholds_for(self, precision: str) -> dict:
         return dict(self.thresholds.get(precision, {}))
@@ -104,6 +120,7 @@ class Plan:
             "quantization": {"settings": _plain(self.quant_settings), "budget": _plain(self.quant_budget)},
             "data": self.data.describe(),
             "latency": self.latency.describe(),
+            "validate": self.validate.describe(),
         }
 
 
@@ -144,6 +161,8 @@ def make(profile: dict, task: str) -> Plan:
         quant_settings=_frozen({**QUANT_SETTINGS, **table}),
         quant_budget=_frozen(budget),
         post_build=resolved.get("post_build"),
+        validate=ValidateSettings(tuple(resolved.get("validate", {}).get("arch", ["x86_64"])),
+                                  tuple(resolved.get("validate", {}).get("cpus", []))),
     )
 
 

@@ -22,6 +22,7 @@ SECTIONS = {
     "latency": dict,
     "post_build": str,  # "module:function" called with (out_dir, manifest, session) after the artifacts
     "quantization": dict,  # how int8 artifacts meet their budget (exporter.quant); [quantization.budget] overrides
+    "validate": dict,  # where the artifacts are validated besides this host: arch = [...], cpus = [...]
     # [tasks.<task>.thresholds.<precision>] and [tasks.<task>.data] for tasks other than classification,
     # whose thresholds and data settings are the top-level ones
     "tasks": dict,
@@ -32,6 +33,9 @@ TASK_SECTIONS = {"thresholds": dict, "data": dict}
 DATA_KEYS = {"calib_size": int, "val_size": int, "seed": int}
 LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
 ARTIFACT_KEYS = {"name", "format", "precision", "options"}
+ARCHES = ("x86_64", "aarch64")  # x86_64: this host (always); aarch64: the emulated runner (exporter.aarch64)
+VALIDATE_KEYS = {"arch": list, "cpus": list}
+AARCH64_FORMATS = ("executorch", "torchscript_lite", "onnx")  # what the aarch64 runner runs
 
 
 def available_targets() -> list[str]:
@@ -122,6 +126,26 @@ def _check_ints(table: dict, keys: dict, where: str, minimum: int) -> None:
             raise UsageError(f"{where}: {k} must be an integer >= {minimum}, got {v!r}")
 
 
+def _check_validate(table: dict, artifacts: list, where: str) -> None:
+    from ..aarch64 import cpus as named
+
+    _check_keys(table, VALIDATE_KEYS, where)
+    arches = table.get("arch", ["x86_64"])
+    if not isinstance(arches, list) or any(a not in ARCHES for a in arches):
+        raise UsageError(f"{where}: arch must be a list of {', '.join(ARCHES)}, got {arches!r}")
+    if "x86_64" not in arches:
+        raise UsageError(f"{where}: arch must include x86_64 (this host's validation, and its latency, always run)")
+    cpus = table.get("cpus", [])
+    if not isinstance(cpus, list) or not all(isinstance(c, str) for c in cpus):
+        raise UsageError(f"{where}: cpus must be a list of aarch64 CPU names, got {cpus!r}")
+    try:
+        named.check(cpus)
+    except UsageError as e:
+        raise UsageError(f"{where}: {e}") from None
+    if "aarch64" in arches and not cpus and any(a.get("format") in AARCH64_FORMATS for a in artifacts):
+        raise UsageError(f"{where}: arch includes aarch64 but no cpus are named; e.g. cpus = {list(named.FOR_TARGET['android'])}")
+
+
 def check(profile: dict, where: str) -> None:
     _check_keys({k: v for k, v in profile.items() if k != "path"}, SECTIONS, where)
     for key, kind in SECTIONS.items():
@@ -152,6 +176,7 @@ def check(profile: dict, where: str) -> None:
         raise UsageError(f"{where} [latency]: max_spread (p90/p50) must be a number >= 1, got {spread!r}")
     if profile.get("latency", {}).get("iterations", 1) < 1:
         raise UsageError(f"{where} [latency]: iterations must be >= 1")
+    _check_validate(profile.get("validate", {}), profile["artifacts"], f"{where} [validate]")
 
 
 def parse_threshold_override(text: str) -> tuple[str, str, float]:
@@ -203,7 +228,10 @@ def with_overrides(
     threads: int | None = None,
     warmup: int | None = None,
     iterations: int | None = None,
+    arch: list[str] = (),
+    cpus: list[str] = (),
 ) -> dict:
+    """The profile with the CLI's overrides; `arch` adds architectures to [validate] arch, `cpus` replaces its cpus."""
     profile = copy.deepcopy(profile)
     overrides = profile.setdefault("overrides", {})
     _override_thresholds(profile, thresholds)
@@ -234,6 +262,11 @@ def with_overrides(
         if value is not None:
             profile.setdefault(section, {})[key] = value
             overrides.setdefault(section, {})[key] = value
+    if arch or cpus:
+        validate = profile.setdefault("validate", {})
+        validate["arch"] = list(dict.fromkeys([*validate.get("arch", ["x86_64"]), *arch, *(["aarch64"] if cpus else [])]))
+        validate["cpus"] = list(dict.fromkeys(cpus)) or validate.get("cpus", [])
+        overrides["validate"] = {"arch": list(arch), "cpus": list(cpus)}
     check(profile, f"target {profile['name']} with CLI overrides")
     return profile
 

@@ -30,4 +30,6 @@ class BuildRequest:
     iterations: int | None = None
     offline: bool = False  # never download a missing checkpoint (also $EXPORTER_OFFLINE=1)
     float_checkpoint: Path | None = None  # a quantized weight's float model, the eager reference
+    arch: list[str] = field(default_factory=list)  # validate on these architectures too (aarch64: emulated)
+    cpus: list[str] = field(default_factory=list)  # the emulated aarch64 CPUs, replacing the profile's
     input_size: tuple[int, int] | None = None  # (H, W) of a segmentation graph; default: the weight's resize size, square

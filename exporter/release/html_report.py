@@ -7,7 +7,7 @@ import html
 import math
 from pathlib import Path
 
-from . import previews, ship, svg_text
+from . import arch_report, previews, ship, svg_text
 from .report import COLUMNS, eager_summary, latency_warnings, rows, task_name
 from .svg_text import Box
 
@@ -278,6 +278,7 @@ exporter {_esc(first['exporter_version'])}, torch {_esc(first['tools'].get('torc
 {_table(docs)}
 {_latency_warning(docs)}
 {_reasons(docs)}
+{arch_report.html(docs)}
 {_previews(docs, dirs)}
 {_quantization(docs)}
 <h2>Latency against eager (same run, same threads)</h2>

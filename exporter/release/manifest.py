@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import files
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA_FILE = Path(__file__).parent / "schema" / "manifest.schema.json"
 # a build directory's own files, beside its artifacts and golden/ (removed first on --force)
 BUILD_FILES = ("manifest.json", "report.md", "report.html", "labels.txt", "preprocessing.json")

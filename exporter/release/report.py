@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from . import ship
+from . import arch_report, ship
 
 
 def _num(value, fmt: str, missing: str = "—") -> str:
@@ -141,6 +141,7 @@ def markdown(doc: dict) -> str:
         lines.append("|" + "---|" * len(headers))
         lines += ["| " + " | ".join(str(r[h]) for h in headers) + " |" for r in table]
     lines += _latency_markdown(doc)
+    lines += arch_report.markdown(doc)
     notes = []
     for a in doc["artifacts"]:
         for reason in a.get("reasons", []):

@@ -1,0 +1,154 @@
+"""aarch64 rows: after a target's x86 validation, every .pte, .ptl and ONNX artifact run again on emulated
+aarch64 CPUs (exporter.aarch64), judged against the same eager reference with the same thresholds and task
+metrics, and compared with the same artifact's x86 outputs.
+
+An artifact passes only when it passes on this host and on every CPU. Latency is never taken under emulation.
+Each row is cached by the artifact's bytes, the CPU, the runner, the inputs and the thresholds.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import aarch64, validation
+from ..formats import FORMATS
+from ..progress import Progress
+from . import cache
+
+RUNS_ON_AARCH64 = (".pte", ".ptl", ".onnx")
+NOT_RUN = {  # formats whose runtime the aarch64 runner does not have, and why
+    "coreml": "Core ML runs only on Apple's runtime (macOS/iOS)",
+    "tensorrt": "a TensorRT engine is built for one GPU and runs only there",
+}
+
+
+def wanted(entry: dict) -> bool:
+    path = entry.get("path")
+    return bool(path) and Path(path).suffix in RUNS_ON_AARCH64 and entry.get("status") in ("passed", "failed")
+
+
+def versus_x86(outputs: torch.Tensor, x86: torch.Tensor | None) -> dict | None:
+    """How far the aarch64 outputs are from the same artifact's x86 outputs on the same inputs."""
+    if x86 is None or outputs.shape != x86.shape:
+        return None
+    differ = (outputs != x86) & ~(torch.isnan(outputs) & torch.isnan(x86))
+    gap = (outputs.double() - x86.double()).abs().nan_to_num(0.0)
+    return {"max_abs_diff": float(gap.max()) if gap.numel() else 0.0, "bit_identical": not bool(differ.any()),
+            "rows_differing": int(differ.any(dim=1).sum())}
+
+
+def _flat(result_outputs: list, count: int) -> torch.Tensor:
+    """The runtime's first output, one flattened float32 row per input: what validation.run_all makes of a
+    format's runner on x86 (each format's runner returns its graph's first output)."""
+    first = np.asarray(result_outputs[0], dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(first.reshape(count, -1)))
+
+
+def row(session, entry: dict, cpu: str, result, x86: torch.Tensor | None) -> dict:
+    """One CPU's row for one artifact: the validation contract on the emulated outputs, never timed."""
+    base = {"arch": "aarch64", "cpu": cpu, "why": aarch64.WHY.get(cpu, ""), "emulated": True, "latency_ms": None,
+            "seconds": result.seconds, "runtime": result.info}
+    if not result.ok:
+        return {**base, "status": "failed", "reasons": [f"could not run on aarch64: {result.error}"],
+                "fidelity": None, "accuracy": None, "vs_x86": None}
+    count = len(session.inputs.validation)
+    try:
+        outputs = _flat(result.outputs, count)
+    except (ValueError, IndexError) as e:
+        return {**base, "status": "failed", "reasons": [f"aarch64 outputs do not match the graph's: {e}"],
+                "fidelity": None, "accuracy": None, "vs_x86": None}
+    metrics = validation.judge(session.task, outputs, session.reference, session.inputs.labels, session.eager_accuracy,
+                               entry["thresholds"])
+    judged = {**base, "status": metrics["status"], "reasons": metrics["reasons"], "fidelity": metrics["fidelity"],
+              "accuracy": metrics.get("accuracy"), "vs_x86": versus_x86(outputs, x86)}
+    verified = result.info.pop("bundled", None)
+    if verified is not None:  # the .pte's golden program, checked by ExecuTorch's verifier on this CPU
+        judged["bundled_program"] = verified
+        if not verified.get("passed"):
+            judged["status"] = "failed"
+            judged["reasons"] = [*judged["reasons"], f"golden program fails ExecuTorch's verifier: {verified.get('error')}"]
+    return judged
+
+
+def x86_outputs(session, entry: dict, out: Path) -> torch.Tensor | None:
+    """The artifact's outputs on this host (kept from its validation, or run again when that came from the cache)."""
+    kept = session.x86_outputs.get(entry["name"])
+    if kept is not None:
+        return kept
+    try:
+        runner = FORMATS[entry["format"]].load_module().load(out / entry["path"], session.latency["threads"])
+        outputs = validation.run_all(runner, session.inputs.validation)
+    except Exception:  # noqa: BLE001 - the comparison is then reported as not made, the rows still judged
+        return None
+    finally:
+        torch.set_num_threads(session.latency["threads"])
+    return outputs
+
+
+def _golden(entry: dict, out: Path) -> dict | None:
+    golden = entry.get("bundled_program")
+    if not golden:
+        return None
+    return {(out / entry["path"]).resolve(): (out / golden["path"], golden["rtol"], golden["atol"])}
+
+
+def _key(session, entry: dict, cpu: str, runner) -> str:
+    return cache.key(kind="aarch64", artifact=entry["sha256"], cpu=cpu, runner=runner.info.get("key"),
+                     thresholds=entry["thresholds"], bundled_program=(entry.get("bundled_program") or {}).get("sha256"),
+                     **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")})
+
+
+def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Path | None, offline: bool,
+        prefix: str = "", write=lambda: None) -> None:
+    """Run every runnable artifact of `doc` on each CPU the plan names, add its rows, fail what fails there."""
+    if "aarch64" not in session.plan.validate.arches:
+        return
+    cpus = list(session.plan.validate.cpus)
+    entries = [e for e in doc["artifacts"] if wanted(e)]
+    summary = {"cpus": {cpu: aarch64.WHY.get(cpu, "") for cpu in cpus}, "emulated": True,
+               "not_run": {e["name"]: NOT_RUN.get(e["format"], "not built") for e in doc["artifacts"] if not wanted(e)}}
+    doc["aarch64"] = summary
+    if not entries or not cpus:
+        return
+    started = time.perf_counter()
+    with progress.step(f"{prefix}aarch64 runner"):
+        runner = aarch64.prepare(request_cache_dir, progress, offline=offline or None)
+    summary["runner"] = {k: runner.info.get(k) for k in ("key", "qemu", "packages", "seconds", "size_bytes")}
+    inputs = session.inputs.validation.contiguous().numpy()
+    for entry in entries:
+        rows = {}
+        for cpu in cpus:
+            cached = session.cache.fetch_json("aarch64", _key(session, entry, cpu, runner))
+            if cached is not None:
+                rows[cpu] = {**cached, "reused_from_cache": True}
+                session.cache.events.append(f"{entry['name']}: aarch64 {cpu} row reused from the cache")
+        missing = [cpu for cpu in cpus if cpu not in rows]
+        if missing:
+            with progress.step(f"{prefix}aarch64 {entry['name']} on {', '.join(missing)} (emulated)"):
+                # the threads of the x86 run: fp32 reductions split by thread, so another count changes the bits
+                results = aarch64.run(runner, [out / entry["path"]], inputs, missing, threads=session.latency["threads"],
+                                      bundled=_golden(entry, out))
+            x86 = x86_outputs(session, entry, out)
+            for result in results:
+                rows[result.cpu] = row(session, entry, result.cpu, result, x86)
+                session.cache.store_json("aarch64", _key(session, entry, result.cpu, runner), rows[result.cpu])
+        entry["aarch64"] = [rows[cpu] for cpu in cpus]
+        if entry.get("bundled_program"):
+            entry["bundled_program"]["verified"].update(
+                {cpu: rows[cpu]["bundled_program"] for cpu in cpus if rows[cpu].get("bundled_program")})
+        judge_entry(entry)
+        write()
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+
+
+def judge_entry(entry: dict) -> None:
+    """The artifact fails when any CPU's row fails; each such row's reasons join the artifact's, named by CPU."""
+    for arch_row in entry.get("aarch64", []):
+        if arch_row["status"] == "failed":
+            entry["status"] = "failed"
+            entry["reasons"] = [*entry.get("reasons", []),
+                                *(f"aarch64 {arch_row['cpu']} (emulated): {r}" for r in arch_row["reasons"])]

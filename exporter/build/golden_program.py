@@ -1,0 +1,53 @@
+"""Each `.pte`'s ExecuTorch golden program (`.bpte`, exporter.formats.bundled_program): written beside it after
+its x86 validation, with the golden inputs, the `.pte`'s own outputs for them and tolerances derived from its
+measured distance to eager there; verified here with ExecuTorch's verifier (and on each aarch64 CPU by
+arch_rows). A `.bpte` that does not verify fails its artifact: the app's self-test would fail the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import files
+from ..formats import bundled_program
+from ..progress import Progress
+from . import cache
+
+FORMAT = "executorch"
+
+
+def wanted(entry: dict) -> bool:
+    return entry["format"] == FORMAT and bool(entry.get("path")) and entry.get("status") in ("passed", "failed")
+
+
+def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
+    """Write the entry's `.bpte` (from the cache when the same one was made before), verify it on this host and
+    record it as entry["bundled_program"]."""
+    if not wanted(entry):
+        return
+    pte = out / entry["path"]
+    bpte = pte.with_suffix(bundled_program.SUFFIX)
+    rows = session.golden_rows
+    digest = cache.key(kind="bundled_program", artifact=entry["sha256"], golden=rows,
+                       **{k: session.digests[k] for k in ("validation", "tools", "checkpoint", "reference", "task")})
+    with progress.step(f"{prefix}golden program {bpte.name}"):
+        with files.atomic_path(bpte) as tmp:
+            details = session.cache.fetch_artifact(digest, tmp)
+            if details is None:
+                golden = session.inputs.validation[rows]
+                expected = bundled_program.outputs(pte, golden)
+                first = [outputs[0].reshape(1, -1) for outputs in expected]  # what validation compares to eager
+                import torch
+
+                measured = bundled_program.tolerances(torch.cat(first), session.reference[rows])
+                details = bundled_program.write(pte, golden, expected, measured["rtol"], measured["atol"], tmp)
+                details.update(path=bpte.name, tolerances={k: measured[k] for k in ("max_abs_gap", "output_scale", "rule")})
+                session.cache.store_artifact(digest, tmp, details)
+            else:
+                session.cache.events.append(f"{entry['name']}: golden program reused from the cache")
+        verified = bundled_program.verify(bpte, details["rtol"], details["atol"])
+    entry["bundled_program"] = {**details, "verified": {"x86_64": verified}}
+    if not verified["passed"]:
+        entry["status"] = "failed"
+        entry["reasons"] = [*entry.get("reasons", []), f"golden program {bpte.name} fails ExecuTorch's verifier on "
+                                                       f"this host: {verified['error']}"]

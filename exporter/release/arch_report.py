@@ -1,0 +1,77 @@
+"""The aarch64 rows of a build (manifest `artifacts[].aarch64`, `aarch64`) as report.md lines and a report.html
+section: per artifact and emulated CPU, its verdict, fidelity to eager and distance to its own x86 outputs."""
+
+from __future__ import annotations
+
+from html import escape
+
+
+def _fidelity(row: dict) -> str:
+    fidelity = row.get("fidelity") or {}
+    parts = []
+    for key, label, fmt in (("top1_agreement", "top-1", ".3f"), ("pixel_agreement", "pixels", ".4f"),
+                            ("matched_recall", "recall", ".3f"), ("psnr_db", "PSNR dB", ".1f")):
+        value = fidelity.get(key)
+        if value is not None:
+            parts.append(f"{label} {'∞' if value == 'inf' or value == float('inf') else format(value, fmt)}")
+    return ", ".join(parts) or "—"
+
+
+def _versus_x86(row: dict) -> str:
+    vs = row.get("vs_x86")
+    if not vs:
+        return "—"
+    if vs["bit_identical"]:
+        return "bit-identical"
+    return f"max |Δ| {vs['max_abs_diff']:.3g} ({vs['rows_differing']} inputs differ)"
+
+
+def rows(doc: dict) -> list[dict]:
+    """One row per artifact and CPU, for both reports."""
+    table = []
+    for entry in doc["artifacts"]:
+        for row in entry.get("aarch64", []):
+            table.append({"artifact": entry["name"], "cpu": row["cpu"], "status": row["status"],
+                          "vs eager": _fidelity(row), "vs x86": _versus_x86(row),
+                          "emulated run s": format(row.get("seconds", 0), ".0f")})
+    return table
+
+
+def summary_line(doc: dict) -> str | None:
+    arm = doc.get("aarch64")
+    if not arm:
+        return None
+    runner = arm.get("runner") or {}
+    not_run = "; ".join(f"{name}: {why}" for name, why in arm.get("not_run", {}).items())
+    text = (f"aarch64 rows on {len(arm['cpus'])} emulated CPU(s) ({', '.join(arm['cpus'])}; qemu-user, runner "
+            f"{runner.get('key', '—')}), {arm.get('seconds', 0):.0f} s in all. Emulated: fidelity is these CPUs' "
+            "kernels' own; no latency is taken under emulation.")
+    return text + (f" Not run there: {not_run}." if not_run else "")
+
+
+def markdown(doc: dict) -> list[str]:
+    line = summary_line(doc)
+    if line is None:
+        return []
+    lines = ["", "## aarch64 (emulated)", "", line, ""]
+    table = rows(doc)
+    if table:
+        headers = list(table[0])
+        lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        lines += ["| " + " | ".join(str(r[h]) for h in headers) + " |" for r in table]
+    return lines
+
+
+def html(docs: list[dict]) -> str:
+    sections = []
+    for doc in docs:
+        line = summary_line(doc)
+        if line is None:
+            continue
+        table = rows(doc)
+        head = "".join(f"<th>{escape(h)}</th>" for h in (table[0] if table else []))
+        body = "".join("<tr>" + "".join(f'<td class="{escape(str(v)) if k == "status" else ""}">{escape(str(v))}</td>'
+                                        for k, v in r.items()) + "</tr>" for r in table)
+        sections.append(f"<h3>{escape(doc['target']['name'])}</h3><p>{escape(line)}</p>"
+                        + (f"<table><tr>{head}</tr>{body}</table>" if table else ""))
+    return f"<h2>aarch64 (emulated)</h2>{''.join(sections)}" if sections else ""

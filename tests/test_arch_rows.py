@@ -1,0 +1,144 @@
+"""aarch64 rows in a build (`--arch aarch64`): every .pte and .ptl is judged per emulated CPU against the same
+eager reference and thresholds, compared with its own x86 outputs, and fails the artifact when one CPU does.
+
+The runner is faked here (the artifact's own x86 outputs, or a perturbed copy, stand in for qemu's), so these
+tests check the build's judging and reporting; tests/test_aarch64.py runs the real runner (opt-in)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from exporter import aarch64
+from exporter.aarch64.layout import Runner
+from exporter.formats import FORMATS
+from exporter.release import manifest
+
+from .conftest import build_args, run_cli
+
+
+class FakeArm:
+    """aarch64.prepare/run stand-ins: each artifact's outputs on this host, changed by `perturb` for one CPU."""
+
+    def __init__(self, key: str, perturb: dict | None = None, broken: dict | None = None):
+        self.key, self.perturb, self.broken, self.calls = key, perturb or {}, broken or {}, []
+
+    def prepare(self, cache_dir=None, progress=None, offline=None):
+        return Runner(cache_dir or aarch64.cache_root(), {"key": self.key, "qemu": "fake", "seconds": 0.0,
+                                                          "size_bytes": 0, "packages": {}})
+
+    def run(self, runner, artifacts, inputs, cpus, threads=1, timeout=1800, bundled=None):
+        import torch
+
+        from exporter.formats import bundled_program
+
+        results = []
+        for artifact in (a.resolve() for a in artifacts):
+            fmt = {".pte": "executorch", ".ptl": "torchscript_lite", ".onnx": "onnx"}[artifact.suffix]
+            forward = FORMATS[fmt].load_module().load(artifact, threads)
+            with torch.no_grad():
+                outputs = np.concatenate([forward(torch.from_numpy(inputs[i:i + 1])).float().numpy()
+                                          for i in range(len(inputs))])
+            self.calls.append((artifact.name, tuple(cpus), len(inputs)))
+            for cpu in cpus:
+                if (artifact.suffix, cpu) in self.broken:
+                    results.append(aarch64.Result(artifact, cpu, seconds=1.0, error=self.broken[(artifact.suffix, cpu)]))
+                    continue
+                changed = self.perturb.get((artifact.suffix, cpu), lambda a: a)(outputs.copy())
+                info = {"runtime": "fake"}
+                if (bundled or {}).get(artifact):  # the real verifier, here: passes as on x86 unless perturbed
+                    bpte, rtol, atol = bundled[artifact]
+                    info["bundled"] = (bundled_program.verify(bpte, rtol, atol) if np.array_equal(changed, outputs)
+                                       else {"passed": False, "cases": 8, "error": "perturbed"})
+                results.append(aarch64.Result(artifact, cpu, outputs=[changed], seconds=1.0, info=info))
+        return results
+
+
+def _build(monkeypatch, tmp_path, digits_model, fake, *cpus):
+    monkeypatch.setattr(aarch64, "prepare", fake.prepare)
+    monkeypatch.setattr(aarch64, "run", fake.run)
+    out = tmp_path / "build"
+    args = [a for cpu in cpus for a in ("--cpu", cpu)]
+    result = run_cli(*build_args(digits_model, out, "--target", "android", "--arch", "aarch64", *args))
+    assert result.exit_code in (0, 1), (result.output, result.exception)
+    return result, json.loads((out / "manifest.json").read_text()), out
+
+
+def test_every_pte_and_ptl_gets_a_row_per_cpu_judged_like_x86(monkeypatch, tmp_path, digits_model, android_build):
+    fake = FakeArm("fake-identical")
+    result, doc, out = _build(monkeypatch, tmp_path, digits_model, fake, "cortex-a53", "cortex-a76")
+    _, baseline = android_build
+    assert result.exit_code == baseline.exit_code  # outputs identical to x86: the verdict is x86's
+    jsonschema.validate(doc, manifest.schema())
+    assert doc["target"]["validate"] == {"arch": ["x86_64", "aarch64"], "cpus": ["cortex-a53", "cortex-a76"]}
+    run = [a for a in doc["artifacts"] if a.get("path")]
+    assert {a["format"] for a in run} == {"executorch", "torchscript_lite"}
+    assert sorted(name for name, _, _ in fake.calls) == sorted(a["path"] for a in run)  # one process per artifact
+    assert all(n == doc["data"]["validation"] for _, _, n in fake.calls)
+    for entry in run:
+        assert [r["cpu"] for r in entry["aarch64"]] == ["cortex-a53", "cortex-a76"]
+        for row in entry["aarch64"]:
+            assert row["emulated"] and row["latency_ms"] is None and "dotprod" in row["why"]
+            assert row["vs_x86"] == {"max_abs_diff": 0.0, "bit_identical": True, "rows_differing": 0}
+            assert row["status"] == entry["status"] or entry["status"] == "failed"
+            assert row["fidelity"]["top1_agreement"] == entry["fidelity"]["top1_agreement"]
+    for entry in (a for a in run if a["format"] == "executorch"):  # each .pte's golden program, verified everywhere
+        golden = entry["bundled_program"]
+        assert (out / golden["path"]).is_file() and golden["cases"] == 8 and golden["atol"] > 0
+        assert set(golden["verified"]) == {"x86_64", "cortex-a53", "cortex-a76"}
+        assert all(v["passed"] for v in golden["verified"].values()), golden["verified"]
+    assert doc["aarch64"]["runner"]["key"] == "fake-identical" and doc["aarch64"]["seconds"] >= 0
+    report = (out / "report.md").read_text()
+    assert "cortex-a76" in report and "emulated" in report
+
+
+def test_an_artifact_that_departs_from_eager_on_one_cpu_fails(monkeypatch, tmp_path, digits_model):
+    rng = np.random.default_rng(0)
+
+    def noisy(logits):  # the kind of wrong a bad int8 kernel makes: scrambled scores on some images
+        rows = rng.choice(len(logits), size=len(logits) // 3, replace=False)
+        logits[rows] = rng.permutation(logits[rows], axis=1)
+        return logits
+
+    fake = FakeArm("fake-perturbed", perturb={(".pte", "neoverse-n2"): noisy},
+                   broken={(".ptl", "cortex-a53"): "RuntimeError: illegal instruction (cortex-a53)"})
+    result, doc, _ = _build(monkeypatch, tmp_path, digits_model, fake, "cortex-a53", "neoverse-n2")
+    assert result.exit_code == 1 and doc["status"] == "failed"
+    for entry in (a for a in doc["artifacts"] if a.get("path")):
+        rows = {r["cpu"]: r for r in entry["aarch64"]}
+        assert entry["status"] == "failed"
+        if entry["format"] == "executorch":
+            assert rows["neoverse-n2"]["status"] == "failed" and not rows["neoverse-n2"]["vs_x86"]["bit_identical"]
+            assert rows["neoverse-n2"]["vs_x86"]["rows_differing"] > 0
+            assert any(r.startswith("aarch64 neoverse-n2 (emulated): top1_agreement") for r in entry["reasons"])
+            assert not entry["bundled_program"]["verified"]["neoverse-n2"]["passed"]
+            assert entry["bundled_program"]["verified"]["cortex-a53"]["passed"]
+        else:
+            assert rows["cortex-a53"]["status"] == "failed" and rows["cortex-a53"]["fidelity"] is None
+            assert any("could not run on aarch64: RuntimeError: illegal instruction" in r for r in entry["reasons"])
+
+
+def test_arch_and_cpu_are_checked_before_anything_is_written(tmp_path, digits_model):
+    from .conftest import assert_clean_refusal
+
+    out = tmp_path / "build"
+    result = run_cli(*build_args(digits_model, out, "--target", "android", "--cpu", "max"))
+    assert_clean_refusal(result, out, "--cpu max is refused")
+    result = run_cli(*build_args(digits_model, out, "--target", "android", "--cpu", "cortex-x9"))
+    assert_clean_refusal(result, out, "unknown aarch64 CPU 'cortex-x9'")
+
+
+@pytest.mark.parametrize("outputs,x86,expected", [
+    ([[1.0, 2.0]], [[1.0, 2.0]], {"max_abs_diff": 0.0, "bit_identical": True, "rows_differing": 0}),
+    ([[1.0, 2.5], [0.0, 0.0]], [[1.0, 2.0], [0.0, 0.0]], {"max_abs_diff": 0.5, "bit_identical": False, "rows_differing": 1}),
+])
+def test_distance_to_x86(outputs, x86, expected):
+    import torch
+
+    from exporter.build.arch_rows import versus_x86
+
+    assert versus_x86(torch.tensor(outputs), torch.tensor(x86)) == expected
+    assert versus_x86(torch.tensor(outputs), None) is None
