@@ -18,6 +18,11 @@ CACHE = Path(os.environ.get("EXPORTER_TEST_CACHE", ROOT / ".cache" / "digits"))
 
 QUANTIZED_WEIGHT = "ShuffleNet_V2_X0_5_QuantizedWeights.IMAGENET1K_FBGEMM_V1"
 
+# The aarch64 step under qemu (tests/test_validation_on_arm.py): on when EXPORTER_TEST_AARCH64=1 (`.ci/run` sets it).
+# Its runner lives outside the clone and the suite's temporary cache, so a later run on the machine reuses it.
+ARM_E2E = os.environ.get("EXPORTER_TEST_AARCH64", "") not in ("", "0")
+ARM_CACHE = Path(os.environ.get("EXPORTER_TEST_AARCH64_CACHE") or Path.home() / ".cache" / "exporter")
+
 # Small but real: every number below is measured, only on fewer images and iterations.
 FAST = ["--calib-size", "64", "--val-size", "120", "--warmup", "2", "--iterations", "10"]
 
@@ -47,6 +52,30 @@ def quiet_host():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hostload, "judge", lambda conditions, threads, max_spread=None: (True, []))
         yield hostload
+
+
+@pytest.fixture(scope="session", autouse=True)
+def arm_setup_in_background(tmp_path_factory):
+    """With the aarch64 step on and no runner ready, start `exporter arm-setup` when the session starts (minutes,
+    mostly downloads), so it overlaps the suite; the tests that need it wait on its lock (aarch64.prepare)."""
+    import subprocess
+    import sys
+
+    from exporter import aarch64
+
+    if not ARM_E2E or aarch64.find(ARM_CACHE) is not None:
+        yield None
+        return
+    log = tmp_path_factory.mktemp("arm_setup") / "arm-setup.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("EXPORTER_OFFLINE", "EXPORTER_CACHE")}
+    env["EXPORTER_AARCH64_CACHE"] = str(aarch64.cache_root(ARM_CACHE))
+    with open(log, "w") as handle:
+        setup = subprocess.Popen([sys.executable, "-c", "from exporter.cli import main; main()", "arm-setup"],
+                                 stdout=handle, stderr=subprocess.STDOUT, env=env)
+    yield setup
+    if setup.poll() is None:  # nothing needed it in this session; a killed set-up leaves nothing taken for ready
+        setup.terminate()
+        setup.wait()
 
 
 @pytest.fixture(scope="session")

@@ -93,6 +93,13 @@ def test_every_pte_and_ptl_gets_a_row_per_cpu_judged_like_x86(monkeypatch, tmp_p
     assert doc["aarch64"]["runner"]["key"] == "fake-identical" and doc["aarch64"]["seconds"] >= 0
     report = (out / "report.md").read_text()
     assert "cortex-a76" in report and "emulated" in report
+    again = run_cli("validate", out, "--quiet")  # re-validation judges the rows again (from the row cache here)
+    assert again.exit_code == result.exit_code, again.output
+    revalidated = json.loads((out / "manifest.json").read_text())
+    assert [[r["cpu"] for r in a["aarch64"]] for a in revalidated["artifacts"] if a.get("path")] == \
+        [["cortex-a53", "cortex-a76"]] * len(run)
+    assert all(set(a["bundled_program"]["verified"]) == {"x86_64", "cortex-a53", "cortex-a76"}
+               for a in revalidated["artifacts"] if a["format"] == "executorch")
 
 
 def test_an_artifact_that_departs_from_eager_on_one_cpu_fails(monkeypatch, tmp_path, digits_model):

@@ -1,5 +1,5 @@
 """ExecuTorch's own golden program (.bpte) on the trained digits model: made from a build's .pte, verified by
-ExecuTorch's verifier on x86 (and, opt-in with EXPORTER_TEST_AARCH64=1, inside the aarch64 runner), a
+ExecuTorch's verifier on x86 (inside the aarch64 runner: tests/test_validation_on_arm.py), a
 perturbed one refused with its reason, the tolerances derived from the measured gap, and bundles carrying it."""
 
 from __future__ import annotations
@@ -185,29 +185,3 @@ def test_bundle_carries_the_bpte_beside_its_pte(golden_program, tmp_path):
 
     with pytest.raises(UsageError, match="sha256"):
         make_bundle(build)
-
-
-# -- inside the aarch64 runner (opt-in) -------------------------------------------------------------------------
-
-E2E = os.environ.get("EXPORTER_TEST_AARCH64", "") not in ("", "0")
-E2E_CPUS = ["cortex-a53", "cortex-a76"]
-# the user's cache, as tests/test_aarch64.py (the suite's own $EXPORTER_CACHE is temporary)
-RUNNER_CACHE = Path(os.environ.get("EXPORTER_TEST_AARCH64_CACHE") or Path.home() / ".cache" / "exporter")
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not E2E, reason="set EXPORTER_TEST_AARCH64=1: needs the aarch64 runner (exporter arm-setup)")
-def test_bpte_verifies_inside_the_aarch64_runner(golden_program):
-    from exporter import aarch64
-    from exporter.aarch64.execute import verify_bundled
-
-    runner = aarch64.find(RUNNER_CACHE)
-    if runner is None:
-        pytest.skip("no aarch64 runner in the cache: run `exporter arm-setup` first")
-    g = golden_program
-    good = verify_bundled(runner, g["good"], E2E_CPUS, g["tol"]["rtol"], g["tol"]["atol"])
-    assert [r["cpu"] for r in good] == E2E_CPUS
-    for r in good:
-        assert r["passed"] is True and r["cases"] == 8 and r["error"] is None, r
-    bad = verify_bundled(runner, g["bad"], E2E_CPUS[:1], g["tol"]["rtol"], g["tol"]["atol"])
-    assert bad[0]["passed"] is False and bad[0]["error"].startswith("case 3 of 8"), bad

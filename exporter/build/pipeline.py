@@ -460,7 +460,7 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
                 raise UsageError(f"{path} does not match the sha256 in its manifest (changed or truncated)")
     profile = {"name": doc["target"]["name"], "path": doc["target"]["profile"], "artifacts": doc["target"]["artifacts"],
                "thresholds": doc["target"]["thresholds"], "data": doc["target"]["data"], "latency": doc["target"]["latency"],
-               "task": doc["task"]["name"]}
+               "task": doc["task"]["name"], "validate": doc["target"].get("validate", {})}
     plan = make_plan(profiles.with_overrides(profile, thresholds=list(thresholds)), doc["task"]["name"])
     _preflight(plan)
     with progress.step("load weights"):
@@ -485,6 +485,10 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
         entry["thresholds"] = plan.thresholds_for(entry["precision"])
         if entry.get("path"):
             entry.update(reasons=[], status="failed")
+            for stale in ("aarch64", "bundled_program"):
+                entry.pop(stale, None)
             _validate(session, entry, out, progress)
+            golden_program.add(session, entry, out, progress)
+    arch_rows.add(session, doc, out, progress, None, False)
     doc["validated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return _finish(out, doc, progress)

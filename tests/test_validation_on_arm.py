@@ -1,0 +1,74 @@
+"""On ARM kernels, for real (opt-in: EXPORTER_TEST_AARCH64=1; `.ci/run` sets it): a build with `--arch aarch64`
+judges the digits classifier's .pte fp32 and int8 and its ONNX int8 on two named emulated CPUs, and their
+.bpte golden programs verify there. The runner lives outside the clone (~/.cache/exporter/aarch64, or
+$EXPORTER_TEST_AARCH64_CACHE), so a second run on the same machine reuses it; on a fresh machine conftest.py
+starts setting it up in the background when the session starts, and this file runs late in the suite.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exporter import aarch64
+
+from .conftest import ARM_CACHE as RUNNER_CACHE, ARM_E2E as E2E
+from .test_bundled_program import golden_program  # noqa: F401  (a fixture)
+
+E2E_CPUS = ["cortex-a53", "cortex-a76"]
+
+
+@pytest.fixture(scope="module")
+def arm_runner(arm_setup_in_background):
+    """The runner the background set-up made (waits for it: prepare takes the set-up's lock)."""
+    return aarch64.prepare(RUNNER_CACHE, offline=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not E2E, reason="set EXPORTER_TEST_AARCH64=1: sets up the aarch64 runner (minutes, ~1.5 GB) once")
+def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(arm_runner, android_build, tmp_path,
+                                                                                 digits_model, monkeypatch):
+    from .conftest import build_args, run_cli
+
+    _, baseline = android_build  # its artifacts and x86 validations come back from the suite's cache
+    assert baseline.exit_code == 0, baseline.output
+    monkeypatch.setenv("EXPORTER_AARCH64_CACHE", str(arm_runner.path.parent))
+    out = tmp_path / "build"
+    result = run_cli(*build_args(digits_model, out, "--target", "android", "--target", "jetson", "--format", "executorch",
+                                 "--format", "onnx:int8", *(a for cpu in E2E_CPUS for a in ("--cpu", cpu))))
+    assert result.exit_code == 0, (result.output, result.exception)
+    entries = {}
+    for target in ("android", "jetson"):
+        doc = json.loads((out / target / "manifest.json").read_text())
+        assert doc["aarch64"]["runner"]["key"] == arm_runner.info["key"]
+        entries.update({e["path"]: e for e in doc["artifacts"] if e.get("path")})
+    assert sorted(entries) == ["mobilenet_v3_small_executorch_fp32.pte", "mobilenet_v3_small_executorch_int8.pte",
+                               "mobilenet_v3_small_onnx_int8.onnx"], sorted(entries)
+    for path, entry in entries.items():
+        rows = {r["cpu"]: r for r in entry["aarch64"]}
+        if path.endswith(".pte"):  # its golden program, verified by ExecuTorch on x86 and on each CPU
+            assert set(entry["bundled_program"]["verified"]) == {"x86_64", *E2E_CPUS}, path
+        assert list(rows) == E2E_CPUS and entry["status"] == "passed", (path, entry["reasons"])
+        for cpu, row in rows.items():
+            where = (path, cpu)
+            assert row["status"] == "passed" and row["latency_ms"] is None, where
+            assert row["fidelity"]["top1_agreement"] == entry["fidelity"]["top1_agreement"], where
+            if path.endswith(".pte"):
+                assert row["runtime"]["delegate"] == "XnnpackBackend", where
+                assert row["bundled_program"] == {"passed": True, "cases": 8, "error": None}, where
+            if "int8.pte" in path:  # XNNPACK int8: bit-exact on every named core (measured: 40 images, 3 cores)
+                assert row["vs_x86"]["bit_identical"], (where, row["vs_x86"])
+            elif "fp32" in path:  # float kernels differ in summation order only: 1e-5 measured
+                assert row["vs_x86"]["max_abs_diff"] <= 1e-3, (where, row["vs_x86"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not E2E, reason="set EXPORTER_TEST_AARCH64=1: sets up the aarch64 runner (minutes, ~1.5 GB) once")
+def test_a_bpte_that_departs_is_refused_inside_the_aarch64_runner(arm_runner, golden_program):
+    from exporter.aarch64.execute import verify_bundled
+
+    runner, g = arm_runner, golden_program
+    # (a good one passes on both CPUs in the build above; this one departs beyond its tolerance on one element)
+    bad = verify_bundled(runner, g["bad"], E2E_CPUS[:1], g["tol"]["rtol"], g["tol"]["atol"])
+    assert bad[0]["passed"] is False and bad[0]["error"].startswith("case 3 of 8"), bad
