@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PY) -m exporter.standins.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: $(STAMP)
 	$(PY) -m exporter.bench

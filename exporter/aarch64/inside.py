@@ -80,14 +80,13 @@ def _lite(path, threads):
     import torch
     from torch.jit.mobile import _load_for_lite_interpreter
 
-    torch.set_num_threads(threads)
-    # PyPI's aarch64 torch runs convolutions through oneDNN/ACL built for ARMv8.2 (SIGILL on cortex-a53/a57);
-    # PyTorch Mobile on a phone has no oneDNN, so its ATen kernels are the ones to run
-    torch.backends.mkldnn.enabled = False
+    # one thread: PyPI's aarch64 torch, run with two, executes an instruction ARMv8.0 cores lack (SIGILL on
+    # cortex-a53 with 2 threads, not with 1; measured). That is this wheel's parallel path, not the artifact's
+    torch.set_num_threads(1)
     if "qnnpack" in torch.backends.quantized.supported_engines:
         torch.backends.quantized.engine = "qnnpack"
     module = _load_for_lite_interpreter(str(path))
-    return (lambda x: module(torch.from_numpy(x))), {"runtime": "lite interpreter",
+    return (lambda x: module(torch.from_numpy(x))), {"runtime": "lite interpreter", "threads": 1,
                                                      "quantized_engine": torch.backends.quantized.engine}
 
 

@@ -8,13 +8,14 @@ Each row is cached by the artifact's bytes, the CPU, the runner, the inputs and 
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .. import aarch64, validation
+from .. import aarch64, files, validation
 from ..formats import FORMATS
 from ..progress import Progress
 from . import cache
@@ -89,6 +90,12 @@ def x86_outputs(session, entry: dict, out: Path) -> torch.Tensor | None:
     return outputs
 
 
+@functools.cache
+def _script() -> str:
+    """What runs inside the emulator (inside.py): a change to it changes every row."""
+    return files.sha256(Path(aarch64.__file__).with_name("inside.py"))
+
+
 def _golden(entry: dict, out: Path) -> dict | None:
     golden = entry.get("bundled_program")
     if not golden:
@@ -97,7 +104,7 @@ def _golden(entry: dict, out: Path) -> dict | None:
 
 
 def _key(session, entry: dict, cpu: str, runner) -> str:
-    return cache.key(kind="aarch64", artifact=entry["sha256"], cpu=cpu, runner=runner.info.get("key"),
+    return cache.key(kind="aarch64", artifact=entry["sha256"], cpu=cpu, runner=runner.info.get("key"), script=_script(),
                      thresholds=entry["thresholds"], bundled_program=(entry.get("bundled_program") or {}).get("sha256"),
                      **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")})
 
