@@ -100,6 +100,10 @@ def test_every_pte_and_ptl_gets_a_row_per_cpu_judged_like_x86(monkeypatch, tmp_p
         [["cortex-a53", "cortex-a76"]] * len(run)
     assert all(set(a["bundled_program"]["verified"]) == {"x86_64", "cortex-a53", "cortex-a76"}
                for a in revalidated["artifacts"] if a["format"] == "executorch")
+    assert run_cli("bundle", out, "--allow-failed").exit_code == 0
+    bundled = json.loads((out / "bundle" / "android" / "bundle.json").read_text())["artifacts"]
+    assert bundled and all([r["cpu"] for r in a["aarch64"]] == ["cortex-a53", "cortex-a76"] and
+                           all(r["emulated"] for r in a["aarch64"]) for a in bundled)
 
 
 def test_an_artifact_that_departs_from_eager_on_one_cpu_fails(monkeypatch, tmp_path, digits_model):

@@ -167,6 +167,9 @@ def _artifact(doc: dict, role: str, entry: dict) -> dict:
         record["bundled_program"] = {"file": golden_program["path"], "sha256": golden_program["sha256"],
                                      "rtol": golden_program["rtol"], "atol": golden_program["atol"],
                                      "verified": golden_program.get("verified")}
+    if entry.get("aarch64"):  # the same artifact judged on emulated aarch64 CPUs (no latency: emulated)
+        record["aarch64"] = [{k: row.get(k) for k in ("cpu", "status", "reasons", "fidelity", "vs_x86", "emulated")}
+                             for row in entry["aarch64"]]
     engine = next((e for e in doc.get("jetson", {}).get("engines", []) if e["onnx"] == entry["path"]), None)
     if engine:
         # built on the device by build_engine.sh: engines do not carry across GPUs or TensorRT versions
