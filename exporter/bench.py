@@ -76,7 +76,7 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
     channels_last = copy.deepcopy(model).to(memory_format=torch.channels_last)
     example_cl = example.contiguous(memory_format=torch.channels_last)
     runners = {"eager": model, "eager NHWC": lambda _x: channels_last(example_cl)}
-    build_s, quantization = {}, {}
+    build_s, quantization, memory = {}, {}, {}
     for label, fmt, precision, budget in RUNTIMES:
         module = _available(fmt)
         if module is None:
@@ -93,6 +93,11 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
                 f"check PSNR {q['before']['psnr_db']} -> {q['after']['psnr_db']} dB")
         runners[label] = module.load(path, threads)
         torch.set_num_threads(threads)
+        if hasattr(module, "memory"):  # a fresh process per artifact (docs/validation.md#ram-and-where-the-time-goes)
+            try:
+                memory[label] = module.memory(path, tuple(example.shape), threads)["peak_rss_increase_bytes"]
+            except Exception as e:  # a column left empty, never a failed benchmark
+                log(f"  {name}: {label}: memory not measured: {type(e).__name__}: {e}")
         outside = (details.get("delegation") or {}).get("ops_outside_delegate")
         log(f"  {name}: built {label} in {build_s[label]} s" + (f"; outside delegate: {outside}" if outside else ""))
     timing, conditions = validation.measure_latency_on_host(runners, example, warmup, iterations, rounds=10)
@@ -100,7 +105,7 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
     if not conditions["reliable"]:
         log(f"  {name}: host busy while timing, numbers unreliable: {hostload.summary(conditions)}")
     result = {"input": list(task.input_size), "latency_ms": timing, "latency_conditions": conditions, "build_s": build_s,
-              "quantization": quantization}
+              "quantization": quantization, "memory_bytes": memory}
     if isinstance(task, Detection):
         with torch.no_grad():
             random_heads = model(example)[0].numpy()
@@ -191,6 +196,12 @@ def table(results: dict) -> str:
         for label, q in r.get("quantization", {}).items():
             lines.append(f"- {model} {label}: {q['float_layers']} of {q['layers']} layers in float, check PSNR "
                          f"{q['check_psnr_db']} dB ({q['ranges']} ranges), build {r['build_s'][label]} s ({q['seconds']} s)")
+    if any(r.get("memory_bytes") for r in results.values()):
+        lines += ["", "RAM each artifact needs (peak resident memory of a fresh process loading and running it, minus "
+                  "the runtime's own after import), MB:", ""]
+        for model, r in results.items():
+            if r.get("memory_bytes"):
+                lines.append(f"- {model}: " + ", ".join(f"{label} {b / 1e6:.1f}" for label, b in r["memory_bytes"].items()))
     for model, r in results.items():
         if "postprocess_ms" in r:
             post = {k: v["p50"] for k, v in r["postprocess_ms"].items()}

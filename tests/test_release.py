@@ -44,6 +44,7 @@ def test_warm_rerun_reuses_artifacts_and_validation_and_rebuilds_a_corrupt_entry
         "eager reference reused from the cache",
         "torchscript_lite_fp32: artifact reused from the cache",
         "torchscript_lite_fp32: validation results reused from the cache",
+        "torchscript_lite_fp32: memory and profile reused from the cache",
     ]
     (a,), (b,) = first["artifacts"], second["artifacts"]
     assert a["sha256"] == b["sha256"] == files.sha256(warm / b["path"])

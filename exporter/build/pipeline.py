@@ -18,7 +18,7 @@ import torch
 
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, report
-from . import arch_rows, cache, golden_program, profiles
+from . import arch_rows, cache, golden_program, memory_profile, profiles
 from .plan import ArtifactSpec, Plan, make_all, make as make_plan
 from ..tasks import Task
 from ..quant import Calibration
@@ -297,6 +297,7 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
     entry.update(path=filename, sha256=files.sha256(out / filename), size_bytes=files.size(out / filename))
     _validate(session, entry, out, progress, prefix)
     golden_program.add(session, entry, out, progress, prefix)
+    memory_profile.add(session, entry, out, progress, prefix)
     return entry
 
 

@@ -9,6 +9,8 @@
 Optional:
     proxies(path, model) -> dict[str, Runner]   # stand-ins measured when the runtime is unavailable
     preflight(precision, **options) -> None     # raise UsageError / RuntimeUnavailable before any work
+    memory(path, input_shape, threads) -> dict  # RAM: planned/constant bytes, peak RSS of a fresh process (formats/memory.py)
+    profile(path, example, runs, threads) -> dict  # top operators by time from the runtime's own profiler
 
 A torchvision int8 weight (already quantized in eager mode) is exported only by formats whose
 FormatSpec has no `no_quantized_eager` reason; the others are reported `unavailable` with it.

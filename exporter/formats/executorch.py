@@ -114,3 +114,93 @@ def load(path: Path, threads: int):
             portable_lib._unsafe_reset_threadpool(threads)
         method = Runtime.get().load_program(Path(path)).load_method("forward")
     return lambda x: method.execute([x.contiguous()])[0]
+
+
+def _program_memory(path: Path) -> dict:
+    """What the program itself says it needs: its execution plan's planned (non-constant) buffers, and its
+    constant data (named data, where XNNPACK keeps its weights, plus the program's constant buffers)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    pte = deserialize_pte_binary(Path(path).read_bytes())
+    program = pte.program
+    plan = program.execution_plan[0]
+    named = pte.named_data.buffers if pte.named_data is not None else []
+    return {
+        # buffer 0 is reserved by the format (always 0 bytes); the rest is one arena per memory id
+        "planned_bytes": int(sum(plan.non_const_buffer_sizes)),
+        "planned_buffers": [int(size) for size in plan.non_const_buffer_sizes[1:]],
+        "planned_note": "the program's memory plan: inputs, outputs and the activations of ops outside the "
+                        "delegate; a delegate (XNNPACK) allocates its own workspace when the method loads, "
+                        "which shows in the peak RSS, not here",
+        "constants_bytes": int(sum(len(b) for b in named) + sum(len(c.storage) for c in program.constant_buffer)),
+        "delegate_blobs_bytes": int(sum(len(d.data) for d in program.backend_delegate_data)),
+    }
+
+
+_RSS_IMPORTS = "import torch\nfrom executorch.extension.pybindings import portable_lib"
+_RSS_LOAD = """\
+if portable_lib._threadpool_get_thread_count() != threads:
+    portable_lib._unsafe_reset_threadpool(threads)
+module = portable_lib._load_for_executorch(path)
+tensor = torch.from_numpy(x)"""
+
+
+def memory(path: Path, input_shape, threads: int) -> dict:
+    from . import memory as shared
+
+    return {**_program_memory(path),
+            **shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, "module.forward([tensor])", path, input_shape, threads)}
+
+
+_CONTAINERS = {"Method::execute", "Method::init", "Program::load_method", "DELEGATE_CALL", "OPERATOR_CALL"}
+
+
+def profile(path: Path, example, runs: int, threads: int) -> dict:
+    """Operators by time from ExecuTorch's own event tracer (ETDump, read with devtools' Inspector): XNNPACK's
+    per-operator events inside the delegate, the portable kernels outside it. A module of its own, loaded
+    with ETDump on; the first run is a warm-up and left out."""
+    import re
+    import tempfile
+
+    from executorch.devtools import Inspector
+    from executorch.extension.pybindings import portable_lib
+
+    from . import memory as shared
+
+    with _native_stderr_silenced():
+        if portable_lib._threadpool_get_thread_count() != threads:
+            portable_lib._unsafe_reset_threadpool(threads)
+        module = portable_lib._load_for_executorch(str(path), enable_etdump=True, debug_buffer_size=0)
+        if not module.has_etdump():
+            return {"available": False, "reason": "this ExecuTorch runtime was built without the event tracer (ETDump)"}
+        for _ in range(runs + 1):
+            module.forward([example.contiguous()])
+        with tempfile.TemporaryDirectory() as work:
+            etdump = Path(work) / "profile.etdp"
+            module.write_etdump_result_to_file(str(etdump), str(Path(work) / "debug.bin"))
+            inspector = Inspector(etdump_path=str(etdump))
+    totals: dict[str, list] = {}
+    wall = 0.0
+    for block in inspector.event_blocks:
+        if block.name != "Execute":
+            continue
+        for event in block.events:
+            if event.perf_data is None:
+                continue
+            times = list(event.perf_data.raw)[1:]  # ms per run, the warm-up dropped
+            if event.name == "Method::execute":
+                wall += sum(times)
+                continue
+            if event.name in _CONTAINERS:
+                continue
+            if event.is_delegated_op:
+                op = re.sub(r"\s+#\d+$", "", event.name)  # XNNPACK's "Convolution (NHWC, F32) IGEMM #3"
+            else:
+                op = f"{event.name.removeprefix('native_call_').removesuffix('.out')} (portable, outside the delegate)"
+            total = totals.setdefault(op, [0.0, 0])
+            total[0] += sum(times)
+            total[1] += len(times)
+    if not totals:
+        return {"available": False, "reason": "ETDump recorded no operator events"}
+    return shared.top_ops({op: (ms, n) for op, (ms, n) in totals.items()}, wall, runs,
+                          "ExecuTorch ETDump (executorch.devtools.Inspector)")

@@ -160,3 +160,58 @@ def _session(path: Path, threads: int):
 def load(path: Path, threads: int):
     session = _session(path, threads)
     return lambda x: torch.from_numpy(session.run(None, {INPUT: x.contiguous().numpy()})[0])
+
+
+_RSS_IMPORTS = "import onnxruntime as ort"
+_RSS_LOAD = """\
+options = ort.SessionOptions()
+options.intra_op_num_threads = threads
+options.inter_op_num_threads = 1
+session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])"""
+
+
+def memory(path: Path, input_shape, threads: int) -> dict:
+    """Constant size (the graph's initializers) and the peak resident memory of a fresh process running the
+    file in ONNX Runtime (CPU provider; no torch in that process)."""
+    import onnx
+
+    from . import memory as shared
+
+    proto = onnx.load(str(path))
+    constants = sum(onnx.numpy_helper.to_array(t).nbytes for t in proto.graph.initializer)
+    return {"constants_bytes": int(constants),
+            **shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, f"session.run(None, {{{INPUT!r}: x}})", path, input_shape, threads)}
+
+
+def profile(path: Path, example, runs: int, threads: int) -> dict:
+    """Operators by kernel time from ONNX Runtime's own profiler, in a session of its own (profiling on); the
+    first run is a warm-up and left out."""
+    import json
+    import onnxruntime as ort
+
+    from . import memory as shared
+
+    with tempfile.TemporaryDirectory() as work:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(work) / "ort")
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        feed = {INPUT: example.contiguous().numpy()}
+        for _ in range(runs + 1):
+            session.run(None, feed)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    model_runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                        key=lambda e: e["ts"])[1:]
+    if not model_runs:
+        return {"available": False, "reason": "ONNX Runtime's profile has no model runs"}
+    start = model_runs[0]["ts"]
+    totals: dict[str, list] = {}
+    for event in events:
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time") and event["ts"] >= start:
+            total = totals.setdefault(event.get("args", {}).get("op_name", "?"), [0.0, 0])
+            total[0] += event["dur"] / 1000  # µs
+            total[1] += 1
+    wall = sum(e["dur"] for e in model_runs) / 1000
+    return shared.top_ops({op: (ms, n) for op, (ms, n) in totals.items()}, wall, runs, "ONNX Runtime profiler (kernel time per op type)")

@@ -46,3 +46,40 @@ def load(path: Path, threads: int):
     torch.set_num_threads(threads)
     module = _load_for_lite_interpreter(str(path))
     return lambda x: module(x)
+
+
+_RSS_IMPORTS = "import torch\nfrom torch.jit.mobile import _load_for_lite_interpreter"
+_RSS_LOAD = """\
+torch.set_num_threads(threads)
+module = _load_for_lite_interpreter(path)
+tensor = torch.from_numpy(x)"""
+
+
+def memory(path: Path, input_shape, threads: int) -> dict:
+    """Peak resident memory of a fresh process running the .ptl in the lite interpreter (the file has no memory
+    plan: the interpreter allocates each intermediate as it goes)."""
+    from . import memory as shared
+
+    return shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, "module(tensor)", path, input_shape, threads)
+
+
+def profile(path: Path, example, runs: int, threads: int) -> dict:
+    """Operators by self time from torch's profiler around the lite interpreter (a module of its own; one
+    warm-up run left out)."""
+    import time
+
+    from torch.jit.mobile import _load_for_lite_interpreter
+
+    from . import memory as shared
+
+    torch.set_num_threads(threads)
+    module = _load_for_lite_interpreter(str(path))
+    module(example)
+    with shared.native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+        start = time.perf_counter()
+        for _ in range(runs):
+            module(example)
+        wall = (time.perf_counter() - start) * 1000
+    totals = {event.key: (event.self_cpu_time_total / 1000, event.count) for event in trace.key_averages()
+              if event.self_cpu_time_total > 0}
+    return shared.top_ops(totals, wall, runs, "torch.profiler (self time per aten operator)")

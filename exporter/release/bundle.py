@@ -167,6 +167,10 @@ def _artifact(doc: dict, role: str, entry: dict) -> dict:
         record["bundled_program"] = {"file": golden_program["path"], "sha256": golden_program["sha256"],
                                      "rtol": golden_program["rtol"], "atol": golden_program["atol"],
                                      "verified": golden_program.get("verified")}
+    memory = entry.get("memory") or {}
+    if memory.get("available"):  # how much RAM the app needs for it (measured on the build host, docs/validation.md)
+        record["memory"] = {k: memory[k] for k in ("peak_rss_increase_bytes", "planned_bytes", "constants_bytes",
+                                                   "runtime_baseline_rss_bytes", "peak_rss_bytes") if k in memory}
     if entry.get("aarch64"):  # the same artifact judged on emulated aarch64 CPUs (no latency: emulated)
         record["aarch64"] = [{k: row.get(k) for k in ("cpu", "status", "reasons", "fidelity", "vs_x86", "emulated")}
                              for row in entry["aarch64"]]

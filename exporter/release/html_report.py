@@ -161,6 +161,29 @@ def _quantization(docs: list[dict]) -> str:
     return "<h2>int8: budget and layer sensitivity</h2>" + "".join(sections) if sections else ""
 
 
+def _profiles(docs: list[dict]) -> str:
+    """Per artifact, side by side: its RAM figures and its top operators by time (manifest `memory`, `profile`)."""
+    from .report import memory_line, profile_line
+
+    cards = []
+    for name, a in _named(docs):
+        memory, profile = a.get("memory"), a.get("profile")
+        if not memory and not profile:
+            continue
+        body = f"<p class=meta>{_esc(memory_line(memory or {}))}</p>"
+        if (profile or {}).get("available"):
+            ops = "".join(f"<tr><td class=name>{_esc(o['op'])}</td><td>{o['ms']:.3f}</td><td>{_esc(o['count'])}</td>"
+                          f"<td>{o['share']:.0%}</td></tr>" for o in profile["ops"])
+            body += (f"<table><thead><tr><th>operator</th><th>ms/run</th><th>calls</th><th>share</th></tr></thead>"
+                     f"<tbody>{ops}</tbody></table><p class=meta>{profile['ops_ms']:.2f} ms in operators of "
+                     f"{profile['wall_ms']:.2f} ms a run, {profile['runs']} profiled runs apart from the timed ones; "
+                     f"{_esc(profile['source'])}</p>")
+        elif profile and profile != memory:
+            body += f"<p class=meta>{_esc(profile_line(profile))}</p>"
+        cards.append(f'<div style="flex:1 1 300px;min-width:300px"><h3>{_esc(name)}</h3>{body}</div>')
+    return ("<h2>RAM and where the time goes</h2><div class=charts>" + "".join(cards) + "</div>") if cards else ""
+
+
 def _reasons(docs: list[dict]) -> str:
     items = [f"<li><b>{_esc(name)}</b> {_badge(a['status'])} {_esc(r)}</li>"
              for name, a in _named(docs) for r in a.get("reasons", [])]
@@ -281,6 +304,7 @@ exporter {_esc(first['exporter_version'])}, torch {_esc(first['tools'].get('torc
 {arch_report.html(docs)}
 {_previews(docs, dirs)}
 {_quantization(docs)}
+{_profiles(docs)}
 <h2>Latency against eager (same run, same threads)</h2>
 {_latency_warning(docs)}
 <div class="charts">{latency_chart(docs)}</div>

@@ -113,9 +113,43 @@ def rows(doc: dict) -> list[dict]:
                 "speedup": _num(a.get("speedup_vs_eager"), ".2f", "—") + ("×" if a.get("speedup_vs_eager") else "")
                 + (" (unreliable)" if unreliable_latency(a) else ""),
                 "MB": _num(a["size_bytes"] / 1e6 if a.get("size_bytes") else None, ".2f"),
+                "RAM MB": _num(((a.get("memory") or {}).get("peak_rss_increase_bytes") or 0) / 1e6
+                               if (a.get("memory") or {}).get("available") else None, ".1f"),
             }
         )
     return table
+
+
+def memory_line(memory: dict) -> str:
+    """One line: what the artifact needs in RAM (exporter/build/memory_profile.py)."""
+    if not memory.get("available"):
+        return f"memory not measured ({memory.get('reason', 'no measurement')})"
+    mb = lambda key: _num(memory[key] / 1e6, ".1f") if memory.get(key) is not None else "—"  # noqa: E731
+    parts = [f"needs {mb('peak_rss_increase_bytes')} MB RAM (peak over the runtime's own "
+             f"{mb('runtime_baseline_rss_bytes')} MB in a fresh process; process peak {mb('peak_rss_bytes')} MB)"]
+    if "planned_bytes" in memory:
+        parts.append(f"planned memory {mb('planned_bytes')} MB")
+    if "constants_bytes" in memory:
+        parts.append(f"constants {mb('constants_bytes')} MB")
+    return "; ".join(parts)
+
+
+def profile_line(profile: dict, top: int = 4) -> str:
+    """One line: the top operators by time, e.g. "top ops by time: Conv 61%, …"."""
+    if not profile.get("available"):
+        return f"no operator profile ({profile.get('reason', 'not measured')})"
+    ops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in profile["ops"][:top])
+    return (f"top ops by time: {ops} (of {_num(profile['ops_ms'], '.2f')} ms in operators, "
+            f"{_num(profile['wall_ms'], '.2f')} ms a run, {profile['runs']} profiled runs; {profile['source']})")
+
+
+def memory_profile_notes(a: dict) -> list[str]:
+    lines = []
+    if a.get("memory"):
+        lines.append(f"- `{a['name']}`: {memory_line(a['memory'])}")
+    if a.get("profile") and (a["profile"].get("available") or a["profile"] != a.get("memory")):
+        lines.append(f"- `{a['name']}`: {profile_line(a['profile'])}")
+    return lines
 
 
 def markdown(doc: dict) -> str:
@@ -158,6 +192,7 @@ def markdown(doc: dict) -> str:
             )
         if details.get("quantization"):
             notes.append(f"- `{a['name']}`: {quantization_summary(details['quantization'])}")
+        notes += memory_profile_notes(a)
         if details.get("xnnpack_rewrite") == "unavailable":
             notes.append(f"- `{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})")
     for event in (doc.get("cache") or {}).get("events", []):

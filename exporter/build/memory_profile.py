@@ -1,0 +1,82 @@
+"""Per artifact, how much RAM it needs and where its time goes (issue 20, "see it"): the format's optional
+`memory(path, input_shape, threads)` (a .pte's planned memory and constants; the peak resident memory of a
+fresh process running it) and `profile(path, example, runs, threads)` (top operators by time from the runtime's
+own profiler, in a session of its own after validation: it never touches the timed runs).
+
+Recorded as the manifest entry's `memory` and `profile`; cached by the artifact's bytes, the tools, the threads
+and the CPU. Neither decides the status: a measurement that fails is recorded with its reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..formats import FORMATS
+from ..progress import Progress
+from . import cache
+
+VERSION = 1  # bump when what is measured changes
+PROFILE_RUNS = 10  # profiled inferences after one warm-up
+NOT_MEASURED = {
+    "coreml": "Core ML runs only on Apple's runtime (macOS/iOS): not measured on this host",
+    "tensorrt": "a TensorRT engine runs only on its GPU: not measured on this host",
+}
+
+
+def _unavailable(reason: str) -> dict:
+    return {"available": False, "reason": reason}
+
+
+def _reason(entry: dict, module) -> str | None:
+    """Why this artifact gets no measurement here, or None."""
+    if entry["format"] in NOT_MEASURED:
+        return NOT_MEASURED[entry["format"]]
+    if not entry.get("path") or entry.get("status") not in ("passed", "failed"):
+        return "not run on this host: " + "; ".join(entry.get("reasons") or ["no artifact"])
+    if not hasattr(module, "memory"):
+        return f"{entry['format']} has no memory measurement"
+    return None
+
+
+def _measure(what: str, function, *args) -> dict:
+    try:
+        return {"available": True, **function(*args)} if what == "memory" else function(*args)
+    except Exception as e:  # a finding, never a crash: the artifact itself was validated
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return _unavailable(f"{what} not measured: {type(e).__name__}: {first}")
+
+
+def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
+    """entry["memory"] and entry["profile"], from the cache when this artifact was measured before."""
+    module = FORMATS[entry["format"]].load_module() if FORMATS[entry["format"]].installed() else None
+    reason = _reason(entry, module)
+    if reason is not None:
+        entry["memory"] = entry["profile"] = _unavailable(reason)
+        return
+    threads = session.latency["threads"]
+    example = session.inputs.validation[:1]
+    digest = cache.key(kind="memory_profile", version=VERSION, artifact=entry["sha256"], threads=threads,
+                       shape=list(example.shape), runs=PROFILE_RUNS, cpu=session_cpu(session),
+                       tools=session.digests["tools"])
+    cached = session.cache.fetch_json("memory", digest)
+    if cached is not None:
+        entry.update(cached)
+        session.cache.events.append(f"{entry['name']}: memory and profile reused from the cache")
+        return
+    path = out / entry["path"]
+    with progress.step(f"{prefix}memory and profile {entry['name']}"):
+        entry["memory"] = _measure("memory", module.memory, path, tuple(example.shape), threads)
+        entry["profile"] = (_measure("profile", module.profile, path, example, PROFILE_RUNS, threads)
+                            if hasattr(module, "profile") else _unavailable(f"{entry['format']} has no profiler here"))
+    torch.set_num_threads(threads)  # a runtime's profiler may have changed torch's; eager is timed with these
+    if entry["memory"].get("available") and entry["profile"].get("available", True):
+        session.cache.store_json("memory", digest, {"memory": entry["memory"], "profile": entry["profile"]})
+
+
+def session_cpu(session) -> str:
+    """The host's CPU model, as the validation cache keys on it (times and kernels depend on it)."""
+    from ..release import manifest
+
+    return manifest.host(session.latency["threads"])["cpu"]

@@ -1,0 +1,130 @@
+"""RAM and per-operator time per artifact (exporter/build/memory_profile.py): the digits android build's .pte
+fp32/int8 and .ptl, and a small ONNX file in ONNX Runtime. Guarantees, not this host's numbers."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jsonschema
+import pytest
+import torch
+
+from exporter.release import manifest
+
+
+@pytest.fixture(scope="module")
+def doc(android_build):
+    out, result = android_build
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "manifest.json").read_text())
+
+
+def _entries(doc) -> dict:
+    return {a["name"]: a for a in doc["artifacts"]}
+
+
+def _activation_bound(doc) -> int:
+    """float32 bytes of the input, the output and every layer's output of the graph: what a plan without any
+    reuse would need; a memory plan is at most that."""
+    import torchvision
+
+    model = getattr(torchvision.models, doc["weight"]["model"])(num_classes=doc["weight"]["num_classes"]).eval()
+    x = torch.zeros(1, 3, *doc["task"]["input_size"])
+    sizes = [x.numel() * 4]
+    hooks = [m.register_forward_hook(lambda _m, _i, o: sizes.append(o.numel() * 4))
+             for m in model.modules() if not list(m.children())]
+    with torch.no_grad():
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    return sum(sizes)
+
+
+def test_manifest_records_memory_for_every_artifact(doc):
+    jsonschema.validate(doc, manifest.schema())
+    entries = _entries(doc)
+    assert set(entries) == {"executorch_fp32", "executorch_int8", "torchscript_lite_fp32"}
+    for a in entries.values():
+        memory = a["memory"]
+        assert memory["available"], memory
+        # the model's own share: loading and running it takes memory beyond the runtime's baseline
+        assert memory["peak_rss_increase_bytes"] > 0, memory
+        assert memory["peak_rss_bytes"] >= memory["runtime_baseline_rss_bytes"] + memory["peak_rss_increase_bytes"] - 2**20
+    bound = _activation_bound(doc)
+    for name in ("executorch_fp32", "executorch_int8"):
+        memory = entries[name]["memory"]
+        assert 0 < memory["planned_bytes"] <= bound, (memory["planned_bytes"], bound)
+        # the plan holds at least the input the method is given (1 x 3 x H x W float32)
+        assert memory["planned_bytes"] >= 3 * 4 * doc["task"]["input_size"][0] * doc["task"]["input_size"][1]
+    fp32, int8 = entries["executorch_fp32"]["memory"], entries["executorch_int8"]["memory"]
+    assert int8["constants_bytes"] < fp32["constants_bytes"] / 2
+    # the fp32 weights are in the file: constants within the file's size, and most of it
+    assert 0.8 * entries["executorch_fp32"]["size_bytes"] < fp32["constants_bytes"] <= entries["executorch_fp32"]["size_bytes"]
+
+
+def test_profiles_name_the_programs_own_kernels(doc):
+    entries = _entries(doc)
+    for a in entries.values():
+        profile = a["profile"]
+        assert profile["available"], profile
+        listed = sum(o["ms"] for o in profile["ops"])
+        assert 0 < listed <= profile["ops_ms"] + 1e-3 <= profile["wall_ms"] + 2e-3, profile
+        assert all(o["count"] > 0 for o in profile["ops"])
+        shares = [o["share"] for o in profile["ops"]]
+        assert shares == sorted(shares, reverse=True) and sum(shares) + profile["others_share"] == pytest.approx(1, abs=0.01)
+    # XNNPACK's own operators: float kernels in the fp32 program, int8 (QC8/QS8) kernels in the int8 one
+    fp32_ops = [o["op"] for o in entries["executorch_fp32"]["profile"]["ops"]]
+    int8_ops = [o["op"] for o in entries["executorch_int8"]["profile"]["ops"]]
+    assert any(op.startswith("Convolution (NHWC, F32)") for op in fp32_ops), fp32_ops
+    assert any(op.startswith("Convolution (NHWC, QC8)") for op in int8_ops), int8_ops
+    assert not any("F32) " in op and op.startswith("Convolution") for op in int8_ops), int8_ops
+    ptl_ops = [o["op"] for o in entries["torchscript_lite_fp32"]["profile"]["ops"]]
+    assert all(op.startswith("aten::") for op in ptl_ops) and any("conv" in op for op in ptl_ops), ptl_ops
+
+
+def test_reports_and_bundle_show_it(android_build, doc, tmp_path):
+    from exporter.release import bundle
+
+    out, _ = android_build
+    text = (out / "report.md").read_text()
+    assert "RAM MB" in text and text.count("top ops by time: ") == 3 and "planned memory" in text
+    page = (out / "report.html").read_text()
+    assert "RAM and where the time goes" in page and "Convolution (NHWC, QC8)" in page
+    bundle_dir = bundle.make_bundle(out, dest=tmp_path / "bundle")
+    listed = {a["name"]: a for a in json.loads((bundle_dir / "bundle.json").read_text())["artifacts"]}
+    for name, a in _entries(doc).items():
+        if name in listed:
+            assert listed[name]["memory"]["peak_rss_increase_bytes"] == a["memory"]["peak_rss_increase_bytes"]
+
+
+def test_onnx_runtime_memory_and_profile(tmp_path):
+    """A small convolutional net exported to ONNX: its constants are its parameters, and the profile
+    names operators of the graph ONNX Runtime really ran (its optimized graph, saved alongside)."""
+    import onnx
+    import onnxruntime as ort
+
+    from exporter.formats import onnx as onnx_format
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 32, 3, stride=2),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10)).eval()
+    example = torch.randn(1, 3, 64, 64)
+    path = tmp_path / "tiny.onnx"
+    onnx_format.export(model, example, "fp32", None, path, {})
+    memory = onnx_format.memory(path, tuple(example.shape), 1)
+    parameters = sum(p.numel() * 4 for p in model.parameters())
+    assert parameters <= memory["constants_bytes"] <= parameters + 1024  # plus a few shape constants
+    assert memory["peak_rss_increase_bytes"] > 0 and memory["peak_rss_bytes"] > memory["runtime_baseline_rss_bytes"]
+
+    start = time.perf_counter()
+    profile = onnx_format.profile(path, example, 5, 1)
+    elapsed_ms = (time.perf_counter() - start) * 1000
+    assert profile["available"] and profile["runs"] == 5
+    assert sum(o["ms"] for o in profile["ops"]) <= profile["ops_ms"] + 1e-3 <= profile["wall_ms"] + 2e-3
+    assert profile["wall_ms"] * profile["runs"] <= elapsed_ms
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    ran = {n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node}
+    assert {o["op"] for o in profile["ops"]} <= ran, (profile["ops"], ran)
