@@ -128,3 +128,18 @@ def test_onnx_runtime_memory_and_profile(tmp_path):
     ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     ran = {n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node}
     assert {o["op"] for o in profile["ops"]} <= ran, (profile["ops"], ran)
+
+
+def test_an_artifact_not_built_here_says_why_it_is_not_measured(tmp_path, digits_model):
+    from .conftest import build_args, run_cli
+
+    out = tmp_path / "build"
+    result = run_cli(*build_args(digits_model, out, "--target", "jetson", "--format", "tensorrt"))
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "manifest.json").read_text())
+    jsonschema.validate(doc, manifest.schema())
+    for a in doc["artifacts"]:
+        assert a["status"] == "unavailable"
+        assert a["memory"] == a["profile"] == {"available": False, "reason": a["memory"]["reason"]}
+        assert "TensorRT" in a["memory"]["reason"]
+    assert "memory not measured (" in (out / "report.md").read_text()

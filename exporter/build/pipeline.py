@@ -288,6 +288,7 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
         raise
     except RuntimeUnavailable as e:
         entry.update(status="unavailable", reasons=[f"not built on this host: {e}"])
+        memory_profile.add(session, entry, out, progress, prefix)  # not measured either: says why
         return entry
     except Exception as e:  # a conversion failure is a finding about this artifact, not a crash
         first = (str(e).strip().splitlines() or [""])[0][:300]
