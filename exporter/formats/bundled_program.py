@@ -125,7 +125,8 @@ def write(pte_path: Path, inputs, expected: list, rtol: float, atol: float, out_
     if not (rtol >= 0 and atol >= 0):
         raise ValueError(f"rtol {rtol} and atol {atol} must be non-negative")
     # BundledProgram skips its own checks when given a file; the runtime's view of the program does them
-    meta = _Program(pte_path.read_bytes()).method_meta(METHOD)
+    program = _Program(pte_path.read_bytes())  # kept: the method's meta reads the loaded program's memory
+    meta = program.method_meta(METHOD)
     want_in = tuple(meta.input_tensor_meta(0).sizes())
     for i, (x, e) in enumerate(zip(cases, expected)):
         if meta.num_inputs() != 1 or tuple(x.shape) != want_in or x.dtype != torch.float32:
