@@ -106,6 +106,7 @@ def _written(doc: dict) -> list[str]:
     """The files a build wrote into its directory (as its manifest describes them), less those rendered at restore."""
     names = [n for n in manifest.BUILD_FILES if n not in RENDERED] + ["golden", "previews", *(doc.get("jetson") or {}).get("sha256", {})]
     names += [a["path"] for a in doc["artifacts"] if a.get("path")]
+    names += [a["bundled_program"]["path"] for a in doc["artifacts"] if a.get("bundled_program")]
     code = ((doc.get("task") or {}).get("decode") or {}).get("code")  # a task's device files (detection's decode)
     return list(dict.fromkeys(names + ([code] if code else [])))
 

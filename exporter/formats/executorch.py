@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import sys
 from pathlib import Path
 
 import torch
+
+from .memory import native_stderr_silenced as _native_stderr_silenced  # the runtime's C++ logging goes to fd 2
 
 NAME = "executorch"
 SUFFIX = ".pte"
@@ -86,20 +85,6 @@ def runtime_version() -> str:
     from importlib.metadata import version
 
     return version("executorch")
-
-
-@contextlib.contextmanager
-def _native_stderr_silenced():
-    """The runtime's C++ logging (cpuinfo probing, threadpool resets) writes straight to fd 2."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def load(path: Path, threads: int):
