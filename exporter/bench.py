@@ -33,6 +33,7 @@ from .weights import bind_task, resolve, task_class
 MODELS = {"mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V2", "resnet18": "ResNet18_Weights.IMAGENET1K_V1",
           "resnet50": "ResNet50_Weights.IMAGENET1K_V2",
           "lraspp_mobilenet_v3_large": "LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
+          "deeplabv3_mobilenet_v3_large": "DeepLabV3_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
           "ssdlite320_mobilenet_v3_large": "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1"}
 # where the tests cache the trained digits stand-ins (tests/conftest.py): EXPORTER_TEST_CACHE or .cache/digits
 STAND_IN_CACHE = Path(os.environ.get("EXPORTER_TEST_CACHE", ".cache/digits"))
@@ -47,6 +48,18 @@ RUNTIMES = [
     ("onnx int8 plain (ORT)", "onnx", "int8", "plain"),
     ("onnx int8 budget (ORT)", "onnx", "int8", "budget"),
 ]
+# The fp32 ONNX file again, in a session without ONNX Runtime's NCHWc layout transform: its blocked-layout
+# kernels exist for x86 only, and the aarch64 wheel (the Jetson's) runs the same file without them (its optimised
+# graph has no NCHWc node), so this is the graph ONNX Runtime runs on ARM, timed on this host.
+ORT_AS_ON_ARM = "onnx fp32 (ORT, no NCHWc)"
+# (name, a, b): how many times faster a is than b (p50 of b over p50 of a), compared with the baseline run
+RATIOS = [("pte fp32 / eager", "pte fp32", "eager"), ("pte fp32 vs ORT fp32", "pte fp32", "onnx fp32 (ORT)"),
+          ("pte fp32 vs ORT no NCHWc", "pte fp32", ORT_AS_ON_ARM), ("pte int8 plain vs pte fp32", "pte int8 plain", "pte fp32"),
+          ("pte int8 budget vs plain", "pte int8 budget", "pte int8 plain"),
+          ("onnx int8 budget vs plain", "onnx int8 budget (ORT)", "onnx int8 plain (ORT)"), ("ptl / eager", "ptl fp32", "eager")]
+PROFILED = ("pte fp32", "onnx fp32 (ORT)")  # top operators of each, per model
+BASELINE = Path("docs/bench-baseline.json")  # the previous committed run, compared by ratio
+REGRESSION = 0.8  # a ratio below this share of the baseline's is shown as a possible regression
 BUDGET_PSNR_DB = 35.0
 CALIBRATION_IMAGES = 32
 
@@ -76,7 +89,7 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
     channels_last = copy.deepcopy(model).to(memory_format=torch.channels_last)
     example_cl = example.contiguous(memory_format=torch.channels_last)
     runners = {"eager": model, "eager NHWC": lambda _x: channels_last(example_cl)}
-    build_s, quantization, memory = {}, {}, {}
+    build_s, quantization, memory, paths, rewrites = {}, {}, {}, {}, {}
     for label, fmt, precision, budget in RUNTIMES:
         module = _available(fmt)
         if module is None:
@@ -85,6 +98,10 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
         start = time.perf_counter()
         details = module.export(model, example, precision, calibrations.get(budget, inputs.calibration), path, meta)
         build_s[label] = round(time.perf_counter() - start, 1)
+        paths[label] = (module, path)
+        if details.get("rewrites"):
+            rewrites[label] = details["rewrites"]
+            log(f"  {name}: {label}: rewritten before lowering: {_rewrites_line(details['rewrites'])}")
         if "quantization" in details:
             q = details["quantization"]
             quantization[label] = {"float_layers": len(q["float_layers"]), "layers": q["layers"], "seconds": q["seconds"],
@@ -100,12 +117,24 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
                 log(f"  {name}: {label}: memory not measured: {type(e).__name__}: {e}")
         outside = (details.get("delegation") or {}).get("ops_outside_delegate")
         log(f"  {name}: built {label} in {build_s[label]} s" + (f"; outside delegate: {outside}" if outside else ""))
+    if "onnx fp32 (ORT)" in paths:
+        module, path = paths["onnx fp32 (ORT)"]
+        runners[ORT_AS_ON_ARM] = module.load(path, threads, nchwc=False)
     timing, conditions = validation.measure_latency_on_host(runners, example, warmup, iterations, rounds=10)
     conditions = hostload.judged(conditions, threads)  # what the host did while timing; busy: unreliable
     if not conditions["reliable"]:
         log(f"  {name}: host busy while timing, numbers unreliable: {hostload.summary(conditions)}")
+    profiles = {}
+    for label in PROFILED:  # after the timed rounds, in sessions of their own
+        if label in paths:
+            module, path = paths[label]
+            try:
+                profiles[label] = module.profile(path, example, 5, threads)
+            except Exception as e:
+                log(f"  {name}: {label}: not profiled: {type(e).__name__}: {e}")
+            torch.set_num_threads(threads)
     result = {"input": list(task.input_size), "latency_ms": timing, "latency_conditions": conditions, "build_s": build_s,
-              "quantization": quantization, "memory_bytes": memory}
+              "quantization": quantization, "memory_bytes": memory, "profiles": profiles, "rewrites": rewrites}
     if isinstance(task, Detection):
         with torch.no_grad():
             random_heads = model(example)[0].numpy()
@@ -173,22 +202,39 @@ def _host_lines(results: dict) -> list[str]:
     return lines
 
 
+def ratios(result: dict) -> dict[str, float]:
+    """RATIOS of one model's run: how many times faster a is than b."""
+    lat = {k: v["p50"] for k, v in result["latency_ms"].items()}
+    return {name: round(lat[b] / lat[a], 3) for name, a, b in RATIOS if a in lat and b in lat}
+
+
+def _rewrites_line(rewrites: dict) -> str:
+    return "; ".join(f"{r['module']} ({'x'.join(map(str, r['kernel']))} dilation {r['dilation'][0]} on "
+                     f"{'x'.join(map(str, r['input']))}) -> {len(r['parts'])} part(s) "
+                     f"{', '.join('x'.join(map(str, k)) for k in r['parts'])}"
+                     for r in rewrites.get("padding_taps_dropped", []))
+
+
 def table(results: dict) -> str:
-    labels = ["eager", "eager NHWC"] + [label for label, *_ in RUNTIMES]
-    ratios = ("pte fp32 / eager", "pte int8 plain vs pte fp32", "pte int8 budget vs plain", "onnx int8 budget vs plain", "ptl / eager")
-    lines = ["| model | " + " | ".join(f"{label} p50 ms" for label in labels) + " | " + " | ".join(ratios) + " |",
-             "|---|" + "---|" * (len(labels) + len(ratios))]
+    labels = ["eager", "eager NHWC"] + [label for label, *_ in RUNTIMES] + [ORT_AS_ON_ARM]
+    lines = ["| model | " + " | ".join(f"{label} p50 ms" for label in labels) + " | " + " | ".join(n for n, *_ in RATIOS) + " |",
+             "|---|" + "---|" * (len(labels) + len(RATIOS))]
     for model, r in results.items():
         lat = {k: v["p50"] for k, v in r["latency_ms"].items()}
         cells = [f"{lat[label]:.2f}" if label in lat else "—" for label in labels]
-
-        def ratio(a, b):
-            return f"{lat[b] / lat[a]:.2f}×" if a in lat and b in lat else "—"
-
+        ratio = ratios(r)
         busy = "" if (r.get("latency_conditions") or {}).get("reliable", True) else " (busy host: unreliable)"
-        lines.append(f"| {model} {'x'.join(map(str, r['input']))}{busy} | " + " | ".join(cells) + f" | {ratio('pte fp32', 'eager')} | {ratio('pte int8 plain', 'pte fp32')}"
-                     f" | {ratio('pte int8 budget', 'pte int8 plain')} | {ratio('onnx int8 budget (ORT)', 'onnx int8 plain (ORT)')}"
-                     f" | {ratio('ptl fp32', 'eager')} |")
+        lines.append(f"| {model} {'x'.join(map(str, r['input']))}{busy} | " + " | ".join(cells) + " | "
+                     + " | ".join(f"{ratio[n]:.2f}×" if n in ratio else "—" for n, *_ in RATIOS) + " |")
+    lines += ["", "top operators (share of operator time, ms per run; profiled after the timed rounds):", ""]
+    for model, r in results.items():
+        for label, profile in (r.get("profiles") or {}).items():
+            if profile.get("available", True) and profile.get("ops"):
+                lines.append(f"- {model} {label}: " + ", ".join(f"{o['op']} {o['share']:.0%} ({o['ms']:.2f} ms ×{o['count']})"
+                                                               for o in profile["ops"][:4]))
+    for model, r in results.items():
+        for label, rewrite in (r.get("rewrites") or {}).items():
+            lines.append(f"- {model} {label} rewritten before lowering: {_rewrites_line(rewrite)}")
     lines += _host_lines(results)
     lines += ["", f"int8 budget: output PSNR >= {BUDGET_PSNR_DB:g} dB (+{SETTINGS['psnr_margin_db']:g} margin) on held-out "
               f"calibration images; layers kept in float, build seconds (quantization seconds):", ""]
@@ -213,6 +259,24 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def against_baseline(results: dict, baseline: dict | None) -> str:
+    """Each model's RATIOS now and in the baseline run (ratios only: single cells move between runs)."""
+    if not baseline:
+        return ""
+    then = baseline["results"]
+    lines = ["", f"against the baseline run of {baseline.get('date', '?')} ({baseline.get('host', {}).get('cpu', '?')}, "
+             f"{baseline.get('threads', '?')} threads): ratio then → now, marked with a warning sign where now is below {REGRESSION:.0%} of then", ""]
+    for model, r in results.items():
+        if model not in then:
+            lines.append(f"- {model}: not in the baseline")
+            continue
+        old, new = ratios(then[model]), ratios(r)
+        cells = [f"{n} {old[n]:.2f}× → {new[n]:.2f}×" + (" ⚠ fell" if new[n] < REGRESSION * old[n] else "")
+                 for n, *_ in RATIOS if n in old and n in new]
+        lines.append(f"- {model}: " + "; ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default=",".join(MODELS), help=f"any of {', '.join(MODELS)}")
@@ -220,6 +284,8 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("exports/bench"))
+    parser.add_argument("--baseline", type=Path, default=BASELINE, help="a previous bench.json to compare ratios with")
+    parser.add_argument("--save-baseline", action="store_true", help="make this run the baseline (then commit it)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.models.split(",")) - set(MODELS))
     if unknown:
@@ -233,10 +299,16 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             results[name] = bench_model(name, args.threads, args.warmup, args.iterations, Path(tmp), print)
-    text = table(results)
+    baseline = json.loads(args.baseline.read_text()) if args.baseline.is_file() else None
+    text = table(results) + against_baseline(results, baseline)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench.json").write_text(json.dumps({"host": host, "tools": manifest.tool_versions(), "results": results}, indent=2))
+    run = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "host": host, "threads": args.threads,
+           "tools": manifest.tool_versions(), "results": results}
+    (args.out / "bench.json").write_text(json.dumps(run, indent=2))
+    if args.save_baseline:
+        args.baseline.write_text(json.dumps(run, indent=2) + "\n")
+        print(f"baseline written: {args.baseline}")
     (args.out / "bench.md").write_text(text + "\n")
     print(f"written: {args.out / 'bench.md'}")
 

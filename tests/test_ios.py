@@ -171,3 +171,27 @@ def test_missing_ios_extra(tmp_path, digits_model, monkeypatch):
 
 def test_known_deployment_targets_match_coremltools():
     assert coreml.IOS_TARGETS == tuple(int(t.name[3:]) for t in ct.target if t.name.startswith("iOS"))
+
+
+def test_alias_nodes_are_bypassed_so_core_ml_converts_the_program(tmp_path):
+    """Swin's decomposed graph holds aten.alias, which coremltools 9 cannot convert; bypassed, it converts and
+    the program computes the same."""
+    import coremltools as ct
+    import pytest
+    import torch
+
+    from exporter.formats.coreml import _without_alias
+
+    class Aliased(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.alias.default(x * 2) + 1
+
+    x = torch.randn(1, 3, 4, 4)
+    exported = torch.export.export(Aliased(), (x,)).run_decompositions({})
+    with pytest.raises(Exception, match="alias"):
+        ct.convert(exported, convert_to="mlprogram", inputs=[ct.TensorType(name="x", shape=x.shape)])
+    bypassed = _without_alias(torch.export.export(Aliased(), (x,)).run_decompositions({}))
+    assert not any(n.target == torch.ops.aten.alias.default for n in bypassed.graph.nodes)
+    torch.testing.assert_close(bypassed.module()(x), x * 2 + 1)
+    ct.convert(bypassed, convert_to="mlprogram", inputs=[ct.TensorType(name="x", shape=x.shape)]).save(str(tmp_path / "m.mlpackage"))
+    assert (tmp_path / "m.mlpackage").is_dir()

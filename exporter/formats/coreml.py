@@ -143,6 +143,20 @@ def _image_size(pre: dict, example: torch.Tensor) -> tuple[int, int]:
     return (size[0], size[-1]) if size else tuple(example.shape[-2:])
 
 
+def _without_alias(exported):
+    """The program with `aten.alias` nodes (Swin's window shifts leave them after decomposition) bypassed:
+    coremltools 9 has no converter for it ("Unsupported fx node alias"), and in inference it is the identity."""
+    graph = exported.graph_module.graph
+    aliases = [n for n in graph.nodes if n.target == torch.ops.aten.alias.default
+               and all(user.op != "output" for user in n.users)]
+    for node in aliases:
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
+    if aliases:
+        exported.graph_module.recompile()
+    return exported
+
+
 def _convert(model, example, precision, meta, deployment_target, input):
     import coremltools as ct
 
@@ -157,7 +171,7 @@ def _convert(model, example, precision, meta, deployment_target, input):
         input_type = ct.TensorType(name="input", shape=tuple(example.shape), dtype=np.float32)
     wrapper.eval()
     with torch.no_grad():
-        exported = torch.export.export(wrapper, (example,)).run_decompositions({})
+        exported = _without_alias(torch.export.export(wrapper, (example,)).run_decompositions({}))
     target = getattr(ct.target, f"iOS{_ios_version(deployment_target)}")
     compute_precision = ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32
     if per_pixel:

@@ -64,8 +64,12 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
 
     from ..quant import as_calibration, quantize_with_budget
     from ..quant.pt2e import Pt2eBackend
+    from .rewrites import drop_padding_taps
 
     details = {}
+    model, trimmed = drop_padding_taps(model, example)
+    if trimmed:
+        details["rewrites"] = {"padding_taps_dropped": trimmed}
     if precision == "int8":
         backend = Pt2eBackend(model, example)
         quantized, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))

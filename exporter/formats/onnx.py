@@ -148,17 +148,19 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
     return details
 
 
-def _session(path: Path, threads: int):
+def _session(path: Path, threads: int, nchwc: bool = True):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    # NCHWc: ONNX Runtime's blocked layout, with kernels for x86 only (the aarch64 wheel does not apply it)
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=[] if nchwc else ["NchwcTransformer"])
 
 
-def load(path: Path, threads: int):
-    session = _session(path, threads)
+def load(path: Path, threads: int, nchwc: bool = True):
+    session = _session(path, threads, nchwc)
     return lambda x: torch.from_numpy(session.run(None, {INPUT: x.contiguous().numpy()})[0])
 
 

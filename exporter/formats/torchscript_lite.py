@@ -25,6 +25,9 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
     if (precision == "int8") != _is_quantized(model):
         raise ValueError(f"a {precision} .ptl is the model as it is: this model is "
                          f"{'int8' if _is_quantized(model) else 'float'} (int8 needs a torchvision quantized weight)")
+    from .rewrites import drop_padding_taps
+
+    model, trimmed = drop_padding_taps(model, example)
     scripted = torch.jit.trace(model, example)
     details = {"xnnpack_rewrite": "applied"}
     try:
@@ -36,6 +39,8 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
     if precision == "int8":
         # int8 weights are repacked for the engine selected when the model is loaded (phones: QNNPACK)
         details["quantized_engine_on_host"] = torch.backends.quantized.engine
+    if trimmed:
+        details["rewrites"] = {"padding_taps_dropped": trimmed}
     module._save_for_lite_interpreter(str(path))
     return details
 

@@ -1,0 +1,37 @@
+"""make bench's report: ratios, top operators, and the comparison with the previous committed run (no timing)."""
+
+from exporter import bench
+
+
+def _run(pte_ms: float) -> dict:
+    latency = {label: {"p50": ms} for label, ms in
+               {"eager": 10.0, "pte fp32": pte_ms, "onnx fp32 (ORT)": 2.0, bench.ORT_AS_ON_ARM: 6.0, "pte int8 plain": 1.0}.items()}
+    profile = {"available": True, "ops": [{"op": "Fully Connected (NC, F32) GEMM", "ms": 1.5, "count": 50, "share": 0.6}]}
+    return {"input": [224, 224], "latency_ms": latency, "profiles": {"pte fp32": profile},
+            "rewrites": {"pte fp32": {"padding_taps_dropped": [{"module": "classifier.0.convs.3.0", "input": [33, 33],
+                                                               "kernel": [3, 3], "dilation": [36, 36], "parts": [[1, 1]]}]}}}
+
+
+def test_ratios_are_how_many_times_faster_a_is_than_b():
+    r = bench.ratios(_run(pte_ms=2.5))
+    assert r["pte fp32 / eager"] == 4.0 and r["pte fp32 vs ORT fp32"] == 0.8 and r["pte fp32 vs ORT no NCHWc"] == 2.4
+    assert r["pte int8 plain vs pte fp32"] == 2.5 and "ptl / eager" not in r  # a runtime not timed has no ratio
+
+
+def test_the_table_shows_top_operators_and_rewrites():
+    text = bench.table({"m": _run(2.5)})
+    assert "Fully Connected (NC, F32) GEMM 60% (1.50 ms ×50)" in text
+    assert "classifier.0.convs.3.0 (3x3 dilation 36 on 33x33) -> 1 part(s) 1x1" in text
+
+
+def test_a_ratio_that_fell_against_the_baseline_is_flagged():
+    baseline = {"date": "2026-11-23", "host": {"cpu": "x"}, "threads": 2, "results": {"m": _run(2.5)}}
+    same = bench.against_baseline({"m": _run(2.5)}, baseline)
+    slower = bench.against_baseline({"m": _run(5.0)}, baseline)
+    assert "⚠ fell" not in same and "pte fp32 / eager 4.00× → 4.00×" in same
+    assert "pte fp32 / eager 4.00× → 2.00× ⚠ fell" in slower
+    faster = bench.against_baseline({"m": _run(2.5)}, {**baseline, "results": {"m": _run(5.0)}})
+    assert "pte fp32 / eager 2.00× → 4.00×;" in faster  # a ratio that rose is not flagged
+    assert "pte int8 plain vs pte fp32 5.00× → 2.50× ⚠ fell" in faster  # int8's lead over a faster fp32 shrank
+    assert bench.against_baseline({"m": _run(2.5)}, None) == ""
+    assert "new: not in the baseline" in bench.against_baseline({"new": _run(2.5)}, baseline)

@@ -1,0 +1,98 @@
+"""formats.rewrites.drop_padding_taps: trims exactly the taps that read only padding, and nothing else."""
+
+import random
+
+import torch
+from torch import nn
+
+from exporter.formats.rewrites import RegionConv, drop_padding_taps
+
+
+class Head(nn.Module):
+    """An ASPP-like head: a backbone conv, then dilated branches summed."""
+
+    def __init__(self, dilations=(1, 12, 24), channels=8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, stride=2, padding=1)
+        self.branches = nn.ModuleList(nn.Conv2d(channels, channels, 3, padding=d, dilation=d, bias=False) for d in dilations)
+
+    def forward(self, x):
+        x = self.stem(x)
+        return sum(branch(x) for branch in self.branches)
+
+
+def test_branches_reaching_past_the_input_become_1x1_and_the_output_is_unchanged():
+    torch.manual_seed(0)
+    model, x = Head().eval(), torch.randn(2, 3, 16, 16)  # the branches see 8x8
+    trimmed, done = drop_padding_taps(model, x)
+    assert [d["module"] for d in done] == ["branches.1", "branches.2"]
+    assert trimmed.branches[1].kernel_size == (1, 1) and trimmed.branches[1].padding == (0, 0)
+    assert trimmed.branches[0].kernel_size == (3, 3)  # dilation 1 reads the input with every tap
+    assert model.branches[1].kernel_size == (3, 3)  # the caller's model is not touched
+    with torch.no_grad():
+        torch.testing.assert_close(trimmed(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_with_nothing_to_trim_is_returned_as_it_is():
+    model = Head(dilations=(1, 2)).eval()
+    same, done = drop_padding_taps(model, torch.randn(1, 3, 16, 16))
+    assert same is model and done == []
+
+
+def test_taps_that_read_the_input_near_the_edges_only_are_computed_there_only():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 4, 3, padding=12, dilation=12)  # on 16x20, the outer taps read the input near the edges
+    model, x = nn.Sequential(conv).eval(), torch.randn(1, 4, 16, 20)
+    split, done = drop_padding_taps(model, x)
+    assert isinstance(split[0], RegionConv) and done[0]["kernel"] == [3, 3]
+    # rows: [0, 4) taps 1-2, [4, 12) tap 1, [12, 16) taps 0-1; columns: [0, 8) 1-2, [8, 12) 1, [12, 20) 0-1
+    assert [r.stop for r in split[0].rows] == [4, 12, 16] and [c.stop for c in split[0].cols] == [8, 12, 20]
+    assert sorted(map(tuple, done[0]["parts"])) == sorted([(2, 2), (2, 1), (2, 2), (1, 2), (1, 1), (1, 2), (2, 2), (2, 1), (2, 2)])
+    with torch.no_grad():
+        torch.testing.assert_close(split(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_depthwise_and_ordinary_convolutions_are_not_split():
+    depthwise = nn.Conv2d(8, 8, 3, padding=12, dilation=12, groups=8)  # only trimmed whole, never split
+    resnet_like = nn.Conv2d(8, 8, 3, padding=1)  # on 7x7: 33% of its work reads padding, below MIN_SAVED
+    assert drop_padding_taps(nn.Sequential(depthwise).eval(), torch.randn(1, 8, 16, 20))[1] == []
+    assert drop_padding_taps(nn.Sequential(resnet_like).eval(), torch.randn(1, 8, 7, 7))[1] == []
+
+
+def test_a_conv_called_at_two_sizes_is_left_alone():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3, padding=12, dilation=12)
+
+        def forward(self, x):
+            return self.conv(x).mean() + self.conv(nn.functional.interpolate(x, scale_factor=4.0)).mean()
+
+    model = Twice().eval()
+    assert drop_padding_taps(model, torch.randn(1, 2, 8, 8))[1] == []
+
+
+def test_any_trim_gives_the_same_output():
+    """Random shapes, strides, dilations, paddings, groups and rectangular kernels and inputs: whatever is trimmed,
+    the output (shape and values) is the original's."""
+    trims = 0
+    for seed in range(120):
+        rng = random.Random(seed)
+        groups = rng.choice([1, 1, 2])
+        kernel = (rng.randint(1, 7), rng.randint(1, 7))
+        dilation = (rng.randint(1, 20), rng.randint(1, 20))
+        padding = tuple(rng.randint(0, d * (k - 1)) for k, d in zip(kernel, dilation))
+        stride = (rng.randint(1, 3), rng.randint(1, 3))
+        size = tuple(max(d * (k - 1) + 1 - 2 * p, rng.randint(1, 24)) for k, d, p in zip(kernel, dilation, padding))
+        torch.manual_seed(seed)
+        conv = nn.Conv2d(2 * groups, 2 * groups, kernel, stride=stride, padding=padding, dilation=dilation,
+                         groups=groups, bias=rng.random() < 0.5)
+        model, x = nn.Sequential(conv).eval(), torch.randn(1, 2 * groups, *size)
+        trimmed, done = drop_padding_taps(model, x)
+        with torch.no_grad():
+            expected, got = model(x), trimmed(x)
+        assert got.shape == expected.shape, (seed, conv, size)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{seed} {conv} {size}: {m}")
+        if done:
+            trims += 1
+    assert trims > 12  # the draw does exercise the rewrite
