@@ -96,3 +96,18 @@ def test_any_trim_gives_the_same_output():
         if done:
             trims += 1
     assert trims > 12  # the draw does exercise the rewrite
+
+
+def test_a_split_convolution_lowers_whole_into_xnnpack(tmp_path):
+    """The regions' slices and concatenations are all XNNPACK's (no alias of a full-axis slice left outside it),
+    and the .pte computes what eager does."""
+    from exporter.formats import executorch
+
+    torch.manual_seed(0)
+    model, x = Head(dilations=(12, 24)).eval(), torch.randn(1, 3, 66, 66)  # the branches see 33x33: split
+    details = executorch.export(model, x, "fp32", None, tmp_path / "m.pte", {})
+    assert [len(r["parts"]) for r in details["rewrites"]["padding_taps_dropped"]] == [9, 9]
+    assert details["delegation"]["delegated_subgraphs"] == 1
+    assert set(details["delegation"]["ops_outside_delegate"]) <= {"dim_order_ops__to_dim_order_copy_default", "getitem"}
+    with torch.no_grad():
+        torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-4, atol=1e-5)

@@ -77,9 +77,14 @@ class RegionConv(nn.Module):
         self.parts = nn.ModuleList(_conv(conv, r, c) for r in rows for c in cols)
 
     def forward(self, x):
-        parts = iter(self.parts)
-        return torch.cat([torch.cat([next(parts)(x[:, :, r.begin:r.end, c.begin:c.end]) for c in self.cols], dim=3)
-                          for r in self.rows], dim=2)
+        height, width = x.shape[-2:]
+        parts, rows = iter(self.parts), []
+        for r in self.rows:
+            # a slice spanning the whole axis exports as an alias, which XNNPACK does not take: not sliced
+            band = x if (r.begin, r.end) == (0, height) else x[:, :, r.begin:r.end]
+            rows.append(torch.cat([next(parts)(band if (c.begin, c.end) == (0, width) else band[:, :, :, c.begin:c.end])
+                                   for c in self.cols], dim=3))
+        return torch.cat(rows, dim=2)
 
 
 def _macs(axis: list[Region]) -> int:
