@@ -52,9 +52,11 @@ RUNTIMES = [
 # kernels exist for x86 only, and the aarch64 wheel (the Jetson's) runs the same file without them (its optimised
 # graph has no NCHWc node), so this is the graph ONNX Runtime runs on ARM, timed on this host.
 ORT_AS_ON_ARM = "onnx fp32 (ORT, no NCHWc)"
+UNREWRITTEN = "pte fp32 (no rewrites)"  # timed where formats.rewrites changed the .pte fp32
 # (name, a, b): how many times faster a is than b (p50 of b over p50 of a), compared with the baseline run
 RATIOS = [("pte fp32 / eager", "pte fp32", "eager"), ("pte fp32 vs ORT fp32", "pte fp32", "onnx fp32 (ORT)"),
-          ("pte fp32 vs ORT no NCHWc", "pte fp32", ORT_AS_ON_ARM), ("pte int8 plain vs pte fp32", "pte int8 plain", "pte fp32"),
+          ("pte fp32 vs ORT no NCHWc", "pte fp32", ORT_AS_ON_ARM),
+          ("pte rewrites gain", "pte fp32", UNREWRITTEN), ("pte int8 plain vs pte fp32", "pte int8 plain", "pte fp32"),
           ("pte int8 budget vs plain", "pte int8 budget", "pte int8 plain"),
           ("onnx int8 budget vs plain", "onnx int8 budget (ORT)", "onnx int8 plain (ORT)"), ("ptl / eager", "ptl fp32", "eager")]
 PROFILED = ("pte fp32", "onnx fp32 (ORT)")  # top operators of each, per model
@@ -117,6 +119,11 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
                 log(f"  {name}: {label}: memory not measured: {type(e).__name__}: {e}")
         outside = (details.get("delegation") or {}).get("ops_outside_delegate")
         log(f"  {name}: built {label} in {build_s[label]} s" + (f"; outside delegate: {outside}" if outside else ""))
+    if "pte fp32" in rewrites:  # the same graph lowered without the rewrites, to show what they buy
+        module, _ = paths["pte fp32"]
+        path = workdir / f"{name}_executorch_fp32_plain{module.SUFFIX}"
+        module.export(model, example, "fp32", inputs.calibration, path, meta, rewrites=False)
+        runners[UNREWRITTEN] = module.load(path, threads)
     if "onnx fp32 (ORT)" in paths:
         module, path = paths["onnx fp32 (ORT)"]
         runners[ORT_AS_ON_ARM] = module.load(path, threads, nchwc=False)
@@ -216,7 +223,7 @@ def _rewrites_line(rewrites: dict) -> str:
 
 
 def table(results: dict) -> str:
-    labels = ["eager", "eager NHWC"] + [label for label, *_ in RUNTIMES] + [ORT_AS_ON_ARM]
+    labels = ["eager", "eager NHWC"] + [label for label, *_ in RUNTIMES] + [ORT_AS_ON_ARM, UNREWRITTEN]
     lines = ["| model | " + " | ".join(f"{label} p50 ms" for label in labels) + " | " + " | ".join(n for n, *_ in RATIOS) + " |",
              "|---|" + "---|" * (len(labels) + len(RATIOS))]
     for model, r in results.items():

@@ -173,9 +173,9 @@ def test_known_deployment_targets_match_coremltools():
     assert coreml.IOS_TARGETS == tuple(int(t.name[3:]) for t in ct.target if t.name.startswith("iOS"))
 
 
-def test_alias_nodes_are_bypassed_so_core_ml_converts_the_program(tmp_path):
-    """Swin's decomposed graph holds aten.alias, which coremltools 9 cannot convert; bypassed, it converts and
-    the program computes the same."""
+def test_alias_and_zero_nodes_are_replaced_so_core_ml_converts_the_program(tmp_path):
+    """Swin's decomposed graphs hold aten.alias and aten.zero, which coremltools 9 cannot convert; replaced, it
+    converts and the program computes the same."""
     import coremltools as ct
     import pytest
     import torch
@@ -184,14 +184,14 @@ def test_alias_nodes_are_bypassed_so_core_ml_converts_the_program(tmp_path):
 
     class Aliased(torch.nn.Module):
         def forward(self, x):
-            return torch.ops.aten.alias.default(x * 2) + 1
+            return torch.ops.aten.alias.default(x * 2) + 1 + torch.ops.aten.zero.default(x)
 
     x = torch.randn(1, 3, 4, 4)
     exported = torch.export.export(Aliased(), (x,)).run_decompositions({})
-    with pytest.raises(Exception, match="alias"):
+    with pytest.raises(Exception, match="alias|zero"):
         ct.convert(exported, convert_to="mlprogram", inputs=[ct.TensorType(name="x", shape=x.shape)])
     bypassed = _without_alias(torch.export.export(Aliased(), (x,)).run_decompositions({}))
-    assert not any(n.target == torch.ops.aten.alias.default for n in bypassed.graph.nodes)
+    assert not any(n.target in (torch.ops.aten.alias.default, torch.ops.aten.zero.default) for n in bypassed.graph.nodes)
     torch.testing.assert_close(bypassed.module()(x), x * 2 + 1)
     ct.convert(bypassed, convert_to="mlprogram", inputs=[ct.TensorType(name="x", shape=x.shape)]).save(str(tmp_path / "m.mlpackage"))
     assert (tmp_path / "m.mlpackage").is_dir()

@@ -144,15 +144,20 @@ def _image_size(pre: dict, example: torch.Tensor) -> tuple[int, int]:
 
 
 def _without_alias(exported):
-    """The program with `aten.alias` nodes (Swin's window shifts leave them after decomposition) bypassed:
-    coremltools 9 has no converter for it ("Unsupported fx node alias"), and in inference it is the identity."""
+    """The program in ops coremltools 9 converts: `aten.alias` (Swin's window shifts leave it after
+    decomposition; the identity in inference) bypassed, and `aten.zero` (Swin V2's attention mask; "Unsupported
+    fx node zero") as `aten.zeros_like`, which it converts."""
     graph = exported.graph_module.graph
-    aliases = [n for n in graph.nodes if n.target == torch.ops.aten.alias.default
-               and all(user.op != "output" for user in n.users)]
-    for node in aliases:
-        node.replace_all_uses_with(node.args[0])
-        graph.erase_node(node)
-    if aliases:
+    changed = False
+    for node in list(graph.nodes):
+        if node.target == torch.ops.aten.alias.default and all(user.op != "output" for user in node.users):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            changed = True
+        elif node.target == torch.ops.aten.zero.default:
+            node.target, node.args, node.kwargs = torch.ops.aten.zeros_like.default, node.args[:1], {}
+            changed = True
+    if changed:
         exported.graph_module.recompile()
     return exported
 

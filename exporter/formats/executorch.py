@@ -58,7 +58,8 @@ def _outside_on_tensors(graph_module) -> dict:
     return counts
 
 
-def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
+def export(model, example, precision, calib, path: Path, meta: dict, rewrites: bool = True) -> dict:
+    """rewrites=False lowers the graph as it is (make bench times both, to show what formats.rewrites buys)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
@@ -67,7 +68,7 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
     from .rewrites import drop_padding_taps
 
     details = {}
-    model, trimmed = drop_padding_taps(model, example)
+    model, trimmed = drop_padding_taps(model, example) if rewrites else (model, [])
     if trimmed:
         details["rewrites"] = {"padding_taps_dropped": trimmed}
     if precision == "int8":
