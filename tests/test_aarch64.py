@@ -151,6 +151,7 @@ def test_setting_up_without_root_is_one_line(monkeypatch, tmp_path):
 
     monkeypatch.setattr(debian.os, "geteuid", lambda: 1000)
     monkeypatch.setattr(debian.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    monkeypatch.delenv("EXPORTER_AARCH64_CACHE", raising=False)  # it would put the runner outside tmp_path
     result = CliRunner().invoke(main, ["arm-setup"], env={"EXPORTER_CACHE": str(tmp_path), "EXPORTER_OFFLINE": "0"})
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
