@@ -320,3 +320,41 @@ def test_json_stdout_stays_a_manifest_through_onnx_calibration(tmp_path, digits_
     doc = json.loads(result.stdout)
     (entry,) = doc["artifacts"]
     assert entry["details"]["quantization"]["calibration_method"].startswith("percentile")
+
+
+class _PatchMerging(torch.nn.Module):
+    """A convolution, Swin's pad of its odd-sized map (zeros, or nothing at an even size), then a float op
+    (LayerNorm) or an int8 one (a convolution)."""
+
+    def __init__(self, pad, then):
+        super().__init__()
+        self.pad, self.then = pad, then
+        self.conv, self.norm, self.conv2 = torch.nn.Conv2d(3, 8, 3), torch.nn.LayerNorm(8), torch.nn.Conv2d(8, 8, 3)
+
+    def forward(self, x):
+        y = torch.nn.functional.pad(self.conv(x), self.pad)
+        return self.norm(y.permute(0, 2, 3, 1)) if self.then == "norm" else self.conv2(y)
+
+
+@pytest.mark.parametrize("pad, then", [((0, 1, 0, 1), "norm"), ((0, 0, 0, 0), "norm"), ((0, 1, 0, 1), "conv")])
+def test_an_int8_pad_before_a_float_op_loads_and_matches_its_quantized_graph(tmp_path, pad, then):
+    """Unannotated, a pad of an int8 tensor before a float op was lowered with an int8 input and a float output,
+    and the .pte failed to load (XNNPACK: StaticConstantPad invalid parameter; Swin-T's int8 .pte)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    from exporter.formats import executorch
+    from exporter.quant.pt2e import Pt2eBackend
+
+    torch.manual_seed(0)
+    model, example = _PatchMerging(pad, then).eval(), torch.randn(1, 3, 15, 15)
+    quantized = Pt2eBackend(model, example).quantize([], [torch.randn(1, 3, 15, 15) for _ in range(4)], "histogram")
+    edge = to_edge_transform_and_lower(torch.export.export(quantized, (example,)), partitioner=[XnnpackPartitioner()])
+    path = tmp_path / "pad.pte"
+    path.write_bytes(edge.to_executorch().buffer)
+    out = executorch.load(path, threads=1)(example)
+    with torch.no_grad():
+        expected = quantized(example)
+    # the same int8 graph run by PyTorch's reference kernels: at most a rounding step apart
+    scale = expected.abs().max().item()
+    assert out.shape == expected.shape and (out - expected).abs().max().item() <= 0.05 * scale

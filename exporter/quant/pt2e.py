@@ -27,6 +27,7 @@ DATA_MOVEMENT = {"view", "reshape", "_unsafe_view", "permute", "transpose", "t",
                  "lift_fresh_copy", "_to_copy", "to", "arange", "zeros", "ones", "full", "empty", "scalar_tensor",
                  "index", "gather", "roll", "pad", "constant_pad_nd"}
 MAX_WALK = 6  # ops between a layer and the producer whose output annotation quantizes its input
+PADS = {torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default}
 
 
 def layer_name(node: Node) -> str | None:
@@ -89,6 +90,37 @@ def _float_pattern(node: Node, floated: set[str]) -> None:
         node = node.args[0]
 
 
+def _share_through_zero_pads(model) -> None:
+    """A zero pad of an int8 tensor shares its input's quantization, as XNNPACK's quantizer does for views.
+    Left unannotated, the XNNPACK delegate still takes the pad with its int8 input but a float output when the
+    next op is float (a LayerNorm after Swin's window and patch-merging pads), and the program then fails to
+    load (StaticConstantPad: xnn_status_invalid_parameter). Padding with zeros is exact at the input's scale."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer_utils import propagate_annotation
+    from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, SharedQuantizationSpec
+
+    shared = False
+    for node in model.graph.nodes:
+        if node.op != "call_function" or node.target not in PADS or node.meta.get(KEY) is not None:
+            continue
+        producer = node.args[0]
+        if node.target == torch.ops.aten.pad.default:
+            mode, value = _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
+        else:
+            mode, value = "constant", _arg(node, 2, "value", 0)
+        annotation = producer.meta.get(KEY) if isinstance(producer, Node) else None
+        if mode != "constant" or value not in (None, 0) or annotation is None or annotation.output_qspec is None:
+            continue
+        spec = SharedQuantizationSpec(producer)
+        node.meta[KEY] = QuantizationAnnotation(input_qspec_map={producer: spec}, output_qspec=spec, _annotated=True)
+        shared = True
+    if shared:
+        propagate_annotation(model)  # the views after a pad (Swin's patch-merging slices) share it in turn
+
+
+def _arg(node: Node, index: int, name: str, default):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
 def _drop_dangling_shares(graph) -> None:
     """A SharedQuantizationSpec that points at a tensor left in float has nothing to share."""
     from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec
@@ -130,6 +162,7 @@ def _quantizer(float_layers: set[str]):
 
         def annotate(self, model):
             model = super().annotate(model)
+            _share_through_zero_pads(model)
             self.floated = set(float_layers)
             for node in list(model.graph.nodes):
                 if node.op == "call_function" and node.target in LAYER_TARGETS and layer_name(node) in float_layers:
