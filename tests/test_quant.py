@@ -336,25 +336,63 @@ class _PatchMerging(torch.nn.Module):
         return self.norm(y.permute(0, 2, 3, 1)) if self.then == "norm" else self.conv2(y)
 
 
-@pytest.mark.parametrize("pad, then", [((0, 1, 0, 1), "norm"), ((0, 0, 0, 0), "norm"), ((0, 1, 0, 1), "conv")])
-def test_an_int8_pad_before_a_float_op_loads_and_matches_its_quantized_graph(tmp_path, pad, then):
-    """Unannotated, a pad of an int8 tensor before a float op was lowered with an int8 input and a float output,
-    and the .pte failed to load (XNNPACK: StaticConstantPad invalid parameter; Swin-T's int8 .pte)."""
+def _int8_pte_against_its_quantized_graph(model, example, tmp_path):
+    """Quantize (no layer in float), lower to XNNPACK, load and run the .pte; returns its output, the same int8
+    graph's output in PyTorch's reference kernels, and the .pte's size."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
     from exporter.formats import executorch
     from exporter.quant.pt2e import Pt2eBackend
 
-    torch.manual_seed(0)
-    model, example = _PatchMerging(pad, then).eval(), torch.randn(1, 3, 15, 15)
-    quantized = Pt2eBackend(model, example).quantize([], [torch.randn(1, 3, 15, 15) for _ in range(4)], "histogram")
+    quantized = Pt2eBackend(model, example).quantize([], [torch.randn(example.shape) for _ in range(4)], "histogram")
     edge = to_edge_transform_and_lower(torch.export.export(quantized, (example,)), partitioner=[XnnpackPartitioner()])
-    path = tmp_path / "pad.pte"
+    path = tmp_path / "int8.pte"
     path.write_bytes(edge.to_executorch().buffer)
     out = executorch.load(path, threads=1)(example)
     with torch.no_grad():
         expected = quantized(example)
-    # the same int8 graph run by PyTorch's reference kernels: at most a rounding step apart
-    scale = expected.abs().max().item()
-    assert out.shape == expected.shape and (out - expected).abs().max().item() <= 0.05 * scale
+    assert out.shape == expected.shape
+    return out, expected, path.stat().st_size
+
+
+@pytest.mark.parametrize("pad, then", [((0, 1, 0, 1), "norm"), ((0, 0, 0, 0), "norm"), ((0, 1, 0, 1), "conv")])
+def test_an_int8_pad_before_a_float_op_loads_and_matches_its_quantized_graph(tmp_path, pad, then):
+    """Unannotated, a pad of an int8 tensor before a float op was lowered with an int8 input and a float output,
+    and the .pte failed to load (XNNPACK: StaticConstantPad invalid parameter; Swin-T's int8 .pte)."""
+    torch.manual_seed(0)
+    out, expected, _ = _int8_pte_against_its_quantized_graph(_PatchMerging(pad, then).eval(), torch.randn(1, 3, 15, 15),
+                                                             tmp_path)
+    # the same int8 graph: at most a rounding step apart
+    assert (out - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
+
+
+class _SharedHead(torch.nn.Module):
+    """One head (conv tower and output conv) applied to two feature levels, as RetinaNet and FCOS apply theirs."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.stem, self.down = nn.Conv2d(3, 64, 3, 2, 1), nn.Conv2d(64, 64, 3, 2, 1)
+        self.tower = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU())
+        self.out = nn.Conv2d(64, 8, 3, padding=1)
+
+    def forward(self, x):
+        a = self.stem(x)
+        return torch.cat([self.out(self.tower(level)).flatten(2) for level in (a, self.down(a))], 2)
+
+
+def test_a_head_shared_by_levels_is_int8_at_every_call_and_stored_once(tmp_path):
+    """The quantizer annotated a shared conv at its first call only; the later calls ran float on its int8 weight
+    and the .pte failed to load (RetinaNet's and FCOS's int8 .pte). Copies of the weights that shared one name
+    then shared one packed bias in XNNPACK: the second level was 25 rounding steps off."""
+    torch.manual_seed(0)
+    model = _SharedHead().eval()
+    out, expected, size = _int8_pte_against_its_quantized_graph(model, torch.randn(1, 3, 32, 32), tmp_path)
+    levels = {"first": slice(0, 256), "second": slice(256, 320)}
+    for level, positions in levels.items():
+        gap = (out[..., positions] - expected[..., positions]).abs().max().item()
+        assert gap <= 0.05 * expected[..., positions].abs().max().item(), (level, gap)
+    params = sum(p.numel() for p in model.parameters())
+    shared = sum(p.numel() for m in (model.tower, model.out) for p in m.parameters())
+    assert size < params + shared, (size, params, shared)  # one byte a weight, and the shared head's stored once

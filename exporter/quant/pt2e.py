@@ -9,7 +9,6 @@ the mixed graph into its delegate."""
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 
 import torch
@@ -177,6 +176,30 @@ def _quantizer(float_layers: set[str]):
     return FloatFallbackQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
 
 
+def _unshare_weights(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Give every use of a weight or bias its own copy. The XNNPACK quantizer annotates a layer together with its
+    weight node and skips a layer whose weight is already annotated, so a module applied more than once
+    (RetinaNet's and FCOS's heads, run on every FPN level) was int8 at its first call only: its later calls stayed
+    float on the int8 weight, which XNNPACK refuses at load (convolution: xnn_status_invalid_parameter). A copy
+    needs a name of its own too: XNNPACK packs a layer's bias with its weights, under the constant's name, and a
+    shared name gave every call the first call's bias, quantized at that call's input scale."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op != "get_attr" or len(node.users) < 2:
+            continue
+        value = module.get_parameter(node.target) if node.target in dict(module.named_parameters()) else \
+            module.get_buffer(node.target)
+        for k, user in enumerate(list(node.users)[1:], start=1):
+            name = f"_unshared_{node.target.replace('.', '_')}_{k}"
+            module.register_buffer(name, value.detach().clone())
+            with graph.inserting_before(user):
+                own = graph.get_attr(name)
+            own.meta = dict(node.meta)
+            user.replace_input_with(node, own)
+    module.recompile()
+    return module
+
+
 class Pt2eBackend:
     range_methods = ("histogram",)
 
@@ -189,6 +212,9 @@ class Pt2eBackend:
         self._layers = [name for name in quantizable_layers(model) if name in exported_layers]
         self._floated: dict[tuple, list[str]] = {}
 
+    def _graph_module(self) -> torch.fx.GraphModule:
+        return _unshare_weights(self.exported.module())
+
     def layers(self) -> list[str]:
         return list(self._layers)
 
@@ -200,7 +226,7 @@ class Pt2eBackend:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
         quantizer = _quantizer(set(float_layers))
-        prepared = prepare_pt2e(self.exported.module(), quantizer)
+        prepared = prepare_pt2e(self._graph_module(), quantizer)
         self._floated[tuple(float_layers)] = [name for name in self._layers if name in quantizer.floated]
         with torch.no_grad(), one_thread():
             for x in range_images:
@@ -213,7 +239,7 @@ class Pt2eBackend:
     def float_ops(self, float_layers: list[str]) -> dict[str, int]:
         """Compute ops, by aten name, that the quantizer leaves in float when `float_layers` are float: those it
         has no int8 pattern for (LayerNorm, softmax, GELU, …) and the layers kept in float."""
-        annotated = _quantizer(set(float_layers)).annotate(copy.deepcopy(self.exported.module()))
+        annotated = _quantizer(set(float_layers)).annotate(self._graph_module())
         counts = Counter()
         for node in annotated.graph.nodes:
             if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
