@@ -116,6 +116,46 @@ def _share_through_zero_pads(model) -> None:
         propagate_annotation(model)  # the views after a pad (Swin's patch-merging slices) share it in turn
 
 
+def _fold_constants(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Compute once what depends on constants alone and feeds the rest of the graph (Swin V2 clones each qkv bias
+    and zeroes its key third on every call). Quantized, a Linear whose bias is computed at run time is not
+    delegated whole: its per-channel weight dequantize falls outside XNNPACK, where ExecuTorch has no kernel for
+    it ("Missing out variants: quantized_decomposed::dequantize_per_channel")."""
+    graph, live, values = module.graph, set(), {}
+    for node in graph.nodes:
+        if node.op == "placeholder" or any(arg in live for arg in node.all_input_nodes):
+            live.add(node)
+        elif node.op == "get_attr":
+            values[node] = _attr(module, node.target)
+        elif node.op == "call_function":
+            if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+                return module  # a random draw is not a constant
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
+            with torch.no_grad():
+                values[node] = node.target(*args, **kwargs)
+    folded = [n for n in values if n.op == "call_function" and isinstance(values[n], torch.Tensor)
+              and any(u in live for u in n.users)]
+    for k, node in enumerate(folded):
+        name = f"_folded_constant_{k}"
+        module.register_buffer(name, values[node].detach().clone())
+        with graph.inserting_before(node):
+            constant = graph.get_attr(name)
+        constant.meta = dict(node.meta)
+        for user in [u for u in node.users if u in live]:
+            user.replace_input_with(node, constant)
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and node in values and not node.users:
+            graph.erase_node(node)
+    module.recompile()
+    return module
+
+
+def _attr(module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
 def _arg(node: Node, index: int, name: str, default):
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
@@ -213,7 +253,7 @@ class Pt2eBackend:
         self._floated: dict[tuple, list[str]] = {}
 
     def _graph_module(self) -> torch.fx.GraphModule:
-        return _unshare_weights(self.exported.module())
+        return _unshare_weights(_fold_constants(self.exported.module()))
 
     def layers(self) -> list[str]:
         return list(self._layers)
