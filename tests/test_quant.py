@@ -419,3 +419,22 @@ def test_a_layer_with_a_bias_computed_from_constants_is_lowered_whole(tmp_path):
     model = _ComputedBias().eval()
     out, expected, _ = _int8_pte_against_its_quantized_graph(model, torch.randn(1, 3, 16, 16), tmp_path)
     assert (out - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
+
+
+def test_a_range_method_that_cannot_measure_the_model_is_left_out_and_said(monkeypatch):
+    """ONNX Runtime's percentile calibrator raised on a random RetinaNet (a histogram of a tensor with no range)
+    and the whole ONNX int8 export failed, though its other two range methods work."""
+    def quantize(self, float_layers, range_images, method):
+        if method == "coarse":
+            raise ValueError("Too many bins for data range. Cannot create 2048 finite-sized bins.")
+        return real(self, float_layers, range_images, method)
+
+    real = _FakeBackend.quantize
+    monkeypatch.setattr(_FakeBackend, "quantize", quantize)
+    report = _search(monkeypatch, "layer3", [f"layer{i}" for i in range(8)], max_float_fraction=1.0)
+    assert report["calibration_method"] == "fine" and {s["ranges"] for s in report["steps"]} == {"fine"}
+    assert "Too many bins" in report["range_methods_unusable"]["coarse"]
+
+    monkeypatch.setattr(_FakeBackend, "range_methods", ("coarse",))  # nothing else to try: the error stands
+    with pytest.raises(ValueError, match="Too many bins"):
+        _search(monkeypatch, "layer3", [f"layer{i}" for i in range(8)])

@@ -100,7 +100,17 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
 
     steps: list[dict] = []
     # better ranges first: every range method on plain PTQ, the best on the check images goes on
-    trials = {method: attempt([], method) for method in backend.range_methods}
+    trials, unusable = {}, {}
+    for i, method in enumerate(backend.range_methods):
+        try:
+            trials[method] = attempt([], method)
+        except ValueError as error:  # e.g. ONNX Runtime's percentile histogram of a tensor with no range
+            if not trials and i == len(backend.range_methods) - 1:
+                raise
+            unusable[method] = f"{type(error).__name__}: {error}"
+            log(f"  int8, {method} ranges cannot be measured on this model ({unusable[method]}): left out")
+    if unusable:
+        report["range_methods_unusable"] = unusable
     method = max(trials, key=lambda m: (not trials[m][1]["reasons"], trials[m][1]["fidelity"]["psnr_db"]))
     candidate, metrics = trials[method]
     plain = steps[list(trials).index(method)]
