@@ -131,8 +131,11 @@ def _fold_constants(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
                 return module  # a random draw is not a constant
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
-            with torch.no_grad():
-                values[node] = node.target(*args, **kwargs)
+            try:
+                with torch.no_grad():
+                    values[node] = node.target(*args, **kwargs)
+            except (RuntimeError, TypeError, NotImplementedError):
+                return module  # not evaluable outside the graph (a higher-order op): left as it is, unfolded
     folded = [n for n in values if n.op == "call_function" and isinstance(values[n], torch.Tensor)
               and any(u in live for u in n.users)]
     for k, node in enumerate(folded):
