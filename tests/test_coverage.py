@@ -122,6 +122,8 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     assert merged.exit_code == 0, merged.output
     doc = json.loads((tmp_path / "merged" / "coverage.json").read_text())
     assert doc["complete"] and len(doc["rows"]) == 4 and len(doc["merged_from"]) == 2
+    # each file says where it was made: merged sweeps may come from other commits and hosts
+    assert doc["exporter_commit"] is None and all(m["host"]["cpu"] and "exporter_commit" in m for m in doc["merged_from"])
     assert {k: r["outcome"] for k, r in _rows(tmp_path / "merged").items()} == {k: r["outcome"] for k, r in _rows(out).items()}
     assert "complete: 4 of 4" in (tmp_path / "merged" / "coverage.md").read_text()
 

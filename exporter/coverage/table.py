@@ -128,13 +128,14 @@ def merge(paths, command: str) -> dict:
     merged = new_document(command, first["settings"], dict(first.get("selection") or {}, shard=None), first["tools"])
     hosts = {json.dumps(d["host"], sort_keys=True) for _, d in docs}
     merged["host"] = first["host"]
-    merged["exporter_commit"] = first.get("exporter_commit")
+    merged["exporter_commit"] = None  # each file's own, in merged_from: sweeps merged may come from several commits
     if len(hosts) > 1:
         merged["hosts"] = [json.loads(h) for h in sorted(hosts)]
     merged["planned_rows"] = sum(d.get("planned_rows", 0) for _, d in docs)
     merged["rows"] = sorted_rows(list(rows.values()))
     merged["complete"] = all(d.get("complete") for _, d in docs) and len(merged["rows"]) >= merged["planned_rows"]
     merged["merged_from"] = [{"file": str(p), "created": d.get("created"), "command": d.get("command"),
+                              "exporter_commit": d.get("exporter_commit"), "host": d.get("host"),
                               "shard": (d.get("selection") or {}).get("shard"),
                               "rows": len(d["rows"]), "complete": d.get("complete"), "run": d.get("run")} for p, d in docs]
     walls = [(d.get("run") or {}).get("total_wall_s") or (d.get("run") or {}).get("wall_s") or 0 for _, d in docs]
@@ -164,6 +165,16 @@ def _duration(seconds: float | None) -> str:
 
 def _mb(size) -> str:
     return f"{size / 1e6:.1f} MB" if size else ""
+
+
+def _host_line(host: dict) -> str:
+    return f"{host.get('cpu')}, {host.get('cores')} cores, {host.get('platform')}, Python {host.get('python')}"
+
+
+def _provenance(merged_file: dict) -> str:
+    commit, host = merged_file.get("exporter_commit"), merged_file.get("host") or {}
+    return (f"`{merged_file.get('command') or '?'}`" + (f" at `{commit[:12]}`" if commit else "")
+            + (f" on {host['cpu']}" if host.get("cpu") else "") + f" ({(merged_file.get('created') or '?')[:10]})")
 
 
 def _short_reason(reason: str) -> str:
@@ -318,17 +329,17 @@ def markdown(doc: dict) -> str:
         + (f" at exporter commit `{doc['exporter_commit'][:12]}{'-dirty' if doc['exporter_commit'].endswith('-dirty') else ''}`"
            if doc.get("exporter_commit") else "") + " |",
         *([f"| merged from | {len(doc['merged_from'])} file(s), made by "
-            + "; ".join(f"`{_esc(c)}`" for c in dict.fromkeys(m.get("command") or "?" for m in doc["merged_from"])) + " |"]
+            + "; ".join(_esc(c) for c in dict.fromkeys(_provenance(m) for m in doc["merged_from"])) + " |"]
           if doc.get("merged_from") else []),
         f"| status | {status} |",
         f"| run time | {_duration(run.get('total_wall_s', run.get('wall_s')))} wall clock"
         + (f" over {len(run['earlier_runs']) + 1} runs (resumed after an interruption; this one {_duration(run.get('wall_s'))})"
            if run.get("earlier_runs") else "")
-        + (f" (shards side by side: the longest)" if doc.get("merged_from") else "")
+        + (f" (merged: the longest of its files' runs)" if doc.get("merged_from") else "")
         + f"; {_duration(built_s)} of builds in all"
         + (f" ({run.get('rows_from_cache')} rows from the row cache, timed when first built)" if run.get("rows_from_cache") else "")
         + " |",
-        f"| host | {_esc(host.get('cpu'))}, {host.get('cores')} cores, {_esc(host.get('platform'))}, Python {host.get('python')} |",
+        "| host | " + "; ".join(_esc(_host_line(h)) for h in (doc.get("hosts") or [host])) + " |",
         "| tools | " + ", ".join(f"{name} {tools.get(name) or '—'}" for name in SHOWN_TOOLS) + " |",
         f"| settings | {_esc(_settings_line(settings))} |",
         f"| selection | {_esc(_selection_line(doc.get('selection') or {}))} |",
