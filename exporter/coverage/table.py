@@ -136,6 +136,7 @@ def merge(paths, command: str) -> dict:
     merged["complete"] = all(d.get("complete") for _, d in docs) and len(merged["rows"]) >= merged["planned_rows"]
     merged["merged_from"] = [{"file": str(p), "created": d.get("created"), "command": d.get("command"),
                               "exporter_commit": d.get("exporter_commit"), "host": d.get("host"),
+                              "selection": d.get("selection"),
                               "shard": (d.get("selection") or {}).get("shard"),
                               "rows": len(d["rows"]), "complete": d.get("complete"), "run": d.get("run")} for p, d in docs]
     walls = [(d.get("run") or {}).get("total_wall_s") or (d.get("run") or {}).get("wall_s") or 0 for _, d in docs]
@@ -342,7 +343,8 @@ def markdown(doc: dict) -> str:
         "| host | " + "; ".join(_esc(_host_line(h)) for h in (doc.get("hosts") or [host])) + " |",
         "| tools | " + ", ".join(f"{name} {tools.get(name) or '—'}" for name in SHOWN_TOOLS) + " |",
         f"| settings | {_esc(_settings_line(settings))} |",
-        f"| selection | {_esc(_selection_line(doc.get('selection') or {}))} |",
+        "| selection | " + " + ".join(dict.fromkeys(_esc(_selection_line(m.get("selection") or {}))
+                                                  for m in (doc.get("merged_from") or [doc]))) + " |",
         "",
         LEGEND,
         "",
