@@ -195,3 +195,33 @@ def test_alias_and_zero_nodes_are_replaced_so_core_ml_converts_the_program(tmp_p
     torch.testing.assert_close(bypassed.module()(x), x * 2 + 1)
     ct.convert(bypassed, convert_to="mlprogram", inputs=[ct.TensorType(name="x", shape=x.shape)]).save(str(tmp_path / "m.mlpackage"))
     assert (tmp_path / "m.mlpackage").is_dir()
+
+
+def test_the_weights_proxy_pairs_layers_applied_through_their_weights():
+    """Swin's attention calls F.linear(x, qkv.weight): no call_module for torch.fx, so pairing the package's 53
+    layers with the model's 29 traced ones failed, and with it the whole iOS build."""
+    import numpy as np
+    import torch
+
+    from exporter.formats.coreml import _with_package_weights
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.qkv, self.head = torch.nn.Conv2d(3, 8, 4, 4), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+            self.norm = torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            t = self.norm(self.embed(x).flatten(2).transpose(1, 2))
+            return self.head(torch.nn.functional.linear(t, self.qkv.weight, self.qkv.bias).mean(1))
+
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 3, 16, 16)
+    layers = [{"op": type(m).__name__, "weight": (m.weight.detach() * 0.5).numpy().astype(np.float16),
+               "bias": m.bias.detach().numpy()} for m in (model.embed, model.qkv, model.head)]  # the package's, halved
+    expected = Attention().eval()
+    expected.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for m in (expected.embed, expected.qkv, expected.head):
+            m.weight.copy_(torch.from_numpy((m.weight * 0.5).numpy().astype(np.float16).astype(np.float32)))
+        torch.testing.assert_close(_with_package_weights(model, layers)(x), expected(x))

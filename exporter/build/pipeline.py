@@ -138,7 +138,7 @@ def _evaluate(session: Session, runner, thresholds: dict, timed: bool = True) ->
 
 
 VALIDATION_FIELDS = ("status", "reasons", "fidelity", "golden_fidelity", "accuracy", "latency_ms", "eager_latency_ms",
-                     "speedup_vs_eager", "proxy", "preview", "preview_rows")
+                     "speedup_vs_eager", "proxy", "proxy_unavailable", "preview", "preview_rows")
 GOLDEN_COUNT = 8  # validation inputs written to golden/ for on-device checks
 
 
@@ -197,10 +197,13 @@ def _run_validation(session: Session, entry: dict, out: Path, progress: Progress
                 # Stand-ins (e.g. the package's weights put back into eager): labelled proxy, never
                 # reported as the runtime's own numbers, and they do not decide the status. Not timed:
                 # eager in fp16 on a CPU says nothing about Core ML's speed (and takes seconds per image).
-                entry["proxy"] = {
-                    label: _evaluate(session, proxy, entry["thresholds"], timed=False)[0]
-                    for label, proxy in module.proxies(out / entry["path"], session.loaded.model).items()
-                }
+                try:
+                    proxies = module.proxies(out / entry["path"], session.loaded.model)
+                except ValueError as e:  # a stand-in that cannot be made says why; the artifact is not failed
+                    entry["proxy_unavailable"] = str(e)
+                    return
+                entry["proxy"] = {label: _evaluate(session, proxy, entry["thresholds"], timed=False)[0]
+                                  for label, proxy in proxies.items()}
             return
         metrics, outputs = _evaluate(session, runner, entry["thresholds"])
         entry.update(metrics)

@@ -539,6 +539,11 @@ def _with_package_weights(model: nn.Module, layers: list[dict]) -> nn.Module:
     modules = dict(fused.named_modules())
     free = [modules[n.target] for n in fused.graph.nodes
             if n.op == "call_module" and isinstance(modules[n.target], (nn.Conv2d, nn.Linear))]
+    if len(free) != len(layers) and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        # layers applied through their weights (Swin's attention: F.linear(x, qkv.weight)) are no call_module;
+        # with no BatchNorm to fold, the model's own layers, in definition order, are the ones to pair
+        fused = copy.deepcopy(model).eval()
+        free = [m for m in fused.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     if len(free) != len(layers):
         raise ValueError(f"the package has {len(layers)} conv/linear layers, the model {len(free)}")
     with torch.no_grad():
