@@ -126,6 +126,12 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     assert doc["exporter_commit"] is None and all(m["host"]["cpu"] and "exporter_commit" in m for m in doc["merged_from"])
     assert {k: r["outcome"] for k, r in _rows(tmp_path / "merged").items()} == {k: r["outcome"] for k, r in _rows(out).items()}
     assert "complete: 4 of 4" in (tmp_path / "merged" / "coverage.md").read_text()
+    # a part merged into its whole plans no build twice
+    again = run_cli("coverage", "--merge", out / "coverage.json", tmp_path / "shards" / "coverage-shard-1-of-2.json",
+                    "--out", tmp_path / "again")
+    assert again.exit_code == 0, again.output
+    doc = json.loads((tmp_path / "again" / "coverage.json").read_text())
+    assert doc["planned_rows"] == 4 and doc["complete"], (doc["planned_rows"], doc["complete"])
 
 
 def test_a_build_past_the_time_limit_is_killed_and_marked(cache_dir, tmp_path):

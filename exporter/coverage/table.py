@@ -131,7 +131,9 @@ def merge(paths, command: str) -> dict:
     merged["exporter_commit"] = None  # each file's own, in merged_from: sweeps merged may come from several commits
     if len(hosts) > 1:
         merged["hosts"] = [json.loads(h) for h in sorted(hosts)]
-    merged["planned_rows"] = sum(d.get("planned_rows", 0) for _, d in docs)
+    plans = [_planned(d) for _, d in docs]
+    merged["planned_rows"] = (len(set().union(*plans) | set(rows)) if all(p is not None for p in plans)
+                              else sum(d.get("planned_rows", 0) for _, d in docs))
     merged["rows"] = sorted_rows(list(rows.values()))
     merged["complete"] = all(d.get("complete") for _, d in docs) and len(merged["rows"]) >= merged["planned_rows"]
     merged["merged_from"] = [{"file": str(p), "created": d.get("created"), "command": d.get("command"),
@@ -143,6 +145,22 @@ def merge(paths, command: str) -> dict:
     merged["run"] = {"wall_s": max(walls), "shards_wall_s": walls, "started": min(((d.get("run") or {}).get("started") or "")
                                                                                   for _, d in docs) or None}
     return merged
+
+
+def _planned(doc: dict) -> set | None:
+    """The (weight, target) builds a document's selection plans (a sweep of a few models merged into a whole one
+    plans nothing new), or None where they cannot be listed again as they were (another torchvision)."""
+    from . import select
+
+    selection = doc.get("selection") or {}
+    try:
+        found = select.candidates(selection.get("models") or (), selection.get("tasks") or (),
+                                  bool(selection.get("one_per_builder")), selection.get("max_params"))
+        found = select.shard(found, select.parse_shard(selection.get("shard")))
+    except UsageError:
+        return None
+    keys = {(c.weight, target) for c in found for target in (doc.get("settings") or {}).get("targets") or ()}
+    return keys if len(keys) == doc.get("planned_rows") else None
 
 
 # --- Markdown ------------------------------------------------------------------------------------------------
