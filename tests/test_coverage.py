@@ -132,6 +132,13 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     assert again.exit_code == 0, again.output
     doc = json.loads((tmp_path / "again" / "coverage.json").read_text())
     assert doc["planned_rows"] == 4 and doc["complete"], (doc["planned_rows"], doc["complete"])
+    # an interrupted sweep whose missing builds another run made is complete once merged
+    stopped = json.loads(out.joinpath("coverage.json").read_text())
+    stopped.update(complete=False, interrupted=True, rows=stopped["rows"][:2])
+    (tmp_path / "stopped.json").write_text(json.dumps(stopped))
+    rest = [p for p in (tmp_path / "shards").glob("coverage-shard-*.json")]
+    assert run_cli("coverage", "--merge", tmp_path / "stopped.json", *rest, "--out", tmp_path / "whole").exit_code == 0
+    assert json.loads((tmp_path / "whole" / "coverage.json").read_text())["complete"]
 
 
 def test_a_build_past_the_time_limit_is_killed_and_marked(cache_dir, tmp_path):

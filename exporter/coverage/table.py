@@ -132,10 +132,11 @@ def merge(paths, command: str) -> dict:
     if len(hosts) > 1:
         merged["hosts"] = [json.loads(h) for h in sorted(hosts)]
     plans = [_planned(d) for _, d in docs]
-    merged["planned_rows"] = (len(set().union(*plans) | set(rows)) if all(p is not None for p in plans)
-                              else sum(d.get("planned_rows", 0) for _, d in docs))
+    known = all(p is not None for p in plans)
+    merged["planned_rows"] = len(set().union(*plans) | set(rows)) if known else sum(d.get("planned_rows", 0) for _, d in docs)
     merged["rows"] = sorted_rows(list(rows.values()))
-    merged["complete"] = all(d.get("complete") for _, d in docs) and len(merged["rows"]) >= merged["planned_rows"]
+    # an interrupted sweep is completed by another run's rows when the plans are known
+    merged["complete"] = (known or all(d.get("complete") for _, d in docs)) and len(merged["rows"]) >= merged["planned_rows"]
     merged["merged_from"] = [{"file": str(p), "created": d.get("created"), "command": d.get("command"),
                               "exporter_commit": d.get("exporter_commit"), "host": d.get("host"),
                               "selection": d.get("selection"),
