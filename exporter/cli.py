@@ -377,8 +377,12 @@ def _command_line(ctx: click.Context) -> str:
 @click.option("--one-per-builder", is_flag=True, help="Each builder's DEFAULT weight instead of every weight.")
 @click.option("--max-params", type=click.IntRange(min=1), default=None, help="Skip (⏭) weights with more parameters than this.")
 @click.option("--time-limit", type=click.FloatRange(min=0), default=900, show_default=True, help="Seconds per build (weight x target); 0: none.")
-@click.option("--calib-size", type=click.IntRange(min=0), default=16, show_default=True)
-@click.option("--val-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--weights", "weight_source", type=click.Choice(["random", "digits"]), default="random", show_default=True,
+              help="random: settled random weights, synthetic inputs. digits: each classifier trained on the digits "
+                   "(cached), validated on held-out labeled digits.")
+@click.option("--train-epochs", type=click.IntRange(min=1), default=None, help="Epochs of the digits training [default: 4].")
+@click.option("--calib-size", type=click.IntRange(min=0), default=None, help="[default: 16 (random); the target's own (digits)]")
+@click.option("--val-size", type=click.IntRange(min=1), default=None, help="[default: 8 (random); the target's own (digits)]")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--iterations", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Threads per build.")
@@ -391,10 +395,12 @@ def _command_line(ctx: click.Context) -> str:
 @click.option("--matrix", "matrix_shards", type=int, default=None, metavar="N", help="Print a CI matrix of N shards as JSON and exit.")
 @click.option("--merge", "merge", is_flag=True, help="Merge the coverage JSON files or directories PATH... into OUT instead of building.")
 @one_line_errors
-def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_params, time_limit, calib_size, val_size,
-             warmup, iterations, threads, input_size, shard, out, builds, no_cache, matrix_shards, merge):
-    """Sweep torchvision: build every weight (random weights, settled batch norms) for every target, validate
-    on synthetic inputs, and write the weight x artifact table (OUT/coverage.md) and its JSON."""
+def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_params, time_limit, weight_source,
+             train_epochs, calib_size, val_size, warmup, iterations, threads, input_size, shard, out, builds, no_cache,
+             matrix_shards, merge):
+    """Sweep torchvision: build every weight (random weights, settled batch norms; or, with --weights digits,
+    each classifier trained on the digits) for every target, validate, and write the weight x artifact table
+    (OUT/coverage.md) and its JSON."""
     from . import coverage as sweep
 
     command = _command_line(click.get_current_context())
@@ -404,16 +410,23 @@ def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_
     if merge:
         if not merge_paths:
             raise UsageError("--merge needs the coverage JSON files or directories to merge")
-        sweep.merge(merge_paths, out, command)
+        doc = sweep.merge(merge_paths, out, command)
+        json_path, md_path = sweep.output_paths(out, None, doc["settings"].get("weights", "random"))
     else:
         if merge_paths:
             raise UsageError(f"unexpected argument {merge_paths[0]} (paths are for --merge)")
+        trained = weight_source == "digits"
+        if train_epochs is not None and not trained:
+            raise UsageError("--train-epochs is for --weights digits")
+        if not trained:
+            calib_size, val_size = (16 if calib_size is None else calib_size), (8 if val_size is None else val_size)
         settings = sweep.Settings(targets=tuple(targets) or ("all",), formats=tuple(formats), calib_size=calib_size,
                                   val_size=val_size, warmup=warmup, iterations=iterations, threads=threads,
-                                  input_size=tuple(input_size), time_limit=time_limit or None)
+                                  input_size=tuple(input_size), time_limit=time_limit or None, weights=weight_source,
+                                  train_epochs=train_epochs or sweep.trained.EPOCHS)
         sweep.run(settings, models, tasks, one_per_builder, max_params, shard, out, cache=not no_cache,
                   builds_dir=builds, command=command)
-    json_path, md_path = sweep.output_paths(out, None if merge else sweep.select.parse_shard(shard))
+        json_path, md_path = sweep.output_paths(out, sweep.select.parse_shard(shard), weight_source)
     click.echo(f"table: {md_path}\njson: {json_path}", err=True)
 
 

@@ -6,6 +6,7 @@ and randomises with. About a minute on 2 shared cores."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from exporter.coverage import outcome, randomize, table
 
-from .conftest import run_cli
+from .conftest import CACHE, run_cli
 
 SMALL = ["mobilenet_v3_small", "squeezenet1_1"]
 SWEEP = ["coverage", "--models", ",".join(SMALL + ["raft_small", "resnet18"]), "--one-per-builder",
@@ -151,12 +152,42 @@ def test_a_build_past_the_time_limit_is_killed_and_marked(cache_dir, tmp_path):
     assert "⏱" in (tmp_path / "coverage.md").read_text()
 
 
+def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_path):
+    """--weights digits: the classifier trained on the digits (the stand-ins' own training, cached, handed to the
+    sweep's cache as the sweep would have left it) gets its int8 .pte judged on held-out labels; a task with no
+    digits recipe is skipped, saying why; the table goes to its own file."""
+    cache = tmp_path / "cache"
+    (cache / "digits").mkdir(parents=True)
+    shutil.copy(CACHE / "digits_shufflenet_v2_x0_5.json", cache / "digits")
+    result = run_cli("coverage", "--weights", "digits", "--models", "shufflenet_v2_x0_5,lraspp_mobilenet_v3_large",
+                     "--one-per-builder", "--target", "android", "--format", "executorch:int8", "--out", tmp_path / "out",
+                     env={"EXPORTER_CACHE": str(cache)})
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "out" / "coverage-digits.json").read_text())
+    assert not (tmp_path / "out" / "coverage.json").exists()
+    rows = {r["model"]: r for r in doc["rows"]}
+    assert rows["lraspp_mobilenet_v3_large"]["outcome"] == "skipped"
+    assert "no digits recipe for segmentation" in rows["lraspp_mobilenet_v3_large"]["reason"]
+    row = rows["shufflenet_v2_x0_5"]
+    assert row["checkpoint"]["recipe"] == "digits" and row["checkpoint"]["held_out_acc1"] > 90
+    (cell,) = row["cells"]
+    accuracy = cell["accuracy"]
+    assert accuracy["eager_acc1"] > 90, accuracy  # a trained reference, judged on real labels
+    # the budget the int8 search meets on a confident model: what the tier exists to show
+    assert cell["outcome"] == "passed", cell
+    assert accuracy["drop_points"] <= 1.0
+    text = (tmp_path / "out" / "coverage-digits.md").read_text()
+    assert "trained from scratch on scikit-learn's digits" in text and f"acc@1 {accuracy['acc1']:.1f}" in text
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--shard", "3/2"], "--shard"),
     (["--models", "no_such_model"], "matches no weight"),
     (["--target", "android", "--format", "onnx:fp32"], "matches no artifact"),
     (["--merge"], "--merge needs"),
     (["--task", "poetry"], "--task"),
+    (["--train-epochs", "2"], "--train-epochs is for --weights digits"),
+    (["--weights", "imagenet"], "--weights"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle, tmp_path):
     result = run_cli("coverage", "--out", tmp_path, *args)

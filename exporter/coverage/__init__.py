@@ -1,14 +1,17 @@
 """The coverage sweep behind `exporter coverage` and `make coverage`: every torchvision weight (or each builder's
 DEFAULT), with random weights, built for every artifact of every target and validated on synthetic inputs, one
-build per process; the results as a table (docs/coverage.md) and JSON (docs/coverage.json).
+build per process; the results as a table (docs/coverage.md) and JSON (docs/coverage.json). Its trained tier
+(`weights="digits"`) trains each classifier on the digits instead and validates on labeled held-out digits
+(docs/coverage-digits.md).
 
     from exporter.coverage import Settings, run
     doc = run(Settings(targets=("jetson",), formats=("onnx:fp32",)), models=["mobilenet_v3_small"], out=Path("cov"))
 
 Modules: select (which weights, shards, refusals), randomize (the random checkpoints, made in the build's
-process), worker (one build per process), outcome (a manifest read into cells; failure kinds), rowcache (the
-resumable row cache), sweep (the loop), table (JSON, Markdown, merge). The parent process imports torch only to
-list and resolve weights; the builds import it in their own processes."""
+process), trained (the digits-trained ones), worker (one build per process), outcome (a manifest read into
+cells; failure kinds), rowcache (the resumable row cache), sweep (the loop), table (JSON, Markdown, merge).
+The parent process imports torch only to list and resolve weights; the builds import it in their own
+processes."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import select
+from . import select, trained
 from .sweep import Settings
 
 __all__ = ["Settings", "run", "merge", "matrix", "output_paths"]
@@ -28,10 +31,11 @@ def _command() -> str:
     return shlex.join(["exporter", *args])
 
 
-def output_paths(out: Path, shard: tuple[int, int] | None) -> tuple[Path, Path]:
+def output_paths(out: Path, shard: tuple[int, int] | None, weights: str = "random") -> tuple[Path, Path]:
     """OUT/coverage.json and .md, or OUT/coverage-shard-I-of-N.json and .md for a shard (a shard never
-    overwrites the whole table)."""
-    stem = "coverage" if shard is None else f"coverage-shard-{shard[0]}-of-{shard[1]}"
+    overwrites the whole table); the trained tier's are OUT/coverage-digits*.json and .md."""
+    stem = "coverage" if weights == "random" else f"coverage-{weights}"
+    stem = stem if shard is None else f"{stem}-shard-{shard[0]}-of-{shard[1]}"
     out = Path(out)
     return out / f"{stem}.json", out / f"{stem}.md"
 
@@ -46,7 +50,9 @@ def run(settings: Settings, models=(), tasks=(), one_per_builder: bool = False, 
     targets = tuple(select.targets_for(settings.targets, settings.formats))
     settings = dataclasses.replace(settings, targets=targets)
     found = select.shard(select.candidates(models, tasks, one_per_builder, max_params), which)
-    json_path, md_path = output_paths(out, which)
+    if settings.is_trained:
+        found = trained.restrict(found)
+    json_path, md_path = output_paths(out, which, settings.weights)
     selection = {"models": select.patterns(models), "tasks": list(tasks), "one_per_builder": one_per_builder,
                  "max_params": max_params, "shard": shard, "weights": len(found)}
     sweep = Sweep(settings, found, json_path, md_path, command or _command(), selection, cache, cache_dir, builds_dir)
@@ -59,7 +65,7 @@ def merge(paths, out: Path = Path("docs"), command: str | None = None) -> dict:
     from . import table
 
     doc = table.merge(paths, command or _command())
-    json_path, md_path = output_paths(out, None)
+    json_path, md_path = output_paths(out, None, doc["settings"].get("weights", "random"))
     table.write(doc, json_path, md_path)
     return doc
 

@@ -91,6 +91,9 @@ def cell_from_artifact(artifact: dict) -> dict:
     if "quantization" in details and isinstance(details["quantization"], dict):
         q = details["quantization"]
         cell["quantization"] = {k: q[k] for k in ("float_layers", "layers", "met_budget") if k in q}
+    accuracy = artifact.get("accuracy")
+    if isinstance(accuracy, dict):  # labeled data (the trained tier): the artifact's and eager's
+        cell["accuracy"] = {k: v for k, v in accuracy.items() if isinstance(v, (int, float))}
     if any("degenerate" in r.lower() for r in reasons):
         cell.update(outcome="failed" if built else "export", kind="degenerate reference")
     elif artifact["status"] == "passed":

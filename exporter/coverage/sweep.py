@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import outcome, rowcache, table
+from . import outcome, rowcache, table, trained
 from .select import Candidate, planned_artifacts
 
 
@@ -28,23 +28,33 @@ class Settings:
 
     targets: tuple[str, ...] = ("android", "ios", "jetson")
     formats: tuple[str, ...] = ()
-    calib_size: int = 16
-    val_size: int = 8
+    calib_size: int | None = 16  # None: the target's own (the trained tier's labeled digits)
+    val_size: int | None = 8
     warmup: int = 1
     iterations: int = 2
     threads: int = 1
     input_size: tuple[int, int] = (128, 128)  # graphs that take one: segmentation, RetinaNet/FCOS (not classifiers, SSD)
     time_limit: float | None = 900.0  # seconds per build (weight x target); None: no limit
+    weights: str = "random"  # or "digits": each architecture trained on the digits (coverage.trained)
+    train_epochs: int = trained.EPOCHS  # the digits tier's training
+
+    @property
+    def is_trained(self) -> bool:
+        return self.weights == "digits"
 
     def key_parts(self) -> dict:
         """What a row's result depends on (the time limit only decides whether it finished)."""
-        parts = asdict(self)
+        parts = self.describe()
         parts.pop("time_limit")
         parts.pop("targets")
-        return json.loads(json.dumps(parts))
+        return parts
 
     def describe(self) -> dict:
-        return json.loads(json.dumps(asdict(self)))
+        parts = asdict(self)
+        if not self.is_trained:  # the random tier reads as it did before there were tiers (row keys, merges)
+            parts.pop("weights")
+            parts.pop("train_epochs")
+        return json.loads(json.dumps(parts))
 
 
 @dataclass
@@ -153,6 +163,7 @@ class Sweep:
             "threads": s.threads, "input_size": list(s.input_size) if s.input_size else None,
             "checkpoints": str(weight_dir / "checkpoints"), "build_cache": str(weight_dir / "cache"),
             "out": str(weight_dir / target), "result": str(weight_dir / f"{target}.result.json"),
+            "weights": s.weights, "train_epochs": s.train_epochs, "trained": str(trained.directory(self.cache_dir)),
         }
 
     def _run_worker(self, spec: dict, weight_dir: Path, stop) -> tuple[subprocess.Popen, bool, float, Path]:
@@ -301,7 +312,7 @@ def _checkpoint_summary(info: dict | None) -> dict | None:
     if not info:
         return None
     keep = ("seed", "num_classes", "params", "batchnorms_settled", "reinitialised_zero_layers", "reference_spread",
-            "quantized")
+            "quantized", "recipe", "epochs", "held_out_acc1", "quantized_held_out_acc1", "prepare_s")
     return {k: info[k] for k in keep if k in info}
 
 

@@ -1,6 +1,7 @@
 """One build of the coverage sweep, run in its own process (`python -m exporter.coverage.worker SPEC.json`):
-the weight's random checkpoint (made once per weight, kept beside the builds) and then a real
-`exporter.build.build_targets` of one target, offline, on synthetic data, with the sweep's settings.
+the weight's random checkpoint (made once per weight, kept beside the builds) or, in the trained tier, its
+digits-trained one (coverage.trained), and then a real `exporter.build.build_targets` of one target, offline,
+on synthetic data (the trained tier: the held-out digits, labeled), with the sweep's settings.
 
 The parent reads the build's manifest.json; this process adds RESULT.json: the checkpoint's description, its
 timings, when the build stopped with an error that error's first line, and when an artifact failed validation
@@ -47,18 +48,26 @@ def run(spec: dict) -> int:
         from . import randomize
 
         torch.set_num_threads(spec["threads"])
-        input_size = randomize.accepted_input_size(spec["weight"], spec.get("input_size"))
-        result["checkpoint"] = randomize.make(spec["weight"], Path(spec["checkpoints"]), input_size)
+        if spec.get("weights") == "digits":
+            from . import trained
+
+            input_size = None
+            made = result["checkpoint"] = trained.make(spec["weight"], Path(spec["trained"]), spec["train_epochs"],
+                                                       log=lambda line: print(line, flush=True))
+        else:
+            input_size = randomize.accepted_input_size(spec["weight"], spec.get("input_size"))
+            made = result["checkpoint"] = randomize.make(spec["weight"], Path(spec["checkpoints"]), input_size)
         result["checkpoint_s"] = round(time.perf_counter() - started, 3)
         result["stage"] = "build"
-        float_checkpoint = result["checkpoint"].get("float_checkpoint")
         request = BuildRequest(
             weight=spec["weight"], target=spec["target"], out=Path(spec["out"]),
-            checkpoint=Path(result["checkpoint"]["checkpoint"]), verify=False, offline=True, force=True,
+            checkpoint=Path(made["checkpoint"]), verify=False, offline=True, force=True,
             formats=list(spec.get("formats") or []), calib_size=spec["calib_size"], val_size=spec["val_size"],
             threads=spec["threads"], warmup=spec["warmup"], iterations=spec["iterations"],
             input_size=input_size,
-            float_checkpoint=Path(float_checkpoint) if float_checkpoint else None,
+            float_checkpoint=Path(made["float_checkpoint"]) if made.get("float_checkpoint") else None,
+            data=Path(made["data"]) if made.get("data") else None,
+            labels=Path(made["labels"]) if made.get("labels") else None,
             cache=True, cache_dir=Path(spec["build_cache"]),  # shared by the weight's targets, then removed
         )
         if spec.get("floor_only"):
@@ -99,8 +108,12 @@ def floor(request, target: str) -> dict:
                           float_checkpoint=request.float_checkpoint)
     task = loaded.task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
     plan = make(target_profile(request, target), task.name)
-    images = data.synthetic(task.transform(loaded.weights), plan.data.calib_size, plan.data.val_size,
-                            plan.data.seed).validation
+    size = (plan.data.calib_size, plan.data.val_size, plan.data.seed)
+    transform = task.transform(loaded.weights)
+    if request.data is None:
+        images = data.synthetic(transform, *size).validation
+    else:
+        images = task.load_data(request.data, transform, *size).validation
     eager = loaded.eager.float().eval()
     with torch.no_grad():
         reference = torch.cat([eager(x[None]) for x in images])
