@@ -147,3 +147,35 @@ def test_tensorrt_engines_on_gpu(digits_model, tmp_path):
         assert entry["status"] == "passed", entry["reasons"]
         assert entry["details"]["gpu"] and entry["details"]["compute_capability"]
     assert (out / "tensorrt_timing.cache").is_file()
+
+
+def test_fp16_onnx_folds_batchnorm_in_float32_before_the_cast(tmp_path):
+    """Each conv's BatchNorm is folded in float32 and the folded weight rounded to half once; folded in half
+    (the ONNX optimizer on a half graph), scale and shift carry half's rounding into every weight."""
+    import onnx
+    import torch
+    from torch import nn
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    from exporter.formats import onnx as onnx_format
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval()
+    bn = model[1]
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.01, 3), bn.weight.uniform_(0.5, 2), bn.bias.uniform_(-1, 1)
+    example = torch.randn(1, 3, 16, 16)
+    expected = fuse_conv_bn_eval(model[0], bn).weight.detach().half().numpy()
+
+    def conv_weight(path):
+        proto = onnx.load(str(path))
+        assert not any(n.op_type == "BatchNormalization" for n in proto.graph.node)
+        (conv,) = [n for n in proto.graph.node if n.op_type == "Conv"]
+        init = {i.name: i for i in proto.graph.initializer}
+        return onnx.numpy_helper.to_array(init[conv.input[1]])
+
+    details = onnx_format.export(model, example, "fp16", None, tmp_path / "folded.onnx", {})
+    assert details["batchnorm_folding_fp32"] == {"batchnorms": 1, "folded": 1}
+    assert np.array_equal(conv_weight(tmp_path / "folded.onnx"), expected)
+    onnx_format._export_graph(onnx_format._HalfModel(model).eval(), example, 18, tmp_path / "half.onnx")
+    assert not np.array_equal(conv_weight(tmp_path / "half.onnx"), expected)  # what the test tells apart

@@ -72,6 +72,26 @@ class _HalfModel(torch.nn.Module):
         return self.model(x.half()).float()
 
 
+def _fold_batchnorms(model) -> tuple[torch.nn.Module, dict]:
+    """`model` with each BatchNorm that follows a conv folded into it, in float32. Folded after the cast (as the
+    ONNX optimizer does with a half graph), scale and shift are computed in half and the folded weights rounded
+    twice: measured on random MNASNet1.0, RegNetY-800MF, MobileNetV3-L and ResNet18, folding first gives the
+    fp16 graph 3-5 dB more PSNR against eager. A model torch.fx cannot trace is left as it is."""
+    from torch.fx.experimental.optimization import fuse
+
+    def count(m):
+        return sum(isinstance(x, torch.nn.modules.batchnorm._BatchNorm) for x in m.modules())
+
+    before = count(model)
+    if not before:
+        return model, {"batchnorms": 0}
+    try:
+        fused = fuse(copy.deepcopy(model).eval())
+    except Exception as e:  # symbolic tracing refused (control flow on values)
+        return model, {"batchnorms": before, "folded": 0, "not_folded_because": f"{type(e).__name__}: {str(e)[:160]}"}
+    return fused, {"batchnorms": before, "folded": before - count(fused)}
+
+
 def _export_graph(model, example, opset: int, path: Path) -> None:
     with torch.no_grad():
         program = torch.onnx.export(
@@ -120,7 +140,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
 
     opset, sizes = check_opset(opset), batch_profile(batch)
     if precision == "fp16":
-        _export_graph(_HalfModel(model).eval(), example, opset, path)
+        folded, folding = _fold_batchnorms(model)
+        _export_graph(_HalfModel(folded).eval(), example, opset, path)
     elif precision == "int8":
         quantization = _quantize(model, example, opset, as_calibration(calib), path)
     else:
@@ -142,6 +163,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
         "nodes": len(proto.graph.node),
         "graph": {"fp32": "float32", "fp16": "float16 with fp32 I/O casts", "int8": "explicit Q/DQ, symmetric int8, per-channel weights"}[precision],
     }
+    if precision == "fp16":
+        details["batchnorm_folding_fp32"] = folding
     if precision == "int8":
         details["quantized_nodes"] = sum(n.op_type == "QuantizeLinear" for n in proto.graph.node)
         details["quantization"] = quantization
