@@ -81,6 +81,20 @@ def test_checkpoint_num_classes_and_labels(digits_model):
     assert not loaded.model.training
 
 
+@pytest.mark.parametrize("model_name", ["squeezenet1_1", "googlenet", "regnet_x_400mf"])
+def test_the_class_count_is_read_from_whatever_layer_holds_it(model_name):
+    """SqueezeNet's classes come out of a 1x1 conv, GoogLeNet has auxiliary heads, RegNet's builder computes its
+    widths with tensors: a fine-tuned 10-class checkpoint of each is read as 10 classes."""
+    from torchvision.models import get_model
+
+    from exporter.tasks.classification import Classification
+
+    state = get_model(model_name, weights=None, num_classes=10).state_dict()
+    assert Classification.num_classes_in(state, model_name, 1000) == 10
+    state.pop(next(k for k in state if k.endswith(".weight") and state[k].shape[:1] == (10,)))
+    assert Classification.num_classes_in(state, model_name, 1000) == 10  # the next tensor that follows the count
+
+
 def test_hub_cache_is_used(torch_home, digits_model, monkeypatch):
     monkeypatch.setattr(torch.hub, "_hub_dir", str(torch_home / "hub"))
     # the trained file sits under torchvision's name, whose hash prefix it cannot match

@@ -14,12 +14,31 @@ from ..errors import UsageError
 from .base import Task, logit_fidelity
 
 
-def _last_linear(model: nn.Module) -> str | None:
-    last = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            last = name
-    return last
+def _class_heads(model_name: str, classes: int) -> list[tuple[str, int]]:
+    """(state-dict key, dim) of every tensor whose size follows num_classes: the last Linear of most classifiers,
+    SqueezeNet's final 1x1 conv, GoogLeNet's and Inception's auxiliary heads. Found by building the model twice
+    on the meta device (no memory, no init cost; on the CPU for builders that compute with tensors, RegNet) with
+    two class counts and comparing shapes."""
+    import warnings
+
+    from torchvision.models import get_model
+
+    def shapes(n):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                with torch.device("meta"):
+                    return get_model(model_name, weights=None, num_classes=n).state_dict()
+            except NotImplementedError:
+                return get_model(model_name, weights=None, num_classes=n).state_dict()
+
+    a, b = shapes(classes), shapes(classes + 1)
+    heads = []
+    for key, tensor in a.items():
+        other = b.get(key)
+        if other is not None and tensor.shape != other.shape:
+            heads.append((key, next(i for i, (x, y) in enumerate(zip(tensor.shape, other.shape)) if x != y)))
+    return heads
 
 
 def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> dict:
@@ -68,15 +87,13 @@ class Classification(Task):
 
     @classmethod
     def num_classes_in(cls, state, model_name, default):
-        from torchvision.models import get_model
-
-        last = _last_linear(get_model(model_name, weights=None, num_classes=default))
-        weight = state.get(f"{last}.weight")
-        packed = state.get(f"{last}._packed_params._packed_params")  # an int8 checkpoint's (weight, bias)
-        if weight is None and isinstance(packed, tuple):
-            weight = packed[0]
-        if isinstance(weight, torch.Tensor) and weight.ndim == 2:
-            return int(weight.shape[0])
+        for key, dim in _class_heads(model_name, default):
+            tensor = state.get(key)
+            packed = state.get(key.removesuffix(".weight") + "._packed_params._packed_params")  # int8 (weight, bias)
+            if tensor is None and key.endswith(".weight") and isinstance(packed, tuple):
+                tensor = packed[0]
+            if isinstance(tensor, torch.Tensor) and tensor.ndim > dim:
+                return int(tensor.shape[dim])
         return default
 
     @classmethod
