@@ -140,6 +140,16 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     rest = [p for p in (tmp_path / "shards").glob("coverage-shard-*.json")]
     assert run_cli("coverage", "--merge", tmp_path / "stopped.json", *rest, "--out", tmp_path / "whole").exit_code == 0
     assert json.loads((tmp_path / "whole" / "coverage.json").read_text())["complete"]
+    # a sweep of other targets (rows rebuilt for one target) merges in; other sizes do not
+    other = json.loads(out.joinpath("coverage.json").read_text())
+    other["settings"]["targets"], other["rows"] = ["android"], []
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert run_cli("coverage", "--merge", out / "coverage.json", tmp_path / "other.json", "--out", tmp_path / "t").exit_code == 0
+    assert json.loads((tmp_path / "t" / "coverage.json").read_text())["settings"]["targets"] == ["android", "jetson"]
+    other["settings"]["val_size"] = 3
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    refused = run_cli("coverage", "--merge", out / "coverage.json", tmp_path / "other.json", "--out", tmp_path / "u")
+    assert refused.exit_code == 2 and "other settings" in refused.stderr
 
 
 def test_a_build_past_the_time_limit_is_killed_and_marked(cache_dir, tmp_path):

@@ -114,8 +114,8 @@ def merge(paths, command: str) -> dict:
         raise UsageError(f"--merge: no coverage JSON files (from `exporter coverage`) in {', '.join(map(str, paths))}")
     first = docs[0][1]
 
-    def comparable(settings):
-        return {k: v for k, v in settings.items() if k != "time_limit"}
+    def comparable(settings):  # the time limit only decides whether a build finished; targets only select
+        return {k: v for k, v in settings.items() if k not in ("time_limit", "targets")}
 
     for path, doc in docs[1:]:
         if comparable(doc["settings"]) != comparable(first["settings"]):
@@ -125,7 +125,9 @@ def merge(paths, command: str) -> dict:
     for _, doc in docs:
         for row in doc["rows"]:
             rows[(row["weight"], row["target"])] = row
-    merged = new_document(command, first["settings"], dict(first.get("selection") or {}, shard=None), first["tools"])
+    targets = {t for _, d in docs for t in d["settings"]["targets"]}
+    settings = dict(first["settings"], targets=sorted(targets, key=lambda t: (_order(t, TARGET_ORDER), t)))
+    merged = new_document(command, settings, dict(first.get("selection") or {}, shard=None), first["tools"])
     hosts = {json.dumps(d["host"], sort_keys=True) for _, d in docs}
     merged["host"] = first["host"]
     merged["exporter_commit"] = None  # each file's own, in merged_from: sweeps merged may come from several commits
