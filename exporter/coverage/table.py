@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .. import files
 from ..errors import UsageError
-from .outcome import ORDER, SYMBOLS, broken_keys
+from .outcome import ORDER, SYMBOLS, broken_keys, reclassify
 from .select import TASK_ORDER
 
 COVERAGE_VERSION = 1
@@ -124,7 +124,7 @@ def merge(paths, command: str) -> dict:
     rows = {}
     for _, doc in docs:
         for row in doc["rows"]:
-            rows[(row["weight"], row["target"])] = row
+            rows[(row["weight"], row["target"])] = reclassify(row)  # by today's rules
     targets = {t for _, d in docs for t in d["settings"]["targets"]}
     settings = dict(first["settings"], targets=sorted(targets, key=lambda t: (_order(t, TARGET_ORDER), t)))
     merged = new_document(command, settings, dict(first.get("selection") or {}, shard=None), first["tools"])
