@@ -179,3 +179,22 @@ def test_fp16_onnx_folds_batchnorm_in_float32_before_the_cast(tmp_path):
     assert np.array_equal(conv_weight(tmp_path / "folded.onnx"), expected)
     onnx_format._export_graph(onnx_format._HalfModel(model).eval(), example, 18, tmp_path / "half.onnx")
     assert not np.array_equal(conv_weight(tmp_path / "half.onnx"), expected)  # what the test tells apart
+
+
+def test_an_onnx_graph_that_keeps_batch_1_is_refused_with_the_way_out(tmp_path):
+    """torch's exporter bakes batch 1 into nn.MultiheadAttention's reshapes (ViT-B/16's ONNX ran at batch 1 and
+    failed at 8): the batch check names it and the option that exports it for batch 1, which then passes."""
+    import torch
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    from exporter.coverage.outcome import classify
+    from exporter.formats import onnx as onnx_format
+
+    torch.manual_seed(0)
+    model = VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32).eval()
+    example = torch.randn(1, 3, 32, 32)
+    with pytest.raises(RuntimeError, match=r"runs at batch 1 but not at batch 8 .*--option batch=1") as refused:
+        onnx_format.export(model, example, "fp32", None, tmp_path / "dynamic.onnx", {}, batch="1:1:8")
+    assert classify(f"export failed: {refused.value}") == "fixed batch"
+    details = onnx_format.export(model, example, "fp32", None, tmp_path / "one.onnx", {}, batch="1")
+    assert details["batch_profile"] == [1, 1, 1]

@@ -29,6 +29,7 @@ CLASSIFIERS = (
     ("out of memory", re.compile(r"out of memory|outofmemory|memoryerror|can't allocate memory|cannot allocate memory|"
                                  r"std::bad_alloc|killed by the kernel|\boom\b")),
     ("time limit", re.compile(r"time limit|timed out|timeout")),
+    ("fixed batch", re.compile(r"runs at batch 1 but not at batch")),
     ("delegate fallback", re.compile(r"xnnpack|delegate|partition|lowered|backend_details")),
     ("unsupported op", re.compile(r"unsupported|not supported|not implemented|notimplementederror|no decomposition|"
                                   r"no kernel|could not find .*(op|kernel)|unknown (op|operator|builtin)|"

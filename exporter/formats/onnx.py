@@ -129,7 +129,12 @@ def _check_batch_axis(path: Path, example: torch.Tensor, sizes: tuple[int, int, 
     """Run the graph at the profile's largest batch: the dynamic axis must give each row's batch-1 result."""
     session = _session(path, 1)
     single = session.run(None, {INPUT: example.numpy()})[0]
-    batched = session.run(None, {INPUT: np.repeat(example.numpy(), sizes[2], axis=0)})[0]
+    try:
+        batched = session.run(None, {INPUT: np.repeat(example.numpy(), sizes[2], axis=0)})[0]
+    except Exception as e:  # ViT-B/16: torch's exporter baked batch 1 into the attention's reshapes
+        raise RuntimeError(f"the graph runs at batch 1 but not at batch {sizes[2]} (batch profile "
+                           f"{':'.join(map(str, sizes))}): a reshape keeps the example's batch (data-dependent shape); "
+                           f"--option batch=1 exports it for batch 1 ({str(e).strip().splitlines()[0][-160:]})") from None
     if batched.shape[0] != sizes[2]:
         raise RuntimeError(f"batch {sizes[2]} gave output shape {batched.shape}")
     return {"batch": sizes[2], "max_abs_diff_vs_batch1": float(np.abs(batched - single).max())}
