@@ -156,3 +156,31 @@ def test_ops_left_outside_the_delegate_are_named_by_their_aten_op():
     edge = to_edge_transform_and_lower(torch.export.export(SplitThenMean(), (torch.randn(1, 4, 8, 8),)),
                                        partitioner=[XnnpackPartitioner()])
     assert _outside_on_tensors(edge.exported_program().graph_module) == {"split_with_sizes_copy": 1, "mean": 1}
+
+
+def _traces_differently():
+    """A graph that differs from one trace to the next (as ViT-B/16's nn.MultiheadAttention did)."""
+    import torch
+
+    class Model(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            Model.calls += 1
+            return x * 2 if Model.calls % 2 else (x + x)
+
+    return Model().eval()
+
+
+def test_a_ptl_whose_trace_check_fails_is_traced_unchecked_and_says_so(tmp_path):
+    """torch.jit.trace's own sanity check compares two traces; where they differ (ViT-B/16) the model is traced
+    once without it and the manifest says why: the build's validation against eager is the check that counts."""
+    import torch
+
+    from exporter.formats import torchscript_lite
+
+    example = torch.randn(1, 3, 4, 4)
+    details = torchscript_lite.export(_traces_differently(), example, "fp32", None, tmp_path / "m.ptl", {})
+    assert details["trace_check"].startswith("Tracing failed sanity checks! ERROR: Graphs differed across invocations!")
+    out = torchscript_lite.load(tmp_path / "m.ptl", 1)(example)
+    assert torch.allclose(torch.as_tensor(out), example * 2)

@@ -28,13 +28,21 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
     from .rewrites import drop_padding_taps
 
     model, trimmed = drop_padding_taps(model, example)
-    scripted = torch.jit.trace(model, example)
     details = {"xnnpack_rewrite": "applied"}
+    try:
+        scripted = torch.jit.trace(model, example)
+    except torch.jit.TracingCheckError as e:
+        # ViT-B/16: two traces of nn.MultiheadAttention differed ("Graphs differed across invocations"). The
+        # build's validation compares the .ptl with eager on every validation input, which is the check that counts.
+        scripted = torch.jit.trace(model, example, check_trace=False)
+        details["trace_check"] = " ".join(str(e).split("Graph diff")[0].split())[:200]
+    else:
+        details["trace_check"] = "passed"
     try:
         module = optimize_for_mobile(scripted)
     except RuntimeError as e:
         # Stock torch wheels are built without XNNPACK; the lite model still runs, unoptimized.
-        details = {"xnnpack_rewrite": "unavailable", "xnnpack_rewrite_reason": str(e).strip().splitlines()[0]}
+        details.update(xnnpack_rewrite="unavailable", xnnpack_rewrite_reason=str(e).strip().splitlines()[0])
         module = torch.jit.freeze(scripted)
     if precision == "int8":
         # int8 weights are repacked for the engine selected when the model is loaded (phones: QNNPACK)
