@@ -318,8 +318,8 @@ past the time limit is killed and marked ⏱), offline and without `--data`:
   build with a ❎, eager itself is run on the same inputs in float64, with weights and every layer's output
   rounded to float16, and rounded to 8 bits (per-channel weights, per-tensor outputs from each tensor's own
   max), and judged with the same thresholds (`exporter/coverage/conditioning.py`). An artifact whose broken
-  thresholds eager's own rounding also breaks is "❎ … · ill-conditioned": its failure says nothing about the
-  exporter. A ❎ without it is ours to explain.
+  thresholds eager's own rounding also breaks, and whose PSNR is within 6 dB of that rounding's, is "❎ … ·
+  ill-conditioned": its failure says nothing about the exporter. A ❎ without it is ours to explain.
 - **⛔ is the exporter's own refusal** (video and optical-flow weights, two-stage detectors: the one-line
   error `exporter build` exits 2 with), asked without building. A format that cannot take an eager-quantized
   model is ⛔ per artifact.
