@@ -140,6 +140,16 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     rest = [p for p in (tmp_path / "shards").glob("coverage-shard-*.json")]
     assert run_cli("coverage", "--merge", tmp_path / "stopped.json", *rest, "--out", tmp_path / "whole").exit_code == 0
     assert json.loads((tmp_path / "whole" / "coverage.json").read_text())["complete"]
+    # a merged table (its header keeps the first file's selection, which lists fewer weights than it holds)
+    # merged again with rows it already plans stays complete
+    merged_doc = json.loads((tmp_path / "merged" / "coverage.json").read_text())
+    merged_doc["selection"]["models"] = [SMALL[0]]
+    (tmp_path / "merged.json").write_text(json.dumps(merged_doc))
+    twice = run_cli("coverage", "--merge", tmp_path / "merged.json", tmp_path / "shards" / "coverage-shard-2-of-2.json",
+                    "--out", tmp_path / "twice")
+    assert twice.exit_code == 0, twice.output
+    doc = json.loads((tmp_path / "twice" / "coverage.json").read_text())
+    assert doc["planned_rows"] == 4 and doc["complete"], (doc["planned_rows"], doc["complete"])
     # a sweep of other targets (rows rebuilt for one target) merges in; other sizes do not
     other = json.loads(out.joinpath("coverage.json").read_text())
     other["settings"]["targets"], other["rows"] = ["android"], []

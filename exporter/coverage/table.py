@@ -155,6 +155,8 @@ def _planned(doc: dict) -> set | None:
     plans nothing new), or None where they cannot be listed again as they were (another torchvision)."""
     from . import select
 
+    if doc.get("merged_from") and doc.get("complete"):  # an earlier merge: it planned what it holds
+        return {(r["weight"], r["target"]) for r in doc.get("rows", [])}
     selection = doc.get("selection") or {}
     try:
         found = select.candidates(selection.get("models") or (), selection.get("tasks") or (),
