@@ -110,6 +110,14 @@ def test_a_resumed_sweep_counts_the_interrupted_runs_clock(first_run, cache_dir,
     assert "over 2 runs" in (tmp_path / "coverage.md").read_text()
 
 
+def _merges_complete(*paths: Path, out: Path) -> None:
+    """Merged into OUT, the files plan the first run's 4 builds and hold them all."""
+    result = run_cli("coverage", "--merge", *paths, "--out", out)
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "coverage.json").read_text())
+    assert doc["planned_rows"] == 4 and doc["complete"], (doc["planned_rows"], doc["complete"])
+
+
 def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     out, _, _ = first_run
     matrix = run_cli("coverage", "--matrix", "2")
@@ -128,11 +136,7 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     assert {k: r["outcome"] for k, r in _rows(tmp_path / "merged").items()} == {k: r["outcome"] for k, r in _rows(out).items()}
     assert "complete: 4 of 4" in (tmp_path / "merged" / "coverage.md").read_text()
     # a part merged into its whole plans no build twice
-    again = run_cli("coverage", "--merge", out / "coverage.json", tmp_path / "shards" / "coverage-shard-1-of-2.json",
-                    "--out", tmp_path / "again")
-    assert again.exit_code == 0, again.output
-    doc = json.loads((tmp_path / "again" / "coverage.json").read_text())
-    assert doc["planned_rows"] == 4 and doc["complete"], (doc["planned_rows"], doc["complete"])
+    _merges_complete(out / "coverage.json", tmp_path / "shards" / "coverage-shard-1-of-2.json", out=tmp_path / "again")
     # an interrupted sweep whose missing builds another run made is complete once merged
     stopped = json.loads(out.joinpath("coverage.json").read_text())
     stopped.update(complete=False, interrupted=True, rows=stopped["rows"][:2])
@@ -145,11 +149,7 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     merged_doc = json.loads((tmp_path / "merged" / "coverage.json").read_text())
     merged_doc["selection"]["models"] = [SMALL[0]]
     (tmp_path / "merged.json").write_text(json.dumps(merged_doc))
-    twice = run_cli("coverage", "--merge", tmp_path / "merged.json", tmp_path / "shards" / "coverage-shard-2-of-2.json",
-                    "--out", tmp_path / "twice")
-    assert twice.exit_code == 0, twice.output
-    doc = json.loads((tmp_path / "twice" / "coverage.json").read_text())
-    assert doc["planned_rows"] == 4 and doc["complete"], (doc["planned_rows"], doc["complete"])
+    _merges_complete(tmp_path / "merged.json", tmp_path / "shards" / "coverage-shard-2-of-2.json", out=tmp_path / "twice")
     # a sweep of other targets (rows rebuilt for one target) merges in; other sizes do not
     other = json.loads(out.joinpath("coverage.json").read_text())
     other["settings"]["targets"], other["rows"] = ["android"], []
