@@ -197,6 +197,11 @@ def test_a_transformer_onnx_graph_runs_at_every_batch_and_one_that_keeps_batch_1
     example = torch.randn(1, 3, 32, 32)
     details = onnx_format.export(model, example, "fp32", None, tmp_path / "dynamic.onnx", {}, batch="1:1:8")
     assert details["batch_check"]["batch"] == 8 and details["batch_check"]["max_abs_diff_vs_batch1"] < 1e-4
+    # its fp16 graph killed ONNX Runtime 1.32's x86 NchwcTransformer (segfault); the build goes on without that pass
+    details = onnx_format.export(model, example, "fp16", None, tmp_path / "half.onnx", {}, batch="1:1:8")
+    assert details["batch_check"]["batch"] == 8
+    with torch.no_grad():
+        assert torch.allclose(onnx_format.load(tmp_path / "half.onnx", 1)(example), model(example), atol=0.05)
 
     with torch.no_grad():  # the batch-1 trace the exporter used before
         torch.onnx.export(model, (example,), dynamo=True, dynamic_shapes=({0: "batch"},), input_names=["input"],
@@ -204,3 +209,27 @@ def test_a_transformer_onnx_graph_runs_at_every_batch_and_one_that_keeps_batch_1
     with pytest.raises(RuntimeError, match=r"runs at batch 1 but not at batch 8 .*--option batch=1") as refused:
         onnx_format._check_batch_axis(tmp_path / "batch1.onnx", example, (1, 1, 8))
     assert classify(f"export failed: {refused.value}") == "fixed batch"
+
+
+def test_a_graph_whose_session_kills_onnx_runtime_is_run_without_the_pass_that_does(tmp_path, monkeypatch):
+    """A session that dies making the NCHWc layout (a crash, not an exception) is found in a child process, and
+    every session of that file is then made without the NchwcTransformer, saying why."""
+    import torch
+
+    from exporter.formats import onnx as onnx_format
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(3)).eval()
+    example = torch.randn(1, 3, 8, 8)
+    model(example)
+    path = tmp_path / "m.onnx"
+    assert "onnxruntime_nchwc" not in onnx_format.export(model, example, "fp32", None, path, {})
+    made = []
+    real_session = __import__("onnxruntime").InferenceSession
+    monkeypatch.setattr("onnxruntime.InferenceSession",
+                        lambda *a, **k: made.append(k.get("disabled_optimizers")) or real_session(*a, **k))
+    onnx_format.load(path, 1)
+    monkeypatch.setattr(onnx_format, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    details = onnx_format.export(model, example, "fp32", None, path, {})
+    assert "dies (signal 11)" in details["onnxruntime_nchwc"]
+    onnx_format.load(path, 1)
+    assert made[0] == [] and made[-1] == ["NchwcTransformer"]

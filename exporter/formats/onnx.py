@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -173,10 +175,36 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
     }
     if precision == "fp16":
         details["batchnorm_folding_fp32"] = folding
+    if crash := nchwc_crash(path):
+        details["onnxruntime_nchwc"] = crash
     if precision == "int8":
         details["quantized_nodes"] = sum(n.op_type == "QuantizeLinear" for n in proto.graph.node)
         details["quantization"] = quantization
     return details
+
+
+_CRASHES: dict[tuple, str | None] = {}
+_PROBE = "import sys, onnxruntime as ort; ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])"
+
+
+def nchwc_crash(path: Path) -> str | None:
+    """Why ONNX Runtime's NchwcTransformer cannot be used on this file, or None. On some graphs it kills the
+    process that makes the session (ONNX Runtime 1.32 on x86: a segfault on ViT's fp16 graph, where a LayerNorm
+    then a batch/sequence transpose feed a MatMul), so a child process makes one first; kept per file."""
+    stat = Path(path).stat()
+    key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _CRASHES:
+        import onnxruntime as ort
+
+        child = subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True)
+        _CRASHES[key] = None if child.returncode >= 0 else (
+            f"ONNX Runtime {ort.__version__} dies (signal {-child.returncode}) making a session of this graph with "
+            f"its NchwcTransformer (an x86-only layout pass): sessions here run without it, as on ARM")
+    return _CRASHES[key]
+
+
+def _disabled_optimizers(path: Path, nchwc: bool = True) -> list[str]:
+    return [] if nchwc and not nchwc_crash(path) else ["NchwcTransformer"]
 
 
 def _session(path: Path, threads: int, nchwc: bool = True):
@@ -187,7 +215,7 @@ def _session(path: Path, threads: int, nchwc: bool = True):
     options.inter_op_num_threads = 1
     # NCHWc: ONNX Runtime's blocked layout, with kernels for x86 only (the aarch64 wheel does not apply it)
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
-                                disabled_optimizers=[] if nchwc else ["NchwcTransformer"])
+                                disabled_optimizers=_disabled_optimizers(path, nchwc))
 
 
 def load(path: Path, threads: int, nchwc: bool = True):
@@ -200,7 +228,7 @@ _RSS_LOAD = """\
 options = ort.SessionOptions()
 options.intra_op_num_threads = threads
 options.inter_op_num_threads = 1
-session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])"""
+session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"], disabled_optimizers={disabled!r})"""
 
 
 def memory(path: Path, input_shape, threads: int) -> dict:
@@ -213,7 +241,7 @@ def memory(path: Path, input_shape, threads: int) -> dict:
     proto = onnx.load(str(path))
     constants = sum(onnx.numpy_helper.to_array(t).nbytes for t in proto.graph.initializer)
     return {"constants_bytes": int(constants),
-            **shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, f"session.run(None, {{{INPUT!r}: x}})", path, input_shape, threads)}
+            **shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD.format(disabled=_disabled_optimizers(path)), f"session.run(None, {{{INPUT!r}: x}})", path, input_shape, threads)}
 
 
 def profile(path: Path, example, runs: int, threads: int) -> dict:
@@ -230,7 +258,8 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
         options.inter_op_num_threads = 1
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(work) / "ort")
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
+                                       disabled_optimizers=_disabled_optimizers(path))
         feed = {INPUT: example.contiguous().numpy()}
         for _ in range(runs + 1):
             session.run(None, feed)
