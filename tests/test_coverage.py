@@ -273,6 +273,29 @@ def test_random_checkpoints_mean_something():
         expected = model[0](images).mean((0, 2, 3))
     assert torch.allclose(bn.running_mean, expected, atol=1e-4)  # the cumulative mean over both passes
     assert randomize._spread(model, images)["relative_std"] > 0.01
+    assert not randomize._near_constant(model, images)
+
+
+def test_a_random_head_that_gives_every_input_the_same_output_is_rescaled_until_it_varies():
+    """RetinaNet v1's head: convs initialised with std 0.01 and no normalisation between them shrink the signal
+    at each layer, so a random model outputs its prior bias for every image (a degenerate reference)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()]
+    head = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), *layers, nn.Conv2d(16, 9, 3, padding=1))
+    for m in head.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.normal_(m.weight, std=0.01)
+            nn.init.constant_(m.bias, 0)
+    nn.init.constant_(head[-1].bias, -4.6)  # the focal-loss prior
+    images = torch.randn(8, 3, 12, 12)
+    randomize._settle(head, images)
+    assert randomize._near_constant(head, images)
+    assert randomize._unit_variance(head, images) == [n for n, m in head.named_modules() if isinstance(m, nn.Conv2d)]
+    randomize._settle(head, images)
+    assert not randomize._near_constant(head, images)
+    assert randomize._spread(head, images)["relative_std"] > 0.1
 
 
 def _task(num_classes: int):

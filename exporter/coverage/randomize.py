@@ -9,7 +9,11 @@ How a checkpoint is made (deterministic: the seed comes from the weight's name):
 3. every BatchNorm gets momentum=None (a cumulative average) and fresh statistics, then a few no-grad passes
    over synthetic images, preprocessed like the weight's own transforms, run with only the BatchNorms in
    train mode (so dropout stays off and detectors need no targets);
-4. the state dict is saved with torch.save (the exporter reads it with weights_only=True).
+4. if the outputs still barely vary across the images (a head with no normalisation between small-init convs:
+   RetinaNet v1's towers of std-0.01 convs shrink the signal ~2x per layer, so every image gets the prior
+   bias), every Linear/Conv, in the order the forward pass reaches it, is scaled so that what its weights add
+   has unit standard deviation on the images (LSUV), and step 3 is run again;
+5. the state dict is saved with torch.save (the exporter reads it with weights_only=True).
 
 A quantized torchvision weight gets two files: its float model's (the eager reference, --float-checkpoint)
 and that model quantized as torchvision quantizes it (fuse, observe on the synthetic images, convert; the
@@ -28,6 +32,7 @@ from .. import data, weights
 
 SETTLE_IMAGES = 16  # synthetic images the statistics are settled on
 SETTLE_BATCH = 4
+_WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def seed_for(weight_name: str) -> int:
@@ -38,7 +43,7 @@ def _reinit_zero_layers(model: nn.Module) -> list[str]:
     """Re-initialise every Linear/Conv whose weight is all zeros; returns their names."""
     done = []
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and not bool(module.weight.any()):
+        if isinstance(module, _WEIGHTED) and not bool(module.weight.any()):
             module.reset_parameters()
             done.append(name)
     return done
@@ -62,6 +67,46 @@ def _settle(graph: nn.Module, images: torch.Tensor) -> int:
             graph(images[start:start + SETTLE_BATCH])
     graph.eval()
     return len(norms)
+
+
+NEAR_CONSTANT_DB = 40.0  # as the builds' degenerate-reference check: the mean output is this close to every row
+
+
+def _near_constant(graph: nn.Module, images: torch.Tensor) -> bool:
+    with torch.no_grad():
+        out = graph(images[:SETTLE_BATCH]).flatten(1).double()
+    rmse = (out - out.mean(0, keepdim=True)).pow(2).mean().sqrt().item()
+    return rmse == 0 or 20 * math.log10(out.abs().max().item() / rmse) >= NEAR_CONSTANT_DB
+
+
+def _unit_variance(graph: nn.Module, images: torch.Tensor) -> list[str]:
+    """Scale each Linear/Conv, in forward order, so that its weights' contribution (output minus bias, over
+    every call: a head shared across pyramid levels is called once per level) has unit std; returns their names.
+    BatchNorms normalise with the batch's statistics meanwhile (their running ones predate the scaling)."""
+    batch = images[:SETTLE_BATCH]
+    for bn in _batchnorms(graph):
+        bn.train()
+    reached: list[str] = []
+    layers = {m: n for n, m in graph.named_modules() if isinstance(m, _WEIGHTED) and m.weight.is_floating_point()}
+    hooks = [m.register_forward_hook(lambda m, i, o: reached.append(layers[m]) if layers[m] not in reached else None)
+             for m in layers]
+    with torch.no_grad():
+        graph(batch)
+    for h in hooks:
+        h.remove()
+    modules = dict(graph.named_modules())
+    for name in reached:
+        layer, seen = modules[name], []
+        hook = layer.register_forward_hook(lambda m, i, o: seen.append(
+            (o if m.bias is None else o - m.bias.view(-1, *[1] * (o.dim() - 2))).detach().flatten()))
+        with torch.no_grad():
+            graph(batch)
+            hook.remove()
+            std = torch.cat(seen).double().std().item()
+            if std > 0 and math.isfinite(std):
+                layer.weight.mul_(1 / std)
+    graph.eval()
+    return reached
 
 
 def _spread(graph: nn.Module, images: torch.Tensor) -> dict:
@@ -90,8 +135,11 @@ def _float_model(w, model_name: str, num_classes: int, input_size, seed: int) ->
     images = _synthetic_images(w, task, SETTLE_IMAGES, seed % (2**31))
     settled = _settle(graph, images)
     info = {"seed": seed, "num_classes": num_classes, "batchnorms_settled": settled, "settle_images": len(images),
-            "reinitialised_zero_layers": reinitialised, "params": sum(p.numel() for p in model.parameters()),
-            "reference_spread": _spread(graph, images)}
+            "reinitialised_zero_layers": reinitialised, "params": sum(p.numel() for p in model.parameters())}
+    if _near_constant(graph, images):
+        info["unit_variance_layers"] = len(_unit_variance(graph, images))
+        _settle(graph, images)
+    info["reference_spread"] = _spread(graph, images)
     return model.eval(), info
 
 
