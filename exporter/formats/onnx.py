@@ -7,6 +7,7 @@ so the same runner, golden files and trtexec shapes serve all three.
 from __future__ import annotations
 
 import copy
+import platform
 import shutil
 import subprocess
 import sys
@@ -191,6 +192,8 @@ def nchwc_crash(path: Path) -> str | None:
     """Why ONNX Runtime's NchwcTransformer cannot be used on this file, or None. On some graphs it kills the
     process that makes the session (ONNX Runtime 1.32 on x86: a segfault on ViT's fp16 graph, where a LayerNorm
     then a batch/sequence transpose feed a MatMul), so a child process makes one first; kept per file."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
     stat = Path(path).stat()
     key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _CRASHES:
@@ -199,7 +202,7 @@ def nchwc_crash(path: Path) -> str | None:
         child = subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True)
         _CRASHES[key] = None if child.returncode >= 0 else (
             f"ONNX Runtime {ort.__version__} dies (signal {-child.returncode}) making a session of this graph with "
-            f"its NchwcTransformer (an x86-only layout pass): sessions here run without it, as on ARM")
+            f"its NchwcTransformer (an x86-only layout pass; the aarch64 wheel has none): sessions here run without it")
     return _CRASHES[key]
 
 
