@@ -394,3 +394,21 @@ def test_the_sweeps_input_size_goes_to_the_graphs_that_take_one():
     assert randomize.accepted_input_size("FCOS_ResNet50_FPN_Weights.COCO_V1", size) == size
     assert randomize.accepted_input_size("SSD300_VGG16_Weights.COCO_V1", size) is None  # SSD: its anchors' size
     assert randomize.accepted_input_size("MobileNet_V3_Small_Weights.IMAGENET1K_V1", size) is None
+
+
+def test_a_digits_run_that_did_not_learn_is_run_again_at_a_lower_learning_rate(monkeypatch):
+    """SqueezeNet 1.1's trained tier collapsed at the recipe's learning rate (held-out acc@1 7 %: the ReLU on its
+    logits died); a collapsed run is retried once, from the same start, at a tenth of it."""
+    from exporter.standins import digits
+
+    x, y = torch.randn(6, 3, 8, 8), torch.arange(6) % 10
+    monkeypatch.setattr(digits, "_dataset", lambda weight: (x, y, [0, 1, 2], [3, 4, 5], ([], [])))
+    rates, accuracies = [], iter([0.07, 0.95])
+    monkeypatch.setattr(digits, "_fit", lambda model, x, y, idx, epochs, lr, log: rates.append(lr))
+    monkeypatch.setattr(digits, "_accuracy", lambda model, x, y, idx: next(accuracies))
+    _state, accuracy, _data = digits.train("SqueezeNet1_1_Weights.IMAGENET1K_V1", 1, log=lambda _m: None)
+    assert accuracy == 0.95 and rates == [2e-3, 2e-3 * digits.RETRY_LR_FACTOR]
+    rates.clear()
+    accuracies = iter([0.9])
+    monkeypatch.setattr(digits, "_accuracy", lambda model, x, y, idx: next(accuracies))
+    assert digits.train("SqueezeNet1_1_Weights.IMAGENET1K_V1", 1, log=lambda _m: None)[1] == 0.9 and rates == [2e-3]
