@@ -307,7 +307,9 @@ past the time limit is killed and marked ⏱), offline and without `--data`:
   weight's category count. Linear/Conv layers that torchvision zero-initialises (ViT's `heads.head`: every logit
   0 for every input) are re-initialised with PyTorch's default init; every BatchNorm's statistics are then
   settled (momentum=None, reset, no-grad passes) on synthetic images preprocessed like the weight's own
-  transforms. The state dict goes to a temporary file the build loads with `--checkpoint … --no-verify`.
+  transforms. A model whose outputs still barely vary across those images (RetinaNet v1's head: std-0.01 convs
+  with no normalisation between them, so every image gets the prior bias) has each Linear/Conv scaled, in
+  forward order, to unit output variance on them (LSUV), and is settled again. The state dict goes to a temporary file the build loads with `--checkpoint … --no-verify`.
   Quantized weights get their float model (the eager reference) and that model quantized as torchvision does.
 - **Small on purpose.** Synthetic calibration and validation images, few latency iterations, one thread,
   segmentation at a small fixed input size: the table answers "does it export, and does the artifact agree
