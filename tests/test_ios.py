@@ -225,3 +225,29 @@ def test_the_weights_proxy_pairs_layers_applied_through_their_weights():
         for m in (expected.embed, expected.qkv, expected.head):
             m.weight.copy_(torch.from_numpy((m.weight * 0.5).numpy().astype(np.float16).astype(np.float32)))
         torch.testing.assert_close(_with_package_weights(model, layers)(x), expected(x))
+
+
+def test_a_vit_package_is_read_back_and_its_weights_proxy_matches_eager(tmp_path):
+    """ViT-B/16 converted, then every iOS artifact failed reading the package back: coremltools'
+    get_weights_metadata raises on a const feeding an op with a list input (the class token into a concat). And
+    the weights proxy must pair nn.MultiheadAttention's in_proj_weight, which no nn.Linear holds."""
+    import torch
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    from exporter.formats import coreml
+
+    torch.manual_seed(0)
+    model = VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32,
+                              num_classes=5).eval()
+    torch.nn.init.normal_(model.heads.head.weight)
+    x = torch.randn(1, 3, 32, 32)
+    meta = {"preprocessing": {"mean": [0.5] * 3, "std": [0.25] * 3, "crop_size": [32]}, "labels": list("abcde"),
+            "model": "vit", "weight": "tiny", "exporter_version": "0"}
+    details = coreml.export(model, x, "fp32", None, tmp_path / "vit.mlpackage", meta, input="tensor")
+    matrices = [p for name, p in model.named_parameters() if name.endswith("weight") and p.dim() >= 2]
+    assert len(matrices) == 6  # the patch conv, attention's in_proj_weight and out_proj, the MLP's two, the head
+    assert details["compression"]["weights"] == 6
+    assert details["compression"]["parameters"] == sum(p.numel() for p in matrices)
+    proxy = coreml.proxies(tmp_path / "vit.mlpackage", model)["weights"]
+    with torch.no_grad():
+        torch.testing.assert_close(proxy(x), model(x), rtol=1e-4, atol=1e-4)

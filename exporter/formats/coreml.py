@@ -319,12 +319,26 @@ def _classify_labels(spec) -> list[str]:
     raise ValueError("the package has no classify op")
 
 
+def _all_ops(block):
+    for op in block.operations:
+        for inner in op.blocks:
+            yield from _all_ops(inner)
+        yield op
+
+
 def _layer_weights(mlmodel) -> list[dict]:
     """Every conv/linear op of the package in program order, with its dense (decompressed) weights."""
-    from coremltools.optimize.coreml import decompress_weights, get_weights_metadata
+    from coremltools.converters.mil.frontend.milproto.load import load as milproto_to_pymil
+    from coremltools.optimize.coreml import decompress_weights
 
     dense = decompress_weights(mlmodel)
-    values = {name: meta.val for name, meta in get_weights_metadata(dense, weight_threshold=0).items()}
+    # every const by name, read from the program as get_weights_metadata does, without that function's map of
+    # each const's consumers: it raises ("'list' object has no attribute 'val'") on a const feeding an op with a
+    # list input, such as ViT's class token going into a concat
+    program = milproto_to_pymil(model_spec=dense.get_spec(), specification_version=dense.get_spec().specificationVersion,
+                                file_weights_dir=dense.weights_dir)
+    values = {op.name: op.val.val for function in program.functions.values() for op in _all_ops(function)
+              if op.op_type == "const"}
     layers = []
     for op in _main_ops(dense.get_spec()):
         if op.type in ("conv", "linear"):
@@ -537,26 +551,30 @@ def _with_package_weights(model: nn.Module, layers: list[dict]) -> nn.Module:
 
     fused = fuse(copy.deepcopy(model).eval())
     modules = dict(fused.named_modules())
-    free = [modules[n.target] for n in fused.graph.nodes
+    free = [(modules[n.target], "weight") for n in fused.graph.nodes
             if n.op == "call_module" and isinstance(modules[n.target], (nn.Conv2d, nn.Linear))]
     if len(free) != len(layers) and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        # layers applied through their weights (Swin's attention: F.linear(x, qkv.weight)) are no call_module;
-        # with no BatchNorm to fold, the model's own layers, in definition order, are the ones to pair
+        # layers applied through their weights (Swin's attention: F.linear(x, qkv.weight); ViT's
+        # nn.MultiheadAttention: its in_proj_weight) are no call_module; with no BatchNorm to fold, the model's own
+        # matrix and kernel weights, in definition order, are the ones to pair
         fused = copy.deepcopy(model).eval()
-        free = [m for m in fused.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+        free = [(m, name) for m in fused.modules() for name, p in m.named_parameters(recurse=False)
+                if name.endswith("weight") and p.dim() >= 2]
     if len(free) != len(layers):
         raise ValueError(f"the package has {len(layers)} conv/linear layers, the model {len(free)}")
     with torch.no_grad():
         for layer in layers:
             shape = tuple(layer["weight"].shape)
-            module = next((m for m in free if tuple(m.weight.shape) == shape), None)
-            if module is None:
+            match = next((f for f in free if tuple(getattr(*f).shape) == shape), None)
+            if match is None:
                 raise ValueError(f"no layer of the model matches package op {layer['op']} {shape}")
-            free.remove(module)
-            module.weight.copy_(torch.from_numpy(layer["weight"].astype(np.float32)))
-            if module.bias is not None:
-                bias = layer["bias"]
-                module.bias.copy_(torch.zeros_like(module.bias) if bias is None else torch.from_numpy(bias.astype(np.float32)))
+            free.remove(match)
+            module, name = match
+            getattr(module, name).copy_(torch.from_numpy(layer["weight"].astype(np.float32)))
+            bias = getattr(module, name.removesuffix("weight") + "bias", None)
+            if bias is not None:
+                package_bias = layer["bias"]
+                bias.copy_(torch.zeros_like(bias) if package_bias is None else torch.from_numpy(package_bias.astype(np.float32)))
     return fused
 
 
