@@ -468,3 +468,18 @@ def test_a_range_method_that_cannot_measure_the_model_is_left_out_and_said(monke
     monkeypatch.setattr(_FakeBackend, "range_methods", ("coarse",))  # nothing else to try: the error stands
     with pytest.raises(ValueError, match="Too many bins"):
         _search(monkeypatch, "layer3", [f"layer{i}" for i in range(8)])
+
+
+def test_the_report_says_when_the_check_images_are_too_few_to_resolve_the_accuracy_budget():
+    """A trained SqueezeNet 1.1 met its 1-point budget on 64 check images (no image lost) and lost 3.5 points on
+    172 validation images: one of 64 images is 1.6 points, so the check could not see a 1-point drop."""
+    from exporter.release.report import quantization_summary
+
+    step = {"float_layers": 0, "ranges": "histogram", "agreement": 0.984, "psnr_db": 46.7, "drop": 0.0,
+            "meets_budget": True, "reasons": []}
+    q = {"check_images": 64, "check_labeled": True, "budget": {"accuracy_drop": 1.0, "psnr_db": 32.0},
+         "int8_layers": 26, "layers": 26, "before": step, "after": step, "steps": [step], "meets_budget": True,
+         "float_layers": [], "calibration_method": "histogram", "seconds": 1.0}
+    assert "one of 64 check images is 1.6 points of acc@1, coarser than the 1-point budget" in quantization_summary(q)
+    assert "coarser" not in quantization_summary({**q, "check_images": 200})
+    assert "coarser" not in quantization_summary({**q, "check_labeled": False})

@@ -45,6 +45,10 @@ def quantization_summary(q: dict) -> str:
     if q.get("float_ops"):
         ops = ", ".join(f"{name}×{n}" for name, n in q["float_ops"].items())
         text += f"; ops computed in float (no int8 pattern in the quantizer, or kept in float): {ops}"
+    budget = (q.get("budget") or {}).get("accuracy_drop")
+    if q.get("check_labeled") and budget is not None and 100 / q["check_images"] > budget:
+        text += (f"; one of {q['check_images']} check images is {100 / q['check_images']:.1f} points of acc@1, "
+                 f"coarser than the {budget:g}-point budget (a larger --calib-size checks it finer)")
     return text + f"; {q['calibration_method']}; {q['seconds']} s"
 
 
