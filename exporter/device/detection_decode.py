@@ -96,6 +96,22 @@ def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
 
 
+DEGENERATE_PAD = 1e-3  # pixels
+
+
+def _match_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """box_iou, where two boxes of zero area (clipped flat against an image edge: a random RetinaNet head puts a
+    third of its boxes there at 128x128) are compared as segments or points, each side padded by
+    DEGENERATE_PAD; box_iou gives them 0, so two runtimes' identical flat boxes never matched."""
+    ious = box_iou(a, b)
+    flat_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1]) <= 0
+    flat_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1]) <= 0
+    if flat_a.any() and flat_b.any():
+        padded = lambda x: np.concatenate([x[:, :2] - DEGENERATE_PAD, x[:, 2:] + DEGENERATE_PAD], 1)  # noqa: E731
+        ious = np.where(flat_a[:, None] & flat_b[None, :], box_iou(padded(a), padded(b)), ious)
+    return ious
+
+
 def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, limit: int | None = None,
         labels: np.ndarray | None = None) -> np.ndarray:
     """Greedy NMS: indices kept, highest score first. With `labels`, a box suppresses only boxes of its own
@@ -186,7 +202,7 @@ def match(reference: dict, candidate: dict, min_score: float, iou: float = 0.5) 
     both restricted to scores >= min_score: counts, IoUs and score errors of the matches."""
     ref = {k: v[reference["scores"] >= min_score] for k, v in reference.items()}
     cand = {k: v[candidate["scores"] >= min_score] for k, v in candidate.items()}
-    ious = box_iou(ref["boxes"], cand["boxes"]) if len(ref["boxes"]) and len(cand["boxes"]) else np.zeros((len(ref["boxes"]), len(cand["boxes"])))
+    ious = _match_iou(ref["boxes"], cand["boxes"]) if len(ref["boxes"]) and len(cand["boxes"]) else np.zeros((len(ref["boxes"]), len(cand["boxes"])))
     ious = np.where(ref["labels"][:, None] == cand["labels"][None, :], ious, 0.0)
     matched_ious, score_errors, taken = [], [], set()
     for r in np.argsort(-ref["scores"], kind="stable"):
