@@ -366,6 +366,23 @@ def test_a_failure_the_floor_also_shows_is_marked_ill_conditioned():
     assert outcome.reclassify({"cells": [cell("int8", ["top1_agreement 0.375 (needs >= 0.97)"])]})["cells"][0]["kind"] == "validation"
 
 
+
+def test_decisions_flipped_by_an_artifact_closer_to_eager_than_the_floor_are_ill_conditioned():
+    """Wide-ResNet50-2's ONNX fp16 flipped 2 of 8 top-1s (margins 0.005 and 0.013) at 47.4 dB from eager; eager
+    rounded to fp16 sat at 44.2 dB and happened to flip none. Eager in half precision flipped the same two."""
+    floor = {"fp16": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 44.22}, "reasons": []}}
+    closer = {"precision": "fp16", "outcome": "failed", "kind": "validation", "reasons": ["top1_agreement 0.75 (needs >= 0.99)"]}
+    row = {"floor": floor, "cells": [dict(closer, psnr_db=47.36), dict(closer, psnr_db=40.0), dict(closer),
+                                     dict(closer, psnr_db=47.36, reasons=["top1_agreement 0.75 (needs >= 0.99)",
+                                                                          "accuracy_drop 5 (needs <= 1)"])]}
+    kinds = [c["kind"] for c in outcome.reclassify(row)["cells"]]
+    # farther than the floor, no PSNR recorded, or a broken threshold that is no decision: ours to explain
+    assert kinds == ["ill-conditioned reference", "validation", "validation", "validation"]
+    artifact = {"name": "onnx_fp16", "format": "onnx", "precision": "fp16", "status": "failed", "path": "m.onnx",
+                "reasons": closer["reasons"], "fidelity": {"psnr_db": 47.3641, "top1_agreement": 0.75}}
+    assert outcome.cell_from_artifact(artifact)["psnr_db"] == 47.36
+
+
 def test_a_cached_row_with_a_failure_gets_its_floor_measured(first_run, cache_dir, tmp_path):
     """A row cached before floors were measured: the sweep remakes the checkpoint and measures the floor
     (in a worker process, on the build's own validation inputs) instead of rebuilding."""
