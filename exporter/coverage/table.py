@@ -323,7 +323,9 @@ past the time limit is killed and marked ⏱), offline and without `--data`:
   rounded to float16, and rounded to 8 bits (per-channel weights, per-tensor outputs from each tensor's own
   max), and judged with the same thresholds (`exporter/coverage/conditioning.py`). An artifact whose broken
   thresholds eager's own rounding also breaks, and whose PSNR is within 6 dB of that rounding's, is "❎ … ·
-  ill-conditioned": its failure says nothing about the exporter. A ❎ without it is ours to explain.
+  ill-conditioned": its failure says nothing about the exporter. So is one that breaks only decisions (top-1,
+  masks, matched boxes) while closer to eager than that rounding: on near-tied margins any rounding flips some,
+  and the floor's single sample may flip none. A ❎ without it is ours to explain.
 - **⛔ is the exporter's own refusal** (video and optical-flow weights, two-stage detectors: the one-line
   error `exporter build` exits 2 with), asked without building. A format that cannot take an eager-quantized
   model is ⛔ per artifact.
