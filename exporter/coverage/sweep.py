@@ -144,7 +144,8 @@ class Sweep:
         if self.cache:
             cached = rowcache.fetch(cache_root, key, self.settings.time_limit)
             if cached is not None:
-                if "floor" not in cached and any(c.get("outcome") == "failed" for c in cached.get("cells", [])):
+                cached = outcome.reclassify(cached)
+                if outcome.floor_wanted(cached):
                     cached["floor"] = self._floor_only(candidate, cached, weight_dir, stop)
                     if not stop.signalled:
                         rowcache.store(cache_root, cached)
@@ -195,8 +196,8 @@ class Sweep:
         return proc, timed_out, round(time.perf_counter() - start, 1), log_path
 
     def _floor_only(self, candidate: Candidate, row: dict, weight_dir: Path, stop) -> dict:
-        """The precision floor for a cached row that has validation failures but was built before floors
-        were measured (the checkpoint is deterministic, so it is remade as the build made it)."""
+        """The precision floors for a cached row that has validation failures but was built before (some of)
+        them were measured (the checkpoint is deterministic, so it is remade as the build made it)."""
         spec = dict(self._spec(candidate, row["target"], weight_dir), floor_only=True,
                     result=str(weight_dir / f"{row['target']}.floor.json"))
         self._run_worker(spec, weight_dir, stop)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .. import files
 from ..errors import UsageError
-from .outcome import ORDER, SYMBOLS, broken_keys, reclassify
+from .outcome import FLOORS, ORDER, SYMBOLS, broken_keys, reclassify
 from .select import TASK_ORDER
 
 COVERAGE_VERSION = 1
@@ -233,13 +233,17 @@ def cell_text(cell: dict) -> str:
 def floor_text(row: dict, cell: dict) -> str:
     """What eager rounded to the cell's precision reached (coverage.conditioning), e.g. 'eager rounded to int8:
     top1_agreement 0.5, psnr_db 29.6'."""
-    measured = (row.get("floor") or {}).get(cell.get("precision"))
-    if not measured:
-        return ""
-    fidelity = measured.get("fidelity") or {}
-    keys = sorted(broken_keys(cell.get("reasons") or [cell.get("reason") or ""]) & set(fidelity))
-    values = ", ".join(f"{k} {_number(fidelity[k])}" for k in keys)
-    return f"eager rounded to {cell['precision']}: {values}" if values else ""
+    parts = []
+    for name in FLOORS.get(cell.get("precision"), (cell.get("precision"),)):
+        fidelity = ((row.get("floor") or {}).get(name) or {}).get("fidelity") or {}
+        keys = sorted(broken_keys(cell.get("reasons") or [cell.get("reason") or ""]) & set(fidelity))
+        values = ", ".join(f"{k} {_number(fidelity[k])}" for k in keys)
+        if values:
+            parts.append(f"{FLOOR_NAMES.get(name, 'eager rounded to ' + name)}: {values}")
+    return "; ".join(parts)
+
+
+FLOOR_NAMES = {"int8_static": "with static int8 ranges"}
 
 
 def _number(value) -> str:
@@ -321,7 +325,9 @@ past the time limit is killed and marked ⏱), offline and without `--data`:
   images; with a head fitted to real digits on its random features, still 0.875 and 26.9 dB). So for every
   build with a ❎, eager itself is run on the same inputs in float64, with weights and every layer's output
   rounded to float16, and rounded to 8 bits (per-channel weights, per-tensor outputs from each tensor's own
-  max), and judged with the same thresholds (`exporter/coverage/conditioning.py`). An artifact whose broken
+  max; and again with each output's range fixed beforehand from the calibration images, as a static int8
+  runtime does, which clips a random model's outliers that move from image to image), and judged with the
+  same thresholds (`exporter/coverage/conditioning.py`). An artifact whose broken
   thresholds eager's own rounding also breaks, and whose PSNR is within 6 dB of that rounding's, is "❎ … ·
   ill-conditioned": its failure says nothing about the exporter. So is one that breaks only decisions (top-1,
   masks, matched boxes) while closer to eager than that rounding: on near-tied margins any rounding flips some,

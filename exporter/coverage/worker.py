@@ -110,14 +110,13 @@ def floor(request, target: str) -> dict:
     plan = make(target_profile(request, target), task.name)
     size = (plan.data.calib_size, plan.data.val_size, plan.data.seed)
     transform = task.transform(loaded.weights)
-    if request.data is None:
-        images = data.synthetic(transform, *size).validation
-    else:
-        images = task.load_data(request.data, transform, *size).validation
+    inputs = data.synthetic(transform, *size) if request.data is None else task.load_data(request.data, transform, *size)
+    images = inputs.validation
     eager = loaded.eager.float().eval()
     with torch.no_grad():
         reference = torch.cat([eager(x[None]) for x in images])
-    result = conditioning.floor(task, eager, images, reference, {k: dict(v) for k, v in plan.thresholds.items()})
+    result = conditioning.floor(task, eager, images, reference, {k: dict(v) for k, v in plan.thresholds.items()},
+                                inputs.calibration)
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
 
