@@ -456,6 +456,15 @@ def test_decisions_flipped_by_an_artifact_closer_to_eager_than_the_floor_are_ill
     kinds = [c["kind"] for c in outcome.reclassify(row)["cells"]]
     # farther than the floor, no PSNR recorded, or a broken threshold that is no decision: ours to explain
     assert kinds == ["ill-conditioned reference", "validation", "validation", "validation"]
+    # ShuffleNetV2-0.5's random Q/DQ ONNX: one top-1 of 8 flipped at 27.3 dB; eager rounded to int8 (25.1 dB) broke
+    # the PSNR threshold too but flipped none. Every threshold the artifact broke is either broken by the floor
+    # or a decision flipped closer to eager than the floor; 6 dB farther than the floor, not.
+    int8 = {"int8": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 25.08}, "reasons": ["psnr_db 25.08 (needs >= 30)"]}}
+    reasons = ["top1_agreement 0.875 (needs >= 0.97)", "psnr_db 27.28 (needs >= 30)"]
+    flipped = {"precision": "int8", "outcome": "failed", "kind": "validation", "reasons": reasons, "psnr_db": 27.28}
+    farther = dict(flipped, reasons=[reasons[0], "psnr_db 19 (needs >= 30)"], psnr_db=19.0)
+    kinds = [c["kind"] for c in outcome.reclassify({"floor": int8, "cells": [flipped, farther]})["cells"]]
+    assert kinds == ["ill-conditioned reference", "validation"]
     artifact = {"name": "onnx_fp16", "format": "onnx", "precision": "fp16", "status": "failed", "path": "m.onnx",
                 "reasons": closer["reasons"], "fidelity": {"psnr_db": 47.3641, "top1_agreement": 0.75}}
     assert outcome.cell_from_artifact(artifact)["psnr_db"] == 47.36
