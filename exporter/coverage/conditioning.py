@@ -16,9 +16,9 @@ thresholds:
           whose activation outliers move from image to image clips where the dynamic scale does not
           (measured: a random EfficientNetV2-S, 24.5 dB static against 29.3 dB dynamic)
 
-When this "floor" (for int8, either of its two) already breaks a threshold that an artifact of that precision broke, the artifact's failure is
-the reference's conditioning, not the export: the sweep says "ill-conditioned". When the floor passes and the
-artifact fails, the failure is ours to explain."""
+When this "floor" (for int8, either of its two) already breaks a threshold that an artifact of that precision
+broke, the artifact's failure is the reference's conditioning, not the export: the sweep says "ill-conditioned".
+When the floor passes and the artifact fails, the failure is ours to explain."""
 
 from __future__ import annotations
 

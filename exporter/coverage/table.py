@@ -329,9 +329,9 @@ past the time limit is killed and marked ⏱), offline and without `--data`:
   runtime does, which clips a random model's outliers that move from image to image), and judged with the
   same thresholds (`exporter/coverage/conditioning.py`). An artifact whose broken
   thresholds eager's own rounding also breaks, and whose PSNR is within 6 dB of that rounding's, is "❎ … ·
-  ill-conditioned": its failure says nothing about the exporter. So is one that breaks only decisions (top-1,
-  masks, matched boxes) while closer to eager than that rounding: on near-tied margins any rounding flips some,
-  and the floor's single sample may flip none. A ❎ without it is ours to explain.
+  ill-conditioned": its failure says nothing about the exporter. So is one that flips decisions (top-1, masks,
+  matched boxes) the rounding kept while closer to eager than that rounding, its other broken thresholds broken
+  by the rounding too: on near-tied margins any rounding flips some, and the floor's single sample may flip none. A ❎ without it is ours to explain.
 - **⛔ is the exporter's own refusal** (video and optical-flow weights, two-stage detectors: the one-line
   error `exporter build` exits 2 with), asked without building. A format that cannot take an eager-quantized
   model is ⛔ per artifact.
