@@ -150,6 +150,17 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     merged_doc["selection"]["models"] = [SMALL[0]]
     (tmp_path / "merged.json").write_text(json.dumps(merged_doc))
     _merges_complete(tmp_path / "merged.json", tmp_path / "shards" / "coverage-shard-2-of-2.json", out=tmp_path / "twice")
+    # so does a partial one: merged again with one of its own files it plans the same 4 builds, not 4 + 2
+    stopped.update(rows=stopped["rows"][:1])
+    (tmp_path / "stopped.json").write_text(json.dumps(stopped))
+    shard_one = tmp_path / "shards" / "coverage-shard-1-of-2.json"
+    assert run_cli("coverage", "--merge", tmp_path / "stopped.json", shard_one, "--out", tmp_path / "part").exit_code == 0
+    part = json.loads((tmp_path / "part" / "coverage.json").read_text())
+    part["selection"]["models"] = [SMALL[0]]
+    (tmp_path / "part.json").write_text(json.dumps(part))
+    assert run_cli("coverage", "--merge", tmp_path / "part.json", shard_one, "--out", tmp_path / "part2").exit_code == 0
+    again = json.loads((tmp_path / "part2" / "coverage.json").read_text())
+    assert not part["complete"] and part["planned_rows"] == again["planned_rows"] == 4, again["planned_rows"]
     # a sweep of other targets (rows rebuilt for one target) merges in; other sizes do not
     other = json.loads(out.joinpath("coverage.json").read_text())
     other["settings"]["targets"], other["rows"] = ["android"], []

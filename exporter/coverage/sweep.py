@@ -81,6 +81,7 @@ class Sweep:
         doc = table.new_document(self.command, self.settings.describe(), self.selection, tools)
         planned = [(c, t) for c in self.candidates for t in self.settings.targets]
         doc["planned_rows"] = len(planned)
+        doc["planned"] = table.sorted_keys((c.weight, t) for c, t in planned)
         self._earlier = _earlier_runs(self.json_path, doc)
         rows: list[dict] = []
         cache_root = rowcache.root(self.cache_dir)

@@ -45,6 +45,7 @@ def new_document(command: str, settings: dict, selection: dict, tools: dict) -> 
         "settings": settings,
         "selection": selection,
         "planned_rows": 0,
+        "planned": [],  # the [weight, target] builds, so that merges of merges count each once
         "complete": False,
         "rows": [],
     }
@@ -57,6 +58,11 @@ def _order(value, order) -> int:
 def sorted_rows(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (_order(r["task"], TASK_ORDER), r["model"], r["weight"],
                                        _order(r["target"], TARGET_ORDER), r["target"]))
+
+
+def sorted_keys(keys) -> list[list[str]]:
+    """(weight, target) pairs as the JSON lists a document plans, in the table's order."""
+    return [[w, t] for w, t in sorted(keys, key=lambda k: (k[0], _order(k[1], TARGET_ORDER)))]
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -135,7 +141,11 @@ def merge(paths, command: str) -> dict:
         merged["hosts"] = [json.loads(h) for h in sorted(hosts)]
     plans = [_planned(d) for _, d in docs]
     known = all(p is not None for p in plans)
-    merged["planned_rows"] = len(set().union(*plans) | set(rows)) if known else sum(d.get("planned_rows", 0) for _, d in docs)
+    if known:
+        keys = set().union(*plans) | set(rows)
+        merged["planned"], merged["planned_rows"] = sorted_keys(keys), len(keys)
+    else:
+        merged["planned_rows"] = sum(d.get("planned_rows", 0) for _, d in docs)
     merged["rows"] = sorted_rows(list(rows.values()))
     # an interrupted sweep is completed by another run's rows when the plans are known
     merged["complete"] = (known or all(d.get("complete") for _, d in docs)) and len(merged["rows"]) >= merged["planned_rows"]
@@ -155,6 +165,8 @@ def _planned(doc: dict) -> set | None:
     plans nothing new), or None where they cannot be listed again as they were (another torchvision)."""
     from . import select
 
+    if doc.get("planned"):
+        return {tuple(key) for key in doc["planned"]}
     if doc.get("merged_from") and doc.get("complete"):  # an earlier merge: it planned what it holds
         return {(r["weight"], r["target"]) for r in doc.get("rows", [])}
     selection = doc.get("selection") or {}
