@@ -347,11 +347,19 @@ def test_the_precision_floor_tells_a_fragile_reference_from_a_sound_one():
         with torch.no_grad():
             reference = model(images)
         floors[name] = conditioning.floor(_task(3), model, images, reference, THRESHOLDS)
-    assert set(floors["sound"]) == {"fp32", "fp16", "int8"}
-    assert all(not row["reasons"] for row in floors["sound"].values()), floors["sound"]
+    assert set(floors["sound"]) == {"fp32", "fp16", "int8", "margins"}
+    assert all(not floors["sound"][p]["reasons"] for p in conditioning.PRECISIONS), floors["sound"]
     assert not floors["fragile"]["fp32"]["reasons"]
     assert "top1_agreement" in outcome.broken_keys(floors["fragile"]["int8"]["reasons"]), floors["fragile"]["int8"]
     assert floors["fragile"]["int8"]["fidelity"]["top1_agreement"] < 0.97
+    # every top-1 the 8-bit rounding flipped sat on a near-tie by the rule's measure; the sound model has none
+    fragile, sound = floors["fragile"], floors["sound"]
+    with torch.no_grad():
+        flipped = (conditioning.outputs(models["fragile"], images, "int8").argmax(1)
+                   != models["fragile"](images).argmax(1)).nonzero().flatten().tolist()
+    assert flipped and len(fragile["margins"]) == len(fragile["int8"]["rms"]) == 16
+    assert all(fragile["margins"][i] < outcome.NEAR_TIE * fragile["int8"]["rms"][i] for i in flipped)
+    assert not any(m < outcome.NEAR_TIE * e for m, e in zip(sound["margins"], sound["int8"]["rms"]))
 
 
 def _outlier_images(calib: int, val: int, outlier: float) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -374,7 +382,7 @@ def test_the_static_int8_floor_clips_what_calibration_never_saw():
     with torch.no_grad():
         reference = model(images)
     floors = conditioning.floor(_task(10), model, images, reference, THRESHOLDS, calibration)
-    assert set(floors) == {"fp32", "fp16", "int8", "int8_static"}
+    assert set(floors) == {"fp32", "fp16", "int8", "int8_static", "margins"}
     dynamic, static = floors["int8"]["fidelity"]["psnr_db"], floors["int8_static"]["fidelity"]["psnr_db"]
     assert dynamic >= 30 and static < dynamic - 10, (dynamic, static)
     assert "psnr_db" in outcome.broken_keys(floors["int8_static"]["reasons"])
@@ -479,6 +487,33 @@ def test_decisions_flipped_by_an_artifact_closer_to_eager_than_the_floor_are_ill
     artifact = {"name": "onnx_fp16", "format": "onnx", "precision": "fp16", "status": "failed", "path": "m.onnx",
                 "reasons": closer["reasons"], "fidelity": {"psnr_db": 47.3641, "top1_agreement": 0.75}}
     assert outcome.cell_from_artifact(artifact)["psnr_db"] == 47.36
+
+
+def test_a_top1_flipped_on_a_near_tie_is_the_references_not_the_exports():
+    """Swin-V2-S's random int8 .pte flipped one top-1 of 8 at 39.51 dB, 0.12 dB farther from eager than its
+    floor (39.63 dB), which flipped none: eager's margin on that image was 0.004, a fifth of the RMS error."""
+    margins = [0.004, 0.020, 0.029, 0.038, 0.081, 0.104, 0.113, 0.294]
+    floor = {"margins": margins,
+             "int8": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 39.63}, "reasons": [], "rms": [0.022] * 8}}
+    cell = {"precision": "int8", "outcome": "failed", "kind": "validation", "psnr_db": 39.51,
+            "reasons": ["top1_agreement 0.875 (needs >= 0.97)"]}
+    tie = dict(cell, flipped_rows=[{"row": 0, "top1_flipped": 1.0}])
+    cells = [tie,
+             dict(cell, flipped_rows=[{"row": 7, "top1_flipped": 1.0}]),  # a margin 13x the error: the export's
+             dict(cell),  # the flipped images unknown
+             dict(tie, reasons=["top1_agreement 0.75 (needs >= 0.97)"]),  # two flipped, one listed
+             dict(tie, psnr_db=33.0)]  # 6.6 dB farther than eager's own rounding
+    row = outcome.reclassify({"floor": floor, "cells": cells})
+    assert [c["kind"] for c in row["cells"]] == ["ill-conditioned reference"] + ["validation"] * 4
+    assert table.floor_text(row, row["cells"][0]) == ("eager rounded to int8: top1_agreement 1; "
+                                                      "top-1 flipped where eager's margin was 0.004 "
+                                                      "(rounding's RMS error there 0.022)")
+    # the flipped images come from the manifest's preview rows (the images where the artifact departs most)
+    artifact = {"name": "executorch_int8", "format": "executorch", "precision": "int8", "status": "failed",
+                "path": "m.pte", "reasons": cell["reasons"],
+                "preview_rows": [{"row": 3, "departure": {"top1_flipped": 1.0, "logit_rmse": 0.03}},
+                                 {"row": 5, "departure": {"top1_flipped": 0.0, "logit_rmse": 0.02}}]}
+    assert outcome.cell_from_artifact(artifact)["flipped_rows"] == [{"row": 3, "top1_flipped": 1.0, "logit_rmse": 0.03}]
 
 
 def test_a_cached_row_with_a_failure_gets_its_floor_measured(first_run, cache_dir, tmp_path):

@@ -18,6 +18,8 @@ thresholds:
 
 When this "floor" (for int8, either of its two) already breaks a threshold that an artifact of that precision
 broke, the artifact's failure is the reference's conditioning, not the export: the sweep says "ill-conditioned".
+For class scores it also keeps, per image, eager's top-1 margin and each rounding's RMS error, so that a top-1
+the floor happened to keep can be told to be a near-tie (coverage.outcome).
 When the floor passes and the artifact fails, the failure is ours to explain."""
 
 from __future__ import annotations
@@ -145,6 +147,9 @@ def floor(task, model: nn.Module, images: torch.Tensor, reference: torch.Tensor,
     variants = [(p, p) for p in PRECISIONS if p in thresholds]
     if calibration and "int8" in thresholds:
         variants.append((STATIC, "int8"))
+    margins = top1_margins(reference)
+    if margins is not None:
+        result["margins"] = margins
     for variant, precision in variants:
         rounded = outputs(model, images, variant, calibration)
         quality = task.quality(rounded, reference, None, None, thresholds[precision])
@@ -152,7 +157,19 @@ def floor(task, model: nn.Module, images: torch.Tensor, reference: torch.Tensor,
             "fidelity": {k: _finite(v) for k, v in quality["fidelity"].items() if isinstance(v, (int, float))},
             "reasons": quality["reasons"],
         }
+        if margins is not None:
+            error = (rounded.double() - reference.double()).reshape(len(reference), -1)
+            result[variant]["rms"] = [round(v, 6) for v in error.pow(2).mean(1).sqrt().tolist()]
     return result
+
+
+def top1_margins(reference: torch.Tensor) -> list[float] | None:
+    """Per image, eager's top-1 score minus its runner-up's, where the outputs are one row of class scores per
+    image (else None): how far a rounding must move the scores to flip that image's top-1."""
+    if reference.dim() != 2 or reference.shape[1] < 2:
+        return None
+    top2 = reference.double().topk(2, 1).values
+    return [round(v, 6) for v in (top2[:, 0] - top2[:, 1]).tolist()]
 
 
 def _finite(value):

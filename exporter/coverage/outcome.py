@@ -79,17 +79,24 @@ DECISION_KEYS = {"top1_agreement", "top5_agreement", "pixel_agreement", "miou_vs
 FLOORS = {"int8": ("int8", "int8_static")}
 
 
-def floor_explains(floor: dict | None, precision: str, reasons, psnr_db: float | None = None) -> bool:
+# a top-1 margin under this many times a rounding's RMS score error is a near-tie: two scores, each off by that
+# error independently, flip it with a probability over 2 % (the floor's one sample may well have kept it)
+NEAR_TIE = 2 * math.sqrt(2)
+
+
+def floor_explains(floor: dict | None, precision: str, reasons, psnr_db: float | None = None,
+                   flipped_rows=None) -> bool:
     """True when eager with its tensors rounded to `precision` (coverage.conditioning; for int8, either of its
     floors) already broke every threshold the artifact broke, and the artifact's PSNR is not far below the
     floor's: the failure is the random reference's conditioning, not the export. Measured over the 2026-11
     table, artifacts the floor explains sit within 3.5 dB of it; MaxViT-T's int8 .pte sat 17 dB below, which no
     rounding explains."""
-    return any(_one_floor_explains((floor or {}).get(name), reasons, psnr_db)
+    margins = (floor or {}).get("margins")
+    return any(_one_floor_explains((floor or {}).get(name), reasons, psnr_db, margins, flipped_rows)
                for name in FLOORS.get(precision, (precision,)))
 
 
-def _one_floor_explains(row: dict | None, reasons, psnr_db: float | None) -> bool:
+def _one_floor_explains(row: dict | None, reasons, psnr_db: float | None, margins=None, flipped_rows=None) -> bool:
     if not row:
         return False
     broken = broken_keys(reasons)
@@ -101,12 +108,30 @@ def _one_floor_explains(row: dict | None, reasons, psnr_db: float | None) -> boo
     if kept:
         # closer to eager than eager's own rounding: the decisions it flips sit on margins no rounding keeps
         # (measured: Wide-ResNet50-2's ONNX fp16 at 47.4 dB against a 44.2 dB floor that happened to flip none)
-        return (isinstance(psnr_db, (int, float)) and isinstance(floor_psnr, (int, float))
-                and psnr_db >= floor_psnr)
+        closer = (isinstance(psnr_db, (int, float)) and isinstance(floor_psnr, (int, float))
+                  and psnr_db >= floor_psnr)
+        return closer or (kept == {"top1_agreement"} and near_ties(row, reasons, psnr_db, margins, flipped_rows))
     artifact_psnr = _broken_value(reasons, "psnr_db")
     if artifact_psnr is not None and isinstance(floor_psnr, (int, float)):
         return artifact_psnr >= floor_psnr - FLOOR_PSNR_MARGIN_DB
     return True
+
+
+def near_ties(row: dict, reasons, psnr_db, margins, flipped_rows) -> bool:
+    """True when every top-1 the artifact flipped is listed (`flipped_rows`, from its manifest's preview rows)
+    and sat on a near-tie: eager's margin there under NEAR_TIE times this rounding's RMS error on that image,
+    with the artifact's PSNR within FLOOR_PSNR_MARGIN_DB of the rounding's (measured: Swin-V2-S's random int8
+    .pte flipped one of 8 at 39.5 dB, floors 39.6/39.9 dB, on an image whose margin was a fifth of the error)."""
+    rms = row.get("rms")
+    agreement = _broken_value(reasons, "top1_agreement")
+    floor_psnr = (row.get("fidelity") or {}).get("psnr_db")
+    if not (margins and rms and flipped_rows and agreement is not None and isinstance(psnr_db, (int, float))
+            and isinstance(floor_psnr, (int, float))):
+        return False
+    flips = round((1 - agreement) * len(margins))
+    images = [r["row"] for r in flipped_rows]
+    return (len(images) == flips and psnr_db >= floor_psnr - FLOOR_PSNR_MARGIN_DB
+            and all(0 <= i < len(margins) and margins[i] < NEAR_TIE * rms[i] for i in images))
 
 
 def floor_wanted(row: dict) -> bool:
@@ -141,6 +166,10 @@ def cell_from_artifact(artifact: dict) -> dict:
         cell["delegation"] = {k: delegation.get(k) for k in ("delegated_nodes", "non_delegated_nodes",
                                                              "delegated_subgraphs", "ops_outside_delegate",
                                                              "ops_outside_on_tensors")}
+    flipped = [{"row": r["row"], **r["departure"]} for r in artifact.get("preview_rows") or []
+               if (r.get("departure") or {}).get("top1_flipped")]
+    if flipped and artifact["status"] == "failed":  # the images where its top-1 flipped (outcome.near_ties)
+        cell["flipped_rows"] = flipped
     if "quantization" in details and isinstance(details["quantization"], dict):
         q = details["quantization"]
         cell["quantization"] = {k: q[k] for k in ("float_layers", "layers", "met_budget") if k in q}
@@ -220,7 +249,8 @@ def reclassify(row: dict) -> dict:
             cell["kind"] = classify(cell["reason"].removeprefix("export failed: "))
         elif cell.get("outcome") == "failed" and cell.get("kind") in ("validation", "ill-conditioned reference"):
             reasons = cell.get("reasons") or [cell.get("reason")]
-            explained = floor_explains(row.get("floor"), cell["precision"], reasons, cell.get("psnr_db"))
+            explained = floor_explains(row.get("floor"), cell["precision"], reasons, cell.get("psnr_db"),
+                                       cell.get("flipped_rows"))
             cell["kind"] = "ill-conditioned reference" if explained else "validation"
     return row
 

@@ -252,6 +252,12 @@ def floor_text(row: dict, cell: dict) -> str:
         values = ", ".join(f"{k} {_number(fidelity[k])}" for k in keys)
         if values:
             parts.append(f"{FLOOR_NAMES.get(name, 'eager rounded to ' + name)}: {values}")
+    margins = (row.get("floor") or {}).get("margins")
+    rms = (((row.get("floor") or {}).get(cell.get("precision")) or {}).get("rms"))
+    flips = [r["row"] for r in cell.get("flipped_rows") or [] if margins and rms and r["row"] < len(margins)]
+    if flips:
+        parts.append("top-1 flipped where eager's margin was " + ", ".join(
+            f"{_number(margins[i])} (rounding's RMS error there {_number(rms[i])})" for i in flips))
     return "; ".join(parts)
 
 
@@ -343,7 +349,10 @@ past the time limit is killed and marked ⏱), offline and without `--data`:
   thresholds eager's own rounding also breaks, and whose PSNR is within 6 dB of that rounding's, is "❎ … ·
   ill-conditioned": its failure says nothing about the exporter. So is one that flips decisions (top-1, masks,
   matched boxes) the rounding kept while closer to eager than that rounding, its other broken thresholds broken
-  by the rounding too: on near-tied margins any rounding flips some, and the floor's single sample may flip none. A ❎ without it is ours to explain.
+  by the rounding too: on near-tied margins any rounding flips some, and the floor's single sample may flip none.
+  So, last, is one whose every flipped top-1 sat on a near-tie (eager's margin there under 2√2 times the
+  rounding's RMS error on that image, with the artifact's PSNR within 6 dB of the rounding's). A ❎ without it
+  is ours to explain.
 - **⛔ is the exporter's own refusal** (video and optical-flow weights, two-stage detectors: the one-line
   error `exporter build` exits 2 with), asked without building. A format that cannot take an eager-quantized
   model is ⛔ per artifact.
