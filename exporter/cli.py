@@ -178,10 +178,12 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--labels", type=click.Path(path_type=Path), default=None, help="Class names, one per line (fine-tuned checkpoints).")
 @click.option("--data", type=click.Path(path_type=Path), default=None,
               help="Calibration and labeled validation data: an ImageFolder (classification), or DIR/images + DIR/masks "
-                   "(segmentation, VOC-style: class index per pixel, 255 = ignore), or DIR/annotations.json (detection, COCO).")
+                   "(segmentation, VOC-style: class index per pixel, 255 = ignore), DIR/annotations.json (detection, COCO), "
+                   "or DIR/<class>/<clip>/<frame image> (video).")
 @click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None, metavar="H W",
-              help="Fixed input size of a segmentation graph (the weight's resize size, square) or of a RetinaNet/FCOS "
-                   "graph (multiples of 32; 800 800); SSD and classifiers take their weight's own.")
+              help="Fixed input size of a segmentation graph (the weight's resize size, square), of a RetinaNet/FCOS "
+                   "graph (multiples of 32; 800 800) or of a video graph's frames (the weight's crop); SSD and "
+                   "classifiers take their weight's own.")
 @click.option("--calib-size", type=click.IntRange(min=0), default=None)
 @click.option("--val-size", type=click.IntRange(min=1), default=None)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for eager and every runtime alike.")
@@ -387,7 +389,7 @@ def _command_line(ctx: click.Context) -> str:
 @click.option("--iterations", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Threads per build.")
 @click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=(128, 128), show_default=True,
-              metavar="H W", help="Input size of the graphs that take one: segmentation, RetinaNet, FCOS.")
+              metavar="H W", help="Input size of the graphs that take one: segmentation, RetinaNet, FCOS, video frames.")
 @click.option("--shard", default=None, metavar="I/N", help="Run only shard I of N (weights I, I+N, …); writes OUT/coverage-shard-I-of-N.json/.md.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("docs"), show_default=True, help="Where coverage.md and coverage.json go.")
 @click.option("--builds", type=click.Path(path_type=Path), default=None, help="Keep every build under DIR/<weight>/<target> [default: temporary].")

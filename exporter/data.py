@@ -17,7 +17,7 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 @dataclass
 class Inputs:
     calibration: list[torch.Tensor]  # batch-1 tensors
-    validation: torch.Tensor  # N x C x H x W
+    validation: torch.Tensor  # N x C x H x W (clips: N x C x T x H x W)
     labels: torch.Tensor | None  # N, or None when unlabeled
     classes: list[str] | None
     description: dict = field(default_factory=dict)
@@ -82,6 +82,54 @@ def from_imagefolder(root: Path, preprocess, calib_size: int, val_size: int, see
             "validation": len(val_idx),
             "seed": seed,
         },
+    )
+
+
+def scan_clipfolder(root: Path) -> tuple[list[str], list[tuple[list[Path], int]]]:
+    """DIR/<class>/<clip>/<frame image>: the classes and, per clip, its frames in name order."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UsageError(f"--data {root} is not a directory")
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    samples = []
+    for index, name in enumerate(classes):
+        for clip in sorted(d for d in (root / name).iterdir() if d.is_dir() and not d.name.startswith(".")):
+            frames = sorted(f for f in clip.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+            if frames:
+                samples.append((frames, index))
+    if not samples:
+        raise UsageError(f"--data {root} has no clips in class folders (expected DIR/<class>/<clip>/<frame image>)")
+    return classes, samples
+
+
+def _load_clip(frames: list[Path], preprocess) -> torch.Tensor:
+    images = []
+    for path in frames:
+        try:
+            with Image.open(path) as im:
+                images.append(im.convert("RGB"))
+        except (UnidentifiedImageError, OSError) as e:
+            raise UsageError(f"cannot read frame {path}: {e}") from None
+    return preprocess(images)
+
+
+def from_clipfolder(root: Path, preprocess, calib_size: int, val_size: int, seed: int, frames: int,
+                    num_classes: int) -> Inputs:
+    """Labeled clips: each clip's frames sampled evenly to the graph's `frames` by `preprocess`."""
+    classes, samples = scan_clipfolder(root)
+    if len(classes) > num_classes:
+        raise UsageError(f"--data {root} has {len(classes)} class folders but the model has {num_classes} classes")
+    calib_idx, val_idx = split(len(samples), calib_size, val_size, seed)
+    calibration = [_load_clip(samples[i][0], preprocess)[None] for i in calib_idx]
+    validation = torch.stack([_load_clip(samples[i][0], preprocess) for i in val_idx])
+    return Inputs(
+        calibration,
+        validation,
+        torch.as_tensor([samples[i][1] for i in val_idx]),
+        classes,
+        calibration_labels=torch.as_tensor([samples[i][1] for i in calib_idx], dtype=torch.long),
+        description={"source": str(Path(root).resolve()), "labeled": True, "clips": len(samples), "frames": frames,
+                     "classes": len(classes), "calibration": len(calib_idx), "validation": len(val_idx), "seed": seed},
     )
 
 

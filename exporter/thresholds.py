@@ -25,6 +25,7 @@ TASK_KEYS = {
     "classification": ("top1_agreement", "top5_agreement", "psnr_db", "cosine", "max_abs_error", "accuracy_drop"),
     "segmentation": ("pixel_agreement", "miou_vs_eager", "psnr_db", "cosine", "max_abs_error", "miou_drop"),
     "detection": ("matched_recall", "matched_precision", "psnr_db", "cosine", "max_abs_error", "map_drop"),
+    "video": ("top1_agreement", "top5_agreement", "psnr_db", "cosine", "max_abs_error", "accuracy_drop"),
 }
 # fractions in [0, 1]
 FRACTIONS = ("top1_agreement", "top5_agreement", "pixel_agreement", "miou_vs_eager", "matched_recall", "matched_precision")

@@ -261,6 +261,10 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
     if refusal:
         entry.update(status="unavailable", reasons=[f"cannot take an eager-quantized model: {refusal}"])
         return entry
+    refusal = session.task.refuses(spec.format)
+    if refusal:
+        entry.update(status="unavailable", reasons=[f"cannot take a {session.task.name} graph: {refusal}"])
+        return entry
     if spec.precision not in module.PRECISIONS:
         entry["reasons"] = [f"{spec.format} does not offer {spec.precision} (it offers {', '.join(module.PRECISIONS)})"]
         return entry

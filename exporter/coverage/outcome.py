@@ -7,8 +7,8 @@ A cell is one artifact of one weight on one target. Its `outcome`:
                      itself, rounded to the artifact's precision, broke the same thresholds (coverage.conditioning)
     export       ❌  export failed (the first line of the error), `kind` classified by CLASSIFIERS
     unavailable  ⚪  this host cannot run (or build) it: Core ML predicts only on macOS, TensorRT needs a GPU
-    refused      ⛔  refused by design (a video or optical-flow weight, a two-stage detector, a format that
-                     cannot take an eager-quantized model)
+    refused      ⛔  refused by design (an optical-flow weight, a two-stage detector, a format that
+                     cannot take an eager-quantized model, a format that cannot take the task's graph)
     time         ⏱  the build hit the sweep's time limit before this artifact was done
     skipped      ⏭  not built: the weight is larger than --max-params
     not_run      ·   not reached: the build stopped (crashed or was killed) at an earlier artifact
@@ -184,7 +184,7 @@ def cell_from_artifact(artifact: dict) -> dict:
     elif artifact["status"] == "passed":
         cell["outcome"] = "passed"
     elif artifact["status"] == "unavailable":
-        refused = "cannot take an eager-quantized model" in reason
+        refused = reason.startswith("cannot take ")
         cell["outcome"] = "refused" if refused else "unavailable"
         cell["kind"] = "by design" if refused else ("built, cannot run here" if built else "cannot build here")
     elif built:

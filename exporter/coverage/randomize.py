@@ -177,8 +177,8 @@ def _quantized_state(w, float_model: nn.Module, model_name: str, num_classes: in
 
 
 def accepted_input_size(weight_name: str, input_size):
-    """`input_size` where the weight's graph takes one (segmentation, RetinaNet/FCOS), else None (classifiers
-    and SSD keep their weight's own size)."""
+    """`input_size` where the weight's graph takes one (segmentation, RetinaNet/FCOS, video frames no smaller than
+    the weight's min_size), else None (classifiers and SSD keep their weight's own size)."""
     from ..errors import UsageError
 
     if input_size is None:

@@ -353,9 +353,9 @@ past the time limit is killed and marked ⏱), offline and without `--data`:
   So, last, is one whose every flipped top-1 sat on a near-tie (eager's margin there under 2√2 times the
   rounding's RMS error on that image, with the artifact's PSNR within 6 dB of the rounding's). A ❎ without it
   is ours to explain.
-- **⛔ is the exporter's own refusal** (video and optical-flow weights, two-stage detectors: the one-line
-  error `exporter build` exits 2 with), asked without building. A format that cannot take an eager-quantized
-  model is ⛔ per artifact.
+- **⛔ is the exporter's own refusal** (optical-flow weights, two-stage detectors: the one-line error
+  `exporter build` exits 2 with), asked without building. A format that cannot take an eager-quantized model,
+  or a clip (the `.pte`: no 3-D convolution in XNNPACK), is ⛔ per artifact.
 - **⚪ is not a failure**: the artifact cannot be run (Core ML off macOS) or built (TensorRT without a GPU) on
   this host; a Core ML package that converted shows its size.
 - **Resumable.** Each build's row is cached in `$EXPORTER_CACHE/coverage/` keyed on the weight, the target,

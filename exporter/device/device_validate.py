@@ -55,6 +55,7 @@ class Task(NamedTuple):
 
 TASKS = {
     "classification": Task("classification", "NC", ("top1_agreement", "top5_agreement", "psnr_db", "cosine"), ("max_abs_error",)),
+    "video": Task("video", "NC", ("top1_agreement", "top5_agreement", "psnr_db", "cosine"), ("max_abs_error",)),
     "segmentation": Task("segmentation", "NCHW", ("pixel_agreement", "miou_vs_eager", "psnr_db", "cosine"), ("max_abs_error",)),
     "detection": Task("detection", "NAK", ("matched_recall", "matched_precision", "psnr_db", "cosine"), ("max_abs_error",)),
 }
@@ -254,12 +255,14 @@ def _read_build(directory: Path) -> tuple[dict, Task, str, np.ndarray, np.ndarra
     except (OSError, ValueError) as e:
         raise BadInput(f"{directory} is not a readable exporter build: {e}") from None
     task, entry = _task(doc)
-    if inputs.ndim != 4 or logits.ndim != len(task.layout) or len(inputs) != len(logits):
-        raise BadInput(f"golden files do not pair up for {task.name} (inputs N x 3 x H x W, eager logits "
-                       f"{' x '.join(task.layout)}): inputs {inputs.shape}, eager logits {logits.shape}")
+    frames = entry.get("frames")  # clips: N x 3 x T x H x W
+    if inputs.ndim != (5 if frames else 4) or logits.ndim != len(task.layout) or len(inputs) != len(logits):
+        raise BadInput(f"golden files do not pair up for {task.name} (inputs N x 3 x {'T x ' if frames else ''}H x W, "
+                       f"eager logits {' x '.join(task.layout)}): inputs {inputs.shape}, eager logits {logits.shape}")
     size = entry.get("input_size")
-    if size is not None and list(inputs.shape[2:]) != list(size):
-        raise BadInput(f"golden inputs.npy has shape {inputs.shape} but manifest.json task.input_size is {list(size)}")
+    if (size is not None and list(inputs.shape[-2:]) != list(size)) or (frames and inputs.shape[2] != frames):
+        raise BadInput(f"golden inputs.npy has shape {inputs.shape} but manifest.json task.input_size is {list(size)}"
+                       + (f" and task.frames {frames}" if frames else ""))
     shape = (entry.get("output") or {}).get("shape")
     if shape is not None and list(logits.shape[1:]) != list(shape[1:]):
         raise BadInput(f"golden eager_logits.npy has shape {logits.shape} but manifest.json task.output.shape is {list(shape)} per input")

@@ -167,6 +167,8 @@ def _convert(model, example, precision, meta, deployment_target, input):
 
     pre = meta["preprocessing"]
     per_pixel = _multiarray(meta)
+    if input == "image" and example.dim() != 4:  # an image input is one frame: a clip (N, 3, T, H, W) is a tensor
+        input = "tensor"
     if input == "image":
         wrapper = (ImageInput if per_pixel else ImageClassifier)(model, pre["mean"], pre["std"])
         input_type = ct.ImageType(name="image", shape=tuple(example.shape), scale=1 / 255.0, bias=[0.0, 0.0, 0.0],

@@ -216,11 +216,13 @@ def _table(docs: list[dict]) -> str:
 
 
 SAME = {"classification": "the same top-1 class as eager", "segmentation": "the same class as eager on every pixel",
-        "detection": "the same boxes as eager"}
+        "detection": "the same boxes as eager", "video": "the same top-1 class as eager"}
 
 
 def _panels(doc: dict) -> str:
     task = task_name(doc)
+    if task == "video":
+        return "the clip's middle frame | eager's five likeliest classes, eager (grey) over the artifact (blue; red when its top-1 differs)"
     if task == "classification":
         return "input | eager's five likeliest classes, eager (grey) over the artifact (blue; red when its top-1 differs)"
     if task == "segmentation":

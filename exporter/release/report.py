@@ -56,6 +56,7 @@ def quantization_summary(q: dict) -> str:
 # here rather than in exporter.tasks because reports are written without importing torch
 COLUMNS = {
     "classification": ({"top-1 agree": "top1_agreement"}, ("acc1", "drop_points", "acc@1")),
+    "video": ({"top-1 agree": "top1_agreement"}, ("acc1", "drop_points", "acc@1")),
     "segmentation": ({"pixel agree": "pixel_agreement", "mIoU vs eager": "miou_vs_eager"}, ("miou", "miou_drop_points", "mIoU")),
     "detection": ({"matched recall": "matched_recall", "matched precision": "matched_precision"}, ("map", "map_drop_points", "mAP")),
 }

@@ -43,6 +43,12 @@ class Task:
         return None
 
     @classmethod
+    def refuses(cls, format_name: str) -> str | None:
+        """Why a format cannot take this task's graph (measured), or None: the pipeline asks, formats never see
+        the task."""
+        return None
+
+    @classmethod
     def bind(cls, weights, model_name: str, num_classes: int, input_size: tuple[int, int] | None = None) -> "Task":
         """The task for one build's graph (input_size: --input-size, else the weight's own). The caller names
         the model builder, so tasks never look weights up in the registry (exporter.weights imports tasks)."""

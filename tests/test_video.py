@@ -1,0 +1,71 @@
+"""Video classifiers: R3D-18 really trained on clips of moving digits, built for Jetson (ONNX) and Android
+(TorchScript lite; the .pte refused with what stops it), validated per clip against eager and the labels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from exporter import weights
+from exporter.errors import UsageError
+from exporter.standins import digit_clips
+from tests.conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
+
+SMALL = ["--calib-size", "16", "--val-size", "48", "--warmup", "1", "--iterations", "3"]
+
+
+@pytest.fixture(scope="session")
+def clips_model() -> digit_clips.DigitClipsModel:
+    return digit_clips.prepare(CACHE)
+
+
+@pytest.fixture(scope="session")
+def video_build(tmp_path_factory, clips_model):
+    out = tmp_path_factory.mktemp("video") / "build"
+    h, w = clips_model.input_size
+    result = run_cli("build", clips_model.weight, "--checkpoint", clips_model.checkpoint, "--data", clips_model.data_dir,
+                     "--labels", clips_model.labels_file, "--input-size", h, w, "--target", "jetson", "--target", "android",
+                     "--format", "onnx:fp32", "--format", "onnx:int8", "--format", "torchscript_lite:fp32",
+                     "--format", "executorch:fp32", "--out", out, "--quiet", *SMALL)
+    return out, result
+
+
+def _manifest(out, target):
+    return json.loads((out / target / "manifest.json").read_text())
+
+
+def test_a_trained_video_classifier_builds_for_jetson_and_android(video_build, clips_model):
+    out, result = video_build
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert clips_model.held_out_accuracy > 0.8  # a model with real margins: agreement means something
+    jetson, android = _manifest(out, "jetson"), _manifest(out, "android")
+    assert jetson["task"]["name"] == "video" and jetson["task"]["frames"] == 16
+    assert jetson["preprocessing"]["layout"] == "NCTHW"
+    artifacts = {a["name"]: a for doc in (jetson, android) for a in doc["artifacts"]}
+    for name in ("onnx_fp32", "onnx_int8", "torchscript_lite_fp32"):
+        entry = artifacts[name]
+        assert entry["status"] == "passed", (name, entry["reasons"])
+        accuracy = entry["accuracy"]
+        assert accuracy["eager_acc1"] > 80 and accuracy["drop_points"] <= 1.0, (name, accuracy)
+    assert artifacts["onnx_fp32"]["fidelity"]["top1_agreement"] == 1.0
+    assert artifacts["torchscript_lite_fp32"]["fidelity"]["psnr_db"] >= 60
+    # the .pte is not attempted: what stops it was measured, and the build still passes on what it can ship
+    pte = artifacts["executorch_fp32"]
+    assert pte["status"] == "unavailable" and pte["path"] is None
+    assert pte["reasons"][0].startswith("cannot take a video graph: XNNPACK has no 3-D convolution"), pte["reasons"]
+    # the device kit checks clips as the build did
+    assert_device_reproduces_the_build(out / "jetson")
+
+
+def test_video_input_that_cannot_work_is_refused_in_one_line(tmp_path, clips_model):
+    images = tmp_path / "images" / "0"
+    images.mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(images / "a.png")  # an ImageFolder: images, no clips
+    out = tmp_path / "out"
+    result = run_cli("build", clips_model.weight, "--checkpoint", clips_model.checkpoint, "--data", tmp_path / "images",
+                     "--input-size", "16", "16", "--target", "jetson", "--format", "onnx:fp32", "--out", out, "--quiet")
+    assert_clean_refusal(result, out, "no clips in class folders")
+    with pytest.raises(UsageError, match="mvit_v2_s takes frames of at least 224x224"):
+        weights.bind_task(weights.resolve("mvit_v2_s"), input_size=(112, 112))
