@@ -167,8 +167,6 @@ def _convert(model, example, precision, meta, deployment_target, input):
 
     pre = meta["preprocessing"]
     per_pixel = _multiarray(meta)
-    if input == "image" and example.dim() != 4:  # an image input is one frame: a clip (N, 3, T, H, W) is a tensor
-        input = "tensor"
     if input == "image":
         wrapper = (ImageInput if per_pixel else ImageClassifier)(model, pre["mean"], pre["std"])
         input_type = ct.ImageType(name="image", shape=tuple(example.shape), scale=1 / 255.0, bias=[0.0, 0.0, 0.0],
@@ -468,6 +466,8 @@ def _spec_check(path: Path, precision, meta, options, output_shape) -> dict:
 def export(model, example, precision, calib, path: Path, meta: dict, deployment_target=DEFAULT_TARGET,
            input="image", compression="none", nbits=None) -> dict:
     preflight(precision, deployment_target, input, compression, nbits)
+    if input == "image" and example.dim() != 4:  # an image input is one frame: a clip (N, 3, T, H, W) is a tensor
+        input = "tensor"
     options = {"deployment_target": deployment_target, "input": input, "compression": compression,
                "nbits": nbits if compression == "palettize" else None}
     image_size = _image_size(meta["preprocessing"], example)
