@@ -28,11 +28,15 @@ class Inputs:
         return self.validation[:1]
 
 
-def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
-    root = Path(root)
+def _class_folders(root: Path) -> list[str]:
     if not root.is_dir():
         raise UsageError(f"--data {root} is not a directory")
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    return sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
+    root = Path(root)
+    classes = _class_folders(root)
     samples = []
     for index, name in enumerate(classes):
         for f in sorted((root / name).rglob("*")):
@@ -40,6 +44,21 @@ def scan_imagefolder(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
                 samples.append((f, index))
     if not samples:
         raise UsageError(f"--data {root} has no images in class folders (expected DIR/<class>/<image>)")
+    return classes, samples
+
+
+def scan_clipfolder(root: Path) -> tuple[list[str], list[tuple[list[Path], int]]]:
+    """DIR/<class>/<clip>/<frame image>: the classes and, per clip, its frames in name order."""
+    root = Path(root)
+    classes = _class_folders(root)
+    samples = []
+    for index, name in enumerate(classes):
+        for clip in sorted(d for d in (root / name).iterdir() if d.is_dir() and not d.name.startswith(".")):
+            frames = sorted(f for f in clip.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+            if frames:
+                samples.append((frames, index))
+    if not samples:
+        raise UsageError(f"--data {root} has no clips in class folders (expected DIR/<class>/<clip>/<frame image>)")
     return classes, samples
 
 
@@ -59,24 +78,23 @@ def _load_image(path: Path, preprocess) -> torch.Tensor:
         raise UsageError(f"cannot read image {path}: {e}") from None
 
 
-def from_imagefolder(root: Path, preprocess, calib_size: int, val_size: int, seed: int, num_classes: int) -> Inputs:
-    classes, samples = scan_imagefolder(root)
+def _labeled(root: Path, classes, samples, load, calib_size: int, val_size: int, seed: int, num_classes: int,
+             counted: str) -> Inputs:
+    """Calibration and labeled validation inputs from (item, class index) samples, `load` turning an item into
+    one preprocessed input."""
     if len(classes) > num_classes:
         raise UsageError(f"--data {root} has {len(classes)} class folders but the model has {num_classes} classes")
     calib_idx, val_idx = split(len(samples), calib_size, val_size, seed)
-    calibration = [_load_image(samples[i][0], preprocess)[None] for i in calib_idx]
-    validation = torch.stack([_load_image(samples[i][0], preprocess) for i in val_idx])
-    labels = torch.as_tensor([samples[i][1] for i in val_idx])
     return Inputs(
-        calibration,
-        validation,
-        labels,
+        [load(samples[i][0])[None] for i in calib_idx],
+        torch.stack([load(samples[i][0]) for i in val_idx]),
+        torch.as_tensor([samples[i][1] for i in val_idx]),
         classes,
         calibration_labels=torch.as_tensor([samples[i][1] for i in calib_idx], dtype=torch.long),
         description={
             "source": str(Path(root).resolve()),
             "labeled": True,
-            "images": len(samples),
+            counted: len(samples),
             "classes": len(classes),
             "calibration": len(calib_idx),
             "validation": len(val_idx),
@@ -85,21 +103,10 @@ def from_imagefolder(root: Path, preprocess, calib_size: int, val_size: int, see
     )
 
 
-def scan_clipfolder(root: Path) -> tuple[list[str], list[tuple[list[Path], int]]]:
-    """DIR/<class>/<clip>/<frame image>: the classes and, per clip, its frames in name order."""
-    root = Path(root)
-    if not root.is_dir():
-        raise UsageError(f"--data {root} is not a directory")
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    samples = []
-    for index, name in enumerate(classes):
-        for clip in sorted(d for d in (root / name).iterdir() if d.is_dir() and not d.name.startswith(".")):
-            frames = sorted(f for f in clip.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
-            if frames:
-                samples.append((frames, index))
-    if not samples:
-        raise UsageError(f"--data {root} has no clips in class folders (expected DIR/<class>/<clip>/<frame image>)")
-    return classes, samples
+def from_imagefolder(root: Path, preprocess, calib_size: int, val_size: int, seed: int, num_classes: int) -> Inputs:
+    classes, samples = scan_imagefolder(root)
+    return _labeled(root, classes, samples, lambda path: _load_image(path, preprocess), calib_size, val_size, seed,
+                    num_classes, "images")
 
 
 def _load_clip(frames: list[Path], preprocess) -> torch.Tensor:
@@ -113,24 +120,11 @@ def _load_clip(frames: list[Path], preprocess) -> torch.Tensor:
     return preprocess(images)
 
 
-def from_clipfolder(root: Path, preprocess, calib_size: int, val_size: int, seed: int, frames: int,
-                    num_classes: int) -> Inputs:
-    """Labeled clips: each clip's frames sampled evenly to the graph's `frames` by `preprocess`."""
+def from_clipfolder(root: Path, preprocess, calib_size: int, val_size: int, seed: int, num_classes: int) -> Inputs:
+    """Labeled clips: `preprocess` samples each clip's frames evenly to the graph's frame count."""
     classes, samples = scan_clipfolder(root)
-    if len(classes) > num_classes:
-        raise UsageError(f"--data {root} has {len(classes)} class folders but the model has {num_classes} classes")
-    calib_idx, val_idx = split(len(samples), calib_size, val_size, seed)
-    calibration = [_load_clip(samples[i][0], preprocess)[None] for i in calib_idx]
-    validation = torch.stack([_load_clip(samples[i][0], preprocess) for i in val_idx])
-    return Inputs(
-        calibration,
-        validation,
-        torch.as_tensor([samples[i][1] for i in val_idx]),
-        classes,
-        calibration_labels=torch.as_tensor([samples[i][1] for i in calib_idx], dtype=torch.long),
-        description={"source": str(Path(root).resolve()), "labeled": True, "clips": len(samples), "frames": frames,
-                     "classes": len(classes), "calibration": len(calib_idx), "validation": len(val_idx), "seed": seed},
-    )
+    return _labeled(root, classes, samples, lambda frames: _load_clip(frames, preprocess), calib_size, val_size, seed,
+                    num_classes, "clips")
 
 
 def _synthetic_image(rng: np.random.Generator, size: int = 256) -> Image.Image:

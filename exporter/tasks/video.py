@@ -75,8 +75,7 @@ class Video(Classification):
         return _ClipTransform(self.preprocessing(weights))
 
     def load_data(self, root, transform, calib_size, val_size, seed):
-        return data.from_clipfolder(Path(root), transform, calib_size, val_size, seed, FRAMES,
-                                    num_classes=self.num_classes)
+        return data.from_clipfolder(Path(root), transform, calib_size, val_size, seed, num_classes=self.num_classes)
 
     def output(self):
         return {"name": self.output_name, "layout": "NC", "shape": [1, self.num_classes],
