@@ -292,7 +292,9 @@ def _settings_line(settings: dict) -> str:
          + f"; trained {settings.get('train_epochs')} epochs"),
         f"latency {settings['warmup']} warm-up + {settings['iterations']} timed iterations",
         f"{settings['threads']} thread{'s' if settings['threads'] != 1 else ''}",
-        "segmentation, RetinaNet and FCOS input " + ("×".join(map(str, settings["input_size"])) if settings.get("input_size") else "the weight's"),
+        "segmentation, RetinaNet, FCOS and video-frame input " + (
+            "×".join(map(str, settings["input_size"])) + " (a video weight whose minimum is larger: its own)"
+            if settings.get("input_size") else "the weight's"),
         f"time limit {limit:g} s per build" if limit else "no time limit",
     ]
     return "; ".join(parts)
