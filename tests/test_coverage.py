@@ -544,6 +544,10 @@ def test_the_sweeps_input_size_goes_to_the_graphs_that_take_one():
     assert randomize.accepted_input_size("FCOS_ResNet50_FPN_Weights.COCO_V1", size) == size
     assert randomize.accepted_input_size("SSD300_VGG16_Weights.COCO_V1", size) is None  # SSD: its anchors' size
     assert randomize.accepted_input_size("MobileNet_V3_Small_Weights.IMAGENET1K_V1", size) is None
+    # video frames: never larger than the weight's own (R3D-18: 112), never under its minimum (MViT-V2-S: 224)
+    assert randomize.accepted_input_size("R3D_18_Weights.KINETICS400_V1", size) is None
+    assert randomize.accepted_input_size("R3D_18_Weights.KINETICS400_V1", (64, 64)) == (64, 64)
+    assert randomize.accepted_input_size("MViT_V2_S_Weights.KINETICS400_V1", size) is None
 
 
 def test_a_digits_run_that_did_not_learn_is_run_again_at_a_lower_learning_rate(monkeypatch):

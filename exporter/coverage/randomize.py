@@ -178,17 +178,20 @@ def _quantized_state(w, float_model: nn.Module, model_name: str, num_classes: in
 
 def accepted_input_size(weight_name: str, input_size):
     """`input_size` where the weight's graph takes one (segmentation, RetinaNet/FCOS, video frames no smaller than
-    the weight's min_size), else None (classifiers and SSD keep their weight's own size)."""
+    the weight's min_size) and it is no larger than the weight's own (the sweep measures small: R3D-18's frames
+    stay 112x112), else None (classifiers and SSD keep their weight's own size)."""
     from ..errors import UsageError
 
     if input_size is None:
         return None
     w = weights.resolve(weight_name)
+    task, model_name = weights.task_class(w), weights.model_name_of(w)
     try:
-        weights.task_class(w).input_size_of(w, weights.model_name_of(w), tuple(input_size))
+        task.input_size_of(w, model_name, tuple(input_size))
     except UsageError:
         return None
-    return tuple(input_size)
+    own = task.input_size_of(w, model_name, None)
+    return None if any(r > o for r, o in zip(input_size, own)) else tuple(input_size)
 
 
 def make(weight_name: str, directory: Path, input_size=None) -> dict:

@@ -293,7 +293,7 @@ def _settings_line(settings: dict) -> str:
         f"latency {settings['warmup']} warm-up + {settings['iterations']} timed iterations",
         f"{settings['threads']} thread{'s' if settings['threads'] != 1 else ''}",
         "segmentation, RetinaNet, FCOS and video-frame input " + (
-            "×".join(map(str, settings["input_size"])) + " (a video weight whose minimum is larger: its own)"
+            "×".join(map(str, settings["input_size"])) + ", or the weight's own where that is smaller or its minimum larger"
             if settings.get("input_size") else "the weight's"),
         f"time limit {limit:g} s per build" if limit else "no time limit",
     ]
