@@ -33,7 +33,7 @@ class Settings:
     warmup: int = 1
     iterations: int = 2
     threads: int = 1
-    input_size: tuple[int, int] = (128, 128)  # graphs that take one: segmentation, RetinaNet/FCOS (not classifiers, SSD)
+    input_size: tuple[int, int] = (128, 128)  # graphs that take one: segmentation, RetinaNet/FCOS, video frames (not classifiers, SSD)
     time_limit: float | None = 900.0  # seconds per build (weight x target); None: no limit
     weights: str = "random"  # or "digits": each architecture trained on the digits (coverage.trained)
     train_epochs: int = trained.EPOCHS  # the digits tier's training
