@@ -5,7 +5,7 @@ import random
 import torch
 from torch import nn
 
-from exporter.formats.rewrites import RegionConv, drop_padding_taps
+from exporter.formats.rewrites import GlobalMean3d, RegionConv, drop_padding_taps, global_pool3d_as_mean
 
 
 class Head(nn.Module):
@@ -111,3 +111,17 @@ def test_a_split_convolution_lowers_whole_into_xnnpack(tmp_path):
     assert set(details["delegation"]["ops_outside_delegate"]) <= {"dim_order_ops__to_dim_order_copy_default", "getitem"}
     with torch.no_grad():
         torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_global_3d_pool_becomes_a_mean_with_the_same_output_and_other_pools_stay():
+    """What Core ML converts in place of adaptive_avg_pool3d (R3D-18's clip pooling): same outputs; a pool to more
+    than one output, and a model without one, are left as they are."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv3d(3, 8, 3), nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(8, 4)).eval()
+    x = torch.randn(2, 3, 6, 9, 7)
+    rewritten, done = global_pool3d_as_mean(model)
+    assert done == ["1"] and isinstance(rewritten[1], GlobalMean3d) and isinstance(model[1], nn.AdaptiveAvgPool3d)
+    with torch.no_grad():
+        torch.testing.assert_close(rewritten(x), model(x), rtol=1e-5, atol=1e-6)
+    partial = nn.Sequential(nn.AdaptiveAvgPool3d((1, 2, 2)))
+    assert global_pool3d_as_mean(partial) == (partial, [])

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..errors import UsageError
 from . import RuntimeUnavailable
+from .rewrites import global_pool3d_as_mean
 
 NAME = "coreml"
 SUFFIX = ".mlpackage"
@@ -471,6 +472,7 @@ def export(model, example, precision, calib, path: Path, meta: dict, deployment_
     options = {"deployment_target": deployment_target, "input": input, "compression": compression,
                "nbits": nbits if compression == "palettize" else None}
     image_size = _image_size(meta["preprocessing"], example)
+    model, pooled = global_pool3d_as_mean(model)
     with _without_progress_bars():
         mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
     with torch.no_grad():  # after _convert, which put the model in eval mode
@@ -478,7 +480,10 @@ def export(model, example, precision, calib, path: Path, meta: dict, deployment_
     _describe(mlmodel, precision, meta, options, image_size, output_shape)
     mlmodel.save(str(path))
     _make_reproducible(Path(path))
-    return _spec_check(path, precision, meta, options, output_shape)
+    details = _spec_check(path, precision, meta, options, output_shape)
+    if pooled:
+        details["rewrites"] = {"adaptive_avg_pool3d_as_mean": pooled}
+    return details
 
 
 def _make_reproducible(package: Path) -> None:

@@ -8,6 +8,10 @@ Each such convolution is replaced by convolutions over the regions of its output
 with only those taps and no padding, joined by concatenation; when one region covers the whole output (every
 output reads the same taps: at 128x128 only the centre one) that is a single smaller convolution, a 1x1 where
 only the centre tap is left. The same non-zero products are summed, in another grouping.
+
+`global_pool3d_as_mean`: coremltools 9 has no `adaptive_avg_pool3d` (R3D-18, MC3-18, R(2+1)D-18 and Swin3D pool
+their clips' features with AdaptiveAvgPool3d(1)); to one output per channel that pool is the mean over time,
+height and width, which Core ML converts.
 """
 
 from __future__ import annotations
@@ -149,3 +153,24 @@ def drop_padding_taps(model: nn.Module, example: torch.Tensor) -> tuple[nn.Modul
         done.append({"module": name, "input": list(size), "kernel": list(original.kernel_size),
                      "dilation": list(original.dilation), "parts": kernels})
     return model, done
+
+
+class GlobalMean3d(nn.Module):
+    """AdaptiveAvgPool3d(1), written as the mean over the last three dimensions."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((-3, -2, -1), keepdim=True)
+
+
+def global_pool3d_as_mean(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """`model`, or a copy of it with every AdaptiveAvgPool3d to a single output replaced by GlobalMean3d; and the
+    modules replaced. The model is returned as it is when it has none (no artifact changes)."""
+    names = [name for name, m in model.named_modules()
+             if type(m) is nn.AdaptiveAvgPool3d and m.output_size in (1, (1, 1, 1), [1, 1, 1])]
+    if not names:
+        return model, []
+    model = copy.deepcopy(model)
+    for name in names:
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent), attribute, GlobalMean3d())
+    return model, names

@@ -6,8 +6,8 @@ per clip; without --data the clips are synthetic (a synthetic image panned acros
 
 Measured 2026-11-23 and 2026-11-26 (torch 2.14.1, ExecuTorch 1.5.1, coremltools 9.0, ONNX Runtime 1.32; random
 weights, docs/tasks.md): ONNX Runtime runs every video classifier matching eager, and so does the TorchScript lite
-interpreter (r3d_18, mc3_18, r2plus1d_18, s3d, swin3d_t, mvit_v2_s); the .pte does not (REFUSED), and Core ML
-conversion is tried and reports what stops it (r3d_18: adaptive_avg_pool3d)."""
+interpreter (r3d_18, mc3_18, r2plus1d_18, s3d, swin3d_t, mvit_v2_s); the .pte does not (REFUSED); Core ML converts
+r3d_18 once its adaptive_avg_pool3d is written as a mean (formats.rewrites), and reports any other op that stops it."""
 
 from __future__ import annotations
 
