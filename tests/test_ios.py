@@ -251,3 +251,16 @@ def test_a_vit_package_is_read_back_and_its_weights_proxy_matches_eager(tmp_path
     proxy = coreml.proxies(tmp_path / "vit.mlpackage", model)["weights"]
     with torch.no_grad():
         torch.testing.assert_close(proxy(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_coremltools_progress_bars_are_dropped_and_its_warnings_kept(capsys):
+    """coremltools' tqdm bars (with a total, and the 'N passes' ones without) would bury the build's own progress."""
+    import sys
+
+    from exporter.formats import coreml
+
+    with coreml._without_progress_bars():
+        print("Running MIL frontend_milinternal pipeline: 0 passes [00:00, ? passes/s]\r"
+              "Running MIL default pipeline:  30%|███       | 28/92 [00:00<00:00, 276.53 passes/s]", file=sys.stderr)
+        print("WARNING: a real warning", file=sys.stderr)
+    assert capsys.readouterr().err.splitlines() == ["WARNING: a real warning"]

@@ -223,7 +223,7 @@ def _compress(mlmodel, compression, nbits):
 
 
 # a tqdm bar: "Running MIL default pipeline:  13%|█▎   | 12/95 [00:00<00:00, 116.81 passes/s]"
-_PROGRESS_BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+ \[")
+_PROGRESS_BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+ \[|: \d+ passes \[")  # with a total, and without one
 
 
 @contextlib.contextmanager
