@@ -255,8 +255,6 @@ def test_a_vit_package_is_read_back_and_its_weights_proxy_matches_eager(tmp_path
 
 def test_coremltools_progress_bars_are_dropped_and_its_warnings_kept(capsys):
     """coremltools' tqdm bars (with a total, and the 'N passes' ones without) would bury the build's own progress."""
-    import sys
-
     from exporter.formats import coreml
 
     with coreml._without_progress_bars():
