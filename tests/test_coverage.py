@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from exporter.coverage import outcome, randomize, table
+from exporter.coverage import outcome, randomize, rowcache, table
 
 from .conftest import CACHE, run_cli
 
@@ -63,6 +63,7 @@ def test_sweep_builds_refuses_and_skips(first_run, cache_dir):
         # the random checkpoint: BN statistics settled, outputs that vary across inputs
         assert row["checkpoint"]["batchnorms_settled"] > 0 or name == "squeezenet1_1"
         assert row["checkpoint"]["reference_spread"]["relative_std"] > 0.01
+        assert row["input_size"] == [224, 224]  # a classifier's own crop, whatever the sweep's --input-size
     assert rows["raft_small"]["outcome"] == "refused" and "optical flow" in rows["raft_small"]["reason"]
     assert rows["raft_small"]["cells"] == []  # refused without building
     assert rows["resnet18"]["outcome"] == "skipped" and "--max-params" in rows["resnet18"]["reason"]
@@ -548,6 +549,18 @@ def test_the_sweeps_input_size_goes_to_the_graphs_that_take_one():
     assert randomize.accepted_input_size("R3D_18_Weights.KINETICS400_V1", size) is None
     assert randomize.accepted_input_size("R3D_18_Weights.KINETICS400_V1", (64, 64)) == (64, 64)
     assert randomize.accepted_input_size("MViT_V2_S_Weights.KINETICS400_V1", size) is None
+    assert randomize.built_input_size("R3D_18_Weights.KINETICS400_V1", size) == [112, 112]
+    assert randomize.built_input_size("MViT_V2_S_Weights.KINETICS400_V1", size) == [224, 224]
+    assert randomize.built_input_size("MobileNet_V3_Small_Weights.IMAGENET1K_V1", size) == [224, 224]
+
+
+def test_a_cached_row_built_at_another_input_size_is_built_again(tmp_path):
+    """The row key holds the size the sweep asks for; the size a weight accepts of it can change (R3D-18's frames
+    were built at the sweep's 128 before they were kept at the weight's own 112), so a row records it."""
+    rowcache.store(tmp_path, {"key": "k", "input_size": [128, 128], "cells": []})
+    assert rowcache.fetch(tmp_path, "k", None, [128, 128]) is not None
+    assert rowcache.fetch(tmp_path, "k", None, [112, 112]) is None
+    assert rowcache.fetch(tmp_path, "k", None, None) is not None  # the trained tier: the digits' own size
 
 
 def test_a_digits_run_that_did_not_learn_is_run_again_at_a_lower_learning_rate(monkeypatch):

@@ -194,6 +194,13 @@ def accepted_input_size(weight_name: str, input_size):
     return None if any(r > o for r, o in zip(input_size, own)) else tuple(input_size)
 
 
+def built_input_size(weight_name: str, input_size) -> list[int]:
+    """The input (H, W) a random-tier build of the weight gets when the sweep asks for `input_size`."""
+    w = weights.resolve(weight_name)
+    task, model_name = weights.task_class(w), weights.model_name_of(w)
+    return list(task.input_size_of(w, model_name, accepted_input_size(weight_name, input_size)))
+
+
 def make(weight_name: str, directory: Path, input_size=None) -> dict:
     """Write the weight's random checkpoint(s) into `directory` (kept if already there); returns
     {"checkpoint": path, "float_checkpoint": path or None, ...what was done}."""

@@ -25,14 +25,18 @@ def key(weight: str, target: str, settings: dict, tools: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def fetch(directory: Path, row_key: str, time_limit: float | None) -> dict | None:
-    """The stored row, unless it stopped at a time limit shorter than today's (then it is built again)."""
+def fetch(directory: Path, row_key: str, time_limit: float | None, input_size: list[int] | None = None) -> dict | None:
+    """The stored row, unless it stopped at a time limit shorter than today's, or was built at another input size
+    than the one the weight gets today (the key holds the size the sweep asks for, not the one a weight accepts);
+    then it is built again."""
     path = directory / f"{row_key}.json"
     try:
         row = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if row.get("key") != row_key:
+        return None
+    if input_size is not None and row.get("input_size") not in (None, list(input_size)):
         return None
     if row.get("timed_out"):
         earlier = row.get("time_limit_s")

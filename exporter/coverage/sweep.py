@@ -142,8 +142,9 @@ class Sweep:
         if candidate.skipped:
             return dict(row, outcome="skipped", reason=candidate.skipped, cells=[], seconds=0.0)
         key = rowcache.key(candidate.weight, target, self.settings.key_parts(), tools)
+        input_size = self._input_size(candidate)
         if self.cache:
-            cached = rowcache.fetch(cache_root, key, self.settings.time_limit)
+            cached = rowcache.fetch(cache_root, key, self.settings.time_limit, input_size)
             if cached is not None:
                 cached = outcome.reclassify(cached)
                 if outcome.floor_wanted(cached):
@@ -151,11 +152,20 @@ class Sweep:
                     if not stop.signalled:
                         rowcache.store(cache_root, cached)
                 return dict(outcome.reclassify(cached), from_cache=True, built_now=False)
-        row = outcome.reclassify(dict(row, key=key, **self._build(candidate, target, weight_dir, stop)))
+        row = outcome.reclassify(dict(row, key=key, input_size=input_size,
+                                      **self._build(candidate, target, weight_dir, stop)))
         row["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         if not stop.signalled and _cacheable(row):
             rowcache.store(cache_root, row)
         return dict(row, from_cache=False, built_now=True)
+
+    def _input_size(self, candidate: Candidate) -> list[int] | None:
+        """The size the random tier builds the weight at (None in the trained tier: the digits' own)."""
+        if self.settings.is_trained:
+            return None
+        from . import randomize
+
+        return randomize.built_input_size(candidate.weight, self.settings.input_size)
 
     def _spec(self, candidate: Candidate, target: str, weight_dir: Path) -> dict:
         s = self.settings
