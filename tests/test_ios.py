@@ -173,27 +173,40 @@ def test_known_deployment_targets_match_coremltools():
     assert coreml.IOS_TARGETS == tuple(int(t.name[3:]) for t in ct.target if t.name.startswith("iOS"))
 
 
-def test_alias_and_zero_nodes_are_replaced_so_core_ml_converts_the_program(tmp_path):
-    """Swin's decomposed graphs hold aten.alias and aten.zero, which coremltools 9 cannot convert; replaced, it
-    converts and the program computes the same."""
+class _Aliased(torch.nn.Module):  # Swin's window shifts, decomposed
+    def forward(self, x):
+        return torch.ops.aten.alias.default(x * 2) + 1
+
+
+class _Zeroed(torch.nn.Module):  # Swin V2's attention mask
+    def forward(self, x):
+        return x + torch.ops.aten.zero.default(x)
+
+
+class _EmptyWrite(torch.nn.Module):  # Swin3D's attention mask where a window covers every frame
+    def forward(self, x):
+        mask = x.new_zeros(3, 4, 4)
+        mask[1:2, :, :2] = 3.0
+        mask[0:-3, :, 1:] = 5.0  # an empty slice
+        return x + mask
+
+
+@pytest.mark.parametrize("module", [_Aliased, _Zeroed, _EmptyWrite], ids=lambda m: m.__name__)
+def test_nodes_coremltools_cannot_take_are_replaced_so_core_ml_converts_the_program(module, tmp_path):
+    """Decomposed graphs hold nodes coremltools 9 does not convert ("alias", "zero", a reshape to an empty
+    slice's shape); replaced, it converts and the program computes the same."""
     import coremltools as ct
-    import pytest
-    import torch
 
-    from exporter.formats.coreml import _without_alias
-
-    class Aliased(torch.nn.Module):
-        def forward(self, x):
-            return torch.ops.aten.alias.default(x * 2) + 1 + torch.ops.aten.zero.default(x)
+    from exporter.formats.coreml import _convertible
 
     x = torch.randn(1, 3, 4, 4)
-    exported = torch.export.export(Aliased(), (x,)).run_decompositions({})
-    with pytest.raises(Exception, match="alias|zero"):
-        ct.convert(exported, convert_to="mlprogram", inputs=[ct.TensorType(name="x", shape=x.shape)])
-    bypassed = _without_alias(torch.export.export(Aliased(), (x,)).run_decompositions({}))
-    assert not any(n.target in (torch.ops.aten.alias.default, torch.ops.aten.zero.default) for n in bypassed.graph.nodes)
-    torch.testing.assert_close(bypassed.module()(x), x * 2 + 1)
-    ct.convert(bypassed, convert_to="mlprogram", inputs=[ct.TensorType(name="x", shape=x.shape)]).save(str(tmp_path / "m.mlpackage"))
+    with pytest.raises(Exception, match="alias|zero|reshape|0 in shape"):
+        ct.convert(torch.export.export(module(), (x,)).run_decompositions({}), convert_to="mlprogram",
+                   inputs=[ct.TensorType(name="x", shape=x.shape)])
+    replaced = _convertible(torch.export.export(module(), (x,)).run_decompositions({}))
+    assert not any(n.target in (torch.ops.aten.alias.default, torch.ops.aten.zero.default) for n in replaced.graph.nodes)
+    torch.testing.assert_close(replaced.module()(x), module()(x))
+    ct.convert(replaced, convert_to="mlprogram", inputs=[ct.TensorType(name="x", shape=x.shape)]).save(str(tmp_path / "m.mlpackage"))
     assert (tmp_path / "m.mlpackage").is_dir()
 
 

@@ -144,10 +144,12 @@ def _image_size(pre: dict, example: torch.Tensor) -> tuple[int, int]:
     return (size[0], size[-1]) if size else tuple(example.shape[-2:])
 
 
-def _without_alias(exported):
+def _convertible(exported):
     """The program in ops coremltools 9 converts: `aten.alias` (Swin's window shifts leave it after
-    decomposition; the identity in inference) bypassed, and `aten.zero` (Swin V2's attention mask; "Unsupported
-    fx node zero") as `aten.zeros_like`, which it converts."""
+    decomposition; the identity in inference) bypassed; `aten.zero` (Swin V2's attention mask; "Unsupported
+    fx node zero") as `aten.zeros_like`, which it converts; and a `slice_scatter` that writes an empty slice
+    (Swin3D's attention mask, where a window covers all frames: "Invalid target shape in `reshape` op ([0] to
+    [0, 21, 28])") as its input, which it is."""
     graph = exported.graph_module.graph
     changed = False
     for node in list(graph.nodes):
@@ -158,9 +160,19 @@ def _without_alias(exported):
         elif node.target == torch.ops.aten.zero.default:
             node.target, node.args, node.kwargs = torch.ops.aten.zeros_like.default, node.args[:1], {}
             changed = True
+        elif node.target == torch.ops.aten.slice_scatter.default and _writes_nothing(node.args[1]):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            changed = True
     if changed:
+        graph.eliminate_dead_code()
         exported.graph_module.recompile()
     return exported
+
+
+def _writes_nothing(source) -> bool:
+    value = getattr(source, "meta", {}).get("val")
+    return isinstance(value, torch.Tensor) and value.numel() == 0
 
 
 def _convert(model, example, precision, meta, deployment_target, input):
@@ -177,7 +189,7 @@ def _convert(model, example, precision, meta, deployment_target, input):
         input_type = ct.TensorType(name="input", shape=tuple(example.shape), dtype=np.float32)
     wrapper.eval()
     with torch.no_grad():
-        exported = _without_alias(torch.export.export(wrapper, (example,)).run_decompositions({}))
+        exported = _convertible(torch.export.export(wrapper, (example,)).run_decompositions({}))
     target = getattr(ct.target, f"iOS{_ios_version(deployment_target)}")
     compute_precision = ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32
     if per_pixel:
