@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from PIL import Image
 
 from exporter import weights
@@ -76,3 +77,35 @@ def test_video_input_that_cannot_work_is_refused_in_one_line(tmp_path, clips_mod
     assert_clean_refusal(result, out, "no clips in class folders")
     with pytest.raises(UsageError, match="mvit_v2_s takes frames of at least 224x224"):
         weights.bind_task(weights.resolve("mvit_v2_s"), input_size=(112, 112))
+
+
+class _PatchClassifier(torch.nn.Module):
+    """Swin3D's shape in miniature: a Conv3d patch embedding (a 5-D weight), LayerNorm, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Conv3d(3, 8, (2, 4, 4), (2, 4, 4))
+        self.norm, self.head = torch.nn.LayerNorm(8), torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.norm(self.embed(x).flatten(2).transpose(1, 2)).mean(1))
+
+
+def test_a_clip_models_fp16_package_gets_its_proxies(tmp_path):
+    """Off macOS an fp16 package is judged by stand-ins; channels-last (for 4-D convolutions) stopped Swin3D-T's
+    whole iOS build ("required rank 4 tensor to use channels_last format")."""
+    from exporter.formats import coreml
+
+    from .test_formats_segmentation import _meta
+
+    torch.manual_seed(0)
+    model = _PatchClassifier().eval()
+    clips = torch.randn(2, 3, 4, 16, 16)
+    path = tmp_path / "clip.mlpackage"
+    details = coreml.export(model, clips[:1], "fp16", [], path, _meta("NC", 16))
+    assert details["input"]["shape"] == [1, 3, 4, 16, 16]
+    runners = coreml.proxies(path, model)
+    assert set(runners) == {"weights", "fp16"}
+    with torch.no_grad():
+        for run in runners.values():
+            torch.testing.assert_close(run(clips), model(clips), atol=1e-2, rtol=1e-2)

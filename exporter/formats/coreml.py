@@ -610,8 +610,12 @@ def proxies(path: Path, model: nn.Module) -> dict:
     weighted = _with_package_weights(model, _layer_weights(mlmodel))
     runners = {"weights": lambda x: weighted(x)}
     if _user_metadata(path)["compute_precision"] == "fp16":
-        # channels-last: CPU half-precision convolutions are 2.5-4x faster in it (segmentation at 520 took
-        # seconds per image in NCHW)
-        half = copy.deepcopy(model).eval().half().to(memory_format=torch.channels_last)
-        runners["fp16"] = lambda x: half(x.half().contiguous(memory_format=torch.channels_last)).float()
+        half = copy.deepcopy(model).eval().half()
+        if any(p.dim() == 5 for p in half.parameters()):  # a clip model's 3-D convolutions: no channels-last
+            runners["fp16"] = lambda x: half(x.half()).float()
+        else:
+            # channels-last: CPU half-precision convolutions are 2.5-4x faster in it (segmentation at 520 took
+            # seconds per image in NCHW)
+            half = half.to(memory_format=torch.channels_last)
+            runners["fp16"] = lambda x: half(x.half().contiguous(memory_format=torch.channels_last)).float()
     return runners
