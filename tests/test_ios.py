@@ -24,6 +24,7 @@ ct = pytest.importorskip("coremltools")
 # eight artifacts takes several minutes on two cores.
 KEPT = ("coreml_fp16", "coreml_fp16_w8", "coreml_fp16_palettized4")
 IOS_PROFILE = tomllib.loads((ROOT / "targets" / "ios.toml").read_text())
+EAGER_FP16_IMAGES: list[int] = []
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,10 @@ def ios_build(tmp_path_factory, digits_model):
     path = root / "ios.toml"
     path.write_text("\n".join(lines) + "\n")
     out = root / "build"
-    result = run_cli(*build_args(digits_model, out, "--target", path))
+    original = coreml.EagerFp16.__call__
+    with pytest.MonkeyPatch.context() as patch:  # count the fp16 proxy's images: its outputs are every package's
+        patch.setattr(coreml.EagerFp16, "__call__", lambda self, x: EAGER_FP16_IMAGES.append(len(x)) or original(self, x))
+        result = run_cli(*build_args(digits_model, out, "--target", path))
     doc = json.loads((out / "manifest.json").read_text()) if (out / "manifest.json").exists() else None
     return out, result, doc
 
@@ -61,6 +65,9 @@ def test_build_exits_0_with_core_ml_unavailable_and_proxies(ios_build):
         for proxy in entry["proxy"].values():
             assert proxy["fidelity"]["samples"] == doc["data"]["validation"]
             assert proxy["accuracy"]["acc1"] > 90
+        assert entry["proxy"]["fp16"] == doc["artifacts"][0]["proxy"]["fp16"]
+    # eager in fp16 is the same for the three packages: run once over the validation images, not three times
+    assert sum(EAGER_FP16_IMAGES) == doc["data"]["validation"], EAGER_FP16_IMAGES
 
 
 def test_packages_pass_the_structural_checks(ios_build, digits_model):

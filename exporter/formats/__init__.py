@@ -7,7 +7,9 @@
 `meta` describes the weight: {"weight", "model", "labels", "preprocessing", "exporter_version"}.
 
 Optional:
-    proxies(path, model) -> dict[str, Runner]   # stand-ins measured when the runtime is unavailable
+    proxies(path, model) -> dict[str, Runner]   # stand-ins measured when the runtime is unavailable; a
+                                                # runner with a `shared_key` is the same for every artifact
+                                                # of one model (eager in fp16): measured once per build
     preflight(precision, **options) -> None     # raise UsageError / RuntimeUnavailable before any work
     memory(path, input_shape, threads) -> dict  # RAM: planned/constant bytes, peak RSS of a fresh process (formats/memory.py)
     profile(path, example, runs, threads) -> dict  # top operators by time from the runtime's own profiler

@@ -610,12 +610,24 @@ def proxies(path: Path, model: nn.Module) -> dict:
     weighted = _with_package_weights(model, _layer_weights(mlmodel))
     runners = {"weights": lambda x: weighted(x)}
     if _user_metadata(path)["compute_precision"] == "fp16":
-        half = copy.deepcopy(model).eval().half()
-        if any(p.dim() == 5 for p in half.parameters()):  # a clip model's 3-D convolutions: no channels-last
-            runners["fp16"] = lambda x: half(x.half()).float()
-        else:
-            # channels-last: CPU half-precision convolutions are 2.5-4x faster in it (segmentation at 520 took
-            # seconds per image in NCHW)
-            half = half.to(memory_format=torch.channels_last)
-            runners["fp16"] = lambda x: half(x.half().contiguous(memory_format=torch.channels_last)).float()
+        runners["fp16"] = EagerFp16(model)
     return runners
+
+
+class EagerFp16:
+    """The eager model computed in half precision: the same for every fp16 package of one model."""
+
+    shared_key = "eager fp16"
+
+    def __init__(self, model: nn.Module):
+        self.model, self.half, self.layout = model, None, torch.contiguous_format
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.half is None:  # made at the first input: the copy is not needed where the result is shared
+            self.half = copy.deepcopy(self.model).eval().half()
+            if not any(p.dim() == 5 for p in self.half.parameters()):  # channels-last is for 4-D convolutions
+                # CPU half-precision convolutions are 2.5-4x faster in it (segmentation at 520 took seconds per
+                # image in NCHW)
+                self.layout = torch.channels_last
+                self.half = self.half.to(memory_format=self.layout)
+        return self.half(x.half().contiguous(memory_format=self.layout)).float()
