@@ -6,7 +6,9 @@ and randomises with. About a minute on 2 shared cores."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from exporter.coverage import outcome, randomize, rowcache, table
+from exporter.coverage import outcome, randomize, rowcache, sweep, table
 
 from .conftest import CACHE, run_cli
 
@@ -182,6 +184,29 @@ def test_a_build_past_the_time_limit_is_killed_and_marked(cache_dir, tmp_path):
     assert row["outcome"] == "stopped" and row["timed_out"] and row["seconds"] < 30
     assert [(c["name"], c["outcome"], c["kind"]) for c in row["cells"]] == [("onnx_fp32", "time", "time limit")]
     assert "⏱" in (tmp_path / "coverage.md").read_text()
+
+
+def test_a_worker_stays_in_the_sweeps_session_and_its_kill_takes_what_it_started(tmp_path):
+    """A worker keeps the sweep's session (under autogroup scheduling that is what keeps a `nice`d sweep in the
+    background) but has a process group of its own, which the time limit kills with everything it started."""
+    child = ("import os, subprocess, sys, time; "
+             "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             "print(os.getsid(0), os.getpgrp(), g.pid, flush=True); time.sleep(60)")
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        proc = sweep._spawn([sys.executable, "-c", child], out, dict(os.environ))
+    deadline = time.monotonic() + 30
+    while not log.read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    session, group, grandchild = map(int, log.read_text().split())
+    assert session == os.getsid(0) and group == proc.pid != os.getpgrp()
+    sweep._kill_group(proc)
+    assert proc.returncode == -9
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{grandchild}").exists() and "Z" not in Path(f"/proc/{grandchild}/stat").read_text().split()[2] \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{grandchild}").exists() or Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z"
 
 
 def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_path):

@@ -191,8 +191,7 @@ class Sweep:
         start = time.perf_counter()
         timed_out = False
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "exporter.coverage.worker", str(spec_path)],
-                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = _spawn([sys.executable, "-m", "exporter.coverage.worker", str(spec_path)], log, env)
             stop.child = proc
             try:
                 proc.wait(timeout=s.time_limit)
@@ -290,8 +289,18 @@ class _StopOnSignal:
             signal.signal(signal.SIGTERM, self._previous)
 
 
+def _spawn(command: list[str], log, env: dict) -> subprocess.Popen:
+    """A worker in a process group of its own (so that a time limit kills the build and whatever it started,
+    and the terminal's Ctrl-C reaches only the sweep) but in the sweep's session: with Linux's autogroup
+    scheduling each session's CPU share is set by its autogroup, not by its processes' nice values, and a
+    worker in a new session (start_new_session) left a backgrounded sweep's autogroup (measured: two sweeps
+    whose sessions were set to autogroup nice 19 had workers at nice-0 weight, 100 % of a core each, while
+    another process in a nice-19 autogroup got 2 %)."""
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
-    """The build and whatever it started (its own process group, made by start_new_session)."""
+    """The build and whatever it started (its own process group, made by _spawn)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
