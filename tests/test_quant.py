@@ -115,16 +115,31 @@ class _FakeBackend:
         return {"linear": len(float_layers)} if float_layers else {}
 
     def quantize(self, float_layers, range_images, method):
-        error = 0.0 if self.culprit in float_layers else (0.5 if method == "coarse" else 0.2)
+        return _FakeCandidate(self.model, 0.0 if self.culprit in float_layers else (0.5 if method == "coarse" else 0.2),
+                              list(float_layers), method)
 
-        def candidate(x):
-            out = self.model(x)
-            return out + error * torch.linspace(-1, 1, out.numel()).reshape(out.shape)
 
-        return candidate
+class _FakeCandidate:
+    alive = most_alive = 0  # candidates in memory now / at most during a search
+
+    def __init__(self, model, error, float_layers, method):
+        self.model, self.error, self.float_layers, self.method = model, error, float_layers, method
+        _FakeCandidate.alive += 1
+        _FakeCandidate.most_alive = max(_FakeCandidate.most_alive, _FakeCandidate.alive)
+
+    def __del__(self):
+        _FakeCandidate.alive -= 1
+
+    def __call__(self, x):
+        out = self.model(x)
+        return out + self.error * torch.linspace(-1, 1, out.numel()).reshape(out.shape)
 
 
 def _search(monkeypatch, culprit, ranking, **settings):
+    return _search_candidate(monkeypatch, culprit, ranking, **settings)[1]
+
+
+def _search_candidate(monkeypatch, culprit, ranking, **settings):
     from exporter.quant import SETTINGS, search
     from exporter.quant.sensitivity import Sensitivity
 
@@ -134,7 +149,8 @@ def _search(monkeypatch, culprit, ranking, **settings):
     model = torch.nn.Linear(4, 10)
     calibration = Calibration([torch.randn(1, 4) for _ in range(20)], None, {"psnr_db": 30.0},
                               {**SETTINGS, **settings})
-    return search.quantize_with_budget(model, _FakeBackend(model, culprit), calibration)[1]
+    _FakeCandidate.most_alive = _FakeCandidate.alive
+    return search.quantize_with_budget(model, _FakeBackend(model, culprit), calibration)
 
 
 def test_search_keeps_the_best_ranges_and_floats_layers_in_sensitivity_order(monkeypatch):
@@ -151,6 +167,18 @@ def test_search_stops_when_float_layers_stop_helping(monkeypatch):
     assert fallback_steps == [1, 2, 3, 4] and not report["meets_budget"]  # the cap (8) is not reached
     assert "4 steps in a row" in report["note"]
     assert report["float_layers"] == [] and report["after"] == report["before"]  # no gain: plain PTQ kept
+
+
+def test_search_holds_one_candidate_at_a_time_and_returns_the_one_it_reports(monkeypatch):
+    """Every candidate holds a runtime session or a quantized copy of the model: the search keeps one (two while
+    the next is made), and when an earlier step is chosen it is made again, the same as the report says."""
+    candidate, report = _search_candidate(monkeypatch, None, list(_FakeBackend.LAYERS), max_float_fraction=1.0)
+    assert len(report["steps"]) == 6 and _FakeCandidate.most_alive <= 2
+    assert (candidate.float_layers, candidate.method) == ([], "fine") and report["float_layers"] == []
+    del candidate
+    candidate, report = _search_candidate(monkeypatch, "layer2", list(_FakeBackend.LAYERS), max_float_fraction=1.0)
+    assert report["meets_budget"] and _FakeCandidate.most_alive <= 2
+    assert candidate.float_layers == [f["name"] for f in report["float_layers"]] == ["layer0", "layer1", "layer2"]
 
 
 def test_search_respects_the_cap_and_no_fallback(monkeypatch):
@@ -218,6 +246,9 @@ def test_the_report_names_the_ops_int8_leaves_in_float(tmp_path):
     with torch.no_grad():
         x = torch.randn(1, 3, 16, 16)
         assert torch.allclose(candidate(x), model(x), atol=0.1)
+    # a candidate the search let go and then chose is its file again, not another calibration
+    again = qdq.quantize(["mlp.2"], [], "minmax")
+    assert again.path == candidate.path and again is not candidate and len(list(tmp_path.glob("attempt*.onnx"))) == 1
 
 
 # --- whole builds ------------------------------------------------------------------------------------

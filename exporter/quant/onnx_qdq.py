@@ -59,6 +59,7 @@ class OnnxQdqBackend:
         self.range_methods = ("mse", "minmax", "percentile") if method == "auto" else (method,)
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="qdq-"))
         self._attempts = 0
+        self._files: dict[tuple, Path] = {}  # (float layers, method) -> its quantized file: made once
         self._overrides: dict | None = None
         graph = onnx.load(str(fp32_path), load_external_data=False).graph
         initializers = {i.name: i for i in graph.initializer}
@@ -121,6 +122,9 @@ class OnnxQdqBackend:
                                               quantize_static)
 
         input_name = self.input_name
+        key = (tuple(float_layers), method)
+        if key in self._files:
+            return QdqCandidate(self._files[key], input_name)
 
         class Batches(CalibrationDataReader):
             def __init__(self):
@@ -148,6 +152,7 @@ class OnnxQdqBackend:
                 nodes_to_exclude=sorted(excluded), extra_options=extra,
                 calibrate_method=CalibrationMethod.Percentile if method == "percentile" else CalibrationMethod.MinMax,
             )
+        self._files[key] = path
         return QdqCandidate(path, input_name)
 
 

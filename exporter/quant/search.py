@@ -99,20 +99,29 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         return candidate, metrics
 
     steps: list[dict] = []
+    # One candidate is alive at a time (two while the next is made): each holds a runtime session or a
+    # quantized copy of the model, and keeping every step's grew without bound (MViT-V2-S's Q/DQ search, 16
+    # frames at 224²: +1.8 GB of ONNX Runtime arena per candidate, killed at 16 GB). One chosen after it was
+    # let go is made again (quantization is deterministic; the ONNX backend keeps its files).
+    held: tuple[list[str], Candidate, str] | None = None  # (float layers, candidate, range method)
     # better ranges first: every range method on plain PTQ, the best on the check images goes on
     trials, unusable = {}, {}
     for i, method in enumerate(backend.range_methods):
         try:
-            trials[method] = attempt([], method)
+            candidate, trials[method] = attempt([], method)
         except ValueError as error:  # e.g. ONNX Runtime's percentile histogram of a tensor with no range
             if not trials and i == len(backend.range_methods) - 1:
                 raise
             unusable[method] = f"{type(error).__name__}: {error}"
             log(f"  int8, {method} ranges cannot be measured on this model ({unusable[method]}): left out")
+            continue
+        if max(trials, key=lambda m: _rank(trials[m])) == method:
+            held = ([], candidate, method)
+        del candidate
     if unusable:
         report["range_methods_unusable"] = unusable
-    method = max(trials, key=lambda m: (not trials[m][1]["reasons"], trials[m][1]["fidelity"]["psnr_db"]))
-    candidate, metrics = trials[method]
+    method = max(trials, key=lambda m: _rank(trials[m]))
+    metrics = trials[method]
     plain = steps[list(trials).index(method)]
     report["calibration_method"] = backend.describe(method)
     float_layers: list[str] = []
@@ -124,22 +133,30 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
             sensitivity = layer_sensitivity(model, layers, torch.cat(range_images[:16]), check[:8], reference[:8])
         ranking = sensitivity.ranking()
         cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
-        tried = [([], candidate, metrics, plain)]
+        tried = [([], metrics, plain)]
         best, stale = metrics["fidelity"]["psnr_db"], 0
         for count in _steps(cap):
-            tried.append((ranking[:count], *attempt(ranking[:count], method), steps[-1]))
-            psnr = tried[-1][2]["fidelity"]["psnr_db"]
-            if not tried[-1][2]["reasons"]:
+            held = None
+            candidate, step_metrics = attempt(ranking[:count], method)
+            held = (ranking[:count], candidate, method)
+            del candidate
+            tried.append((ranking[:count], step_metrics, steps[-1]))
+            psnr = step_metrics["fidelity"]["psnr_db"]
+            if not step_metrics["reasons"]:
                 break
             best, stale = max(best, psnr), (stale + 1 if psnr - best < MIN_GAIN_DB else 0)
             if stale == PATIENCE:
                 stopped = f"{PATIENCE} steps in a row gained less than {MIN_GAIN_DB} dB"
                 break
-        if tried[-1][2]["reasons"]:
+        if tried[-1][1]["reasons"]:
             # the budget was not met: float layers that did not buy MIN_GAIN_DB only cost speed
-            top = max(t[2]["fidelity"]["psnr_db"] for t in tried)
-            tried = [next(t for t in tried if t[2]["fidelity"]["psnr_db"] >= top - MIN_GAIN_DB)]
-        float_layers, candidate, metrics, chosen = tried[-1]
+            top = max(t[1]["fidelity"]["psnr_db"] for t in tried)
+            tried = [next(t for t in tried if t[1]["fidelity"]["psnr_db"] >= top - MIN_GAIN_DB)]
+        float_layers, metrics, chosen = tried[-1]
+    if held is not None and held[0] == float_layers and held[2] == method:
+        candidate = held[1]
+    else:
+        candidate = backend.quantize(float_layers, range_images, method)
     kept = backend.float_closure(float_layers)
     report.update(
         float_ops=backend.float_ops(float_layers),
@@ -163,6 +180,11 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         if sensitivity is not None:
             report["note"] += f"; kept the fewest float layers ({len(float_layers)}) within {MIN_GAIN_DB} dB of the best step"
     return candidate, report
+
+
+def _rank(metrics: dict) -> tuple:
+    """Which candidate is better: meeting the budget first, then PSNR against eager."""
+    return not metrics["reasons"], metrics["fidelity"]["psnr_db"]
 
 
 def _layer_entry(name: str, sensitivity, with_neighbour: bool) -> dict:
