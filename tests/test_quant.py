@@ -251,6 +251,44 @@ def test_the_report_names_the_ops_int8_leaves_in_float(tmp_path):
     assert again.path == candidate.path and again is not candidate and len(list(tmp_path.glob("attempt*.onnx"))) == 1
 
 
+def test_ort_calibration_holds_one_image_at_a_time(tmp_path, monkeypatch):
+    """ONNX Runtime's percentile calibrator keeps every calibrated tensor of the images it is given until it has
+    their histograms (MViT-V2-S's 8 clips: past 14 GB): the backend gives it one image per window, and the
+    int8 graph still computes what the model does."""
+    from onnxruntime.quantization.calibrate import HistogramCalibrater
+
+    from exporter.formats.onnx import INPUT, _export_graph
+    from exporter.quant.onnx_qdq import OnnxQdqBackend
+
+    windows = []
+    collect = HistogramCalibrater.collect_data
+
+    def counting(self, reader):
+        seen, get_next = 0, reader.get_next
+
+        def counted():
+            nonlocal seen
+            batch = get_next()
+            seen += batch is not None
+            return batch
+
+        reader.get_next = counted
+        collect(self, reader)
+        windows.append(seen)
+
+    monkeypatch.setattr(HistogramCalibrater, "collect_data", counting)
+    torch.manual_seed(0)
+    model, example = _TinyTransformer().eval(), torch.randn(1, 3, 16, 16)
+    fp32 = tmp_path / "fp32.onnx"
+    _export_graph(model, example, 18, fp32)
+    candidate = OnnxQdqBackend(model, fp32, INPUT, "percentile", tmp_path).quantize(
+        [], [torch.randn(1, 3, 16, 16) for _ in range(5)], "percentile")
+    assert windows == [1] * 5
+    with torch.no_grad():
+        x = torch.randn(1, 3, 16, 16)
+        assert torch.allclose(candidate(x), model(x), atol=0.1)
+
+
 # --- whole builds ------------------------------------------------------------------------------------
 
 

@@ -127,8 +127,16 @@ class OnnxQdqBackend:
             return QdqCandidate(self._files[key], input_name)
 
         class Batches(CalibrationDataReader):
+            """The range images, a window at a time (CalibStridedMinMax calls set_range for each)."""
+
             def __init__(self):
-                self.batches = iter(range_images)
+                self.set_range(0, len(range_images))
+
+            def __len__(self):
+                return len(range_images)
+
+            def set_range(self, start_index: int, end_index: int):
+                self.batches = iter(range_images[start_index:end_index])
 
             def get_next(self):
                 x = next(self.batches, None)
@@ -142,7 +150,11 @@ class OnnxQdqBackend:
         extra = {"ActivationSymmetric": True, "WeightSymmetric": True,
                  "OpTypesToExcludeOutputQuantization": list(QUANTIZED_OPS),
                  "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},  # a (in, out) weight: out is axis 1
-                 "TensorQuantOverrides": self._range_overrides(method, range_images)}
+                 "TensorQuantOverrides": self._range_overrides(method, range_images),
+                 # one image's tensors at a time: the percentile calibrator otherwise holds every calibrated
+                 # tensor of every image at once (MViT-V2-S, 8 clips of 16x224²: past 14 GB); its histograms
+                 # and min/max ranges merge across the windows
+                 "CalibStridedMinMax": 1}
         if method == "percentile":
             extra["CalibTensorRangeSymmetric"] = True
         with _quiet_quantizer():
