@@ -91,6 +91,41 @@ class _PatchClassifier(torch.nn.Module):
         return self.head(self.norm(self.embed(x).flatten(2).transpose(1, 2)).mean(1))
 
 
+def _mini_mvit_v2(classes: int) -> torch.nn.Module:
+    """MViT-V2's attention in miniature: relative positions, keys and values pooled more than queries."""
+    from torchvision.models.video import mvit
+
+    blocks = [mvit.MSBlockConfig(1, 16, 16, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 4, 4]),
+              mvit.MSBlockConfig(2, 16, 32, [3, 3, 3], [3, 3, 3], [1, 2, 2], [1, 2, 2])]
+    return mvit.MViT(spatial_size=(32, 32), temporal_size=4, block_setting=blocks, residual_pool=True,
+                     residual_with_cls_embed=False, rel_pos_embed=True, proj_after_attn=True, num_classes=classes,
+                     patch_embed_kernel=(3, 7, 7), patch_embed_stride=(2, 4, 4), patch_embed_padding=(1, 3, 3)).eval()
+
+
+def test_mvit_v2s_relative_positions_convert_to_core_ml_within_rank_5(tmp_path, monkeypatch):
+    """MViT-V2's relative positions reshape to rank 6 and broadcast at rank 8, past Core ML's 5 (MViT-V2-S was ❌
+    in every Core ML variant): rewritten at rank 5 they compute what torchvision's do, and the package converts."""
+    import contextlib
+
+    from exporter.formats import coreml, rewrites
+
+    from .test_formats_segmentation import CLASSES, _meta
+
+    torch.manual_seed(0)
+    model, clip = _mini_mvit_v2(CLASSES), torch.randn(1, 3, 4, 32, 32)
+    with torch.no_grad():
+        reference = model(clip)
+        with rewrites.rel_pos_within_rank5(model) as rewritten:
+            torch.testing.assert_close(model(clip), reference, rtol=1e-5, atol=1e-5)
+    with rewrites.rel_pos_within_rank5(_PatchClassifier()) as untouched:  # a model without them: as it is
+        assert rewritten and not untouched
+    details = coreml.export(model, clip, "fp32", [], tmp_path / "m.mlpackage", _meta("NC", 32))
+    assert details["rewrites"] == {"relative_positions_within_rank5": True}
+    monkeypatch.setattr(coreml, "rel_pos_within_rank5", lambda _m: contextlib.nullcontext(False))
+    with pytest.raises(ValueError, match="rank <= 5"):
+        coreml.export(model, clip, "fp32", [], tmp_path / "raw.mlpackage", _meta("NC", 32))
+
+
 def test_a_clip_models_fp16_package_gets_its_proxies(tmp_path):
     """Off macOS an fp16 package is judged by stand-ins; channels-last (for 4-D convolutions) stopped Swin3D-T's
     whole iOS build ("required rank 4 tensor to use channels_last format")."""

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..errors import UsageError
 from . import RuntimeUnavailable
-from .rewrites import global_pool3d_as_mean
+from .rewrites import global_pool3d_as_mean, rel_pos_within_rank5
 
 NAME = "coreml"
 SUFFIX = ".mlpackage"
@@ -485,7 +485,7 @@ def export(model, example, precision, calib, path: Path, meta: dict, deployment_
                "nbits": nbits if compression == "palettize" else None}
     image_size = _image_size(meta["preprocessing"], example)
     model, pooled = global_pool3d_as_mean(model)
-    with _without_progress_bars():
+    with _without_progress_bars(), rel_pos_within_rank5(model) as rel_pos:
         mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
     with torch.no_grad():  # after _convert, which put the model in eval mode
         output_shape = list(model(example).shape)
@@ -493,8 +493,9 @@ def export(model, example, precision, calib, path: Path, meta: dict, deployment_
     mlmodel.save(str(path))
     _make_reproducible(Path(path))
     details = _spec_check(path, precision, meta, options, output_shape)
-    if pooled:
-        details["rewrites"] = {"adaptive_avg_pool3d_as_mean": pooled}
+    rewritten = {"adaptive_avg_pool3d_as_mean": pooled, "relative_positions_within_rank5": rel_pos}
+    if any(rewritten.values()):
+        details["rewrites"] = {name: done for name, done in rewritten.items() if done}
     return details
 
 

@@ -12,10 +12,16 @@ only the centre tap is left. The same non-zero products are summed, in another g
 `global_pool3d_as_mean`: coremltools 9 has no `adaptive_avg_pool3d` (R3D-18, MC3-18, R(2+1)D-18 and Swin3D pool
 their clips' features with AdaptiveAvgPool3d(1)); to one output per channel that pool is the mean over time,
 height and width, which Core ML converts.
+
+`rel_pos_within_rank5`: Core ML takes tensors of rank 5 at most; MViT-V2's decomposed relative positions
+(torchvision's `mvit._add_rel_pos`) reshape each query to (B, heads, T, H, W, C) and broadcast the three axes'
+terms at rank 8 ("Layer view_8 outputs a rank 6 tensor"). The same sums, with batch and heads folded together
+and each axis' term at rank 4, stay within rank 5.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -174,3 +180,47 @@ def global_pool3d_as_mean(model: nn.Module) -> tuple[nn.Module, list[str]]:
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent), attribute, GlobalMean3d())
     return model, names
+
+
+def _relative_embeddings(table: torch.Tensor, q_size: int, k_size: int) -> torch.Tensor:
+    """(q_size, k_size, C): per query and key position along one axis, the embedding of their distance, the
+    table resampled to 2*max-1 distances and the coarser axis' positions scaled to the finer one's (MViT-V2)."""
+    count = 2 * max(q_size, k_size) - 1
+    if table.shape[0] != count:
+        table = nn.functional.interpolate(table.T.unsqueeze(0), size=count, mode="linear").squeeze(0).T
+    q_scale, k_scale = max(k_size / q_size, 1.0), max(q_size / k_size, 1.0)
+    distance = torch.arange(q_size)[:, None] * q_scale - (torch.arange(k_size)[None, :] + (1.0 - k_size)) * k_scale
+    return table[distance.long()]
+
+
+def _rel_pos_rank5(attn, q, q_thw, k_thw, rel_pos_h, rel_pos_w, rel_pos_t):
+    """mvit._add_rel_pos with no tensor above rank 5."""
+    (q_t, q_h, q_w), (k_t, k_h, k_w) = q_thw, k_thw
+    batch, heads, _, dim = q.shape
+    n, queries = batch * heads, q_t * q_h * q_w
+    r = q[:, :, 1:].reshape(n * q_t, q_h, q_w, dim)
+    along_h = torch.einsum("nhwc,hkc->nhwk", r, _relative_embeddings(rel_pos_h, q_h, k_h))
+    along_w = torch.einsum("nhwc,wkc->nhwk", r, _relative_embeddings(rel_pos_w, q_w, k_w))
+    along_t = torch.einsum("ntpc,tkc->ntpk", r.reshape(n, q_t, q_h * q_w, dim), _relative_embeddings(rel_pos_t, q_t, k_t))
+    rel = (along_t.reshape(n, queries, k_t, 1, 1) + along_h.reshape(n, queries, 1, k_h, 1)
+           + along_w.reshape(n, queries, 1, 1, k_w))
+    attn[:, :, 1:, 1:] += rel.reshape(batch, heads, queries, k_t * k_h * k_w)
+    return attn
+
+
+@contextlib.contextmanager
+def rel_pos_within_rank5(model: nn.Module):
+    """While tracing `model`: MViT-V2's relative positions computed by `_rel_pos_rank5`; yields whether they
+    were (a model without them is traced as it is)."""
+    from torchvision.models.video import mvit
+
+    uses = any(isinstance(m, mvit.MultiscaleAttention) and m.rel_pos_h is not None for m in model.modules())
+    if not uses:
+        yield False
+        return
+    original = mvit._add_rel_pos
+    mvit._add_rel_pos = _rel_pos_rank5
+    try:
+        yield True
+    finally:
+        mvit._add_rel_pos = original
