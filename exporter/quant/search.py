@@ -100,9 +100,9 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
 
     steps: list[dict] = []
     # One candidate is alive at a time (two while the next is made): each holds a runtime session or a
-    # quantized copy of the model, and keeping every step's grew without bound (MViT-V2-S's Q/DQ search, 16
-    # frames at 224²: +1.8 GB of ONNX Runtime arena per candidate, killed at 16 GB). One chosen after it was
-    # let go is made again (quantization is deterministic; the ONNX backend keeps its files).
+    # quantized copy of the model, and every step's used to be kept to the end (MViT-V2-S's Q/DQ search, 16
+    # frames at 224²: letting the candidates go took the process from 5.0 to 3.4 GB). One chosen after it
+    # was let go is made again (quantization is deterministic; the ONNX backend keeps its files).
     held: tuple[list[str], Candidate, str] | None = None  # (float layers, candidate, range method)
     # better ranges first: every range method on plain PTQ, the best on the check images goes on
     trials, unusable = {}, {}
