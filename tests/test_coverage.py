@@ -18,7 +18,7 @@ from torch import nn
 
 from exporter.coverage import outcome, randomize, rowcache, sweep, table
 
-from .conftest import CACHE, run_cli
+from .conftest import CACHE, QUANTIZED_WEIGHT, run_cli
 
 SMALL = ["mobilenet_v3_small", "squeezenet1_1"]
 SWEEP = ["coverage", "--models", ",".join(SMALL + ["raft_small", "resnet18"]), "--one-per-builder",
@@ -488,6 +488,46 @@ def test_a_failure_the_floor_also_shows_is_marked_ill_conditioned():
     assert table.floor_text(row, row["cells"][0]) == "eager rounded to int8: top1_agreement 0.5"
     assert outcome.reclassify({"cells": [cell("int8", ["top1_agreement 0.375 (needs >= 0.97)"])]})["cells"][0]["kind"] == "validation"
 
+
+
+def test_a_quantized_weights_own_loss_is_told_from_its_exports():
+    """torchvision's int8 weights are judged against their float model: the digits-trained quantized MobileNetV2's
+    .ptl lost 1.16 points of acc@1 because the int8 weight itself does (eager, run as it is); a .ptl losing what
+    the weight does not is ours to explain, and a quantized row measured before the weight's row asks for it."""
+    weight = {"fidelity": {"psnr_db": 31.8}, "reasons": ["accuracy_drop 1.163 (needs <= 1)"]}
+    floor = {"int8": {"fidelity": {"psnr_db": 40.0}, "reasons": []}, "int8_static": {"fidelity": {"psnr_db": 38.0}, "reasons": []}}
+    cell = {"precision": "int8", "outcome": "failed", "kind": "validation", "psnr_db": 31.76,
+            "reason": "accuracy_drop 1.163 (needs <= 1)", "reasons": ["accuracy_drop 1.163 (needs <= 1)"]}
+    row = outcome.reclassify({"quantized": True, "floor": dict(floor, quantized_weight=weight), "cells": [dict(cell)]})
+    assert row["cells"][0]["kind"] == "quantized weight"
+    assert table.cell_text(row["cells"][0]) == "❎ accuracy_drop 1.163 · the int8 weight's own"
+    assert table.floor_text(row, row["cells"][0]) == "the int8 weight in eager PyTorch: accuracy_drop 1.163"
+    worse = dict(cell, reasons=["accuracy_drop 1.163 (needs <= 1)", "psnr_db 20.1 (needs >= 30)"], psnr_db=20.1)
+    assert outcome.reclassify({"quantized": True, "floor": dict(floor, quantized_weight=weight),
+                               "cells": [worse]})["cells"][0]["kind"] == "validation"
+    assert outcome.floor_wanted({"quantized": True, "floor": floor, "cells": [dict(cell)]})
+    assert not outcome.floor_wanted({"quantized": False, "floor": floor, "cells": [dict(cell)]})
+
+
+def test_a_quantized_weight_is_judged_as_it_is_against_its_float_model(quantized_digits):
+    """The row that tells a quantized weight's own loss: its eager int8 model against its float model on the
+    build's images, labeled metrics included (the digits' held-out labels)."""
+    from exporter import data, weights
+    from exporter.coverage import conditioning
+
+    loaded = weights.load(QUANTIZED_WEIGHT, quantized_digits.checkpoint, verify=False, offline=True,
+                          float_checkpoint=quantized_digits.float_checkpoint)
+    task = loaded.task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, None)
+    inputs = data.from_imagefolder(quantized_digits.data_dir, task.transform(loaded.weights), 0, 64, 0, num_classes=10)
+    with torch.no_grad():
+        reference = torch.cat([loaded.eager(x[None]) for x in inputs.validation])
+    tight = conditioning.weight_row(task, loaded.model, inputs.validation, reference, inputs.labels,
+                                    {"accuracy_drop": -100.0, "psnr_db": 200.0})
+    assert {r.split()[0] for r in tight["reasons"]} == {"accuracy_drop", "psnr_db"}
+    assert 15 < tight["fidelity"]["psnr_db"] < 80  # int8 against float: close, not equal
+    loose = conditioning.weight_row(task, loaded.model, inputs.validation, reference, inputs.labels,
+                                    {"accuracy_drop": 100.0, "psnr_db": 0.0})
+    assert loose["reasons"] == []
 
 
 def test_decisions_flipped_by_an_artifact_closer_to_eager_than_the_floor_are_ill_conditioned():

@@ -32,6 +32,7 @@ from torch import nn
 
 PRECISIONS = ("fp32", "fp16", "int8")
 STATIC = "int8_static"  # judged with the int8 thresholds
+WEIGHT = "quantized_weight"  # an eager-quantized weight run as it is (weight_row)
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d)
 
 
@@ -161,6 +162,19 @@ def floor(task, model: nn.Module, images: torch.Tensor, reference: torch.Tensor,
             error = (rounded.double() - reference.double()).reshape(len(reference), -1)
             result[variant]["rms"] = [round(v, 6) for v in error.pow(2).mean(1).sqrt().tolist()]
     return result
+
+
+def weight_row(task, quantized: nn.Module, images: torch.Tensor, reference: torch.Tensor, labels,
+               thresholds: dict) -> dict:
+    """An eager-quantized weight (torchvision's int8 models) run as it is and judged against its float model
+    (`reference`, on `images`) with the int8 thresholds, labeled ones included: what the weight itself loses,
+    which no artifact of it can win back."""
+    with torch.no_grad():
+        outputs = torch.cat([quantized(x[None]) for x in images]).float()
+    eager_labeled = task.labeled(reference, labels) if labels is not None else None
+    quality = task.quality(outputs, reference, labels, eager_labeled, thresholds)
+    return {"fidelity": {k: _finite(v) for k, v in quality["fidelity"].items() if isinstance(v, (int, float))},
+            "reasons": quality["reasons"]}
 
 
 def top1_margins(reference: torch.Tensor) -> list[float] | None:

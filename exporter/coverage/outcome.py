@@ -4,7 +4,9 @@ A cell is one artifact of one weight on one target. Its `outcome`:
 
     passed       ✅  built and validated within the target's thresholds
     failed       ❎  built, but broke a threshold (the first reason); `kind` "ill-conditioned reference" when eager
-                     itself, rounded to the artifact's precision, broke the same thresholds (coverage.conditioning)
+                     itself, rounded to the artifact's precision, broke the same thresholds (coverage.conditioning);
+                     "quantized weight" when a torchvision int8 weight, run as it is in eager PyTorch, broke them
+                     against its float model: what the weight loses, not the export
     export       ❌  export failed (the first line of the error), `kind` classified by CLASSIFIERS
     unavailable  ⚪  this host cannot run (or build) it: Core ML predicts only on macOS, TensorRT needs a GPU
     refused      ⛔  refused by design (an optical-flow weight, a two-stage detector, a format that
@@ -77,6 +79,8 @@ DECISION_KEYS = {"top1_agreement", "top5_agreement", "pixel_agreement", "miou_vs
 
 # the floors an artifact of a precision is judged against (coverage.conditioning): int8 has a dynamic and a static one
 FLOORS = {"int8": ("int8", "int8_static")}
+WEIGHT_FLOOR = "quantized_weight"  # conditioning.WEIGHT
+JUDGED_KINDS = ("validation", "ill-conditioned reference", "quantized weight")
 
 
 # a top-1 margin under this many times a rounding's RMS score error is a near-tie: two scores, each off by that
@@ -140,8 +144,9 @@ def floor_wanted(row: dict) -> bool:
     measured = row.get("floor")
     if measured is not None and "error" in measured:
         return False
+    wanted = set(FLOORS.get("int8")) | ({WEIGHT_FLOOR} if row.get("quantized") else set())
     return any(c.get("outcome") == "failed" and (measured is None or (
-        c.get("kind") == "validation" and not set(FLOORS.get(c.get("precision"), ())) <= set(measured)))
+        c.get("kind") == "validation" and not (wanted if c.get("precision") == "int8" else set()) <= set(measured)))
         for c in row.get("cells", []))
 
 
@@ -247,8 +252,11 @@ def reclassify(row: dict) -> dict:
     for cell in row.get("cells", []):
         if cell.get("outcome") == "export" and cell.get("reason") and cell.get("kind") not in ("out of memory", "time limit"):
             cell["kind"] = classify(cell["reason"].removeprefix("export failed: "))
-        elif cell.get("outcome") == "failed" and cell.get("kind") in ("validation", "ill-conditioned reference"):
+        elif cell.get("outcome") == "failed" and cell.get("kind") in JUDGED_KINDS:
             reasons = cell.get("reasons") or [cell.get("reason")]
+            if _one_floor_explains((row.get("floor") or {}).get(WEIGHT_FLOOR), reasons, cell.get("psnr_db")):
+                cell["kind"] = "quantized weight"
+                continue
             explained = floor_explains(row.get("floor"), cell["precision"], reasons, cell.get("psnr_db"),
                                        cell.get("flipped_rows"))
             cell["kind"] = "ill-conditioned reference" if explained else "validation"

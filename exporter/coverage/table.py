@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .. import files
 from ..errors import UsageError
-from .outcome import FLOORS, ORDER, SYMBOLS, broken_keys, reclassify
+from .outcome import FLOORS, ORDER, SYMBOLS, WEIGHT_FLOOR, broken_keys, reclassify
 from .select import TASK_ORDER
 
 COVERAGE_VERSION = 1
@@ -233,7 +233,7 @@ def cell_text(cell: dict) -> str:
     if cell["outcome"] == "failed":
         if kind == "degenerate reference":
             return f"{symbol} degenerate"
-        suffix = " · ill-conditioned" if kind == "ill-conditioned reference" else ""
+        suffix = {"ill-conditioned reference": " · ill-conditioned", "quantized weight": " · the int8 weight's own"}.get(kind, "")
         return f"{symbol} {_short_reason(cell.get('reason'))}{suffix}{_acc1(cell)}"
     if cell["outcome"] == "export":
         return f"{symbol} {kind}"
@@ -245,6 +245,9 @@ def cell_text(cell: dict) -> str:
 def floor_text(row: dict, cell: dict) -> str:
     """What eager rounded to the cell's precision reached (coverage.conditioning), e.g. 'eager rounded to int8:
     top1_agreement 0.5, psnr_db 29.6'."""
+    weight = (row.get("floor") or {}).get(WEIGHT_FLOOR)
+    if cell.get("kind") == "quantized weight" and weight:
+        return "the int8 weight in eager PyTorch: " + ", ".join(r.split(" (")[0] for r in weight.get("reasons", []))
     parts = []
     for name in FLOORS.get(cell.get("precision"), (cell.get("precision"),)):
         fidelity = ((row.get("floor") or {}).get(name) or {}).get("fidelity") or {}
@@ -353,8 +356,10 @@ past the time limit is killed and marked ⏱), offline and without `--data`:
   matched boxes) the rounding kept while closer to eager than that rounding, its other broken thresholds broken
   by the rounding too: on near-tied margins any rounding flips some, and the floor's single sample may flip none.
   So, last, is one whose every flipped top-1 sat on a near-tie (eager's margin there under 2√2 times the
-  rounding's RMS error on that image, with the artifact's PSNR within 6 dB of the rounding's). A ❎ without it
-  is ours to explain.
+  rounding's RMS error on that image, with the artifact's PSNR within 6 dB of the rounding's). A torchvision
+  int8 weight is judged against its float model: when the weight itself, run as it is in eager PyTorch, breaks
+  the thresholds its artifact broke (its PSNR within 6 dB), the cell reads "❎ … · the int8 weight's own": what
+  the weight's quantization loses, which no export of it wins back. A ❎ without either is ours to explain.
 - **⛔ is the exporter's own refusal** (optical-flow weights, two-stage detectors: the one-line error
   `exporter build` exits 2 with), asked without building. A format that cannot take an eager-quantized model,
   or a clip (the `.pte`: no 3-D convolution in XNNPACK), is ⛔ per artifact.
@@ -457,8 +462,9 @@ def markdown(doc: dict) -> str:
     if kinds:
         lines += ["", "Failures by kind (❎ validation: a threshold broken; ❎ ill-conditioned reference: eager itself, its "
                   "tensors rounded to the artifact's precision, breaks the same thresholds, so the failure is the random "
-                  "model's, not the export's; ❎ degenerate reference: eager's outputs barely vary across the inputs, so "
-                  "agreement with it proves nothing):", "",
+                  "model's, not the export's; ❎ quantized weight: a torchvision int8 weight, run as it is in eager PyTorch, "
+                  "breaks the same thresholds against its float model; ❎ degenerate reference: eager's outputs barely "
+                  "vary across the inputs, so agreement with it proves nothing):", "",
                   "| target | kind | artifacts |", "|---|---|---:|"]
         for (target, kind), n in sorted(kinds.items(), key=lambda kv: (_order(kv[0][0], TARGET_ORDER), -kv[1], kv[0][1])):
             lines.append(f"| {target} | {kind} | {n} |")

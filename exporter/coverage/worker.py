@@ -115,8 +115,11 @@ def floor(request, target: str) -> dict:
     eager = loaded.eager.float().eval()
     with torch.no_grad():
         reference = torch.cat([eager(x[None]) for x in images])
-    result = conditioning.floor(task, eager, images, reference, {k: dict(v) for k, v in plan.thresholds.items()},
-                                inputs.calibration)
+    thresholds = {k: dict(v) for k, v in plan.thresholds.items()}
+    result = conditioning.floor(task, eager, images, reference, thresholds, inputs.calibration)
+    if loaded.reference_model is not None and "int8" in thresholds:  # a quantized weight, against its float model
+        result[conditioning.WEIGHT] = conditioning.weight_row(task, loaded.model.eval(), images, reference,
+                                                              inputs.labels, thresholds["int8"])
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
 
