@@ -32,7 +32,6 @@ from torch import nn
 
 PRECISIONS = ("fp32", "fp16", "int8")
 STATIC = "int8_static"  # judged with the int8 thresholds
-WEIGHT = "quantized_weight"  # an eager-quantized weight run as it is (weight_row)
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d)
 
 

@@ -79,7 +79,7 @@ DECISION_KEYS = {"top1_agreement", "top5_agreement", "pixel_agreement", "miou_vs
 
 # the floors an artifact of a precision is judged against (coverage.conditioning): int8 has a dynamic and a static one
 FLOORS = {"int8": ("int8", "int8_static")}
-WEIGHT_FLOOR = "quantized_weight"  # conditioning.WEIGHT
+WEIGHT_FLOOR = "quantized_weight"  # the floor row of an eager-quantized weight run as it is (conditioning.weight_row)
 JUDGED_KINDS = ("validation", "ill-conditioned reference", "quantized weight")
 
 

@@ -102,6 +102,7 @@ def floor(request, target: str) -> dict:
     from ..build import target_profile
     from ..build.plan import make
     from . import conditioning
+    from .outcome import WEIGHT_FLOOR
 
     started = time.perf_counter()
     loaded = weights.load(request.weight, request.checkpoint, verify=False, offline=True,
@@ -118,7 +119,7 @@ def floor(request, target: str) -> dict:
     thresholds = {k: dict(v) for k, v in plan.thresholds.items()}
     result = conditioning.floor(task, eager, images, reference, thresholds, inputs.calibration)
     if loaded.reference_model is not None and "int8" in thresholds:  # a quantized weight, against its float model
-        result[conditioning.WEIGHT] = conditioning.weight_row(task, loaded.model.eval(), images, reference,
+        result[WEIGHT_FLOOR] = conditioning.weight_row(task, loaded.model.eval(), images, reference,
                                                               inputs.labels, thresholds["int8"])
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
