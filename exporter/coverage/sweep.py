@@ -36,7 +36,9 @@ class Settings:
     input_size: tuple[int, int] = (128, 128)  # graphs that take one: segmentation, RetinaNet/FCOS, video frames (not classifiers, SSD)
     time_limit: float | None = 900.0  # seconds per build (weight x target); None: no limit
     weights: str = "random"  # or "digits": each architecture trained on the digits (coverage.trained)
-    train_epochs: int = trained.EPOCHS  # the digits tier's training
+    train_epochs: int = trained.EPOCHS  # the digits tier's training: these epochs, then more while its acc@1
+    train_until: float = trained.UNTIL  # on its own training digits is under this, up to train_max_epochs
+    train_max_epochs: int = trained.MAX_EPOCHS
 
     @property
     def is_trained(self) -> bool:
@@ -53,7 +55,8 @@ class Settings:
         parts = asdict(self)
         if not self.is_trained:  # the random tier reads as it did before there were tiers (row keys, merges)
             parts.pop("weights")
-            parts.pop("train_epochs")
+            for name in ("train_epochs", "train_until", "train_max_epochs"):
+                parts.pop(name)
         return json.loads(json.dumps(parts))
 
 
@@ -175,7 +178,8 @@ class Sweep:
             "threads": s.threads, "input_size": list(s.input_size) if s.input_size else None,
             "checkpoints": str(weight_dir / "checkpoints"), "build_cache": str(weight_dir / "cache"),
             "out": str(weight_dir / target), "result": str(weight_dir / f"{target}.result.json"),
-            "weights": s.weights, "train_epochs": s.train_epochs, "trained": str(trained.directory(self.cache_dir)),
+            "weights": s.weights, "train_epochs": s.train_epochs, "train_until": s.train_until,
+            "train_max_epochs": s.train_max_epochs, "trained": str(trained.directory(self.cache_dir)),
         }
 
     def _run_worker(self, spec: dict, weight_dir: Path, stop) -> tuple[subprocess.Popen, bool, float, Path]:

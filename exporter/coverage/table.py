@@ -292,7 +292,9 @@ def _settings_line(settings: dict) -> str:
          if settings.get("weights") != "digits" else
          f"held-out digits, labeled: the target's calibration and validation sizes"
          + (f" ({settings['calib_size']} + {settings['val_size']})" if settings.get("calib_size") is not None else "")
-         + f"; trained {settings.get('train_epochs')} epochs"),
+         + f"; trained {settings.get('train_epochs')} epochs"
+         + (f", then more while under {100 * settings['train_until']:g} % acc@1 on its training digits (up to "
+            f"{settings['train_max_epochs']})" if settings.get("train_until") else "")),
         f"latency {settings['warmup']} warm-up + {settings['iterations']} timed iterations",
         f"{settings['threads']} thread{'s' if settings['threads'] != 1 else ''}",
         "segmentation, RetinaNet, FCOS and video-frame input " + (

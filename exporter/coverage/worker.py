@@ -53,7 +53,8 @@ def run(spec: dict) -> int:
 
             input_size = None
             made = result["checkpoint"] = trained.make(spec["weight"], Path(spec["trained"]), spec["train_epochs"],
-                                                       log=lambda line: print(line, flush=True))
+                                                       log=lambda line: print(line, flush=True),
+                                                       until=spec["train_until"], max_epochs=spec["train_max_epochs"])
         else:
             input_size = randomize.accepted_input_size(spec["weight"], spec.get("input_size"))
             made = result["checkpoint"] = randomize.make(spec["weight"], Path(spec["checkpoints"]), input_size)

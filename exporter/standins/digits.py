@@ -35,6 +35,7 @@ class DigitsModel:
     data_dir: Path  # ImageFolder of the held-out images (never trained on)
     labels_file: Path
     held_out_accuracy: float
+    epochs: int = EPOCHS  # trained in all (more than asked when trained until an accuracy)
 
 
 def _digit_images():
@@ -97,14 +98,10 @@ RETRY_LR_FACTOR = 0.1
 def train(weight: str = WEIGHT, epochs: int = EPOCHS, log=print) -> tuple[dict, float, list]:
     """Train `weight`'s architecture from scratch on the digits; returns (state dict, held-out accuracy, data).
     A run that did not learn is run once more, from the same start, at a tenth of the learning rate."""
-    from torchvision.models import get_model, get_weight
-
-    from ..weights import model_name_of
-
     x, y, train_idx, held_idx, (images, targets) = _dataset(weight)
     for lr in (2e-3, 2e-3 * RETRY_LR_FACTOR):
         torch.manual_seed(SEED)
-        model = get_model(model_name_of(get_weight(weight)), weights=None, num_classes=10)
+        model = _model(weight)
         _fit(model, x, y, train_idx, epochs, lr, log)
         accuracy = _accuracy(model, x, y, held_idx)
         log(f"digits held-out accuracy: {accuracy:.3%} (learning rate {lr:g})")
@@ -112,6 +109,36 @@ def train(weight: str = WEIGHT, epochs: int = EPOCHS, log=print) -> tuple[dict, 
             break
         log(f"digits: the run did not learn (held-out acc@1 under {DID_NOT_LEARN:.0%})")
     return model.state_dict(), accuracy, (images, targets, held_idx)
+
+
+def _model(weight: str) -> nn.Module:
+    from torchvision.models import get_model, get_weight
+
+    from ..weights import model_name_of
+
+    return get_model(model_name_of(get_weight(weight)), weights=None, num_classes=10)
+
+
+def train_further(weight: str, checkpoint: Path, epochs: int, until: float, max_epochs: int,
+                  log=print) -> tuple[dict | None, dict]:
+    """Go on training a digits model that has had `epochs` while its acc@1 on its own training images is under
+    `until`: warm restarts at the retry learning rate, each as long as all training so far, up to `max_epochs` in
+    all. Only the training images decide, never the held-out ones. Returns the new state (None: it already
+    reached `until`) and {"epochs", "train_accuracy", "accuracy"} (the last on the held-out digits)."""
+    x, y, train_idx, held_idx, _data = _dataset(weight)
+    model = _model(weight)
+    model.load_state_dict(torch.load(checkpoint, weights_only=True))
+    model.eval()
+    fitted, changed = _accuracy(model, x, y, train_idx), False
+    while fitted < until and 2 * epochs <= max_epochs:
+        log(f"digits: acc@1 {fitted:.1%} on the training images after {epochs} epochs (under {until:.0%}): "
+            f"{epochs} more at learning rate {2e-3 * RETRY_LR_FACTOR:g}")
+        _fit(model, x, y, train_idx, epochs, 2e-3 * RETRY_LR_FACTOR, log)
+        epochs, changed = 2 * epochs, True
+        fitted = _accuracy(model, x, y, train_idx)
+    held_out = _accuracy(model, x, y, held_idx)
+    log(f"digits: {epochs} epochs, acc@1 {fitted:.1%} on the training images, {held_out:.1%} held out")
+    return (model.state_dict() if changed else None), {"epochs": epochs, "train_accuracy": fitted, "accuracy": held_out}
 
 
 def _fit(model: nn.Module, x, y, train_idx, epochs: int, lr: float, log) -> None:
@@ -159,18 +186,24 @@ def _write_held_out(cache_dir: Path, images, targets, held_idx) -> tuple[Path, P
     return data_dir, labels_file
 
 
-def _cached_info(info_file: Path, epochs: int, *paths: str) -> dict | None:
+def _cached_info(info_file: Path, epochs: int, *paths: str, until: float | None = None) -> dict | None:
+    """The cached record, if it was made by the same recipe. A model trained on past `epochs` serves only a caller
+    that trains until the same accuracy (one that has not yet been checked against it is, by prepare)."""
     if not info_file.exists():
         return None
     info = json.loads(info_file.read_text())
     same_recipe = info.get("recipe") == RECIPE_VERSION and info.get("epochs", EPOCHS) == epochs
+    if info.get("epochs_trained", epochs) != epochs and info.get("until") != until:
+        return None
     if not same_recipe or not all(Path(info[p]).exists() for p in paths):
         return None
     return info
 
 
-def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOCHS) -> DigitsModel:
-    """Train once and cache; later calls return the cached model."""
+def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOCHS, until: float | None = None,
+            max_epochs: int | None = None) -> DigitsModel:
+    """Train once and cache; later calls return the cached model. With `until`, the model is trained further
+    (train_further) until that acc@1 on its training images or `max_epochs`; a cached model is checked once."""
     from torchvision.models import get_weight
 
     from ..weights import model_name_of
@@ -178,23 +211,31 @@ def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOC
     cache_dir = Path(cache_dir).resolve()  # the record holds absolute paths, valid from any working directory
     model_name = model_name_of(get_weight(weight))
     info_file = cache_dir / ("digits.json" if weight == WEIGHT else f"digits_{model_name}.json")
-    info = _cached_info(info_file, epochs, "checkpoint", "data_dir")
-    if info is not None:
-        return DigitsModel(weight, Path(info["checkpoint"]), Path(info["data_dir"]), Path(info["labels_file"]), info["accuracy"])
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    state, accuracy, (images, targets, held_idx) = train(weight, epochs, log=log)
-    checkpoint = _save_checkpoint(state, cache_dir, weight)
-    data_dir, labels_file = _write_held_out(cache_dir, images, targets, held_idx)
-    info = {
-        "recipe": RECIPE_VERSION,
-        "epochs": epochs,
-        "checkpoint": str(checkpoint),
-        "data_dir": str(data_dir),
-        "labels_file": str(labels_file),
-        "accuracy": accuracy,
-    }
-    info_file.write_text(json.dumps(info, indent=2))
-    return DigitsModel(weight, checkpoint, data_dir, labels_file, accuracy)
+    info = _cached_info(info_file, epochs, "checkpoint", "data_dir", until=until)
+    if info is None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        state, accuracy, (images, targets, held_idx) = train(weight, epochs, log=log)
+        checkpoint = _save_checkpoint(state, cache_dir, weight)
+        data_dir, labels_file = _write_held_out(cache_dir, images, targets, held_idx)
+        info = {
+            "recipe": RECIPE_VERSION,
+            "epochs": epochs,
+            "checkpoint": str(checkpoint),
+            "data_dir": str(data_dir),
+            "labels_file": str(labels_file),
+            "accuracy": accuracy,
+        }
+        info_file.write_text(json.dumps(info, indent=2))
+    if until is not None and (info.get("until"), info.get("max_epochs")) != (until, max_epochs or epochs):
+        state, reached = train_further(weight, Path(info["checkpoint"]), info.get("epochs_trained", epochs), until,
+                                       max_epochs or epochs, log)
+        if state is not None:
+            info["checkpoint"] = str(_save_checkpoint(state, cache_dir, weight))
+        info.update(until=until, max_epochs=max_epochs or epochs, epochs_trained=reached["epochs"],
+                    train_accuracy=reached["train_accuracy"], accuracy=reached["accuracy"])
+        info_file.write_text(json.dumps(info, indent=2))
+    return DigitsModel(weight, Path(info["checkpoint"]), Path(info["data_dir"]), Path(info["labels_file"]),
+                       info["accuracy"], info.get("epochs_trained", epochs))
 
 
 @dataclass(frozen=True)
@@ -208,6 +249,7 @@ class QuantizedDigitsModel:
     labels_file: Path
     float_accuracy: float
     quantized_accuracy: float
+    epochs: int = EPOCHS  # the float model's
 
 
 def quantize_eager(model: nn.Module, batches, backend: str) -> nn.Module:
@@ -238,7 +280,8 @@ def quantize_digits(weight: str, float_checkpoint: Path, calib_images: int = 256
     return model, _accuracy(model, x, y, held_idx)
 
 
-def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=print) -> QuantizedDigitsModel:
+def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=print, until: float | None = None,
+                      max_epochs: int | None = None) -> QuantizedDigitsModel:
     """Train the float model of a torchvision quantized weight on the digits and quantize it; cached."""
     from torchvision.models import get_weight
 
@@ -248,9 +291,9 @@ def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=pr
     quantized = get_weight(weight)
     model_name = model_name_of(quantized)
     info_file = cache_dir / f"digits_{model_name}.json"
+    floating = prepare(cache_dir, log, canonical_name(quantized.meta["unquantized"]), epochs, until, max_epochs)
     info = _cached_info(info_file, epochs, "checkpoint", "float_checkpoint", "data_dir")
-    if info is None:
-        floating = prepare(cache_dir, log, canonical_name(quantized.meta["unquantized"]), epochs)
+    if info is None or info["float_checkpoint"] != str(floating.checkpoint):
         model, accuracy = quantize_digits(weight, floating.checkpoint)
         log(f"digits {model_name} ({quantized.meta['backend']}) held-out accuracy: {accuracy:.3%}")
         info = {
@@ -266,7 +309,7 @@ def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=pr
         info_file.write_text(json.dumps(info, indent=2))
     return QuantizedDigitsModel(
         canonical_name(quantized), Path(info["checkpoint"]), Path(info["float_checkpoint"]), Path(info["data_dir"]),
-        Path(info["labels_file"]), info["float_accuracy"], info["quantized_accuracy"],
+        Path(info["labels_file"]), info["float_accuracy"], info["quantized_accuracy"], floating.epochs,
     )
 
 
