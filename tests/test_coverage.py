@@ -227,6 +227,7 @@ def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_pa
     assert "no digits recipe for segmentation" in rows["lraspp_mobilenet_v3_large"]["reason"]
     row = rows["shufflenet_v2_x0_5"]
     assert row["checkpoint"]["recipe"] == "digits" and row["checkpoint"]["held_out_acc1"] > 90
+    assert row["checkpoint"]["until_train_acc1"] == 95 and row["checkpoint"]["epochs_trained"] >= 4  # checked, said
     (cell,) = row["cells"]
     accuracy = cell["accuracy"]
     assert accuracy["eager_acc1"] > 90, accuracy  # a trained reference, judged on real labels

@@ -337,7 +337,7 @@ def _checkpoint_summary(info: dict | None) -> dict | None:
     if not info:
         return None
     keep = ("seed", "num_classes", "params", "batchnorms_settled", "reinitialised_zero_layers", "reference_spread",
-            "quantized", "recipe", "epochs", "held_out_acc1", "quantized_held_out_acc1", "prepare_s")
+            "quantized", "recipe", "epochs", "until_train_acc1", "epochs_trained", "held_out_acc1", "quantized_held_out_acc1", "prepare_s")
     return {k: info[k] for k in keep if k in info}
 
 
