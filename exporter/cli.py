@@ -378,7 +378,7 @@ def _command_line(ctx: click.Context) -> str:
 @click.option("--task", "tasks", multiple=True, help="classification, segmentation, detection, quantization, video, optical_flow (repeatable) [default: all].")
 @click.option("--one-per-builder", is_flag=True, help="Each builder's DEFAULT weight instead of every weight.")
 @click.option("--max-params", type=click.IntRange(min=1), default=None, help="Skip (⏭) weights with more parameters than this.")
-@click.option("--time-limit", type=click.FloatRange(min=0), default=900, show_default=True, help="Seconds per build (weight x target); 0: none.")
+@click.option("--time-limit", type=click.FloatRange(min=0), default=900, show_default=True, help="CPU seconds per build (weight x target), 3x on the wall clock; 0: none.")
 @click.option("--weights", "weight_source", type=click.Choice(["random", "digits"]), default="random", show_default=True,
               help="random: settled random weights, synthetic inputs. digits: each classifier trained on the digits "
                    "(cached), validated on held-out labeled digits.")

@@ -186,6 +186,37 @@ def test_a_build_past_the_time_limit_is_killed_and_marked(cache_dir, tmp_path):
     assert "⏱" in (tmp_path / "coverage.md").read_text()
 
 
+@pytest.mark.parametrize("behaviour,stopped_by", [
+    ("time.sleep(2)", None),  # waiting (a starved build on a busy host) is not spending the limit...
+    ("sum(1 for _ in iter(int, 1))", "cpu"),  # ...computing is: SIGXCPU at the limit
+    ("time.sleep(60)", "wall"),  # blocked for 3x the limit: the wall clock stops it
+])
+def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop(behaviour, stopped_by, tmp_path,
+                                                                               monkeypatch):
+    """A background sweep on a shared host had builds stopped at the limit that a quiet host finishes (Swin-V2-B:
+    ⏱ at 1800 s with three sweeps on two cores, 1368 s with two): the limit is the build's CPU time."""
+    import signal
+
+    script = ("import json, sys, time; from exporter.coverage.worker import limit_cpu; "
+              f"limit_cpu(json.load(open(sys.argv[1]))); {behaviour}")
+    spawn = sweep._spawn
+    monkeypatch.setattr(sweep, "_spawn", lambda command, log, env: spawn([sys.executable, "-c", script, command[-1]], log, env))
+    monkeypatch.setattr(sweep, "WALL_FACTOR", 3)
+    runner = sweep.Sweep(sweep.Settings(time_limit=1), [], tmp_path / "c.json", tmp_path / "c.md", "test")
+    stop = type("Stop", (), {"child": None})()
+    proc, stopped, seconds, _log = runner._run_worker(
+        {"target": "jetson", "result": str(tmp_path / "r.json"), "cpu_limit_s": 1}, tmp_path, stop)
+    assert stopped == stopped_by, (proc.returncode, seconds)
+    if stopped_by is None:
+        assert proc.returncode == 0 and seconds >= 2  # past the 1 s limit on the wall clock, and not stopped
+    elif stopped_by == "cpu":
+        assert proc.returncode == -signal.SIGXCPU and seconds < 3
+    else:
+        assert 3 <= seconds < 10
+    text = sweep._limit_text(stopped, 1, seconds)
+    assert (text is None) == (stopped_by is None) and (stopped_by is None or "CPU" in text)
+
+
 def test_a_worker_stays_in_the_sweeps_session_and_its_kill_takes_what_it_started(tmp_path):
     """A worker keeps the sweep's session (under autogroup scheduling that is what keeps a `nice`d sweep in the
     background) but has a process group of its own, which the time limit kills with everything it started."""
@@ -291,10 +322,10 @@ def test_cells_read_from_a_manifest():
 def test_a_killed_build_marks_where_it_stopped():
     planned = [{"name": n, "format": "executorch", "precision": p} for n, p in (("x_fp32", "fp32"), ("x_int8", "int8"), ("y", "fp32"))]
     done = [{"name": "x_fp32", "outcome": "passed"}]
-    cells = outcome.stopped_cells(planned, done, -9, False, None, 900)
+    cells = outcome.stopped_cells(planned, done, -9, False, None, None)
     assert [(c["name"], c["outcome"], c.get("kind")) for c in cells] == [
         ("x_fp32", "passed", None), ("x_int8", "export", "out of memory"), ("y", "not_run", "not reached")]
-    refused = outcome.stopped_cells(planned, [], 2, False, "the eager reference is degenerate", 900)
+    refused = outcome.stopped_cells(planned, [], 2, False, "the eager reference is degenerate", None)
     assert {(c["outcome"], c["kind"]) for c in refused} == {("export", "degenerate reference")}
 
 
@@ -690,3 +721,13 @@ def test_an_undertrained_digits_model_is_trained_on_until_its_training_images_ar
     assert digits._cached_info(info_file, 4, "checkpoint") is None
     info_file.write_text(json.dumps(dict(info, until=0.95, epochs_trained=4)))
     assert digits._cached_info(info_file, 4, "checkpoint") is not None
+
+
+def test_a_cached_row_stopped_on_the_wall_clock_alone_is_built_again(tmp_path):
+    """Rows from before the limit was CPU time were stopped by the wall clock, which a busy host runs out of:
+    built again; a row stopped at the CPU limit is kept unless today's limit is longer."""
+    rowcache.store(tmp_path, {"key": "old", "timed_out": True, "time_limit_s": 1800, "cells": []})
+    assert rowcache.fetch(tmp_path, "old", 1800) is None
+    rowcache.store(tmp_path, {"key": "cpu", "timed_out": True, "stopped_by": "cpu", "time_limit_s": 1800, "cells": []})
+    assert rowcache.fetch(tmp_path, "cpu", 1800) is not None
+    assert rowcache.fetch(tmp_path, "cpu", 3600) is None

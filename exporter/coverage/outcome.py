@@ -216,13 +216,14 @@ def kill_kind(returncode: int | None, timed_out: bool, error: str | None) -> tup
 
 
 def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: bool, error: str | None,
-                  limit_s: float | None) -> list[dict]:
-    """Cells for a build that did not finish: those it completed, the one it was at, and those not reached."""
+                  limit: str | None) -> list[dict]:
+    """Cells for a build that did not finish: those it completed, the one it was at, and those not reached.
+    `limit` says what the time limit stopped, e.g. "900 s of CPU time (1210 s wall clock)"."""
     cells = list(done)
     names = {c["name"] for c in done}
     outcome, kind = kill_kind(returncode, timed_out, error)
     if timed_out:
-        why = f"time limit: the build was stopped after {limit_s:g} s"
+        why = f"time limit: the build was stopped after {limit}"
     elif error:
         why = error
     else:
@@ -238,7 +239,7 @@ def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: 
         if first or whole:
             cell.update(outcome=outcome, kind=kind, reason=why)
         elif timed_out:
-            cell.update(outcome=outcome, kind=kind, reason=f"not reached within the time limit ({limit_s:g} s)")
+            cell.update(outcome=outcome, kind=kind, reason=f"not reached within the time limit ({limit})")
         else:
             cell.update(outcome="not_run", kind="not reached", reason=f"not reached: {why}")
         cells.append(cell)

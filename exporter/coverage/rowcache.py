@@ -26,7 +26,8 @@ def key(weight: str, target: str, settings: dict, tools: dict) -> str:
 
 
 def fetch(directory: Path, row_key: str, time_limit: float | None, input_size: list[int] | None = None) -> dict | None:
-    """The stored row, unless it stopped at a time limit shorter than today's, or was built at another input size
+    """The stored row, unless it stopped at a time limit shorter than today's or on the wall clock alone (rows
+    from before the limit was CPU time: a busy host stopped them), or was built at another input size
     than the one the weight gets today (the key holds the size the sweep asks for, not the one a weight accepts);
     then it is built again."""
     path = directory / f"{row_key}.json"
@@ -39,6 +40,8 @@ def fetch(directory: Path, row_key: str, time_limit: float | None, input_size: l
     if input_size is not None and row.get("input_size") not in (None, list(input_size)):
         return None
     if row.get("timed_out"):
+        if row.get("stopped_by") is None:  # stopped by a wall-clock limit (before the limit was CPU time)
+            return None
         earlier = row.get("time_limit_s")
         if earlier is None or (time_limit is None or time_limit > earlier):
             return None

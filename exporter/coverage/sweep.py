@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,8 @@ from pathlib import Path
 
 from . import outcome, rowcache, table, trained
 from .select import Candidate, planned_artifacts
+
+WALL_FACTOR = 3  # the CPU time limit's backstop on the wall clock
 
 
 @dataclass(frozen=True)
@@ -180,10 +183,15 @@ class Sweep:
             "out": str(weight_dir / target), "result": str(weight_dir / f"{target}.result.json"),
             "weights": s.weights, "train_epochs": s.train_epochs, "train_until": s.train_until,
             "train_max_epochs": s.train_max_epochs, "trained": str(trained.directory(self.cache_dir)),
+            "cpu_limit_s": s.time_limit,
         }
 
-    def _run_worker(self, spec: dict, weight_dir: Path, stop) -> tuple[subprocess.Popen, bool, float, Path]:
-        """One worker process on `spec`, under the time limit; (process, timed out, seconds, log path)."""
+    def _run_worker(self, spec: dict, weight_dir: Path, stop) -> tuple[subprocess.Popen, str | None, float, Path]:
+        """One worker process on `spec`, under the time limit; (process, what stopped it at the limit: "cpu",
+        "wall" or None, seconds, log path). The limit is the worker's CPU time (RLIMIT_CPU, set by the worker), so
+        that builds sharing a busy host are not stopped where a quiet host finishes them (Swin-V2-B's android build:
+        ⏱ at 1800 s of wall clock with three sweeps on two cores, 1368 s with two); the wall clock stops a build
+        starved or blocked for WALL_FACTOR times the limit."""
         s = self.settings
         name = spec["target"] + (".floor" if spec.get("floor_only") else "")
         spec_path = weight_dir / f"{name}.spec.json"
@@ -192,22 +200,28 @@ class Sweep:
         log_path = weight_dir / f"{name}.log"
         env = dict(os.environ, EXPORTER_OFFLINE="1", PYTHONWARNINGS="ignore", TQDM_DISABLE="1",
                    **{k: str(s.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
-        start = time.perf_counter()
-        timed_out = False
+        start, cpu_before = time.perf_counter(), _children_cpu_seconds()
+        stopped_by = None
         with open(log_path, "wb") as log:
             proc = _spawn([sys.executable, "-m", "exporter.coverage.worker", str(spec_path)], log, env)
             stop.child = proc
             try:
-                proc.wait(timeout=s.time_limit)
+                proc.wait(timeout=None if s.time_limit is None else WALL_FACTOR * s.time_limit)
             except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc)
+                stopped_by = "wall"
             except KeyboardInterrupt:
                 _kill_group(proc)
                 raise
             finally:
                 stop.child = None
-        return proc, timed_out, round(time.perf_counter() - start, 1), log_path
+        if stopped_by:
+            _kill_group(proc)
+            proc.wait()
+        cpu = _children_cpu_seconds() - cpu_before  # the worker's and its waited-for children's (one worker at a time)
+        if s.time_limit is not None and (proc.returncode == -signal.SIGXCPU
+                                         or proc.returncode == -signal.SIGKILL and cpu > s.time_limit):
+            stopped_by = "cpu"  # SIGXCPU at the soft limit; SIGKILL at the hard one (10 s on), if it survived the first
+        return proc, stopped_by, round(time.perf_counter() - start, 1), log_path
 
     def _floor_only(self, candidate: Candidate, row: dict, weight_dir: Path, stop) -> dict:
         """The precision floors for a cached row that has validation failures but was built before (some of)
@@ -222,13 +236,14 @@ class Sweep:
         s = self.settings
         spec = self._spec(candidate, target, weight_dir)
         out = Path(spec["out"])
-        proc, timed_out, seconds, log_path = self._run_worker(spec, weight_dir, stop)
+        proc, stopped_by, seconds, log_path = self._run_worker(spec, weight_dir, stop)
+        timed_out = stopped_by is not None
         result = _read_json(Path(spec["result"])) or {}
         manifest = _read_json(out / "manifest.json")
         done = outcome.cells_from_manifest(manifest) if manifest else []
         error = result.get("error")
         finished = result.get("stage") == "done" and not timed_out
-        info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out, "usage_error": result.get("usage_error"),
+        info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out, "stopped_by": stopped_by, "usage_error": result.get("usage_error"),
                 "time_limit_s": s.time_limit, "checkpoint": _checkpoint_summary(result.get("checkpoint")),
                 "checkpoint_s": result.get("checkpoint_s"), "floor": result.get("floor")}
         if manifest:
@@ -238,9 +253,10 @@ class Sweep:
         if finished:
             return dict(info, outcome="built", reason=None, cells=done)
         planned = planned_artifacts(candidate.weight, target, s.formats, candidate.quantized)
-        cells = outcome.stopped_cells(planned, done, proc.returncode, timed_out, error, s.time_limit)
+        limit = _limit_text(stopped_by, s.time_limit, seconds)
+        cells = outcome.stopped_cells(planned, done, proc.returncode, timed_out, error, limit)
         if timed_out:
-            reason = f"time limit: stopped after {s.time_limit:g} s"
+            reason = f"time limit: stopped after {limit}"
         elif error:
             reason = error
         else:
@@ -291,6 +307,19 @@ class _StopOnSignal:
     def restore(self):
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _limit_text(stopped_by: str | None, limit: float | None, seconds: float) -> str | None:
+    if stopped_by == "cpu":
+        return f"{limit:g} s of CPU time ({seconds:g} s wall clock)"
+    if stopped_by == "wall":
+        return f"{seconds:g} s of wall clock ({WALL_FACTOR}× the {limit:g} s CPU limit: starved or blocked)"
+    return None
 
 
 def _spawn(command: list[str], log, env: dict) -> subprocess.Popen:

@@ -12,7 +12,9 @@ manifest as far as it got (it lists only complete artifacts)."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import resource
 import sys
 import time
 import traceback
@@ -30,12 +32,20 @@ def _write(path: Path, result: dict) -> None:
     os.replace(tmp, path)
 
 
+def limit_cpu(spec: dict) -> None:
+    """The sweep's time limit on this process's CPU time: SIGXCPU ends it there, SIGKILL 10 s later."""
+    if spec.get("cpu_limit_s"):
+        seconds = math.ceil(spec["cpu_limit_s"])
+        resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 10))
+
+
 def run(spec: dict) -> int:
     import logging
     import warnings
 
     warnings.filterwarnings("ignore")
     logging.getLogger("torch").setLevel(logging.ERROR)
+    limit_cpu(spec)
     result_path = Path(spec["result"])
     result: dict = {"stage": "checkpoint"}
     started = time.perf_counter()
