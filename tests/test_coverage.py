@@ -153,6 +153,10 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     merged_doc["selection"]["models"] = [SMALL[0]]
     (tmp_path / "merged.json").write_text(json.dumps(merged_doc))
     _merges_complete(tmp_path / "merged.json", tmp_path / "shards" / "coverage-shard-2-of-2.json", out=tmp_path / "twice")
+    # ...and names the files the merged one came from (their selections and commands), not the merged file alone
+    twice = json.loads((tmp_path / "twice" / "coverage.json").read_text())
+    assert [m["file"] for m in twice["merged_from"]] == [m["file"] for m in merged_doc["merged_from"]] + [
+        str(tmp_path / "shards" / "coverage-shard-2-of-2.json")]
     # so does a partial one: merged again with one of its own files it plans the same 4 builds, not 4 + 2
     stopped.update(rows=stopped["rows"][:1])
     (tmp_path / "stopped.json").write_text(json.dumps(stopped))

@@ -149,11 +149,12 @@ def merge(paths, command: str) -> dict:
     merged["rows"] = sorted_rows(list(rows.values()))
     # an interrupted sweep is completed by another run's rows when the plans are known
     merged["complete"] = (known or all(d.get("complete") for _, d in docs)) and len(merged["rows"]) >= merged["planned_rows"]
-    merged["merged_from"] = [{"file": str(p), "created": d.get("created"), "command": d.get("command"),
-                              "exporter_commit": d.get("exporter_commit"), "host": d.get("host"),
-                              "selection": d.get("selection"),
-                              "shard": (d.get("selection") or {}).get("shard"),
-                              "rows": len(d["rows"]), "complete": d.get("complete"), "run": d.get("run")} for p, d in docs]
+    # a merged file brings the files it was merged from (their selections and commands), not only its first's
+    merged["merged_from"] = [entry for p, d in docs for entry in (d.get("merged_from") or [{
+        "file": str(p), "created": d.get("created"), "command": d.get("command"),
+        "exporter_commit": d.get("exporter_commit"), "host": d.get("host"), "selection": d.get("selection"),
+        "shard": (d.get("selection") or {}).get("shard"), "rows": len(d["rows"]), "complete": d.get("complete"),
+        "run": d.get("run")}])]
     walls = [(d.get("run") or {}).get("total_wall_s") or (d.get("run") or {}).get("wall_s") or 0 for _, d in docs]
     merged["run"] = {"wall_s": max(walls), "shards_wall_s": walls, "started": min(((d.get("run") or {}).get("started") or "")
                                                                                   for _, d in docs) or None}
