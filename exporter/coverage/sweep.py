@@ -37,7 +37,7 @@ class Settings:
     iterations: int = 2
     threads: int = 1
     input_size: tuple[int, int] = (128, 128)  # graphs that take one: segmentation, RetinaNet/FCOS, video frames (not classifiers, SSD)
-    time_limit: float | None = 900.0  # seconds per build (weight x target); None: no limit
+    time_limit: float | None = 900.0  # CPU seconds per build (weight x target), WALL_FACTOR x on the wall clock; None: none
     weights: str = "random"  # or "digits": each architecture trained on the digits (coverage.trained)
     train_epochs: int = trained.EPOCHS  # the digits tier's training: these epochs, then more while its acc@1
     train_until: float = trained.UNTIL  # on its own training digits is under this, up to train_max_epochs
@@ -243,8 +243,8 @@ class Sweep:
         done = outcome.cells_from_manifest(manifest) if manifest else []
         error = result.get("error")
         finished = result.get("stage") == "done" and not timed_out
-        info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out, "stopped_by": stopped_by, "usage_error": result.get("usage_error"),
-                "time_limit_s": s.time_limit, "checkpoint": _checkpoint_summary(result.get("checkpoint")),
+        info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out, "stopped_by": stopped_by,
+                "usage_error": result.get("usage_error"), "time_limit_s": s.time_limit, "checkpoint": _checkpoint_summary(result.get("checkpoint")),
                 "checkpoint_s": result.get("checkpoint_s"), "floor": result.get("floor")}
         if manifest:
             info["status"] = manifest.get("status")
