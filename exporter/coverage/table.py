@@ -331,7 +331,8 @@ HOW = """## How this table is made
 
 `exporter coverage` ([cli.md](cli.md#exporter-coverage)) builds each chosen weight for each target with the real
 `exporter build` pipeline, one build per process (a crash or an out-of-memory kill costs one row, and a build
-past the time limit is killed and marked ⏱), offline and without `--data`:
+past the time limit (its CPU time; ⏱ rows made before 2026-11-26 afternoon were stopped on the wall clock) is killed
+and marked ⏱), offline and without `--data`:
 
 - **Random weights, nothing downloaded.** The model is constructed as the exporter constructs it, with the
   weight's category count. Linear/Conv layers that torchvision zero-initialises (ViT's `heads.head`: every logit
@@ -370,7 +371,7 @@ past the time limit is killed and marked ⏱), offline and without `--data`:
   this host; a Core ML package that converted shows its size.
 - **Resumable.** Each build's row is cached in `$EXPORTER_CACHE/coverage/` keyed on the weight, the target,
   these settings and the exporter and tool versions: an interrupted sweep continues, and a re-run rebuilds
-  nothing (a row stopped at a shorter time limit is built again).
+  nothing (a row stopped at a shorter time limit, or by the wall clock alone, is built again).
 - "ops outside XNNPACK" lists the `.pte` graphs' ops that touch tensors and were left outside the XNNPACK
   delegate (the manifest's `details.delegation.ops_outside_on_tensors`; scalar casts are not counted).
 """
