@@ -139,11 +139,12 @@ def outputs(model: nn.Module, images: torch.Tensor, precision: str, calibration=
 
 
 def floor(task, model: nn.Module, images: torch.Tensor, reference: torch.Tensor, thresholds: dict,
-          calibration=None) -> dict:
+          calibration=None, labels=None) -> dict:
     """Per precision in `thresholds` (and STATIC, given `calibration` and int8 thresholds): the fidelity metrics
     eager rounded that way reaches against `reference` (eager's own float32 outputs on `images`) and the
-    thresholds it breaks."""
-    result = {}
+    thresholds it breaks; with `labels` (the trained tier), the labeled ones (accuracy_drop) too."""
+    result = {"labeled": True} if labels is not None else {}
+    eager_labeled = task.labeled(reference, labels) if labels is not None else None
     variants = [(p, p) for p in PRECISIONS if p in thresholds]
     if calibration and "int8" in thresholds:
         variants.append((STATIC, "int8"))
@@ -152,11 +153,13 @@ def floor(task, model: nn.Module, images: torch.Tensor, reference: torch.Tensor,
         result["margins"] = margins
     for variant, precision in variants:
         rounded = outputs(model, images, variant, calibration)
-        quality = task.quality(rounded, reference, None, None, thresholds[precision])
+        quality = task.quality(rounded, reference, labels, eager_labeled, thresholds[precision])
         result[variant] = {
             "fidelity": {k: _finite(v) for k, v in quality["fidelity"].items() if isinstance(v, (int, float))},
             "reasons": quality["reasons"],
         }
+        if quality.get("accuracy"):
+            result[variant]["accuracy"] = {k: v for k, v in quality["accuracy"].items() if isinstance(v, (int, float))}
         if margins is not None:
             error = (rounded.double() - reference.double()).reshape(len(reference), -1)
             result[variant]["rms"] = [round(v, 6) for v in error.pow(2).mean(1).sqrt().tolist()]

@@ -138,15 +138,20 @@ def near_ties(row: dict, reasons, psnr_db, margins, flipped_rows) -> bool:
             and all(0 <= i < len(margins) and margins[i] < NEAR_TIE * rms[i] for i in images))
 
 
+# thresholds on labeled data: a floor measured without the labels cannot have broken them
+LABELED_KEYS = {"accuracy_drop", "miou_drop", "map_drop"}
+
+
 def floor_wanted(row: dict) -> bool:
     """True when a cached row has a validation failure that a floor it lacks might explain: built before floors,
-    or before the int8 static one, were measured."""
+    or before the int8 static one, were measured, or (a labeled failure) before floors were judged on labels."""
     measured = row.get("floor")
     if measured is not None and "error" in measured:
         return False
     wanted = set(FLOORS.get("int8")) | ({WEIGHT_FLOOR} if row.get("quantized") else set())
     return any(c.get("outcome") == "failed" and (measured is None or (
-        c.get("kind") == "validation" and not (wanted if c.get("precision") == "int8" else set()) <= set(measured)))
+        c.get("kind") == "validation" and (not (wanted if c.get("precision") == "int8" else set()) <= set(measured)
+                                           or (broken_keys(c.get("reasons")) & LABELED_KEYS and not measured.get("labeled")))))
         for c in row.get("cells", []))
 
 

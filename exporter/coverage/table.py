@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .. import files
 from ..errors import UsageError
+from ..thresholds import THRESHOLD_KEYS
 from .outcome import FLOORS, ORDER, SYMBOLS, WEIGHT_FLOOR, broken_keys, reclassify
 from .select import TASK_ORDER
 
@@ -251,9 +252,10 @@ def floor_text(row: dict, cell: dict) -> str:
         return "the int8 weight in eager PyTorch: " + ", ".join(r.split(" (")[0] for r in weight.get("reasons", []))
     parts = []
     for name in FLOORS.get(cell.get("precision"), (cell.get("precision"),)):
-        fidelity = ((row.get("floor") or {}).get(name) or {}).get("fidelity") or {}
-        keys = sorted(broken_keys(cell.get("reasons") or [cell.get("reason") or ""]) & set(fidelity))
-        values = ", ".join(f"{k} {_number(fidelity[k])}" for k in keys)
+        measured = (row.get("floor") or {}).get(name) or {}
+        found = {k: (measured.get(THRESHOLD_KEYS[k][0][0]) or {}).get(THRESHOLD_KEYS[k][0][1])
+                 for k in broken_keys(cell.get("reasons") or [cell.get("reason") or ""]) if k in THRESHOLD_KEYS}
+        values = ", ".join(f"{k} {_number(v)}" for k, v in sorted(found.items()) if v is not None)
         if values:
             parts.append(f"{FLOOR_NAMES.get(name, 'eager rounded to ' + name)}: {values}")
     margins = (row.get("floor") or {}).get("margins")

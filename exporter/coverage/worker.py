@@ -128,7 +128,7 @@ def floor(request, target: str) -> dict:
     with torch.no_grad():
         reference = torch.cat([eager(x[None]) for x in images])
     thresholds = {k: dict(v) for k, v in plan.thresholds.items()}
-    result = conditioning.floor(task, eager, images, reference, thresholds, inputs.calibration)
+    result = conditioning.floor(task, eager, images, reference, thresholds, inputs.calibration, inputs.labels)
     if loaded.reference_model is not None and "int8" in thresholds:  # a quantized weight, against its float model
         result[WEIGHT_FLOOR] = conditioning.weight_row(task, loaded.model.eval(), images, reference,
                                                               inputs.labels, thresholds["int8"])
