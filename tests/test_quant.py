@@ -188,6 +188,32 @@ def test_search_respects_the_cap_and_no_fallback(monkeypatch):
     assert plain["float_layers"] == [] and len(plain["steps"]) == 2 and "--no-fallback" in plain["note"]
 
 
+def test_a_missed_budget_says_when_the_model_itself_amplifies_small_errors(monkeypatch):
+    """A digits-trained EfficientNet-B1 missed its int8 budget with any of its layers in float: eager itself, its
+    input perturbed at 40 dB SNR, moved to 31.5 dB. Here a model reads an input channel that never varies with a
+    1000x weight: noise there, as int8 rounding adds anywhere, is amplified; the same model with a unit weight is not."""
+    from exporter.quant import SETTINGS, search
+    from exporter.quant.sensitivity import Sensitivity
+
+    monkeypatch.setattr(search, "layer_sensitivity", lambda *a, **k: Sensitivity(
+        {n: 10.0 for n in _FakeBackend.LAYERS}, {n: 5.0 for n in _FakeBackend.LAYERS}))
+    torch.manual_seed(0)
+    images = [torch.cat([torch.randn(1, 3), torch.zeros(1, 1)], 1) for _ in range(20)]
+    reports = {}
+    for gain in (1.0, 1000.0):
+        model = torch.nn.Linear(4, 10)
+        with torch.no_grad():
+            model.weight[:, 3] = gain
+        calibration = Calibration(images, None, {"psnr_db": 30.0}, {**SETTINGS, "max_float_fraction": 1.0})
+        reports[gain] = search.quantize_with_budget(model, _FakeBackend(model, None), calibration)[1]
+    quiet, loud = reports[1.0], reports[1000.0]
+    assert not quiet["meets_budget"] and not loud["meets_budget"]
+    assert quiet["perturbation"] == {"input_snr_db": 40.0, "output_psnr_db": quiet["perturbation"]["output_psnr_db"]}
+    assert quiet["perturbation"]["output_psnr_db"] >= 32 and "amplifies" not in quiet["note"]
+    assert loud["perturbation"]["output_psnr_db"] < 30 and "the model amplifies small errors" in loud["note"]
+    assert "perturbation" not in _search(monkeypatch, "layer0", list(_FakeBackend.LAYERS), max_float_fraction=1.0)
+
+
 class _TinyTransformer(torch.nn.Module):
     """Patch embedding, pre-norm attention and a GELU MLP: the ops a ViT has, at toy size."""
 
