@@ -395,7 +395,9 @@ but on a trained model:
   is eager's on the validation digits; each cell shows the artifact's.
 - **Why a second table.** A random classifier's logits are so close together that rounding alone flips its
   top-1: most int8 rows of the random table are "ill-conditioned", no verdict. A trained model's are not, so a
-  ❎ here is a real failure of the artifact.
+  ❎ here is a real failure of the artifact, unless eager itself, rounded to int8, breaks the same thresholds:
+  here the floor is judged on the labels too (acc@1 lost), and "ill-conditioned" means the trained model
+  amplifies small errors (the int8 report's `perturbation` shows how much).
 - Not covered: segmentation and detection (no digits recipe for most of their builders: ⏭, saying so).
 """
 
