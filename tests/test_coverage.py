@@ -527,6 +527,9 @@ def test_a_labeled_int8_failure_needs_a_floor_judged_on_the_labels():
     assert row["cells"][0]["kind"] == "ill-conditioned reference"
     assert not outcome.floor_wanted(row)
     assert table.floor_text(row, row["cells"][0]).startswith("eager rounded to int8: accuracy_drop 2.326, psnr_db 27.4")
+    # the int8 search's own measure of how much the model amplifies a small error is shown beside it
+    moved = dict(row["cells"][0], quantization={"perturbation": {"input_snr_db": 40.0, "output_psnr_db": 31.46}})
+    assert table.floor_text(row, moved).endswith("; eager, its input perturbed at 40 dB SNR: psnr_db 31.46")
     # judged on the labels and losing less than the artifact's budget allows: the failure is ours to explain
     kept = dict(lost, accuracy={"drop_points": 0.0}, reasons=lost["reasons"][:1])
     row = outcome.reclassify({"floor": dict(unlabeled, labeled=True, int8=kept), "cells": [dict(cell)]})

@@ -182,7 +182,7 @@ def cell_from_artifact(artifact: dict) -> dict:
         cell["flipped_rows"] = flipped
     if "quantization" in details and isinstance(details["quantization"], dict):
         q = details["quantization"]
-        cell["quantization"] = {k: q[k] for k in ("float_layers", "layers", "met_budget") if k in q}
+        cell["quantization"] = {k: q[k] for k in ("float_layers", "layers", "met_budget", "perturbation") if k in q}
     psnr = (artifact.get("fidelity") or {}).get("psnr_db")
     if isinstance(psnr, (int, float)) and math.isfinite(psnr):
         cell["psnr_db"] = round(psnr, 2)

@@ -258,6 +258,10 @@ def floor_text(row: dict, cell: dict) -> str:
         values = ", ".join(f"{k} {_number(v)}" for k, v in sorted(found.items()) if v is not None)
         if values:
             parts.append(f"{FLOOR_NAMES.get(name, 'eager rounded to ' + name)}: {values}")
+    moved = ((cell.get("quantization") or {}).get("perturbation") or {})
+    if moved.get("output_psnr_db") is not None:
+        parts.append(f"eager, its input perturbed at {_number(moved['input_snr_db'])} dB SNR: "
+                     f"psnr_db {_number(moved['output_psnr_db'])}")
     margins = (row.get("floor") or {}).get("margins")
     rms = (((row.get("floor") or {}).get(cell.get("precision")) or {}).get("rms"))
     flips = [r["row"] for r in cell.get("flipped_rows") or [] if margins and rms and r["row"] < len(margins)]
