@@ -770,3 +770,26 @@ def test_a_cached_row_stopped_on_the_wall_clock_alone_is_built_again(tmp_path):
     rowcache.store(tmp_path, {"key": "cpu", "timed_out": True, "stopped_by": "cpu", "time_limit_s": 1800, "cells": []})
     assert rowcache.fetch(tmp_path, "cpu", 1800) is not None
     assert rowcache.fetch(tmp_path, "cpu", 3600) is None
+
+
+def test_a_model_with_auxiliary_heads_trains_on_its_main_logits():
+    """GoogLeNet's trained row failed before training began: in training mode it returns its logits with its two
+    auxiliary heads' (GoogLeNetOutputs), which the loss cannot take. The loss takes the main logits."""
+    from torchvision.models import GoogLeNetOutputs
+
+    from exporter.standins import digits
+
+    class WithAuxiliary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head, self.aux = nn.Linear(12, 10), nn.Linear(12, 10)
+
+        def forward(self, x):
+            logits = self.head(x.flatten(1))
+            return GoogLeNetOutputs(logits, self.aux(x.flatten(1)), None) if self.training else logits
+
+    torch.manual_seed(0)
+    model, x, y = WithAuxiliary(), torch.randn(64, 3, 2, 2), torch.arange(64) % 10
+    head, aux = model.head.weight.detach().clone(), model.aux.weight.detach().clone()
+    digits._fit(model, x, y, list(range(64)), 2, 1e-2, lambda _m: None)
+    assert not torch.equal(model.head.weight, head) and torch.equal(model.aux.weight, aux)

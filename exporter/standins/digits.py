@@ -151,7 +151,7 @@ def _fit(model: nn.Module, x, y, train_idx, epochs: int, lr: float, log) -> None
         start = time.perf_counter()
         perm = torch.as_tensor(train_idx)[torch.randperm(len(train_idx), generator=gen)]
         for b in perm.split(32):
-            loss = nn.functional.cross_entropy(model(x[b]), y[b])
+            loss = nn.functional.cross_entropy(_logits(model(x[b])), y[b])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -159,6 +159,12 @@ def _fit(model: nn.Module, x, y, train_idx, epochs: int, lr: float, log) -> None
         log(f"digits epoch {epoch + 1}/{epochs}: loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)")
     train_batches = torch.as_tensor(train_idx).split(64)
     _recompute_batchnorm_stats(model, (x[b] for b in train_batches))
+
+
+def _logits(output):
+    """The class scores of a training-mode forward: GoogLeNet and Inception v3 return them with their auxiliary
+    heads' (a named tuple); the auxiliary heads are left out of the loss, and eval mode never runs them."""
+    return output.logits if hasattr(output, "logits") else output
 
 
 def _save_checkpoint(state: dict, cache_dir: Path, weight: str) -> Path:
