@@ -31,6 +31,21 @@ def atomic_path(final: Path):
         shutil.rmtree(stage, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def locked(lock_file: Path):
+    """Hold an exclusive lock on `lock_file` (made if missing) for the block: another process about to do the same
+    work waits here, then finds it done, instead of repeating or racing it. Released when the process dies."""
+    import fcntl
+
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def write_text(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")

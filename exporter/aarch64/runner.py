@@ -7,7 +7,6 @@ directory; a final directory without READY (copied, damaged) is never used and i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Protocol
 
+from .. import files
 from ..errors import UsageError
 from ..progress import Progress
 from . import versions as pins
@@ -68,19 +68,6 @@ class Builder(Protocol):
     def build(self, tmp: Path, wanted: dict[str, str], progress: Progress) -> dict: ...
 
 
-@contextlib.contextmanager
-def _locked(root: Path):
-    import fcntl
-
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def check_platform() -> None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise UsageError(f"the aarch64 runner needs a Linux x86_64 host (this is {platform.system()} "
@@ -105,7 +92,7 @@ def prepare(cache_dir: Path | None = None, progress: Progress | None = None, reb
 
         builder = DebianBuilder()
     root = cache_root(cache_dir)
-    with _locked(root):
+    with files.locked(root / ".lock"):
         for leftover in root.glob(".tmp-*"):  # a set-up killed part way (we hold the lock: none is running)
             progress.note(f"removing an unfinished aarch64 runner set-up: {leftover}")
             shutil.rmtree(leftover, ignore_errors=True)

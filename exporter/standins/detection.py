@@ -23,6 +23,8 @@ import torch
 from PIL import Image
 from torch import nn
 
+from .. import files
+from . import one_at_a_time, write_once
 from .segmentation import make_canvases, split
 
 WEIGHT = "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1"
@@ -230,16 +232,20 @@ def prepare(cache_dir: Path, log=print, steps: int = STEPS) -> DetectionDigitsMo
     """Train once and cache; later calls return the cached model."""
     cache_dir = Path(cache_dir).resolve()  # the record holds absolute paths, valid from any working directory
     info_file = cache_dir / f"digits_detection_{MODEL_NAME}.json"
+    with one_at_a_time(info_file):
+        return _prepare(cache_dir, info_file, log, steps)
+
+
+def _prepare(cache_dir: Path, info_file: Path, log, steps: int) -> DetectionDigitsModel:
     info = _cached_info(info_file, steps)
     if info is not None:
         return _model(info)
     cache_dir.mkdir(parents=True, exist_ok=True)
     state, score, score50, timing = train(steps, log=log)
-    data_dir = cache_dir / f"digits_detection_val_v{RECIPE_VERSION}"
-    if not data_dir.exists():
-        write_coco(data_dir, *held_out_set())
+    data_dir = write_once(cache_dir / f"digits_detection_val_v{RECIPE_VERSION}",
+                          lambda root: write_coco(root, *held_out_set()))
     labels_file = cache_dir / "digits_detection_labels.txt"
-    labels_file.write_text("".join(f"{label}\n" for label in LABELS))
+    files.write_text(labels_file, "".join(f"{label}\n" for label in LABELS))
     info = {
         "recipe": RECIPE_VERSION,
         "steps": steps,
@@ -251,5 +257,5 @@ def prepare(cache_dir: Path, log=print, steps: int = STEPS) -> DetectionDigitsMo
         "map50": score50,
         **timing,
     }
-    info_file.write_text(json.dumps(info, indent=2))
+    files.write_text(info_file, json.dumps(info, indent=2))
     return _model(info)

@@ -6,14 +6,14 @@ clips: DIR/<class>/<clip>/<frame>.png."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from . import digits
+from .. import files
+from . import digits, one_at_a_time, write_once
 
 WEIGHT = "R3D_18_Weights.KINETICS400_V1"
 FRAME_SIZE = (16, 16)  # the graph's --input-size
@@ -53,28 +53,31 @@ def _dataset(transform, frames: int):
 
 
 def _write_held_out(cache_dir: Path, images, targets, held_idx, frames: int) -> Path:
-    data_dir = cache_dir / "digit_clips_val"
-    if not data_dir.exists():
-        staging = cache_dir / "digit_clips_val.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        for i in held_idx:
-            clip = staging / str(int(targets[i])) / f"{i:04d}"
-            clip.mkdir(parents=True)
-            for t, frame in enumerate(clip_frames(images[i], frames)):
-                frame.save(clip / f"{t:02d}.png")
-        staging.replace(data_dir)
-    return data_dir
+    def write(data_dir: Path) -> None:
+        with files.atomic_path(data_dir) as staging:
+            for i in held_idx:
+                clip = staging / str(int(targets[i])) / f"{i:04d}"
+                clip.mkdir(parents=True)
+                for t, frame in enumerate(clip_frames(images[i], frames)):
+                    frame.save(clip / f"{t:02d}.png")
+
+    return write_once(cache_dir / "digit_clips_val", write)
 
 
 def prepare(cache_dir: Path, log=print) -> DigitClipsModel:
     """Train once and cache; later calls return the cached model."""
+    cache_dir = Path(cache_dir).resolve()
+    info_file = cache_dir / "digit_clips.json"
+    with one_at_a_time(info_file):
+        return _prepare(cache_dir, info_file, log)
+
+
+def _prepare(cache_dir: Path, info_file: Path, log) -> DigitClipsModel:
     from torchvision.models import get_model, get_weight
 
     from .. import weights
     from ..tasks import video
 
-    cache_dir = Path(cache_dir).resolve()
-    info_file = cache_dir / "digit_clips.json"
     if info_file.exists():
         info = json.loads(info_file.read_text())
         if info.get("recipe") == RECIPE_VERSION and Path(info["checkpoint"]).exists() and Path(info["data_dir"]).exists():
@@ -92,10 +95,10 @@ def prepare(cache_dir: Path, log=print) -> DigitClipsModel:
     checkpoint = digits._save_checkpoint(model.state_dict(), cache_dir, WEIGHT)
     data_dir = _write_held_out(cache_dir, images, targets, held_idx, video.FRAMES)
     labels_file = cache_dir / "labels.txt"
-    labels_file.write_text("".join(f"digit {d}\n" for d in range(10)))
+    files.write_text(labels_file, "".join(f"digit {d}\n" for d in range(10)))
     info = {"recipe": RECIPE_VERSION, "checkpoint": str(checkpoint), "data_dir": str(data_dir),
             "labels_file": str(labels_file), "accuracy": accuracy}
-    info_file.write_text(json.dumps(info, indent=2))
+    files.write_text(info_file, json.dumps(info, indent=2))
     return DigitClipsModel(WEIGHT, checkpoint, data_dir, labels_file, accuracy)
 
 

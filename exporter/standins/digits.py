@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,9 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import nn
+
+from .. import files
+from . import one_at_a_time, write_once
 
 WEIGHT = "MobileNet_V3_Small_Weights.IMAGENET1K_V1"
 HELD_OUT = 300
@@ -171,24 +175,27 @@ def _save_checkpoint(state: dict, cache_dir: Path, weight: str) -> Path:
     """Saved under the stem of the weight's own file name plus `_digits`, with a genuine sha256 prefix."""
     from torchvision.models import get_weight
 
-    tmp = cache_dir / "digits.pth.tmp"
-    torch.save(state, tmp)
-    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-    stem = Path(get_weight(weight).url).name.split("-")[0].removesuffix(".pth")
-    checkpoint = cache_dir / f"{stem}_digits-{digest[:8]}.pth"
-    tmp.replace(checkpoint)
+    stage = Path(tempfile.mkdtemp(prefix=".digits.", dir=cache_dir))  # two processes may save at once
+    try:
+        tmp = stage / "digits.pth.tmp"  # the name torch.save records, so the bytes (and the hash) are as before
+        torch.save(state, tmp)
+        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        stem = Path(get_weight(weight).url).name.split("-")[0].removesuffix(".pth")
+        checkpoint = cache_dir / f"{stem}_digits-{digest[:8]}.pth"
+        tmp.replace(checkpoint)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return checkpoint
 
 
 def _write_held_out(cache_dir: Path, images, targets, held_idx) -> tuple[Path, Path]:
-    data_dir = cache_dir / "digits_val"
-    if not data_dir.exists():
-        staging = cache_dir / "digits_val.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        write_imagefolder(staging, images, targets, held_idx)
-        staging.replace(data_dir)
+    def write(data_dir: Path) -> None:
+        with files.atomic_path(data_dir) as staging:
+            write_imagefolder(staging, images, targets, held_idx)
+
+    data_dir = write_once(cache_dir / "digits_val", write)
     labels_file = cache_dir / "labels.txt"
-    labels_file.write_text("".join(f"digit {d}\n" for d in range(10)))
+    files.write_text(labels_file, "".join(f"digit {d}\n" for d in range(10)))
     return data_dir, labels_file
 
 
@@ -217,6 +224,12 @@ def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOC
     cache_dir = Path(cache_dir).resolve()  # the record holds absolute paths, valid from any working directory
     model_name = model_name_of(get_weight(weight))
     info_file = cache_dir / ("digits.json" if weight == WEIGHT else f"digits_{model_name}.json")
+    with one_at_a_time(info_file):
+        return _prepare(cache_dir, info_file, log, weight, epochs, until, max_epochs)
+
+
+def _prepare(cache_dir: Path, info_file: Path, log, weight: str, epochs: int, until: float | None,
+             max_epochs: int | None) -> DigitsModel:
     info = _cached_info(info_file, epochs, "checkpoint", "data_dir", until=until)
     if info is None:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -231,7 +244,7 @@ def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOC
             "labels_file": str(labels_file),
             "accuracy": accuracy,
         }
-        info_file.write_text(json.dumps(info, indent=2))
+        files.write_text(info_file, json.dumps(info, indent=2))
     if until is not None and (info.get("until"), info.get("max_epochs")) != (until, max_epochs or epochs):
         state, reached = train_further(weight, Path(info["checkpoint"]), info.get("epochs_trained", epochs), until,
                                        max_epochs or epochs, log)
@@ -239,7 +252,7 @@ def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOC
             info["checkpoint"] = str(_save_checkpoint(state, cache_dir, weight))
         info.update(until=until, max_epochs=max_epochs or epochs, epochs_trained=reached["epochs"],
                     train_accuracy=reached["train_accuracy"], accuracy=reached["accuracy"])
-        info_file.write_text(json.dumps(info, indent=2))
+        files.write_text(info_file, json.dumps(info, indent=2))
     return DigitsModel(weight, Path(info["checkpoint"]), Path(info["data_dir"]), Path(info["labels_file"]),
                        info["accuracy"], info.get("epochs_trained", epochs))
 
@@ -291,12 +304,21 @@ def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=pr
     """Train the float model of a torchvision quantized weight on the digits and quantize it; cached."""
     from torchvision.models import get_weight
 
-    from ..weights import canonical_name, model_name_of
+    from ..weights import model_name_of
 
     cache_dir = Path(cache_dir).resolve()
     quantized = get_weight(weight)
     model_name = model_name_of(quantized)
     info_file = cache_dir / f"digits_{model_name}.json"
+    with one_at_a_time(info_file):
+        return _prepare_quantized(cache_dir, info_file, quantized, epochs, log, until, max_epochs)
+
+
+def _prepare_quantized(cache_dir: Path, info_file: Path, quantized, epochs: int, log, until: float | None,
+                       max_epochs: int | None) -> QuantizedDigitsModel:
+    from ..weights import canonical_name, model_name_of
+
+    model_name, weight = model_name_of(quantized), canonical_name(quantized)
     floating = prepare(cache_dir, log, canonical_name(quantized.meta["unquantized"]), epochs, until, max_epochs)
     info = _cached_info(info_file, epochs, "checkpoint", "float_checkpoint", "data_dir")
     if info is None or info["float_checkpoint"] != str(floating.checkpoint):
@@ -312,9 +334,9 @@ def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=pr
             "float_accuracy": floating.held_out_accuracy,
             "quantized_accuracy": accuracy,
         }
-        info_file.write_text(json.dumps(info, indent=2))
+        files.write_text(info_file, json.dumps(info, indent=2))
     return QuantizedDigitsModel(
-        canonical_name(quantized), Path(info["checkpoint"]), Path(info["float_checkpoint"]), Path(info["data_dir"]),
+        weight, Path(info["checkpoint"]), Path(info["float_checkpoint"]), Path(info["data_dir"]),
         Path(info["labels_file"]), info["float_accuracy"], info["quantized_accuracy"], floating.epochs,
     )
 

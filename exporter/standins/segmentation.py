@@ -23,6 +23,8 @@ import torch
 from PIL import Image
 from torch import nn
 
+from .. import files
+from . import one_at_a_time, write_once
 from .digits import _recompute_batchnorm_stats
 from ..tasks.segmentation import confusion, miou
 
@@ -284,17 +286,22 @@ def prepare(cache_dir: Path, weight: str = WEIGHTS[0], log=print, steps: int = S
     weight = canonical_name(weights)
     model_name = model_name_of(weights)
     info_file = cache_dir / f"digits_segmentation_{model_name}.json"
+    with one_at_a_time(info_file):
+        return _prepare(cache_dir, info_file, weight, model_name, log, steps, size)
+
+
+def _prepare(cache_dir: Path, info_file: Path, weight: str, model_name: str, log, steps: int,
+             size: int) -> SegmentationDigitsModel:
     info = _cached_info(info_file, steps, size)
     if info is not None:
         return _model(weight, info)
     cache_dir.mkdir(parents=True, exist_ok=True)
     state, score, accuracy = train(model_name, steps, size, log=log)
     # the held-out set depends only on the recipe and size, so the models share it
-    data_dir = cache_dir / f"digits_segmentation_val_{size}_v{RECIPE_VERSION}"
-    if not data_dir.exists():
-        write_voc(data_dir, *held_out_set(size))
+    data_dir = write_once(cache_dir / f"digits_segmentation_val_{size}_v{RECIPE_VERSION}",
+                          lambda root: write_voc(root, *held_out_set(size)))
     labels_file = cache_dir / "digits_segmentation_labels.txt"
-    labels_file.write_text("".join(f"{label}\n" for label in LABELS))
+    files.write_text(labels_file, "".join(f"{label}\n" for label in LABELS))
     info = {
         "recipe": RECIPE_VERSION,
         "steps": steps,
@@ -306,5 +313,5 @@ def prepare(cache_dir: Path, weight: str = WEIGHTS[0], log=print, steps: int = S
         "miou": score,
         "pixel_accuracy": accuracy,
     }
-    info_file.write_text(json.dumps(info, indent=2))
+    files.write_text(info_file, json.dumps(info, indent=2))
     return _model(weight, info)

@@ -1,0 +1,74 @@
+"""The stand-ins' cache is shared by processes (the suite's background trainer and its fixtures, parallel runs):
+one makes a stand-in or a held-out set, the others wait for it and read it, and a killed maker blocks no one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from exporter.standins import one_at_a_time, write_once
+
+# The first process: it says "making" once it holds the lock, then takes its time.
+FIRST = """
+import sys, time
+from pathlib import Path
+from exporter.standins import one_at_a_time, write_once
+path, mode = Path(sys.argv[1]), sys.argv[2]
+def make(path):
+    print("making", flush=True)
+    time.sleep(600 if mode == "hang" else 1.5)
+    if mode == "dir":
+        path.mkdir()
+        (path / "made by the first").touch()
+    else:
+        path.write_text("made by the first")
+if mode == "dir":
+    write_once(path, make)
+else:
+    with one_at_a_time(path):
+        make(path)
+"""
+
+
+def _first(path, mode: str) -> subprocess.Popen:
+    first = subprocess.Popen([sys.executable, "-c", FIRST, str(path), mode], stdout=subprocess.PIPE, text=True)
+    assert first.stdout.readline().strip() == "making"  # it holds the lock now
+    return first
+
+
+def test_a_stand_in_another_process_is_making_is_waited_for_and_read(tmp_path):
+    record = tmp_path / "digits.json"
+    first = _first(record, "record")
+    with one_at_a_time(record):
+        assert record.read_text() == "made by the first"
+    assert first.wait(30) == 0
+
+
+def test_a_held_out_set_is_written_once_whoever_asks_first(tmp_path):
+    data_dir = tmp_path / "digits_val"
+    first = _first(data_dir, "dir")
+    written = []
+    assert write_once(data_dir, written.append) == data_dir
+    assert written == [] and [p.name for p in data_dir.iterdir()] == ["made by the first"]
+    assert first.wait(30) == 0
+    write_once(tmp_path / "other_val", lambda path: (written.append(path), path.mkdir()))
+    assert written == [tmp_path / "other_val"]
+
+
+def test_a_killed_maker_leaves_the_lock_free_and_nothing_made(tmp_path):
+    record = tmp_path / "digits.json"
+    first = _first(record, "hang")
+    first.kill()
+    first.wait(30)
+    start = time.monotonic()
+    with one_at_a_time(record):
+        assert not record.exists()
+    assert time.monotonic() - start < 5
+
+
+def test_the_background_trainer_refuses_an_unknown_stand_in_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "exporter.standins", str(tmp_path), "detection", "resnet"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
