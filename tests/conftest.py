@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from exporter.standins import digits, segmentation
+from exporter.standins import digits
 from exporter.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("EXPORTER_TEST_CACHE", ROOT / ".cache" / "digits"))
 
 QUANTIZED_WEIGHT = "ShuffleNet_V2_X0_5_QuantizedWeights.IMAGENET1K_FBGEMM_V1"
-LRASPP, DEEPLAB = segmentation.WEIGHTS
 
 # The aarch64 step under qemu (tests/test_validation_on_arm.py): on when EXPORTER_TEST_AARCH64=1 (`.ci/run` sets it).
 # Its runner lives outside the clone and the suite's temporary cache, so a later run on the machine reuses it.
@@ -77,36 +76,6 @@ def arm_setup_in_background(tmp_path_factory):
     if setup.poll() is None:  # nothing needed it in this session; a killed set-up leaves nothing taken for ready
         setup.terminate()
         setup.wait()
-
-
-# The stand-ins the suite trains (minutes each from an empty cache), by the fixture that asks for each.
-STANDINS = {"digits_model": "digits", "quantized_digits": f"quantized:{QUANTIZED_WEIGHT}", "ssdlite": "detection",
-            "lraspp": f"segmentation:{LRASPP}", "deeplab": f"segmentation:{DEEPLAB}", "clips_model": "clips"}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def standins_in_background(request, tmp_path_factory):
-    """The suite runs one thread most of the time on a two-core host: the stand-ins its tests will need, all but
-    the first, are trained meanwhile by a second process (`python -m exporter.standins`), in the order the tests
-    reach them. A fixture whose stand-in is still training waits on its lock and then reads the cache; one that
-    process did not get to, or failed, the fixture trains itself as before."""
-    import subprocess
-    import sys
-
-    needed = []
-    for item in request.session.items:
-        needed += [spec for name, spec in STANDINS.items() if name in item.fixturenames and spec not in needed]
-    if len(needed) < 2:
-        yield None
-        return
-    log = tmp_path_factory.mktemp("standins") / "standins.log"
-    with open(log, "w") as handle:
-        trainer = subprocess.Popen([sys.executable, "-m", "exporter.standins", str(CACHE), *needed[1:]],
-                                   stdout=handle, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(5))
-    yield trainer
-    if trainer.poll() is None:  # the session ended early; a killed training leaves only its lock behind
-        trainer.terminate()
-        trainer.wait()
 
 
 @pytest.fixture(scope="session")

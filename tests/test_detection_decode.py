@@ -14,23 +14,23 @@ SSDLITE = "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1"
 
 
 @pytest.fixture(scope="module")
-def random_ssdlite():
+def ssdlite():
     from torchvision.models import get_model
 
     model = get_model("ssdlite320_mobilenet_v3_large", weights=None, weights_backbone=None, num_classes=11).eval()
     return model, weights.bind_task(weights.resolve(SSDLITE), 11)
 
 
-def test_bound_task_has_the_fixed_input_and_anchors(random_ssdlite):
-    _, task = random_ssdlite
+def test_bound_task_has_the_fixed_input_and_anchors(ssdlite):
+    _, task = ssdlite
     assert task.input_size == (320, 320) and task.anchors.shape == (3234, 4)
     assert task.output()["shape"] == [1, 3234, 15] and task.mean == (0.5, 0.5, 0.5)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_decode_reproduces_torchvision_postprocessing(random_ssdlite, seed):
+def test_decode_reproduces_torchvision_postprocessing(ssdlite, seed):
     """Varied heads (random weights give near-tied scores, which would prove nothing)."""
-    model, task = random_ssdlite
+    model, task = ssdlite
     g = torch.Generator().manual_seed(seed)
     head = torch.cat([torch.randn(1, 3234, 4, generator=g), 4 * torch.randn(1, 3234, 11, generator=g)], -1)
     ours = detection_decode.decode(head[0].numpy(), task.anchors, (320, 320))

@@ -16,10 +16,11 @@ from PIL import Image
 from exporter.standins import segmentation as digits_segmentation
 from exporter.thresholds import breaches
 
-from .conftest import CACHE, DEEPLAB, LRASPP, assert_clean_refusal, assert_device_reproduces_the_build, assert_preview, run_cli
+from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, assert_preview, run_cli
 
 pytestmark = pytest.mark.slow
 
+LRASPP, DEEPLAB = digits_segmentation.WEIGHTS
 FAST = ["--calib-size", "32", "--val-size", "16", "--warmup", "1", "--iterations", "5"]
 
 

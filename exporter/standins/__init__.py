@@ -1,8 +1,8 @@
 """Really trained offline models (scikit-learn's digits) that stand in for downloaded weights in the demo and tests.
 
 Not on the product's path: a build never imports this package. Each stand-in is trained once into a cache
-directory, by one process at a time: a second process asking for it (the test suite's background trainer,
-`python -m exporter.standins`, or a parallel run) waits for the first and then finds its record."""
+directory, by one process at a time: a second process asking for it (two trained-tier sweeps sharing
+~/.cache/exporter/digits, a sweep and the demo) waits for the first and then finds its record."""
 
 from __future__ import annotations
 
