@@ -65,3 +65,20 @@ def test_a_killed_maker_leaves_the_lock_free_and_nothing_made(tmp_path):
     with one_at_a_time(record):
         assert not record.exists()
     assert time.monotonic() - start < 5
+
+
+def test_a_checkpoint_is_named_by_its_state_alone(tmp_path):
+    """torch.save records the file's name: saved through a temporary file of another name each time (as the
+    segmentation and detection stand-ins were), the same state got another hash, and name, on every save."""
+    import torch
+
+    from exporter.standins import save_checkpoint
+
+    state = {"weight": torch.arange(6.0).reshape(2, 3)}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = save_checkpoint(state, tmp_path / "a", "lraspp_mobilenet_v3_large")
+    second = save_checkpoint(state, tmp_path / "b", "lraspp_mobilenet_v3_large")
+    assert first.name == second.name and first.name.startswith("lraspp_mobilenet_v3_large_digits-")
+    assert first.read_bytes() == second.read_bytes() and [p.name for p in (tmp_path / "a").iterdir()] == [first.name]
+    assert torch.equal(torch.load(first, weights_only=True)["weight"], state["weight"])

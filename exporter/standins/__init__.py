@@ -6,6 +6,9 @@ directory, by one process at a time: a second process asking for it (two trained
 
 from __future__ import annotations
 
+import hashlib
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -23,3 +26,27 @@ def write_once(data_dir: Path, write: Callable[[Path], None]) -> Path:
         if not data_dir.exists():
             write(data_dir)
     return data_dir
+
+
+def weight_stem(weight: str) -> str:
+    """The stem of the weight's own file name (torchvision's URL), which a stand-in's checkpoint is named after."""
+    from torchvision.models import get_weight
+
+    return Path(get_weight(weight).url).name.split("-")[0].removesuffix(".pth")
+
+
+def save_checkpoint(state: dict, cache_dir: Path, stem: str) -> Path:
+    """`state` as CACHE/<stem>_digits-<first 8 of its sha256>.pth, named as torchvision names its files. torch.save
+    records the file's name in the archive, so it is written under one fixed name, in a directory of its own (two
+    processes may save at once): the same state always gets the same bytes and name."""
+    import torch
+
+    stage = Path(tempfile.mkdtemp(prefix=".checkpoint.", dir=cache_dir))
+    try:
+        tmp = stage / "digits.pth.tmp"
+        torch.save(state, tmp)
+        checkpoint = cache_dir / f"{stem}_digits-{hashlib.sha256(tmp.read_bytes()).hexdigest()[:8]}.pth"
+        tmp.replace(checkpoint)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return checkpoint

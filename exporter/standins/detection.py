@@ -9,9 +9,7 @@ only from held-out digits.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -24,7 +22,7 @@ from PIL import Image
 from torch import nn
 
 from .. import files
-from . import one_at_a_time, write_once
+from . import one_at_a_time, save_checkpoint, write_once
 from .segmentation import make_canvases, split
 
 WEIGHT = "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1"
@@ -203,16 +201,6 @@ def _train(steps: int, log) -> tuple[dict, float, float, dict]:
     return model.state_dict(), score, score50, timing
 
 
-def _save_checkpoint(state: dict, cache_dir: Path) -> Path:
-    """Saved under the stem of the weight's own file name plus `_digits`, with a genuine sha256 prefix."""
-    tmp = cache_dir / f".{MODEL_NAME}_digits.{os.getpid()}.pth.tmp"
-    torch.save(state, tmp)
-    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-    checkpoint = cache_dir / f"{MODEL_NAME}_digits-{digest[:8]}.pth"
-    tmp.replace(checkpoint)
-    return checkpoint
-
-
 def _cached_info(info_file: Path, steps: int) -> dict | None:
     if not info_file.exists():
         return None
@@ -250,7 +238,7 @@ def _prepare(cache_dir: Path, info_file: Path, log, steps: int) -> DetectionDigi
         "recipe": RECIPE_VERSION,
         "steps": steps,
         "weight": WEIGHT,
-        "checkpoint": str(_save_checkpoint(state, cache_dir)),
+        "checkpoint": str(save_checkpoint(state, cache_dir, MODEL_NAME)),
         "data_dir": str(data_dir),
         "labels_file": str(labels_file),
         "map": score,

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from .. import files
-from . import digits, one_at_a_time, write_once
+from . import digits, one_at_a_time, save_checkpoint, weight_stem, write_once
 
 WEIGHT = "R3D_18_Weights.KINETICS400_V1"
 FRAME_SIZE = (16, 16)  # the graph's --input-size
@@ -92,7 +92,7 @@ def _prepare(cache_dir: Path, info_file: Path, log) -> DigitClipsModel:
     digits._fit(model, x, y, train_idx, EPOCHS, 2e-3, log)
     accuracy = digits._accuracy(model, x, y, held_idx)
     log(f"digit clips held-out accuracy: {accuracy:.3%}")
-    checkpoint = digits._save_checkpoint(model.state_dict(), cache_dir, WEIGHT)
+    checkpoint = save_checkpoint(model.state_dict(), cache_dir, weight_stem(WEIGHT))
     data_dir = _write_held_out(cache_dir, images, targets, held_idx, video.FRAMES)
     labels_file = cache_dir / "labels.txt"
     files.write_text(labels_file, "".join(f"digit {d}\n" for d in range(10)))

@@ -9,10 +9,7 @@ torchvision expects for the named weight, with a genuine sha256 prefix.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +20,7 @@ from PIL import Image
 from torch import nn
 
 from .. import files
-from . import one_at_a_time, write_once
+from . import one_at_a_time, save_checkpoint, weight_stem, write_once
 
 WEIGHT = "MobileNet_V3_Small_Weights.IMAGENET1K_V1"
 HELD_OUT = 300
@@ -171,23 +168,6 @@ def _logits(output):
     return output.logits if hasattr(output, "logits") else output
 
 
-def _save_checkpoint(state: dict, cache_dir: Path, weight: str) -> Path:
-    """Saved under the stem of the weight's own file name plus `_digits`, with a genuine sha256 prefix."""
-    from torchvision.models import get_weight
-
-    stage = Path(tempfile.mkdtemp(prefix=".digits.", dir=cache_dir))  # two processes may save at once
-    try:
-        tmp = stage / "digits.pth.tmp"  # the name torch.save records, so the bytes (and the hash) are as before
-        torch.save(state, tmp)
-        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-        stem = Path(get_weight(weight).url).name.split("-")[0].removesuffix(".pth")
-        checkpoint = cache_dir / f"{stem}_digits-{digest[:8]}.pth"
-        tmp.replace(checkpoint)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return checkpoint
-
-
 def _write_held_out(cache_dir: Path, images, targets, held_idx) -> tuple[Path, Path]:
     def write(data_dir: Path) -> None:
         with files.atomic_path(data_dir) as staging:
@@ -234,7 +214,7 @@ def _prepare(cache_dir: Path, info_file: Path, log, weight: str, epochs: int, un
     if info is None:
         cache_dir.mkdir(parents=True, exist_ok=True)
         state, accuracy, (images, targets, held_idx) = train(weight, epochs, log=log)
-        checkpoint = _save_checkpoint(state, cache_dir, weight)
+        checkpoint = save_checkpoint(state, cache_dir, weight_stem(weight))
         data_dir, labels_file = _write_held_out(cache_dir, images, targets, held_idx)
         info = {
             "recipe": RECIPE_VERSION,
@@ -249,7 +229,7 @@ def _prepare(cache_dir: Path, info_file: Path, log, weight: str, epochs: int, un
         state, reached = train_further(weight, Path(info["checkpoint"]), info.get("epochs_trained", epochs), until,
                                        max_epochs or epochs, log)
         if state is not None:
-            info["checkpoint"] = str(_save_checkpoint(state, cache_dir, weight))
+            info["checkpoint"] = str(save_checkpoint(state, cache_dir, weight_stem(weight)))
         info.update(until=until, max_epochs=max_epochs or epochs, epochs_trained=reached["epochs"],
                     train_accuracy=reached["train_accuracy"], accuracy=reached["accuracy"])
         files.write_text(info_file, json.dumps(info, indent=2))
@@ -327,7 +307,7 @@ def _prepare_quantized(cache_dir: Path, info_file: Path, quantized, epochs: int,
         info = {
             "recipe": RECIPE_VERSION,
             "epochs": epochs,
-            "checkpoint": str(_save_checkpoint(model.state_dict(), cache_dir, weight)),
+            "checkpoint": str(save_checkpoint(model.state_dict(), cache_dir, weight_stem(weight))),
             "float_checkpoint": str(floating.checkpoint),
             "data_dir": str(floating.data_dir),
             "labels_file": str(floating.labels_file),

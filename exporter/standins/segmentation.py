@@ -9,9 +9,7 @@ trained on canvases of training digits only, and evaluated on canvases built onl
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -24,7 +22,7 @@ from PIL import Image
 from torch import nn
 
 from .. import files
-from . import one_at_a_time, write_once
+from . import one_at_a_time, save_checkpoint, weight_stem, write_once
 from .digits import _recompute_batchnorm_stats
 from ..tasks.segmentation import confusion, miou
 
@@ -245,20 +243,6 @@ def train(model_name: str, steps: int = STEPS, size: int = SIZE, log=print) -> t
     return model.state_dict(), score, accuracy
 
 
-def _save_checkpoint(state: dict, cache_dir: Path, weight: str) -> Path:
-    """Saved under the stem of the weight's own file name plus `_digits`, with a genuine sha256 prefix."""
-    from torchvision.models import get_weight
-
-    fd, tmp = tempfile.mkstemp(suffix=".pth.tmp", dir=cache_dir)
-    os.close(fd)
-    torch.save(state, tmp)
-    digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
-    stem = Path(get_weight(weight).url).name.split("-")[0].removesuffix(".pth")
-    checkpoint = cache_dir / f"{stem}_digits-{digest[:8]}.pth"
-    Path(tmp).replace(checkpoint)
-    return checkpoint
-
-
 def _cached_info(info_file: Path, steps: int, size: int) -> dict | None:
     if not info_file.exists():
         return None
@@ -307,7 +291,7 @@ def _prepare(cache_dir: Path, info_file: Path, weight: str, model_name: str, log
         "steps": steps,
         "size": size,
         "weight": weight,
-        "checkpoint": str(_save_checkpoint(state, cache_dir, weight)),
+        "checkpoint": str(save_checkpoint(state, cache_dir, weight_stem(weight))),
         "data_dir": str(data_dir),
         "labels_file": str(labels_file),
         "miou": score,
