@@ -16,8 +16,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m exporter.standins.demo
 
+# One pytest-xdist worker per core (at most 4), each kept to its core by tests/conftest.py; a test file (or the
+# files sharing the android build) runs whole on one worker, the slowest files first. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --maxprocesses 4 --dist loadgroup --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(PY) -m exporter.bench

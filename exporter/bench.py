@@ -287,7 +287,7 @@ def against_baseline(results: dict, baseline: dict | None) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default=",".join(MODELS), help=f"any of {', '.join(MODELS)}")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=hostload.usable_cores())
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("exports/bench"))

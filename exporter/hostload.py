@@ -24,6 +24,14 @@ LOAD_MARGIN = 0.5  # 1-minute load average above cores + this: more runnable tas
 TICKS = 2  # /proc/stat counts whole clock ticks per CPU: tolerate this many per CPU of rounding
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a container's cpuset), else every core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity call
+        return os.cpu_count() or 1
+
+
 def _proc_stat() -> tuple[float, float, float | None] | None:
     """(busy, idle, steal) seconds of all CPUs since boot; steal None when the kernel does not report it."""
     try:

@@ -54,26 +54,65 @@ def quiet_host():
         yield hostload
 
 
-@pytest.fixture(scope="session", autouse=True)
-def arm_setup_in_background(tmp_path_factory):
+# Measured per file from a fresh clone (2-core host): the slowest first, so that the workers of `make test`
+# (pytest-xdist, one per core) start on them and end together; the files not named follow in their own order.
+ANDROID_BUILD = "android_build"  # the xdist group of every file that checks this session fixture
+SLOWEST_FIRST = ("test_segmentation", ANDROID_BUILD, "test_detection", "test_quant", "test_coverage",
+                 "test_reproducibility", "test_ios", "test_video", "test_jetson")
+ARM_SETUP = pytest.StashKey()
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker takes its share of the cores and keeps to it (CPU affinity), so a build's
+    default threads (every core this process may use) are that share: two workers each timing on every core of
+    the host would make every thread wait on another process's."""
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not workers or not hasattr(os, "sched_setaffinity"):
+        return
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // int(workers))
+    first = int(worker.removeprefix("gw")) * share % len(cores)
+    os.sched_setaffinity(0, set(cores[first:first + share]))
+    torch.set_num_threads(share)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """One xdist group per test file, and one for every file using `android_build`: a session fixture is made once
+    per worker, and this build (and the suite's build cache it fills) is what those files check. Slowest first."""
+    users = {item.path for item in items if ANDROID_BUILD in getattr(item, "fixturenames", ())}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(ANDROID_BUILD if item.path in users else item.path.stem))
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.get_closest_marker("xdist_group").args[0], len(rank)))
+
+
+def pytest_sessionstart(session):
     """With the aarch64 step on and no runner ready, start `exporter arm-setup` when the session starts (minutes,
-    mostly downloads), so it overlaps the suite; the tests that need it wait on its lock (aarch64.prepare)."""
+    mostly downloads), so it overlaps the suite; the tests that need it wait on its lock (aarch64.prepare). Started
+    by the one process that outlives every test: pytest-xdist's controller, or pytest itself without workers."""
     import subprocess
     import sys
+    import tempfile
 
     from exporter import aarch64
 
-    if not ARM_E2E or aarch64.find(ARM_CACHE) is not None:
-        yield None
+    if os.environ.get("PYTEST_XDIST_WORKER") or not ARM_E2E or aarch64.find(ARM_CACHE) is not None:
         return
-    log = tmp_path_factory.mktemp("arm_setup") / "arm-setup.log"
+    log = Path(tempfile.mkdtemp(prefix="arm-setup-")) / "arm-setup.log"
     env = {k: v for k, v in os.environ.items() if k not in ("EXPORTER_OFFLINE", "EXPORTER_CACHE")}
     env["EXPORTER_AARCH64_CACHE"] = str(aarch64.cache_root(ARM_CACHE))
     with open(log, "w") as handle:
-        setup = subprocess.Popen([sys.executable, "-c", "from exporter.cli import main; main()", "arm-setup"],
-                                 stdout=handle, stderr=subprocess.STDOUT, env=env)
-    yield setup
-    if setup.poll() is None:  # nothing needed it in this session; a killed set-up leaves nothing taken for ready
+        session.config.stash[ARM_SETUP] = subprocess.Popen(
+            [sys.executable, "-c", "from exporter.cli import main; main()", "arm-setup"],
+            stdout=handle, stderr=subprocess.STDOUT, env=env)
+
+
+def pytest_sessionfinish(session):
+    setup = session.config.stash.get(ARM_SETUP, None)
+    if setup is not None and setup.poll() is None:  # nothing needed it; a killed set-up leaves nothing taken for ready
         setup.terminate()
         setup.wait()
 

@@ -161,7 +161,7 @@ MAY_IMPORT = {
     "weights": {"tasks", "files", "progress", "errors"},
     "release": {"formats", "device", "files", "errors", "hostload"},
     "build": {"weights", "tasks", "formats", "quant", "validation", "data", "release", "aarch64", *LEAVES, "exporter"},
-    "standins": {"weights", "tasks", "files", "errors"},
+    "standins": {"weights", "tasks", "files", "errors", "hostload"},
     "coverage": {"build", "weights", "tasks", "data", "release", "standins", *LEAVES, "exporter"},
     "aarch64": {"errors", "files", "progress"},
     "cli": {"build", "weights", "release", "device", "coverage", "aarch64", *LEAVES, "exporter"},

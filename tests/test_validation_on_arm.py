@@ -20,7 +20,7 @@ E2E_CPUS = ["cortex-a53", "cortex-a76"]
 
 
 @pytest.fixture(scope="module")
-def arm_runner(arm_setup_in_background):
+def arm_runner():
     """The runner the background set-up made (waits for it: prepare takes the set-up's lock)."""
     return aarch64.prepare(RUNNER_CACHE, offline=False)
 

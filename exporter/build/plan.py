@@ -5,11 +5,11 @@ Plan along; nothing reads the TOML dicts again. `describe()` is the manifest's v
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
+from .. import hostload
 from ..errors import UsageError
 from ..formats import FORMATS
 from ..quant import SETTINGS as QUANT_SETTINGS
@@ -149,7 +149,7 @@ def make(profile: dict, task: str) -> Plan:
     table = dict(resolved.get("quantization", {}))
     budget = {**resolved.get("thresholds", {}).get("int8", {}), **table.pop("budget", {})}
     latency = {**resolved.get("latency", {})}
-    latency["threads"] = latency.get("threads") or os.cpu_count() or 1
+    latency["threads"] = latency.get("threads") or hostload.usable_cores()
     return Plan(
         target=resolved["name"],
         profile_path=resolved["path"],

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from .. import files
+from .. import files, hostload
 from . import one_at_a_time, save_checkpoint, weight_stem, write_once
 from .digits import _recompute_batchnorm_stats
 from ..tasks.segmentation import confusion, miou
@@ -210,7 +210,16 @@ def held_out_set(size: int = SIZE) -> tuple[np.ndarray, np.ndarray]:
 
 def train(model_name: str, steps: int = STEPS, size: int = SIZE, log=print) -> tuple[dict, float, float]:
     """Train `model_name` from scratch on canvases of training digits; returns (state dict, held-out mIoU, pixel accuracy)."""
-    torch.set_num_threads(2)
+    threads = torch.get_num_threads()
+    # two threads, never more than the cores we may use: two threads sharing one core wait on each other at every op
+    torch.set_num_threads(min(2, hostload.usable_cores()))
+    try:
+        return _train(model_name, steps, size, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model_name: str, steps: int, size: int, log) -> tuple[dict, float, float]:
     torch.manual_seed(SEED)
     train_idx, _ = split()
     model = build_model(model_name)
