@@ -67,6 +67,23 @@ def test_what_the_host_does_not_report_is_not_judged():
     assert REAL_JUDGE(unknown, threads=2) == (True, [])
 
 
+@pytest.mark.skipif(not hasattr(hostload.os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_latency_threads_default_to_the_cores_this_process_may_use(tmp_path):
+    """`taskset -c 0 exporter build …` (or a container's cpuset) times on one core, not on the host's every core."""
+    from exporter.build.plan import make
+
+    request = BuildRequest("MobileNet_V3_Small_Weights.IMAGENET1K_V1", out=tmp_path / "out")
+    allowed = hostload.os.sched_getaffinity(0)
+    try:
+        hostload.os.sched_setaffinity(0, {min(allowed)})
+        assert make(target_profile(request, "android"), "classification").latency.threads == 1
+        pinned = BuildRequest(request.weight, out=request.out, threads=3)
+        assert make(target_profile(pinned, "android"), "classification").latency.threads == 3
+    finally:
+        hostload.os.sched_setaffinity(0, allowed)
+    assert make(target_profile(request, "android"), "classification").latency.threads == len(allowed)
+
+
 def test_conditions_from_two_samples():
     before = {"t": 10.0, "load_1m": 1.0, "stat": (100.0, 50.0, 1.0), "own_s": 10.0}
     after = {"t": 12.0, "load_1m": 3.9, "stat": (103.5, 50.5, 1.2), "own_s": 11.2}
