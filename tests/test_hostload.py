@@ -111,7 +111,7 @@ def test_a_loaded_host_is_measured_and_said_unreliable_and_the_verdict_ignores_i
     try:
         time.sleep(0.5)  # let them start
         metrics, _ = validation.evaluate(task, model, model, inputs, reference, None, None, thresholds, warmup=5,
-                                         iterations=300, max_spread=2.0)
+                                         iterations=1000, max_spread=2.0)
     finally:
         for p in loops:
             p.terminate()
