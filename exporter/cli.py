@@ -291,13 +291,15 @@ def validate(out_dir, data, checkpoint, thresholds, quiet, as_json):
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--runtime", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True,
               help="auto: a TensorRT engine where tensorrt is installed, else ONNX Runtime.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="ONNX Runtime's threads [default: its own]; the build's reproduce its numbers exactly.")
 @one_line_errors
-def validate_device(out_dir, runtime):
+def validate_device(out_dir, runtime, threads):
     """Run a Jetson build's golden inputs through its ONNX (or engines) and compare to the golden eager logits."""
     from .device import device_validate
 
     try:
-        results = device_validate.validate(out_dir, runtime)
+        results = device_validate.validate(out_dir, runtime, threads)
     except device_validate.BadInput as e:
         raise UsageError(str(e)) from None
     for result in results:

@@ -107,10 +107,13 @@ def test_device_validate_rejects_golden_outputs_of_the_wrong_shape(jetson_build,
 
 
 def test_validate_device_command(jetson_build):
-    out, _ = jetson_build
+    out, doc = jetson_build
     result = run_cli("validate-device", out, "--runtime", "onnxruntime")
     assert result.exit_code == 0, result.output
     assert result.output.count("PASSED") == 3
+    same_threads = run_cli("validate-device", out, "--runtime", "onnxruntime", "--threads", doc["host"]["threads"])
+    assert same_threads.exit_code == 0 and same_threads.output.count("PASSED") == 3, same_threads.output
+    assert run_cli("validate-device", out, "--threads", "0").exit_code == 2
 
 
 @pytest.mark.parametrize(
