@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -73,14 +74,14 @@ def test_latency_threads_default_to_the_cores_this_process_may_use(tmp_path):
     from exporter.build.plan import make
 
     request = BuildRequest("MobileNet_V3_Small_Weights.IMAGENET1K_V1", out=tmp_path / "out")
-    allowed = hostload.os.sched_getaffinity(0)
+    allowed = os.sched_getaffinity(0)
     try:
-        hostload.os.sched_setaffinity(0, {min(allowed)})
+        os.sched_setaffinity(0, {min(allowed)})
         assert make(target_profile(request, "android"), "classification").latency.threads == 1
         pinned = BuildRequest(request.weight, out=request.out, threads=3)
         assert make(target_profile(pinned, "android"), "classification").latency.threads == 3
     finally:
-        hostload.os.sched_setaffinity(0, allowed)
+        os.sched_setaffinity(0, allowed)
     assert make(target_profile(request, "android"), "classification").latency.threads == len(allowed)
 
 
