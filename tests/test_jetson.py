@@ -121,6 +121,7 @@ def test_validate_device_command(jetson_build):
     [
         (["--target", "jetson", "--option", "opset=11"], "opset 11 is not supported"),
         (["--target", "jetson", "--batch", "4:2:8"], "1 <= MIN <= OPT <= MAX"),
+        (["--target", "jetson", "--option", "external_data=sometimes"], "external_data 'sometimes': expected auto or always"),
         (["--target", "android", "--dla-core", "0"], "dla_core apply to no format"),
         (["--target", "jetson", "--require-engine"], "--require-engine"),
     ],
@@ -237,3 +238,45 @@ def test_a_graph_whose_session_kills_onnx_runtime_is_run_without_the_pass_that_d
     assert "dies (signal 11)" in details["onnxruntime_nchwc"]
     onnx_format.load(path, 1)
     assert made[0] == [] and made[-1] == ["NchwcTransformer"]
+
+
+def test_onnx_with_external_data_is_one_artifact_everywhere(digits_model, tmp_path):
+    """A graph over protobuf's 2 GiB (ViT-H/14, RegNetY-128GF in fp32) is written as ONNX external data:
+    `<file>.data` beside the graph. `external_data=always` gives the small digits model the same layout: the pair
+    is validated, hashed, cached, bundled, restored and run on the device kit as one artifact."""
+    from exporter import files
+
+    out = tmp_path / "build"
+    args = build_args(digits_model, out, "--target", "jetson", "--format", "onnx:fp32", "--format", "onnx:int8",
+                      "--option", "external_data=always")
+    result = run_cli(*args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "manifest.json").read_text())
+    for precision in ("fp32", "int8"):
+        entry = _artifact(doc, f"onnx_{precision}")
+        graph, data = out / entry["path"], out / (entry["path"] + ".data")
+        assert entry["status"] == "passed", entry["reasons"]
+        assert entry["details"]["external_data"] == {"file": data.name, "bytes": data.stat().st_size}
+        assert data.stat().st_size > graph.stat().st_size  # the tensors are in the .data file
+        assert entry["size_bytes"] == graph.stat().st_size + data.stat().st_size
+        assert entry["sha256"] == files.sha256(graph) != files.file_sha256(graph)
+    assert _artifact(doc, "onnx_int8")["details"]["quantized_nodes"] > 0
+
+    result = _device_validate(shutil.copytree(out, tmp_path / "moved"))  # found beside the graph, wherever it is
+    assert result.returncode == 0 and result.stdout.count("PASSED onnx_") == 2, result.stdout + result.stderr
+
+    assert run_cli("bundle", out).exit_code == 0
+    bundled = {f["path"] for f in json.loads((out / "bundle" / "jetson" / "bundle.json").read_text())["files"]}
+    assert {_artifact(doc, "onnx_fp32")["path"], _artifact(doc, "onnx_fp32")["path"] + ".data"} <= bundled
+
+    again = run_cli(*build_args(digits_model, tmp_path / "again", *args[args.index("--target"):]))
+    assert again.exit_code == 0, again.output
+    restored = json.loads((tmp_path / "again" / "manifest.json").read_text())
+    assert "reused from the cache" in " ".join(restored["cache"]["events"])
+    for entry in restored["artifacts"]:
+        assert files.sha256(tmp_path / "again" / entry["path"]) == entry["sha256"]
+
+    data = out / (_artifact(doc, "onnx_fp32")["path"] + ".data")
+    data.write_bytes(data.read_bytes()[:-4] + b"\0\0\0\0")
+    tampered = run_cli("validate", out)
+    assert tampered.exit_code == 2 and "does not match the sha256" in tampered.output

@@ -37,13 +37,6 @@ def tensors_digest(tensors) -> str:
     return h.hexdigest()
 
 
-def _copy(source: Path, target: Path) -> None:
-    if source.is_dir():
-        shutil.copytree(source, target)
-    else:
-        shutil.copyfile(source, target)
-
-
 class BuildCache:
     def __init__(self, root: Path | None):
         self.root = Path(root) if root else None
@@ -74,7 +67,7 @@ class BuildCache:
         if record is None or not stored.exists() or files.sha256(stored) != record.get("sha256"):
             self._drop(entry, "content does not match its recorded sha256")
             return None
-        _copy(stored, target)
+        files.copy(stored, target)
         return record["details"]
 
     def store_artifact(self, digest: str, path: Path, details: dict) -> None:
@@ -84,7 +77,7 @@ class BuildCache:
         entry.parent.mkdir(parents=True, exist_ok=True)
         with files.atomic_path(entry) as staging:
             staging.mkdir()
-            _copy(path, staging / "artifact")
+            files.copy(path, staging / "artifact")
             record = {"sha256": files.sha256(staging / "artifact"), "details": details}
             (staging / "entry.json").write_text(json.dumps(record))
 

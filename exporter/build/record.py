@@ -115,7 +115,8 @@ def _files_under(directory: Path, names: list[str]) -> list[Path]:
     found = []
     for name in names:
         path = directory / name
-        found += sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+        found += sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else \
+            [path, *files.companions(path)] if path.is_file() else []
     return found
 
 
@@ -152,13 +153,14 @@ class BuildRecord:
             files.check_out_dir(out, self.request.force)
         with progress.step("restore the identical earlier build from the cache"):
             written = record["files"]
-            if any(not self._blob(f["sha256"]).is_file() or files.sha256(self._blob(f["sha256"])) != f["sha256"]
+            if any(not self._blob(f["sha256"]).is_file() or files.file_sha256(self._blob(f["sha256"])) != f["sha256"]
                    for f in written.values()):
                 return None  # a blob went missing or was damaged: build again, which stores it anew
             for out in outs:
                 for staging in out.glob(".*.partial") if out.is_dir() else ():  # left by a killed build
                     shutil.rmtree(staging, ignore_errors=True)
-            for rel, f in written.items():
+            # a graph before its external data: writing a file clears companions it was not written with
+            for rel, f in sorted(written.items(), key=lambda item: item[0].endswith(files.COMPANION_SUFFIXES)):
                 target = base / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
                 with files.atomic_path(target) as tmp:
@@ -197,7 +199,7 @@ class BuildRecord:
         written = {}
         for doc, out in zip(docs, self._outs(base, targets)):
             for path in _files_under(out, _written(doc)):
-                digest = files.sha256(path)
+                digest = files.file_sha256(path)  # one blob per file: a graph and its external data apart
                 blob = self._blob(digest)
                 if not blob.is_file():
                     blob.parent.mkdir(parents=True, exist_ok=True)

@@ -224,6 +224,15 @@ def unresolved(metrics: dict, thresholds: dict) -> list[str]:
 
 
 def _sha256(path: Path) -> str:
+    """As the manifest hashes an artifact (exporter.files.sha256): a graph with its ONNX external data beside it
+    (`<file>.data`, written for graphs over 2 GiB) over the hashes of both."""
+    data = path.with_name(path.name + ".data")
+    if not data.is_file():
+        return _file_sha256(path)
+    return hashlib.sha256(f"\0{_file_sha256(path)}\n.data\0{_file_sha256(data)}\n".encode()).hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

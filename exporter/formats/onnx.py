@@ -2,6 +2,10 @@
 
 Every variant keeps an fp32 input "input" (N x C x H x W, N dynamic) and fp32 output "logits",
 so the same runner, golden files and trtexec shapes serve all three.
+
+A graph whose tensors pass protobuf's 2 GiB (ViT-H/14, RegNetY-128GF in fp32) cannot be one file: its tensors go
+to `<file>.data` beside it (ONNX external data, read by ONNX Runtime and TensorRT from the graph's directory),
+which exporter.files keeps with the file. `external_data=always` does that for any size.
 """
 
 from __future__ import annotations
@@ -17,16 +21,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import files
 from ..errors import UsageError
 from ..quant import as_calibration, quantize_with_budget
 from ..quant.onnx_qdq import OnnxQdqBackend
 
 NAME = "onnx"
 SUFFIX = ".onnx"
-OPTIONS = ("opset", "batch")
+OPTIONS = ("opset", "batch", "external_data")
 PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_OPSET = 18
 DEFAULT_BATCH = "1:1:1"
+EXTERNAL_DATA = ("auto", "always")  # auto: only a graph that cannot be one file (protobuf's 2 GiB)
 INPUT, OUTPUT = "input", "logits"
 
 
@@ -59,9 +65,17 @@ def batch_profile(batch) -> tuple[int, int, int]:
     return sizes
 
 
-def preflight(precision, opset=DEFAULT_OPSET, batch=DEFAULT_BATCH) -> None:
+def check_external_data(value) -> bool:
+    """Whether every graph keeps its tensors in external data (`always`) or only one over 2 GiB (`auto`)."""
+    if value not in EXTERNAL_DATA:
+        raise UsageError(f"external_data {value!r}: expected {' or '.join(EXTERNAL_DATA)}")
+    return value == "always"
+
+
+def preflight(precision, opset=DEFAULT_OPSET, batch=DEFAULT_BATCH, external_data="auto") -> None:
     check_opset(opset)
     batch_profile(batch)
+    check_external_data(external_data)
 
 
 class _HalfModel(torch.nn.Module):
@@ -95,7 +109,7 @@ def _fold_batchnorms(model) -> tuple[torch.nn.Module, dict]:
     return fused, {"batchnorms": before, "folded": before - count(fused)}
 
 
-def _export_graph(model, example, opset: int, path: Path) -> None:
+def _export_graph(model, example, opset: int, path: Path, external: bool = False) -> None:
     # traced at batch 2: torch.export specialises a size-1 dim, and a batch-1 trace bakes batch 1 into
     # nn.MultiheadAttention's reshapes (ViT's graph then fails at batch 8); a CNN's file is byte-identical either way
     traced = example if example.shape[0] > 1 else torch.cat([example, example])
@@ -108,7 +122,27 @@ def _export_graph(model, example, opset: int, path: Path) -> None:
             optimize=True,
         )
     _drop_stack_traces(program.model)
-    program.save(str(path))
+    program.save(str(path), external_data=external or None)  # None: external only past 2 GiB
+
+
+def _resave(source: Path, path: Path, external: bool) -> None:
+    """`source` (and its external data) as `path`: external data is found by the file name written inside the
+    graph, so a renamed copy is saved again, its tensors in `<path>.data` when asked or when they pass 2 GiB."""
+    import onnx
+
+    proto = onnx.load(str(source))
+    external = external or sum(_tensor_bytes(t) for t in proto.graph.initializer) > TWO_GIB
+    onnx.save_model(proto, str(path), save_as_external_data=external, location=f"{path.name}.data")
+
+
+TWO_GIB = 2**31  # protobuf's limit on one serialized message
+
+
+def _tensor_bytes(tensor) -> int:
+    """An initializer's size from its type and shape, without reading external data."""
+    from onnx import helper
+
+    return int(np.prod(tensor.dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
 
 
 def _drop_stack_traces(model) -> None:
@@ -120,14 +154,18 @@ def _drop_stack_traces(model) -> None:
             node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
 
 
-def _quantize(model, example, opset: int, calibration, path: Path) -> dict:
+def _quantize(model, example, opset: int, calibration, path: Path, external: bool) -> dict:
     """The fp32 graph through the budgeted Q/DQ search; the chosen candidate becomes `path`."""
     with tempfile.TemporaryDirectory(prefix=".qdq-", suffix=".partial", dir=path.parent) as work:
         fp32 = Path(work) / "fp32.onnx"
-        _export_graph(model, example, opset, fp32)
-        backend = OnnxQdqBackend(model, fp32, INPUT, calibration.settings["onnx_calibration"], Path(work))
+        _export_graph(model, example, opset, fp32, external)
+        backend = OnnxQdqBackend(model, fp32, INPUT, calibration.settings["onnx_calibration"], Path(work),
+                                 external_data=bool(files.companions(fp32)))
         candidate, report = quantize_with_budget(model, backend, calibration)
-        shutil.copyfile(candidate.path, path)
+        if files.companions(candidate.path):
+            _resave(candidate.path, path, external)
+        else:
+            shutil.copyfile(candidate.path, path)
     return report
 
 
@@ -146,19 +184,20 @@ def _check_batch_axis(path: Path, example: torch.Tensor, sizes: tuple[int, int, 
     return {"batch": sizes[2], "max_abs_diff_vs_batch1": float(np.abs(batched - single).max())}
 
 
-def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAULT_OPSET, batch=DEFAULT_BATCH) -> dict:
+def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAULT_OPSET, batch=DEFAULT_BATCH,
+           external_data="auto") -> dict:
     import onnx
 
-    opset, sizes = check_opset(opset), batch_profile(batch)
+    opset, sizes, external = check_opset(opset), batch_profile(batch), check_external_data(external_data)
     if precision == "fp16":
         folded, folding = _fold_batchnorms(model)
-        _export_graph(_HalfModel(folded).eval(), example, opset, path)
+        _export_graph(_HalfModel(folded).eval(), example, opset, path, external)
     elif precision == "int8":
-        quantization = _quantize(model, example, opset, as_calibration(calib), path)
+        quantization = _quantize(model, example, opset, as_calibration(calib), path, external)
     else:
-        _export_graph(model, example, opset, path)
-    proto = onnx.load(str(path))
-    onnx.checker.check_model(proto, full_check=True)
+        _export_graph(model, example, opset, path, external)
+    proto = onnx.load(str(path), load_external_data=False)
+    onnx.checker.check_model(str(path), full_check=True)  # by path: a proto over 2 GiB cannot be serialized to check
     written = {o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")}
     if written != {opset}:
         raise RuntimeError(f"asked for opset {opset}, the file has {sorted(written)}")
@@ -174,6 +213,9 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
         "nodes": len(proto.graph.node),
         "graph": {"fp32": "float32", "fp16": "float16 with fp32 I/O casts", "int8": "explicit Q/DQ, symmetric int8, per-channel weights"}[precision],
     }
+    if data := files.companions(path):
+        # the tensors, beside the graph under this name (written inside it): ship and copy the two together
+        details["external_data"] = {"file": data[0].name, "bytes": data[0].stat().st_size}
     if precision == "fp16":
         details["batchnorm_folding_fp32"] = folding
     if crash := nchwc_crash(path):
@@ -241,8 +283,8 @@ def memory(path: Path, input_shape, threads: int) -> dict:
 
     from . import memory as shared
 
-    proto = onnx.load(str(path))
-    constants = sum(onnx.numpy_helper.to_array(t).nbytes for t in proto.graph.initializer)
+    proto = onnx.load(str(path), load_external_data=False)
+    constants = sum(_tensor_bytes(t) for t in proto.graph.initializer)
     return {"constants_bytes": int(constants),
             **shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD.format(disabled=_disabled_optimizers(path)), f"session.run(None, {{{INPUT!r}: x}})", path, input_shape, threads)}
 

@@ -124,7 +124,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=onnx_
         onnx_details = onnx_format.export(model, example, precision, calib, onnx_path, meta, opset=opset, batch=batch)
         engine, build = _build(trt, onnx_path, precision, sizes, workspace_mb, dla_core, path.parent / TIMING_CACHE)
     finally:
-        onnx_path.unlink(missing_ok=True)
+        for temporary in (onnx_path, *files.companions(onnx_path)):  # with its external data, if it has any
+            temporary.unlink(missing_ok=True)
     path.write_bytes(engine)
     major, minor = torch.cuda.get_device_capability()
     return {

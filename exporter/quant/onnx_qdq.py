@@ -50,12 +50,14 @@ class QdqCandidate:
 
 class OnnxQdqBackend:
     def __init__(self, model: torch.nn.Module, fp32_path: Path, input_name: str, method: str = "auto",
-                 workdir: Path | None = None):
+                 workdir: Path | None = None, external_data: bool = False):
         import onnx
 
         if method not in ONNX_CALIBRATIONS:
             raise ValueError(f"unknown ONNX calibration {method!r}; choose from {', '.join(ONNX_CALIBRATIONS)}")
         self.model, self.fp32_path, self.input_name = model, Path(fp32_path), input_name
+        # a graph with its tensors in external data (over 2 GiB): so are the calibration copy and every candidate
+        self.external_data = external_data
         self.range_methods = ("mse", "minmax", "percentile") if method == "auto" else (method,)
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="qdq-"))
         self._attempts = 0
@@ -74,7 +76,7 @@ class OnnxQdqBackend:
             if node.op_type in ("Conv", "Gemm") and weight in initializers:
                 self._nodes[weight.removesuffix(".weight")] = (node.name, node.input[0])
             elif node.op_type == "MatMul":
-                layer = _linear_of(initializers.get(weight), linears)
+                layer = _linear_of(initializers.get(weight), linears, self.fp32_path.parent)
                 if layer is None:
                     self._unmapped.append(node.name)
                 else:
@@ -163,6 +165,7 @@ class OnnxQdqBackend:
                 activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, op_types_to_quantize=list(QUANTIZED_OPS),
                 nodes_to_exclude=sorted(excluded), extra_options=extra,
                 calibrate_method=CalibrationMethod.Percentile if method == "percentile" else CalibrationMethod.MinMax,
+                use_external_data_format=self.external_data,
             )
         self._files[key] = path
         return QdqCandidate(path, input_name)
@@ -173,15 +176,15 @@ def _linear_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {name: m.weight.detach().numpy().T for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def _linear_of(initializer, linears: dict[str, np.ndarray]) -> str | None:
+def _linear_of(initializer, linears: dict[str, np.ndarray], base_dir: Path) -> str | None:
     if initializer is None or len(initializer.dims) != 2:
         return None
     from onnx import numpy_helper
 
-    try:
-        values = numpy_helper.to_array(initializer)
-    except Exception:  # held as external data, not loaded: leave the MatMul float
+    shapes = {w.shape for w in linears.values()}
+    if tuple(initializer.dims) not in shapes:
         return None
+    values = numpy_helper.to_array(initializer, base_dir=str(base_dir))  # external data is read from base_dir
     for name, weight in linears.items():
         if weight.shape == values.shape and np.array_equal(weight, values):
             return name

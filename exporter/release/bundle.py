@@ -121,7 +121,7 @@ def _copy(out: Path, stage: Path, relative: str, sha256: str | None = None) -> N
     if source.is_dir():
         shutil.copytree(source, target, symlinks=True)  # links are refused when listed, never followed
     else:
-        shutil.copyfile(source, target)
+        files.copy(source, target)  # with its companions (an ONNX graph's external data)
         shutil.copymode(source, target)
     # checked on the copy, so what is bundled is what was validated
     if sha256 is not None and files.sha256(target) != sha256:
@@ -190,7 +190,7 @@ def _listing(stage: Path) -> list[dict]:
             raise UsageError(f"{arcname} is a symbolic link; bundles hold regular files only")
         if path.is_file():
             _inside(stage, arcname)
-            listed.append({"path": arcname, "sha256": files.sha256(path), "size_bytes": path.stat().st_size})
+            listed.append({"path": arcname, "sha256": files.file_sha256(path), "size_bytes": path.stat().st_size})
     return listed
 
 
@@ -347,5 +347,5 @@ def _check_listing(root: Path, source) -> None:
         raise UsageError(f"{source} has no readable bundle.json: {e}") from None
     for item in listed:
         path = _inside(root, item["path"])
-        if not path.is_file() or files.sha256(path) != item["sha256"]:
+        if not path.is_file() or files.file_sha256(path) != item["sha256"]:
             raise UsageError(f"{source}: {item['path']} is missing or does not match its sha256 in bundle.json")
