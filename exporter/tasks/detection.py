@@ -153,7 +153,10 @@ class Detection(Task):
             return (f"{model_name} cannot be exported yet: only single-stage detectors (SSD, RetinaNet, FCOS: raw "
                     "heads plus the shared decode and NMS) are; torch.export (behind ExecuTorch, Core ML and the "
                     "ONNX exporter used here) stops in the region proposal step: batched_nms branches on "
-                    "boxes.numel() > 4000, then MultiScaleRoIAlign takes len(rois) (data-dependent sizes)")
+                    "boxes.numel() > 4000, then MultiScaleRoIAlign takes len(rois) (data-dependent sizes); the "
+                    "TorchScript-based ONNX exporter (deprecated since PyTorch 2.9) does trace it, at one input size "
+                    "and batch 1, and ONNX Runtime reproduces eager's detections, but builds have no such second "
+                    "ONNX route yet (docs/tasks.md)")
         return None
 
     @classmethod
