@@ -27,7 +27,7 @@ from .device import detection_decode
 from .release import manifest
 from .quant import SETTINGS, Calibration
 from .tasks import Detection
-from .weights import bind_task, resolve, task_class
+from .weights import bind_task, builder_kwargs, resolve, task_class
 
 # model -> the weight whose task, class count, input size and preprocessing it is benchmarked with
 MODELS = {"mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V2", "resnet18": "ResNet18_Weights.IMAGENET1K_V1",
@@ -77,7 +77,7 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
     torch.manual_seed(0)
     weights = resolve(MODELS[name])
     task = bind_task(weights)
-    model = type(task).graph(type(task).construct(name, task.num_classes, {}).eval())
+    model = type(task).graph(type(task).construct(name, task.num_classes, {}, builder_kwargs(weights)).eval())
     inputs = data.synthetic(task.transform(weights), CALIBRATION_IMAGES, 1, seed=0)
     _settle_batchnorm(model, inputs.calibration)
     example = inputs.example
@@ -174,7 +174,7 @@ def _stand_in_heads(name: str, weights, log) -> tuple[list, Detection]:
     stand_in = digits_detection.prepare(STAND_IN_CACHE, log=log)
     state = torch.load(stand_in.checkpoint, map_location="cpu", weights_only=True)
     task = bind_task(weights, task_class(weights).num_classes_in(state, name, 0))
-    model = type(task).construct(name, task.num_classes, state)
+    model = type(task).construct(name, task.num_classes, state, builder_kwargs(weights))
     model.load_state_dict(state)
     graph, transform = type(task).graph(model.eval()), task.transform(weights)
     with torch.no_grad():

@@ -103,3 +103,32 @@ def test_hub_cache_is_used(torch_home, digits_model, monkeypatch):
     loaded = weights.load(digits_model.weight, verify=False)
     assert loaded.checkpoint["source"] == "torch-hub-cache"
     assert loaded.num_classes == 10
+
+
+@pytest.mark.parametrize("weight, arch, size", [
+    ("ViT_B_16_Weights.IMAGENET1K_SWAG_E2E_V1", {"image_size": 384}, 384),  # its position embeddings are for 384 px
+    ("GoogLeNet_Weights.IMAGENET1K_V1", {"transform_input": True}, 224),  # re-normalizes its input inside
+])
+def test_a_weight_is_built_as_its_torchvision_builder_builds_it(weight, arch, size, tmp_path, monkeypatch):
+    """torchvision's builders set some architecture arguments from the weight they are given; the exporter builds
+    every model without its weight (to load a checkpoint of its own), so it must set them too. Before: ViT-B/16's
+    (and ViT-L/16's, ViT-H/14's) SWAG checkpoint did not load, and GoogLeNet and Inception v3 ran without the input
+    re-normalization their weights were trained with. Checked against torchvision's own builder given the weight,
+    which reads the same checkpoint from the hub cache (nothing is downloaded)."""
+    from torchvision.models import get_model
+
+    w = weights.resolve(weight)
+    assert weights.builder_kwargs(w) == arch
+    name = weights.model_name_of(w)
+    torch.manual_seed(0)
+    hub = tmp_path / "hub" / "checkpoints"
+    hub.mkdir(parents=True)
+    checkpoint = hub / w.url.rsplit("/", 1)[1]
+    torch.save(get_model(name, weights=None, **arch).state_dict(), checkpoint)
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))
+    reference = get_model(name, weights=w).eval()
+
+    loaded = weights.load(weight, checkpoint=checkpoint, verify=False).model
+    x = torch.rand(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(x), reference(x))

@@ -129,7 +129,7 @@ def _float_model(w, model_name: str, num_classes: int, input_size, seed: int) ->
     task_class = weights.task_class(w)
     task = task_class.bind(w, model_name, num_classes, input_size)
     torch.manual_seed(seed)
-    model = task_class.construct(model_name, num_classes, {})
+    model = task_class.construct(model_name, num_classes, {}, weights.builder_kwargs(w))
     graph = task_class.graph(model)
     reinitialised = _reinit_zero_layers(model)
     images = _synthetic_images(w, task, SETTLE_IMAGES, seed % (2**31))
@@ -151,7 +151,7 @@ def _quantized_state(w, float_model: nn.Module, model_name: str, num_classes: in
     if backend not in torch.backends.quantized.supported_engines:
         raise RuntimeError(f"{model_name} needs the {backend} quantized engine, which this torch build lacks")
     torch.backends.quantized.engine = backend
-    model = get_model(model_name, weights=None, quantize=False, num_classes=num_classes)
+    model = get_model(model_name, weights=None, quantize=False, num_classes=num_classes, **weights.builder_kwargs(w))
     model.load_state_dict(float_model.state_dict())
     model.eval()
     if model_name.startswith("quantized_mobilenet_v3"):

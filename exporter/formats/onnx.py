@@ -33,6 +33,7 @@ PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_OPSET = 18
 DEFAULT_BATCH = "1:1:1"
 EXTERNAL_DATA = ("auto", "always")  # auto: only a graph that cannot be one file (protobuf's 2 GiB)
+TWO_GIB = 2**31  # protobuf's limit on one serialized message
 INPUT, OUTPUT = "input", "logits"
 
 
@@ -133,9 +134,6 @@ def _resave(source: Path, path: Path, external: bool) -> None:
     proto = onnx.load(str(source))
     external = external or sum(_tensor_bytes(t) for t in proto.graph.initializer) > TWO_GIB
     onnx.save_model(proto, str(path), save_as_external_data=external, location=f"{path.name}.data")
-
-
-TWO_GIB = 2**31  # protobuf's limit on one serialized message
 
 
 def _tensor_bytes(tensor) -> int:

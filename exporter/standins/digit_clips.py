@@ -88,7 +88,7 @@ def _prepare(cache_dir: Path, info_file: Path, log) -> DigitClipsModel:
     task = weights.bind_task(w, num_classes=10, input_size=FRAME_SIZE)
     x, y, train_idx, held_idx, images, targets = _dataset(task.transform(w), video.FRAMES)
     torch.manual_seed(digits.SEED)
-    model = get_model(weights.model_name_of(w), weights=None, num_classes=10)
+    model = get_model(weights.model_name_of(w), weights=None, num_classes=10, **weights.builder_kwargs(w))
     digits._fit(model, x, y, train_idx, EPOCHS, 2e-3, log)
     accuracy = digits._accuracy(model, x, y, held_idx)
     log(f"digit clips held-out accuracy: {accuracy:.3%}")

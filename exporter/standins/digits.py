@@ -112,12 +112,22 @@ def train(weight: str = WEIGHT, epochs: int = EPOCHS, log=print) -> tuple[dict, 
     return model.state_dict(), accuracy, (images, targets, held_idx)
 
 
+def _arch(weight: str) -> dict:
+    """The weight's builder arguments (exporter.weights.builder_kwargs) as its record stores them (JSON)."""
+    from torchvision.models import get_weight
+
+    from ..weights import builder_kwargs
+
+    return json.loads(json.dumps(builder_kwargs(get_weight(weight))))
+
+
 def _model(weight: str) -> nn.Module:
     from torchvision.models import get_model, get_weight
 
-    from ..weights import model_name_of
+    from ..weights import builder_kwargs, model_name_of
 
-    return get_model(model_name_of(get_weight(weight)), weights=None, num_classes=10)
+    w = get_weight(weight)
+    return get_model(model_name_of(w), weights=None, num_classes=10, **builder_kwargs(w))
 
 
 def train_further(weight: str, checkpoint: Path, epochs: int, until: float, max_epochs: int,
@@ -179,13 +189,16 @@ def _write_held_out(cache_dir: Path, images, targets, held_idx) -> tuple[Path, P
     return data_dir, labels_file
 
 
-def _cached_info(info_file: Path, epochs: int, *paths: str, until: float | None = None) -> dict | None:
-    """The cached record, if it was made by the same recipe. A model trained on past `epochs` serves only a caller
-    that trains until the same accuracy (one that has not yet been checked against it is, by prepare)."""
+def _cached_info(info_file: Path, epochs: int, *paths: str, until: float | None = None,
+                 arch: dict | None = None) -> dict | None:
+    """The cached record, if it was made by the same recipe (and, given `arch`, the same builder arguments). A model
+    trained on past `epochs` serves only a caller that trains until the same accuracy (one that has not yet been
+    checked against it is, by prepare)."""
     if not info_file.exists():
         return None
     info = json.loads(info_file.read_text())
     same_recipe = info.get("recipe") == RECIPE_VERSION and info.get("epochs", EPOCHS) == epochs
+    same_recipe &= arch is None or info.get("builder_kwargs", {}) == arch
     if info.get("epochs_trained", epochs) != epochs and info.get("until") != until:
         return None
     if not same_recipe or not all(Path(info[p]).exists() for p in paths):
@@ -210,7 +223,8 @@ def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOC
 
 def _prepare(cache_dir: Path, info_file: Path, log, weight: str, epochs: int, until: float | None,
              max_epochs: int | None) -> DigitsModel:
-    info = _cached_info(info_file, epochs, "checkpoint", "data_dir", until=until)
+    arch = _arch(weight)
+    info = _cached_info(info_file, epochs, "checkpoint", "data_dir", until=until, arch=arch)
     if info is None:
         cache_dir.mkdir(parents=True, exist_ok=True)
         state, accuracy, (images, targets, held_idx) = train(weight, epochs, log=log)
@@ -219,6 +233,7 @@ def _prepare(cache_dir: Path, info_file: Path, log, weight: str, epochs: int, un
         info = {
             "recipe": RECIPE_VERSION,
             "epochs": epochs,
+            "builder_kwargs": arch,
             "checkpoint": str(checkpoint),
             "data_dir": str(data_dir),
             "labels_file": str(labels_file),
@@ -267,12 +282,10 @@ def quantize_eager(model: nn.Module, batches, backend: str) -> nn.Module:
 def quantize_digits(weight: str, float_checkpoint: Path, calib_images: int = 256) -> tuple[nn.Module, float]:
     """The trained float digits model of a quantized weight's architecture, quantized as torchvision made
     its int8 weights (calibrated on training images); returns it and its held-out accuracy."""
-    from torchvision.models import get_model, get_weight
-
-    from ..weights import model_name_of
+    from torchvision.models import get_weight
 
     x, y, train_idx, held_idx, _ = _dataset(weight)
-    model = get_model(model_name_of(get_weight(weight)), weights=None, num_classes=10)  # quantizable, float
+    model = _model(weight)  # quantizable, float
     model.load_state_dict(torch.load(float_checkpoint, weights_only=True))
     calib = torch.as_tensor(train_idx[:calib_images]).split(32)
     model = quantize_eager(model, (x[b] for b in calib), get_weight(weight).meta["backend"])

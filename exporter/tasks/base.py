@@ -63,7 +63,9 @@ class Task:
         raise NotImplementedError
 
     @classmethod
-    def construct(cls, model_name: str, num_classes: int, state: dict) -> nn.Module:
+    def construct(cls, model_name: str, num_classes: int, state: dict, arch: dict | None = None) -> nn.Module:
+        """The model without weights, for `state`; `arch`: what the weight's own builder sets from the weight
+        (exporter.weights.builder_kwargs)."""
         raise NotImplementedError
 
     @classmethod

@@ -98,10 +98,10 @@ class Classification(Task):
         return default
 
     @classmethod
-    def construct(cls, model_name, num_classes, state):
+    def construct(cls, model_name, num_classes, state, arch=None):
         from torchvision.models import get_model
 
-        return get_model(model_name, weights=None, num_classes=num_classes)
+        return get_model(model_name, weights=None, num_classes=num_classes, **(arch or {}))
 
     def preprocessing(self, weights):
         t = weights.transforms()

@@ -199,10 +199,10 @@ class Detection(Task):
         return default
 
     @classmethod
-    def construct(cls, model_name, num_classes, state):
+    def construct(cls, model_name, num_classes, state, arch=None):
         from torchvision.models import get_model
 
-        return get_model(model_name, weights=None, weights_backbone=None, num_classes=num_classes)
+        return get_model(model_name, weights=None, weights_backbone=None, num_classes=num_classes, **(arch or {}))
 
     @classmethod
     def graph(cls, model):

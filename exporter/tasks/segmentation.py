@@ -76,11 +76,11 @@ class Segmentation(Task):
         return default
 
     @classmethod
-    def construct(cls, model_name, num_classes, state):
+    def construct(cls, model_name, num_classes, state, arch=None):
         from torchvision.models import get_model
 
         aux = any(k.startswith("aux_classifier.") for k in state)
-        options = {"aux_loss": True} if aux else {}
+        options = {"aux_loss": True, **(arch or {})} if aux else dict(arch or {})
         return get_model(model_name, weights=None, weights_backbone=None, num_classes=num_classes, **options)
 
     @classmethod

@@ -56,6 +56,24 @@ def task_of(model_name: str) -> str:
     return "unknown"
 
 
+def builder_kwargs(weights: WeightsEnum) -> dict:
+    """The arguments torchvision's builder sets from the weight when it is given one (`_ovewrite_named_param` in
+    torchvision/models), besides num_classes and what only loading needs. Every model here is built without its
+    weight, to load a checkpoint of its own; without these it would be another model: ViT's SWAG weights are
+    trained at 384-518 px (their position embeddings' size), GoogLeNet and Inception v3 re-normalize their input
+    inside the model (transform_input), MaxViT and MViT fix their input size."""
+    name, meta = model_name_of(weights).removeprefix("quantized_"), weights.meta
+    if name.startswith("vit_"):
+        return {"image_size": meta["min_size"][0]}
+    if name in ("googlenet", "inception_v3"):
+        return {"transform_input": True}
+    if name == "maxvit_t":
+        return {"input_size": tuple(meta["min_size"])}
+    if name.startswith("mvit_"):
+        return {"spatial_size": tuple(meta["min_size"]), "temporal_size": meta["min_temporal_size"]}
+    return {}
+
+
 def is_quantized(weights: WeightsEnum) -> bool:
     """torchvision's int8 weights (torchvision.models.quantization): eager-mode quantized classifiers."""
     return "backend" in weights.meta
@@ -273,7 +291,7 @@ def _load_exactly(model: nn.Module, state: dict, path: Path, model_name: str) ->
         raise UsageError(f"checkpoint {path} does not fit {model_name}: {', '.join(parts)}")
 
 
-def _quantized_model(model_name: str, num_classes: int, backend: str, state: dict, path: Path) -> nn.Module:
+def _quantized_model(model_name: str, num_classes: int, backend: str, state: dict, path: Path, arch: dict) -> nn.Module:
     """An int8 model built as torchvision builds it (quantize=True, the weight's backend engine)."""
     if backend not in torch.backends.quantized.supported_engines:
         raise UsageError(f"{model_name} needs the {backend} quantized engine, which this torch build lacks")
@@ -281,14 +299,14 @@ def _quantized_model(model_name: str, num_classes: int, backend: str, state: dic
     if any("fake_quant" in key for key in state):
         # a quantization-aware-training checkpoint (torchvision's MobileNetV3): the prepared model
         # is loaded, then converted
-        model = get_model(model_name, weights=None, num_classes=num_classes)
+        model = get_model(model_name, weights=None, num_classes=num_classes, **arch)
         model.fuse_model(is_qat=True)
         model.qconfig = torch.ao.quantization.get_default_qat_qconfig(backend)
         torch.ao.quantization.prepare_qat(model, inplace=True)
         _load_exactly(model, state, path, model_name)
         torch.ao.quantization.convert(model.eval(), inplace=True)
     else:
-        model = get_model(model_name, weights=None, quantize=True, backend=backend, num_classes=num_classes)
+        model = get_model(model_name, weights=None, quantize=True, backend=backend, num_classes=num_classes, **arch)
         _load_exactly(model, state, path, model_name)
     return model.eval()
 
@@ -307,7 +325,7 @@ def _float_reference(weights: WeightsEnum, num_classes: int, path: Path | None, 
                       "looked_for": str(path), "note": note}
     digest, verified = _checked_digest(path, verify)
     name = model_name_of(unquantized)
-    model = get_model(name, weights=None, num_classes=num_classes)
+    model = get_model(name, weights=None, num_classes=num_classes, **builder_kwargs(unquantized))
     _load_exactly(model, _read_state_dict(path), path, name)
     checkpoint = {"path": str(path.resolve()), "sha256": digest, "source": source, "verified": verified}
     return model.eval(), {"kind": "unquantized float", "weight": canonical_name(unquantized), "checkpoint": checkpoint,
@@ -353,10 +371,10 @@ def load(
     num_classes = task.num_classes_in(state, model_name, len(categories) or 1000)
     reference_model, reference = None, {"kind": "float eager", "weight": canonical_name(weights), "checkpoint": None}
     if is_quantized(weights):
-        model = _quantized_model(model_name, num_classes, weights.meta["backend"], state, path)
+        model = _quantized_model(model_name, num_classes, weights.meta["backend"], state, path, builder_kwargs(weights))
         reference_model, reference = _float_reference(weights, num_classes, float_checkpoint, verify)
     else:
-        model = task.construct(model_name, num_classes, state)
+        model = task.construct(model_name, num_classes, state, builder_kwargs(weights))
         _load_exactly(model, state, path, model_name)
         model = task.graph(model.eval())
 
