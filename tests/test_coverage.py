@@ -760,6 +760,12 @@ def test_an_undertrained_digits_model_is_trained_on_until_its_training_images_ar
     assert digits._cached_info(info_file, 4, "checkpoint") is None
     info_file.write_text(json.dumps(dict(info, until=0.95, epochs_trained=4)))
     assert digits._cached_info(info_file, 4, "checkpoint") is not None
+    # a model trained before the builder took the weight's arguments (GoogLeNet's transform_input) is another model
+    assert digits._cached_info(info_file, 4, "checkpoint", arch={}) is not None
+    assert digits._cached_info(info_file, 4, "checkpoint", arch={"transform_input": True}) is None
+    info_file.write_text(json.dumps(dict(info, epochs_trained=4, builder_kwargs={"transform_input": True})))
+    assert digits._cached_info(info_file, 4, "checkpoint", arch={"transform_input": True}) is not None
+    assert digits._cached_info(info_file, 4, "checkpoint", arch={}) is None
 
 
 def test_a_cached_row_stopped_on_the_wall_clock_alone_is_built_again(tmp_path):
