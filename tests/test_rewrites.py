@@ -5,7 +5,8 @@ import random
 import torch
 from torch import nn
 
-from exporter.formats.rewrites import GlobalMean3d, RegionConv, drop_padding_taps, global_pool3d_as_mean
+from exporter.formats.rewrites import (GlobalMean3d, RegionConv, drop_padding_taps, global_pool3d_as_mean,
+                                      input_transform_as_affine)
 
 
 class Head(nn.Module):
@@ -125,3 +126,26 @@ def test_a_global_3d_pool_becomes_a_mean_with_the_same_output_and_other_pools_st
         torch.testing.assert_close(rewritten(x), model(x), rtol=1e-5, atol=1e-6)
     partial = nn.Sequential(nn.AdaptiveAvgPool3d((1, 2, 2)))
     assert global_pool3d_as_mean(partial) == (partial, [])
+
+
+def test_googlenets_input_transform_is_one_multiply_and_add_delegated_whole_with_the_same_output(tmp_path):
+    """GoogLeNet's transform_input (set by its torchvision weight) selects and unsqueezes each channel: XNNPACK left
+    three select_copy and three unsqueeze_copy outside the delegate. As one affine over the channels it takes them,
+    and eager's output is the same to the bit."""
+    from torchvision.models import get_model
+
+    from exporter.formats import executorch
+
+    torch.manual_seed(0)
+    model, x = get_model("googlenet", weights=None, transform_input=True, init_weights=True).eval(), torch.rand(2, 3, 64, 64)
+    rewritten, changed = input_transform_as_affine(model)
+    assert changed == [""] and model._transform_input.__func__ is not rewritten._transform_input.__func__
+    with torch.no_grad():
+        assert torch.equal(rewritten(x), model(x))
+    assert input_transform_as_affine(get_model("googlenet", weights=None, init_weights=True))[1] == []
+
+    details = executorch.export(model, x[:1], "fp32", None, tmp_path / "m.pte", {})
+    assert details["rewrites"]["input_transform_as_affine"] == [""]
+    assert set(details["delegation"]["ops_outside_delegate"]) <= {"getitem"}  # before: aten_select_copy_int×3, ...
+    with torch.no_grad():
+        torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x[:1]), model(x[:1]), rtol=1e-4, atol=1e-5)

@@ -65,12 +65,13 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
 
     from ..quant import as_calibration, quantize_with_budget
     from ..quant.pt2e import Pt2eBackend
-    from .rewrites import drop_padding_taps
+    from .rewrites import drop_padding_taps, input_transform_as_affine
 
     details = {}
     model, trimmed = drop_padding_taps(model, example) if rewrites else (model, [])
-    if trimmed:
-        details["rewrites"] = {"padding_taps_dropped": trimmed}
+    model, affine = input_transform_as_affine(model) if rewrites else (model, [])
+    if trimmed or affine:
+        details["rewrites"] = {k: v for k, v in (("padding_taps_dropped", trimmed), ("input_transform_as_affine", affine)) if v}
     if precision == "int8":
         backend = Pt2eBackend(model, example)
         quantized, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))

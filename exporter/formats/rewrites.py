@@ -13,6 +13,12 @@ only the centre tap is left. The same non-zero products are summed, in another g
 their clips' features with AdaptiveAvgPool3d(1)); to one output per channel that pool is the mean over time,
 height and width, which Core ML converts.
 
+`input_transform_as_affine`: GoogLeNet and Inception v3 re-normalize their input inside the model
+(`transform_input`, which their torchvision weights set) one channel at a time: select, unsqueeze, scale, shift,
+concatenate. XNNPACK takes the arithmetic but not the select and unsqueeze (`select_copy`×3, `unsqueeze_copy`×3
+left outside the delegate in the `.pte`). The same per-channel scale and shift, as one multiply and one add over
+all channels, is delegated; each element gets the same two float32 roundings, so eager's outputs are unchanged.
+
 `rel_pos_within_rank5`: Core ML takes tensors of rank 5 at most; MViT-V2's decomposed relative positions
 (torchvision's `mvit._add_rel_pos`) reshape each query to (B, heads, T, H, W, C) and broadcast the three axes'
 terms at rank 8 ("Layer view_8 outputs a rank 6 tensor"). The same sums, with batch and heads folded together
@@ -179,6 +185,32 @@ def global_pool3d_as_mean(model: nn.Module) -> tuple[nn.Module, list[str]]:
     for name in names:
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent), attribute, GlobalMean3d())
+    return model, names
+
+
+# torchvision's GoogLeNet and Inception3 `_transform_input`: ImageNet normalization -> (x - 0.5) / 0.5, per channel
+INPUT_SCALE, INPUT_SHIFT = (0.229 / 0.5, 0.224 / 0.5, 0.225 / 0.5), ((0.485 - 0.5) / 0.5, (0.456 - 0.5) / 0.5, (0.406 - 0.5) / 0.5)
+
+
+def _affine_transform_input(self, x: torch.Tensor) -> torch.Tensor:
+    scale = torch.tensor(INPUT_SCALE, dtype=x.dtype).view(1, 3, 1, 1)
+    shift = torch.tensor(INPUT_SHIFT, dtype=x.dtype).view(1, 3, 1, 1)
+    return x * scale + shift
+
+
+def input_transform_as_affine(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """`model`, or a copy of it whose GoogLeNet/Inception3 modules with transform_input scale and shift their
+    input's channels in one multiply and one add; and the modules changed. Returned as it is when it has none."""
+    from torchvision.models.googlenet import GoogLeNet
+    from torchvision.models.inception import Inception3
+
+    names = [name for name, m in model.named_modules() if isinstance(m, (GoogLeNet, Inception3)) and m.transform_input]
+    if not names:
+        return model, []
+    model = copy.deepcopy(model)
+    for name in names:
+        module = model.get_submodule(name)
+        module._transform_input = _affine_transform_input.__get__(module)
     return model, names
 
 
