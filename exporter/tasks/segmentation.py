@@ -80,7 +80,7 @@ class Segmentation(Task):
         from torchvision.models import get_model
 
         aux = any(k.startswith("aux_classifier.") for k in state)
-        options = {"aux_loss": True, **(arch or {})} if aux else dict(arch or {})
+        options = {**(arch or {}), **({"aux_loss": True} if aux else {})}
         return get_model(model_name, weights=None, weights_backbone=None, num_classes=num_classes, **options)
 
     @classmethod
