@@ -19,6 +19,7 @@ import torch
 
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, report
+from ..release.ship import NOT_MADE
 from . import arch_rows, cache, golden_program, memory_profile, profiles
 from .plan import ArtifactSpec, Plan, make_all, make as make_plan
 from ..tasks import Task
@@ -273,11 +274,11 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
     }
     refusal = FORMATS[spec.format].no_quantized_eager if session.loaded.quantized else None
     if refusal:
-        entry.update(status="unavailable", reasons=[f"cannot take an eager-quantized model: {refusal}"])
+        entry.update(status="unavailable", reasons=[f"{NOT_MADE}an eager-quantized model: {refusal}"])
         return entry
-    refusal = session.task.refuses(spec.format)
+    refusal = session.task.refuses(spec.format, spec.precision)
     if refusal:
-        entry.update(status="unavailable", reasons=[f"cannot take a {session.task.name} graph: {refusal}"])
+        entry.update(status="unavailable", reasons=[f"{NOT_MADE}a {session.task.name} graph: {refusal}"])
         return entry
     if spec.precision not in module.PRECISIONS:
         entry["reasons"] = [f"{spec.format} does not offer {spec.precision} (it offers {', '.join(module.PRECISIONS)})"]
@@ -390,7 +391,7 @@ def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, pro
     returns the output directory and the manifests. See build.build_targets."""
     # Everything that can be wrong with the request is checked before anything is written.
     task_class = weights.task_class(weights.resolve(request.weight))
-    plans = make_all(targets, task_class.name, request.options)
+    plans = make_all(targets, task_class.name, request.options, task_class.format_options())
     for plan in plans:
         _preflight(plan)
     with progress.step("load weights"):

@@ -166,9 +166,24 @@ def make(profile: dict, task: str) -> Plan:
     )
 
 
-def make_all(targets: list[dict], task: str, options: Mapping = MappingProxyType({})) -> list[Plan]:
-    """Every target's Plan for one build; the targets must share one calibration and validation set."""
-    plans = [make(profile, task) for profile in _options_applied(targets, options)]
+def with_required(profile: dict, required: Mapping[str, Mapping], options: Mapping = MappingProxyType({})) -> dict:
+    """The profile with the options a graph can only be exported with (the task's format_options) in place of its
+    own; an --option that asks for another value is refused."""
+    artifacts = []
+    for entry in profile["artifacts"]:
+        needs = required.get(entry["format"], {})
+        for key, value in needs.items():
+            if key in options and str(options[key]) != str(value):
+                raise UsageError(f"--option {key}={options[key]}: this model's graph is exported with {key}={value} only")
+        artifacts.append({**entry, "options": {**entry.get("options", {}), **needs}} if needs else entry)
+    return {**profile, "artifacts": artifacts}
+
+
+def make_all(targets: list[dict], task: str, options: Mapping = MappingProxyType({}),
+             required: Mapping[str, Mapping] = MappingProxyType({})) -> list[Plan]:
+    """Every target's Plan for one build; the targets must share one calibration and validation set. `required`:
+    format -> the options its graph can only be exported with (Task.format_options)."""
+    plans = [make(with_required(profile, required, options), task) for profile in _options_applied(targets, options)]
     if len({p.data for p in plans}) > 1:
         names = ", ".join(p.target for p in plans)
         raise UsageError(f"targets {names} ask for different [data] settings; pass --calib-size and --val-size to share one set")

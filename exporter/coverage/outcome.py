@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 import re
 
+from ..release.ship import NOT_MADE
+
 SYMBOLS = {"passed": "✅", "failed": "❎", "export": "❌", "unavailable": "⚪", "refused": "⛔", "time": "⏱",
            "skipped": "⏭", "not_run": "·"}
 ORDER = tuple(SYMBOLS)
@@ -194,7 +196,7 @@ def cell_from_artifact(artifact: dict) -> dict:
     elif artifact["status"] == "passed":
         cell["outcome"] = "passed"
     elif artifact["status"] == "unavailable":
-        refused = reason.startswith("cannot take ")
+        refused = reason.startswith(NOT_MADE)
         cell["outcome"] = "refused" if refused else "unavailable"
         cell["kind"] = "by design" if refused else ("built, cannot run here" if built else "cannot build here")
     elif built:

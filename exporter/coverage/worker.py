@@ -111,7 +111,7 @@ def floor(request, target: str) -> dict:
 
     from .. import data, weights
     from ..build import target_profile
-    from ..build.plan import make
+    from ..build.plan import make, with_required
     from . import conditioning
     from .outcome import WEIGHT_FLOOR
 
@@ -119,7 +119,7 @@ def floor(request, target: str) -> dict:
     loaded = weights.load(request.weight, request.checkpoint, verify=False, offline=True,
                           float_checkpoint=request.float_checkpoint)
     task = loaded.task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
-    plan = make(target_profile(request, target), task.name)
+    plan = make(with_required(target_profile(request, target), task.format_options()), task.name)
     size = (plan.data.calib_size, plan.data.val_size, plan.data.seed)
     transform = task.transform(loaded.weights)
     inputs = data.synthetic(transform, *size) if request.data is None else task.load_data(request.data, transform, *size)

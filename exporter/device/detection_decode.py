@@ -16,6 +16,9 @@ A graph's output is one array per image, (anchors, K), and `params["kind"]` says
 - "fcos": 4 distances (left, top, right, bottom) from the anchor's centre, in units of its width/height
   when `normalize_by_size`; then 1 centerness logit; then C class logits. Score
   sqrt(sigmoid(class) * sigmoid(centerness)); otherwise as "retinanet".
+- "final" (Faster R-CNN: decoded, scored and NMS'd inside the graph): one row per detection, best first,
+  x0, y0, x1, y1, score, label, padded to `detections_per_img` rows with label 0 (background is never a
+  detection). No anchors: the rows are only read.
 
 Boxes are clipped to the image in every kind; at most `detections_per_img` are returned, best first.
 """
@@ -145,15 +148,24 @@ def decode(head: np.ndarray, anchors: np.ndarray, image_size, params: dict | Non
     """One image's raw head (A, K) -> {"boxes" (N, 4) xyxy in input pixels, "scores" (N,), "labels" (N,)},
     best first, as torchvision's `postprocess_detections` of the model `params["kind"]` names."""
     p = {**DEFAULTS, **(params or {})}
+    if p["kind"] == "final":
+        return _final_rows(np.asarray(head, dtype=np.float32).reshape(-1, 6))
     head = np.asarray(head, dtype=np.float32).reshape(len(anchors), -1)
     if p["kind"] == "ssd":
         boxes, scores, labels = _ssd_candidates(head, anchors, image_size, p)
     elif p["kind"] in ("retinanet", "fcos"):
         boxes, scores, labels = _per_level_candidates(head, anchors, image_size, p)
     else:
-        raise ValueError(f"unknown detection decode kind {p['kind']!r} (ssd, retinanet, fcos)")
+        raise ValueError(f"unknown detection decode kind {p['kind']!r} (ssd, retinanet, fcos, final)")
     keep = nms(boxes, scores, p["nms_thresh"], p["detections_per_img"], labels)  # class-wise, in one pass
     return {"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep]}
+
+
+def _final_rows(rows: np.ndarray) -> dict:
+    """Detections the graph made itself, its padding (label 0) dropped."""
+    labels = np.rint(rows[:, 5]).astype(np.int64)
+    kept = rows[labels > 0]
+    return {"boxes": kept[:, :4].copy(), "scores": kept[:, 4].copy(), "labels": labels[labels > 0]}
 
 
 def _ssd_candidates(head, anchors, image_size, p):

@@ -48,16 +48,16 @@ class Task(NamedTuple):
     """What a manifest's "task" means here: the output layout and the thresholds a device run can check."""
 
     name: str
-    layout: str
+    layouts: tuple[str, ...]  # the first is the usual one
     min_keys: tuple[str, ...]
     max_keys: tuple[str, ...]
 
 
 TASKS = {
-    "classification": Task("classification", "NC", ("top1_agreement", "top5_agreement", "psnr_db", "cosine"), ("max_abs_error",)),
-    "video": Task("video", "NC", ("top1_agreement", "top5_agreement", "psnr_db", "cosine"), ("max_abs_error",)),
-    "segmentation": Task("segmentation", "NCHW", ("pixel_agreement", "miou_vs_eager", "psnr_db", "cosine"), ("max_abs_error",)),
-    "detection": Task("detection", "NAK", ("matched_recall", "matched_precision", "psnr_db", "cosine"), ("max_abs_error",)),
+    "classification": Task("classification", ("NC",), ("top1_agreement", "top5_agreement", "psnr_db", "cosine"), ("max_abs_error",)),
+    "video": Task("video", ("NC",), ("top1_agreement", "top5_agreement", "psnr_db", "cosine"), ("max_abs_error",)),
+    "segmentation": Task("segmentation", ("NCHW",), ("pixel_agreement", "miou_vs_eager", "psnr_db", "cosine"), ("max_abs_error",)),
+    "detection": Task("detection", ("NAK", "NDK"), ("matched_recall", "matched_precision", "psnr_db", "cosine"), ("max_abs_error",)),
 }
 
 
@@ -148,7 +148,7 @@ class Decoding(NamedTuple):
     task.decode's parameters."""
 
     code: ModuleType
-    anchors: np.ndarray
+    anchors: np.ndarray | None  # None: the graph's rows are final detections (decode kind "final")
     image_size: tuple[int, int]
     params: dict
 
@@ -246,9 +246,10 @@ def _task(doc: dict) -> tuple[Task, dict]:
     task = TASKS.get(entry.get("name"))
     if task is None:
         raise BadInput(f"manifest.json task {entry.get('name')!r} is not one this validator checks ({', '.join(TASKS)})")
-    layout = (entry.get("output") or {}).get("layout", task.layout)
-    if layout != task.layout:
-        raise BadInput(f"manifest.json says a {task.name} model with output layout {layout}; {task.name} outputs {task.layout}")
+    layout = (entry.get("output") or {}).get("layout", task.layouts[0])
+    if layout not in task.layouts:
+        raise BadInput(f"manifest.json says a {task.name} model with output layout {layout}; {task.name} outputs "
+                       f"{' or '.join(task.layouts)}")
     if task.name == "detection":
         missing = [k for k in DECODE_KEYS if k not in (entry.get("decode") or {})]
         if missing:
@@ -265,9 +266,9 @@ def _read_build(directory: Path) -> tuple[dict, Task, str, np.ndarray, np.ndarra
         raise BadInput(f"{directory} is not a readable exporter build: {e}") from None
     task, entry = _task(doc)
     frames = entry.get("frames")  # clips: N x 3 x T x H x W
-    if inputs.ndim != (5 if frames else 4) or logits.ndim != len(task.layout) or len(inputs) != len(logits):
+    if inputs.ndim != (5 if frames else 4) or logits.ndim != len(task.layouts[0]) or len(inputs) != len(logits):
         raise BadInput(f"golden files do not pair up for {task.name} (inputs N x 3 x {'T x ' if frames else ''}H x W, "
-                       f"eager logits {' x '.join(task.layout)}): inputs {inputs.shape}, eager logits {logits.shape}")
+                       f"eager logits {' x '.join(task.layouts[0])}): inputs {inputs.shape}, eager logits {logits.shape}")
     size = entry.get("input_size")
     if (size is not None and list(inputs.shape[-2:]) != list(size)) or (frames and inputs.shape[2] != frames):
         raise BadInput(f"golden inputs.npy has shape {inputs.shape} but manifest.json task.input_size is {list(size)}"
@@ -296,6 +297,9 @@ def _decode_code():
 
 def _decoding(directory: Path, entry: dict, logits: np.ndarray, image_size) -> Decoding:
     decode = entry["decode"]
+    params = {k: v for k, v in decode.items() if k not in ("anchors", "code", "code_sha256")}
+    if decode["anchors"] is None:  # the graph decoded its detections itself: rows to read, no anchors
+        return Decoding(_decode_code(), None, tuple(int(v) for v in image_size), params)
     path = directory / decode["anchors"]
     if not path.is_file():
         raise BadInput(f"{decode['anchors']} is missing from {directory}: detection needs the anchors manifest.json "
@@ -307,7 +311,6 @@ def _decoding(directory: Path, entry: dict, logits: np.ndarray, image_size) -> D
     if anchors.shape != (logits.shape[1], 4):
         raise BadInput(f"{decode['anchors']} has shape {anchors.shape} but golden eager_logits.npy has "
                        f"{logits.shape[1]} anchors per image: ({logits.shape[1]}, 4) expected")
-    params = {k: v for k, v in decode.items() if k not in ("anchors", "code", "code_sha256")}
     return Decoding(_decode_code(), anchors.astype(np.float32), tuple(int(v) for v in image_size), params)
 
 

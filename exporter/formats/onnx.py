@@ -6,6 +6,11 @@ so the same runner, golden files and trtexec shapes serve all three.
 A graph whose tensors pass protobuf's 2 GiB (ViT-H/14, RegNetY-128GF in fp32) cannot be one file: its tensors go
 to `<file>.data` beside it (ONNX external data, read by ONNX Runtime and TensorRT from the graph's directory),
 which exporter.files keeps with the file. `external_data=always` does that for any size.
+
+`exporter=torchscript` takes the TorchScript-based exporter (torch.onnx.export(dynamo=False), deprecated since
+PyTorch 2.9) instead of the dynamo one: it records the ops torchvision marks for ONNX (RoiAlign,
+NonMaxSuppression, a top-k of a data-dependent count) where torch.export stops on data-dependent sizes (Faster
+R-CNN's region proposals), and writes a graph for one input size at batch 1.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from ..quant.onnx_qdq import OnnxQdqBackend
 
 NAME = "onnx"
 SUFFIX = ".onnx"
-OPTIONS = ("opset", "batch", "external_data")
+OPTIONS = ("opset", "batch", "external_data", "exporter")
 PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_OPSET = 18
 DEFAULT_BATCH = "1:1:1"
 EXTERNAL_DATA = ("auto", "always")  # auto: only a graph that cannot be one file (protobuf's 2 GiB)
 TWO_GIB = 2**31  # protobuf's limit on one serialized message
+EXPORTERS = ("dynamo", "torchscript")
 INPUT, OUTPUT = "input", "logits"
 
 
@@ -73,10 +79,19 @@ def check_external_data(value) -> bool:
     return value == "always"
 
 
-def preflight(precision, opset=DEFAULT_OPSET, batch=DEFAULT_BATCH, external_data="auto") -> None:
+def check_exporter(exporter, batch) -> str:
+    if exporter not in EXPORTERS:
+        raise UsageError(f"exporter {exporter!r}: expected {' or '.join(EXPORTERS)}")
+    if exporter == "torchscript" and batch_profile(batch) != (1, 1, 1):
+        raise UsageError(f"batch {batch!r}: the TorchScript-based exporter writes a graph for batch 1 only (batch=1)")
+    return exporter
+
+
+def preflight(precision, opset=DEFAULT_OPSET, batch=DEFAULT_BATCH, external_data="auto", exporter="dynamo") -> None:
     check_opset(opset)
     batch_profile(batch)
     check_external_data(external_data)
+    check_exporter(exporter, batch)
 
 
 class _HalfModel(torch.nn.Module):
@@ -110,7 +125,10 @@ def _fold_batchnorms(model) -> tuple[torch.nn.Module, dict]:
     return fused, {"batchnorms": before, "folded": before - count(fused)}
 
 
-def _export_graph(model, example, opset: int, path: Path, external: bool = False) -> None:
+def _export_graph(model, example, opset: int, path: Path, external: bool = False, exporter: str = "dynamo") -> None:
+    if exporter == "torchscript":
+        _export_traced(model, example, opset, path, external)
+        return
     # traced at batch 2: torch.export specialises a size-1 dim, and a batch-1 trace bakes batch 1 into
     # nn.MultiheadAttention's reshapes (ViT's graph then fails at batch 8); a CNN's file is byte-identical either way
     traced = example if example.shape[0] > 1 else torch.cat([example, example])
@@ -124,6 +142,17 @@ def _export_graph(model, example, opset: int, path: Path, external: bool = False
         )
     _drop_stack_traces(program.model)
     program.save(str(path), external_data=external or None)  # None: external only past 2 GiB
+
+
+def _export_traced(model, example, opset: int, path: Path, external: bool) -> None:
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation notice and the tracer's on shapes it keeps dynamic
+        torch.onnx.export(model, (example[:1],), str(path), dynamo=False, opset_version=opset,
+                          input_names=[INPUT], output_names=[OUTPUT], do_constant_folding=True)
+    if external or path.stat().st_size > TWO_GIB:
+        _resave(path, path, True)
 
 
 def _resave(source: Path, path: Path, external: bool) -> None:
@@ -152,11 +181,11 @@ def _drop_stack_traces(model) -> None:
             node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
 
 
-def _quantize(model, example, opset: int, calibration, path: Path, external: bool) -> dict:
+def _quantize(model, example, opset: int, calibration, path: Path, external: bool, exporter: str) -> dict:
     """The fp32 graph through the budgeted Q/DQ search; the chosen candidate becomes `path`."""
     with tempfile.TemporaryDirectory(prefix=".qdq-", suffix=".partial", dir=path.parent) as work:
         fp32 = Path(work) / "fp32.onnx"
-        _export_graph(model, example, opset, fp32, external)
+        _export_graph(model, example, opset, fp32, external, exporter)
         backend = OnnxQdqBackend(model, fp32, INPUT, calibration.settings["onnx_calibration"], Path(work),
                                  external_data=bool(files.companions(fp32)))
         candidate, report = quantize_with_budget(model, backend, calibration)
@@ -183,17 +212,18 @@ def _check_batch_axis(path: Path, example: torch.Tensor, sizes: tuple[int, int, 
 
 
 def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAULT_OPSET, batch=DEFAULT_BATCH,
-           external_data="auto") -> dict:
+           external_data="auto", exporter="dynamo") -> dict:
     import onnx
 
     opset, sizes, external = check_opset(opset), batch_profile(batch), check_external_data(external_data)
+    exporter = check_exporter(exporter, batch)
     if precision == "fp16":
         folded, folding = _fold_batchnorms(model)
-        _export_graph(_HalfModel(folded).eval(), example, opset, path, external)
+        _export_graph(_HalfModel(folded).eval(), example, opset, path, external, exporter)
     elif precision == "int8":
-        quantization = _quantize(model, example, opset, as_calibration(calib), path, external)
+        quantization = _quantize(model, example, opset, as_calibration(calib), path, external, exporter)
     else:
-        _export_graph(model, example, opset, path, external)
+        _export_graph(model, example, opset, path, external, exporter)
     proto = onnx.load(str(path), load_external_data=False)
     onnx.checker.check_model(str(path), full_check=True)  # by path: a proto over 2 GiB cannot be serialized to check
     written = {o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")}
@@ -204,7 +234,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
         "opset": opset,
         "input": INPUT,
         "output": OUTPUT,
-        "dynamic_batch": True,
+        "exporter": exporter,
+        "dynamic_batch": exporter == "dynamo",
         "batch_profile": list(sizes),
         "batch_check": _check_batch_axis(path, example, sizes),
         "ops": ops,

@@ -20,7 +20,7 @@ from . import onnx as onnx_format
 
 NAME = "tensorrt"
 SUFFIX = ".engine"
-OPTIONS = ("opset", "batch", "workspace_mb", "dla_core", "require_engine")
+OPTIONS = ("opset", "batch", "workspace_mb", "dla_core", "require_engine", "exporter")
 PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_WORKSPACE_MB = 1024
 TIMING_CACHE = "tensorrt_timing.cache"  # beside the engines: later builds on the same GPU reuse the tactic timings
@@ -50,8 +50,8 @@ def _check_int(name: str, value, minimum: int) -> None:
 
 
 def preflight(precision, opset=onnx_format.DEFAULT_OPSET, batch=onnx_format.DEFAULT_BATCH,
-              workspace_mb=DEFAULT_WORKSPACE_MB, dla_core=None, require_engine=False) -> None:
-    onnx_format.preflight(precision, opset, batch)
+              workspace_mb=DEFAULT_WORKSPACE_MB, dla_core=None, require_engine=False, exporter="dynamo") -> None:
+    onnx_format.preflight(precision, opset, batch, exporter=exporter)
     _check_int("workspace_mb", workspace_mb, 1)
     if dla_core is not None:
         _check_int("dla_core", dla_core, 0)
@@ -112,7 +112,8 @@ def _build(trt, onnx_path: Path, precision: str, sizes, workspace_mb: int, dla_c
 
 
 def export(model, example, precision, calib, path: Path, meta: dict, opset=onnx_format.DEFAULT_OPSET,
-           batch=onnx_format.DEFAULT_BATCH, workspace_mb=DEFAULT_WORKSPACE_MB, dla_core=None, require_engine=False) -> dict:
+           batch=onnx_format.DEFAULT_BATCH, workspace_mb=DEFAULT_WORKSPACE_MB, dla_core=None, require_engine=False,
+           exporter="dynamo") -> dict:
     reason = _unavailable(dla_core)  # require_engine was settled by preflight
     if reason:
         raise RuntimeUnavailable(reason)
@@ -121,7 +122,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=onnx_
     sizes = onnx_format.batch_profile(batch)
     onnx_path = path.with_name(path.name + ".onnx")
     try:
-        onnx_details = onnx_format.export(model, example, precision, calib, onnx_path, meta, opset=opset, batch=batch)
+        onnx_details = onnx_format.export(model, example, precision, calib, onnx_path, meta, opset=opset, batch=batch,
+                                          exporter=exporter)
         engine, build = _build(trt, onnx_path, precision, sizes, workspace_mb, dla_core, path.parent / TIMING_CACHE)
     finally:
         for temporary in (onnx_path, *files.companions(onnx_path)):  # with its external data, if it has any

@@ -251,11 +251,11 @@ def _plan(out: Path, allow_failed: bool) -> tuple[dict, list[tuple[str, dict]], 
     task = _task(doc)
     if task["name"] == "detection":
         decode = task.get("decode") or {}
-        if not decode.get("anchors") or not decode.get("code"):
+        if "anchors" not in decode or not decode.get("code"):
             raise UsageError(f"{out / 'manifest.json'} has a detection task without decode anchors and code; run the build again")
         if not _inside(out, decode["code"]).is_file():
             raise UsageError(f"{out / decode['code']} is missing: a detection bundle needs the build's decode; run the build again")
-        if not _inside(out, decode["anchors"]).is_file():
+        if decode["anchors"] and not _inside(out, decode["anchors"]).is_file():  # None: a graph that decodes itself
             raise UsageError(f"{out / decode['anchors']} is missing: a detection bundle needs its anchors; run the build again")
     return doc, chosen, golden
 
@@ -294,7 +294,7 @@ def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
                 _copy(out, stage, name)
             decode = _task(doc).get("decode")
             if decode:  # detection: the apps find both where task.decode says
-                if not _inside(stage, decode["anchors"]).exists():
+                if decode["anchors"] and not _inside(stage, decode["anchors"]).exists():
                     _copy(out, stage, decode["anchors"])
                 if not _inside(stage, decode["code"]).exists():
                     _copy(out, stage, decode["code"], decode.get("code_sha256"))

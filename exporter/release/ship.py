@@ -5,6 +5,8 @@ can be the smallest but never the fastest; a failed or unvalidated (unavailable)
 
 from __future__ import annotations
 
+NOT_MADE = "cannot take "  # how a build's reason begins when a format cannot take the model at all (no runtime needed)
+
 
 def _p50(a: dict) -> float:
     p50 = (a.get("latency_ms") or {}).get("p50")
@@ -15,16 +17,22 @@ def _size(a: dict) -> float:
     return a.get("size_bytes") or float("inf")
 
 
+def _not_made(artifact: dict) -> bool:
+    return any(r.startswith(NOT_MADE) for r in artifact.get("reasons") or [])
+
+
 def choose(doc: dict) -> dict:
     """{"passed": names, "fastest": artifact or None, "smallest": artifact or None, "failed": names,
-    "unavailable": names}; ties go to the other measure, then to the name."""
+    "unavailable": names (no runtime here), "not_made": names (the format cannot take this model)}; ties go to the
+    other measure, then to the name."""
     passed = [a for a in doc["artifacts"] if a["status"] == "passed"]
     return {
         "passed": [a["name"] for a in passed],
         "fastest": min((a for a in passed if _p50(a) != float("inf")), key=lambda a: (_p50(a), _size(a), a["name"]), default=None),
         "smallest": min((a for a in passed if a.get("size_bytes")), key=lambda a: (_size(a), _p50(a), a["name"]), default=None),
         "failed": [a["name"] for a in doc["artifacts"] if a["status"] == "failed"],
-        "unavailable": [a["name"] for a in doc["artifacts"] if a["status"] == "unavailable"],
+        "unavailable": [a["name"] for a in doc["artifacts"] if a["status"] == "unavailable" and not _not_made(a)],
+        "not_made": [a["name"] for a in doc["artifacts"] if a["status"] == "unavailable" and _not_made(a)],
     }
 
 
@@ -35,6 +43,8 @@ def line(doc: dict, markdown: bool = False) -> str:
     code = (lambda n: f"`{n}`") if markdown else (lambda n: n)
     unvalidated = (f" Not validated on this host (runtime unavailable): {', '.join(map(code, pick['unavailable']))}."
                    if pick["unavailable"] else "")
+    if pick["not_made"]:
+        unvalidated += f" Not made for this model (the notes say why): {', '.join(map(code, pick['not_made']))}."
     if not pick["passed"]:
         failed = f"{len(pick['failed'])} failed" if pick["failed"] else "none was validated"
         return f"Nothing to ship for {target}: no artifact passed ({failed}).{unvalidated}"

@@ -37,10 +37,11 @@ def _not_yet(group: str) -> str:
 def for_group(group: str, weight_name: str, model_name: str) -> type[Task]:
     """The task class for a torchvision model group, or a one-line refusal saying why not."""
     if group in GROUPS:
-        refusal = GROUPS[group].refusal(model_name)
+        task = GROUPS[group].for_model(model_name)
+        refusal = task.refusal(model_name)
         if refusal:
             raise UsageError(f"{weight_name}: {refusal}")
-        return GROUPS[group]
+        return task
     raise UsageError(f"{weight_name}: {_not_yet(group)}")
 
 

@@ -43,9 +43,19 @@ class Task:
         return None
 
     @classmethod
-    def refuses(cls, format_name: str) -> str | None:
-        """Why a format cannot take this task's graph (measured), or None: the pipeline asks, formats never see
-        the task."""
+    def for_model(cls, model_name: str) -> "type[Task]":
+        """The class that exports `model_name` (a task may export some of its models another way)."""
+        return cls
+
+    @classmethod
+    def format_options(cls) -> dict[str, dict]:
+        """Format -> options its graph can only be exported with (they replace the target profile's)."""
+        return {}
+
+    @classmethod
+    def refuses(cls, format_name: str, precision: str | None = None) -> str | None:
+        """Why a format (at a precision) cannot take this task's graph (measured), or None: the pipeline asks,
+        formats never see the task."""
         return None
 
     @classmethod

@@ -148,15 +148,19 @@ class Detection(Task):
     drop = "map_drop_points"
 
     @classmethod
+    def for_model(cls, model_name: str) -> type[Task]:
+        from .region_detection import TWO_STAGE, RegionDetection
+
+        return RegionDetection if model_name.startswith(TWO_STAGE) else cls
+
+    @classmethod
     def refusal(cls, model_name: str) -> str | None:
         if not model_name.startswith(SINGLE_STAGE):
-            return (f"{model_name} cannot be exported yet: only single-stage detectors (SSD, RetinaNet, FCOS: raw "
-                    "heads plus the shared decode and NMS) are; torch.export (behind ExecuTorch, Core ML and the "
-                    "ONNX exporter used here) stops in the region proposal step: batched_nms branches on "
-                    "boxes.numel() > 4000, then MultiScaleRoIAlign takes len(rois) (data-dependent sizes); the "
-                    "TorchScript-based ONNX exporter (deprecated since PyTorch 2.9) does trace it, at one input size "
-                    "and batch 1, and ONNX Runtime reproduces eager's detections, but builds have no such second "
-                    "ONNX route yet (docs/tasks.md)")
+            extra = "masks" if model_name.startswith("maskrcnn") else "keypoints"
+            return (f"{model_name} cannot be exported yet: its {extra} have no output layout, golden files or metric "
+                    "here; its boxes would take Faster R-CNN's route (the TorchScript-based ONNX exporter, Jetson "
+                    f"only), which traces it and whose graph ONNX Runtime runs as eager does (measured, {extra} "
+                    "included), but the graph would drop what the weight is for (docs/tasks.md)")
         return None
 
     @classmethod
@@ -254,7 +258,8 @@ class Detection(Task):
 
     def describe(self):
         code = self.device_files()[DECODE_CODE].encode("utf-8")
-        return {**super().describe(), "decode": {**self.params, "anchors": "golden/anchors.npy", "code": DECODE_CODE,
+        anchors = None if self.anchors is None else "golden/anchors.npy"
+        return {**super().describe(), "decode": {**self.params, "anchors": anchors, "code": DECODE_CODE,
                                                  "code_sha256": hashlib.sha256(code).hexdigest()}}
 
     def device_files(self):
@@ -331,9 +336,12 @@ class Detection(Task):
         return torch.tensor(rows, dtype=torch.float32).reshape(len(per_image), most, 5)
 
     # --- metrics ---
+    def heads(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows (N, anchors * K) as the graph returned them: (N, anchors, K)."""
+        return rows.reshape(len(rows), len(self.anchors), -1)
+
     def decode(self, rows: torch.Tensor) -> list[dict]:
-        heads = rows.reshape(len(rows), len(self.anchors), -1).numpy()
-        return [detection_decode.decode(head, self.anchors, self.input_size, self.params) for head in heads]
+        return [detection_decode.decode(head, self.anchors, self.input_size, self.params) for head in self.heads(rows).numpy()]
 
     def fidelity(self, reference, outputs):
         matches = [detection_decode.match(r, o, MATCH_SCORE) for r, o in zip(self.decode(reference), self.decode(outputs))]
@@ -367,8 +375,10 @@ class Detection(Task):
     def golden(self, inputs, reference, labels):
         detections = [{k: v[d["scores"] >= MATCH_SCORE].tolist() for k, v in d.items()} for d in self.decode(reference)]
         files = {"inputs.npy": inputs.numpy().astype(np.float32),
-                 "eager_logits.npy": reference.reshape(len(reference), len(self.anchors), -1).numpy().astype(np.float32),
-                 "anchors.npy": self.anchors, "eager_detections.json": detections}
+                 "eager_logits.npy": self.heads(reference).numpy().astype(np.float32),
+                 "eager_detections.json": detections}
+        if self.anchors is not None:
+            files["anchors.npy"] = self.anchors
         if labels is not None:
             files["boxes.json"] = [[row for row in rows if row[0] != PAD] for rows in labels.tolist()]
         return files

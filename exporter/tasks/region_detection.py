@@ -1,0 +1,108 @@
+"""Two-stage detection (Faster R-CNN): the graph ends in the final detections, padded to a fixed count.
+
+torch.export cannot take the region proposal step (batched_nms branches on boxes.numel() > 4000, then on
+numel() == 0; MultiScaleRoIAlign takes len(rois)), so ExecuTorch, Core ML and the dynamo ONNX exporter cannot
+either. The TorchScript-based ONNX exporter (torch.onnx.export(dynamo=False), deprecated since PyTorch 2.9)
+records the ops torchvision marks for ONNX instead (RoiAlign, NonMaxSuppression, top-k of a data-dependent
+count), for one input size at batch 1: the only route, so ONNX (and the TensorRT engine made from it) is the
+only format, with those options. Everything from the proposals to the per-class NMS runs inside the graph;
+its output is (1, detections_per_img, 6): x0, y0, x1, y1, score, label, best first, padded with label 0
+(the decode kind "final" only drops the padding). Metrics, data and golden files are single-stage
+detection's: boxes matched to eager's, COCO mAP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .detection import Detection, _reference_model
+
+TWO_STAGE = ("fasterrcnn",)
+EXPORT_ROUTE = {"exporter": "torchscript", "batch": "1:1:1"}
+PRECISIONS_NOT_YET = {  # measured 2026-11-27, torch 2.14.1, torchvision 0.29.1
+    "fp16": "not yet at fp16: the graph is traced by running it, and torchvision's CPU nms has no Half kernel "
+            "(\"nms_kernel\" not implemented for 'Half'); an fp16 graph needs the backbone in half and the proposal "
+            "and box steps in float",
+    "int8": "not yet at int8: the Q/DQ search ties each ONNX Conv to its module by the weight's name, which the "
+            "TorchScript-based exporter replaces when it folds BatchNorm into the Conv (onnx::Conv_<n>)",
+}
+TORCH_EXPORT_STOPS = ("torch.export stops in the region proposal step: batched_nms branches on boxes.numel() > 4000, "
+                      "then on numel() == 0, and MultiScaleRoIAlign takes len(rois) (data-dependent sizes)")
+
+
+class FinalDetections(nn.Module):
+    """Backbone, RPN and box head on an already resized and normalized image: (N, rows, 6)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.backbone, self.rpn, self.roi_heads = model.backbone, model.rpn, model.roi_heads
+        self.rows = int(model.roi_heads.detections_per_img)
+
+    def forward(self, x):
+        from torchvision.models.detection.image_list import ImageList
+
+        images = ImageList(x, [(int(x.shape[-2]), int(x.shape[-1]))] * int(x.shape[0]))
+        features = self.backbone(x)
+        proposals, _ = self.rpn(images, features)
+        detections, _ = self.roi_heads(features, proposals, images.image_sizes)
+        padded = []
+        for d in detections:
+            rows = torch.cat([d["boxes"], d["scores"][:, None], d["labels"][:, None].to(x.dtype)], 1)
+            padded.append(torch.cat([rows, rows.new_zeros(self.rows - rows.shape[0], 6)]))  # label 0: no detection
+        return torch.stack(padded)
+
+
+class RegionDetection(Detection):
+    @classmethod
+    def refusal(cls, model_name: str) -> str | None:
+        return None
+
+    @classmethod
+    def refuses(cls, format_name: str, precision: str | None = None) -> str | None:
+        if format_name in ("onnx", "tensorrt"):
+            return PRECISIONS_NOT_YET.get(precision)
+        if format_name == "torchscript_lite":
+            return ("its graph calls torchvision's own nms and roi_align kernels, which PyTorch's Android lite "
+                    "runtime does not ship; ONNX (Jetson) is the route for two-stage detectors")
+        return f"{TORCH_EXPORT_STOPS}; ONNX (Jetson) is the route for two-stage detectors"
+
+    @classmethod
+    def format_options(cls) -> dict[str, dict]:
+        return {"onnx": dict(EXPORT_ROUTE), "tensorrt": dict(EXPORT_ROUTE)}
+
+    @classmethod
+    def bind(cls, weights, model_name, num_classes, input_size=None):
+        size = cls.input_size_of(weights, model_name, input_size)
+        reference = _reference_model(model_name, num_classes)
+        return cls(num_classes, size, None, tuple(reference.transform.image_mean),
+                   tuple(reference.transform.image_std), decode_params(reference))
+
+    @classmethod
+    def num_classes_in(cls, state, model_name, default):
+        weight = state.get("roi_heads.box_predictor.cls_score.weight")
+        return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else default
+
+    @classmethod
+    def graph(cls, model):
+        return FinalDetections(model).eval()
+
+    def output(self):
+        rows = self.params["detections_per_img"]
+        return {"name": self.output_name, "layout": "NDK", "shape": [1, rows, 6],
+                "meaning": "per detection, best first: x0, y0, x1, y1 (pixels of the input), score, label; rows past "
+                           "the last detection are zeros (label 0 is never a detection); detection_decode.py's kind "
+                           "'final' drops them"}
+
+    def heads(self, rows):
+        return rows.reshape(len(rows), -1, 6)
+
+
+def decode_params(model: nn.Module) -> dict:
+    """What the graph does after the proposals, read from torchvision's RoIHeads (for the manifest: the rows are
+    final)."""
+    heads = model.roi_heads
+    return {"kind": "final", "score_thresh": float(heads.score_thresh), "nms_thresh": float(heads.nms_thresh),
+            "detections_per_img": int(heads.detections_per_img), "topk_candidates": None,
+            "box_coder_weights": [float(w) for w in heads.box_coder.weights],
+            "bbox_xform_clip": float(heads.box_coder.bbox_xform_clip)}

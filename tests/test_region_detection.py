@@ -1,0 +1,101 @@
+"""Faster R-CNN on its own route (exporter.tasks.region_detection): the TorchScript-based ONNX exporter at batch 1,
+the final detections made inside the graph, validated against eager on a Faster R-CNN MobileNetV3-Large-320-FPN
+trained on digit canvases (exporter.standins.detection.FASTER_RCNN), checked again by the Jetson device kit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from exporter.device import detection_decode
+from exporter.standins import detection as digits_detection
+from exporter.thresholds import breaches
+
+from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
+
+pytestmark = pytest.mark.slow
+
+FAST = ["--calib-size", "16", "--val-size", "24", "--warmup", "1", "--iterations", "5"]
+
+
+def test_final_rows_drop_only_the_padding():
+    rows = np.zeros((5, 6), dtype=np.float32)
+    rows[0] = (1, 2, 30, 40, 0.9, 3)
+    rows[1] = (5, 6, 7, 8, 0.02, 10)  # a real detection, however low its score
+    decoded = detection_decode.decode(rows, None, (64, 64), {"kind": "final"})
+    assert decoded["labels"].tolist() == [3, 10]
+    assert np.allclose(decoded["boxes"], rows[:2, :4]) and np.allclose(decoded["scores"], [0.9, 0.02])
+    assert len(detection_decode.decode(np.zeros((5, 6)), None, (64, 64), {"kind": "final"})["boxes"]) == 0
+
+
+@pytest.fixture(scope="session")
+def faster_rcnn() -> digits_detection.DetectionDigitsModel:
+    return digits_detection.prepare(CACHE, recipe=digits_detection.FASTER_RCNN)
+
+
+def args(model, out, *extra):
+    return ["build", model.weight, "--checkpoint", model.checkpoint, "--data", model.data_dir, "--labels",
+            model.labels_file, "--out", out, "--quiet", *FAST, *extra]
+
+
+@pytest.fixture(scope="module")
+def jetson(tmp_path_factory, faster_rcnn):
+    out = tmp_path_factory.mktemp("frcnn") / "build"
+    result = run_cli(*args(faster_rcnn, out, "--target", "jetson", "--format", "onnx:fp32"))
+    return out, json.loads((out / "manifest.json").read_text()), result
+
+
+def test_trained_two_stage_detector_is_real(faster_rcnn):
+    assert faster_rcnn.held_out_map50 >= 0.3, faster_rcnn
+
+
+def test_faster_rcnn_onnx_matches_eager_and_the_device_kit_agrees(jetson, tmp_path):
+    out, doc, result = jetson
+    task = doc["task"]
+    assert task["output"]["layout"] == "NDK" and task["output"]["shape"] == [1, 100, 6]
+    assert task["decode"]["kind"] == "final" and task["decode"]["anchors"] is None
+    assert doc["eager"]["accuracy"]["map50"] > 0
+    onnx = next(a for a in doc["artifacts"] if a["format"] == "onnx")
+    assert onnx["details"]["exporter"] == "torchscript" and onnx["details"]["batch_profile"] == [1, 1, 1]
+    assert {"RoiAlign", "NonMaxSuppression"} <= set(onnx["details"]["ops"])
+    fidelity = onnx["fidelity"]
+    assert fidelity["eager_detections"] > 0
+    assert onnx["status"] == "passed", onnx["reasons"]
+    assert (onnx["status"] == "passed") == (breaches(onnx, onnx["thresholds"]) == [])
+    assert fidelity["matched_recall"] >= 0.99 and fidelity["matched_precision"] >= 0.99, fidelity
+    assert abs(onnx["accuracy"]["map_drop_points"]) <= 1.0, onnx["accuracy"]
+    assert result.exit_code == 0, result.output
+    assert not (out / "golden" / "anchors.npy").exists()
+    # the device kit, from a copy of the build directory, without torch or the exporter
+    copy = tmp_path / "kit"
+    shutil.copytree(out, copy)
+    checked = subprocess.run([sys.executable, copy / "device_validate.py", copy, "--runtime", "onnxruntime"],
+                             capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "recall" in checked.stdout
+    assert_device_reproduces_the_build(copy)
+
+
+def test_formats_without_the_route_say_why(faster_rcnn, tmp_path):
+    out = tmp_path / "android"
+    result = run_cli(*args(faster_rcnn, out, "--target", "android", "--format", "executorch:fp32",
+                           "--format", "torchscript_lite:fp32"))
+    doc = json.loads((out / "manifest.json").read_text())
+    reasons = {a["format"]: a["reasons"][0] for a in doc["artifacts"]}
+    assert all(a["status"] == "unavailable" for a in doc["artifacts"]), doc["artifacts"]
+    assert "torch.export stops in the region proposal step" in reasons["executorch"]
+    assert "nms and roi_align" in reasons["torchscript_lite"]
+    assert result.exit_code == 0, result.output
+
+
+def test_options_the_route_cannot_take_are_refused(faster_rcnn, tmp_path):
+    for option, message in (("exporter=dynamo", "exported with exporter=torchscript only"),
+                            ("batch=1:1:8", "exported with batch=1:1:1 only")):
+        out = tmp_path / option.split("=")[0]
+        result = run_cli(*args(faster_rcnn, out, "--target", "jetson", "--format", "onnx:fp32", "--option", option))
+        assert_clean_refusal(result, out, message)
