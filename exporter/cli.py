@@ -181,9 +181,10 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
                    "(segmentation, VOC-style: class index per pixel, 255 = ignore), DIR/annotations.json (detection, COCO), "
                    "or DIR/<class>/<clip>/<frame image> (video).")
 @click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None, metavar="H W",
-              help="Fixed input size of a segmentation graph (the weight's resize size, square), of a RetinaNet/FCOS "
-                   "graph (multiples of 32; 800 800) or of a video graph's frames (the weight's crop); SSD and "
-                   "classifiers take their weight's own.")
+              help="Fixed input size of a segmentation graph (the weight's resize size, square), of a RetinaNet, "
+                   "FCOS or Faster R-CNN graph (multiples of 32; by default the weight's min_size square: 800 800, "
+                   "320 320) or of a video graph's frames (the weight's crop); SSD and classifiers take their "
+                   "weight's own.")
 @click.option("--calib-size", type=click.IntRange(min=0), default=None)
 @click.option("--val-size", type=click.IntRange(min=1), default=None)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for eager and every runtime alike.")

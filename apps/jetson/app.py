@@ -218,20 +218,20 @@ def segment(logits: np.ndarray, labels: list[str]) -> tuple[np.ndarray, list[tup
 
 
 class Detector:
-    """Raw detector heads (anchors x (4 box values [+ centerness] + C class logits)) -> boxes, with the bundle's own
-    detection_decode.py, anchors and task.decode parameters, as the build decoded eager's and every
-    artifact's heads."""
+    """Raw detector heads (anchors x (4 box values [+ centerness] + C class logits)), or a two-stage graph's final
+    rows (no anchors: task.decode.anchors is null), -> boxes, with the bundle's own detection_decode.py, anchors and
+    task.decode parameters, as the build decoded eager's and every artifact's outputs."""
 
     def __init__(self, directory: Path, task: dict):
         decode = task["decode"]
         self.code = shipped_module(directory, decode["code"])
-        self.anchors = np.load(directory / decode["anchors"])
+        self.anchors = None if decode["anchors"] is None else np.load(directory / decode["anchors"])
         self.params = {key: value for key, value in decode.items() if key not in DECODE_FILES}
         self.match_score = decode["match_score"]
         self.input_size = tuple(task["input_size"])  # (h, w): boxes come out in these pixels
 
     def __call__(self, head: np.ndarray) -> dict:
-        if head.shape != (len(self.anchors), head.shape[-1]) or head.shape[-1] < 5:
+        if self.anchors is not None and (head.shape != (len(self.anchors), head.shape[-1]) or head.shape[-1] < 5):
             raise ValueError(f"model outputs {head.shape} per image; the bundle has {len(self.anchors)} anchors, "
                              "so anchors x (4 + classes)")
         return self.code.decode(head, self.anchors, self.input_size, self.params)

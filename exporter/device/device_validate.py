@@ -163,6 +163,7 @@ def detection_fidelity(ref: np.ndarray, out, decoding: Decoding, eager: list[dic
     fraction of eager's boxes matched, matched_precision that of the artifact's, mean_match_iou and
     max_score_error over the matches. `eager` is eager's decoded heads when already at hand."""
     ref, out = np.asarray(ref, dtype=np.float64), np.asarray(out, dtype=np.float64)
+    out = np.stack([decoding.code.aligned(r, o, decoding.params) for r, o in zip(ref, out)]) if len(out) else out
     flat_ref, flat_out = ref.reshape(len(ref), -1), out.reshape(len(out), -1)
     diff = flat_out - flat_ref
     norms = np.maximum(np.linalg.norm(flat_ref, axis=1) * np.linalg.norm(flat_out, axis=1), 1e-8)

@@ -151,7 +151,7 @@ def _export_traced(model, example, opset: int, path: Path, external: bool) -> No
         warnings.simplefilter("ignore")  # the exporter's deprecation notice and the tracer's on shapes it keeps dynamic
         torch.onnx.export(model, (example[:1],), str(path), dynamo=False, opset_version=opset,
                           input_names=[INPUT], output_names=[OUTPUT], do_constant_folding=True)
-    if external or path.stat().st_size > TWO_GIB:
+    if external:
         _resave(path, path, True)
 
 
@@ -170,6 +170,17 @@ def _tensor_bytes(tensor) -> int:
     from onnx import helper
 
     return int(np.prod(tensor.dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+def _op_types(graph) -> set[str]:
+    """Every op type in the graph, those inside If/Loop branches included (Faster R-CNN's NonMaxSuppression)."""
+    found = set()
+    for node in graph.node:
+        found.add(node.op_type)
+        for attribute in node.attribute:
+            for branch in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                found |= _op_types(branch)
+    return found
 
 
 def _drop_stack_traces(model) -> None:
@@ -229,7 +240,7 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
     written = {o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")}
     if written != {opset}:
         raise RuntimeError(f"asked for opset {opset}, the file has {sorted(written)}")
-    ops = sorted({n.op_type for n in proto.graph.node})
+    ops = sorted(_op_types(proto.graph))
     details = {
         "opset": opset,
         "input": INPUT,

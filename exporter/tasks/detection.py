@@ -340,6 +340,12 @@ class Detection(Task):
         """Stored rows (N, anchors * K) as the graph returned them: (N, anchors, K)."""
         return rows.reshape(len(rows), len(self.anchors), -1)
 
+    def aligned(self, reference: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+        """`outputs` with each image's rows in the order of eager's rows they match (detection_decode.aligned): a
+        graph ending in final detections may list two with rounding-equal scores either way round."""
+        rows = [detection_decode.aligned(r, o, self.params) for r, o in zip(self.heads(reference).numpy(), self.heads(outputs).numpy())]
+        return torch.from_numpy(np.stack(rows)).reshape(outputs.shape).to(outputs.dtype) if rows else outputs
+
     def decode(self, rows: torch.Tensor) -> list[dict]:
         return [detection_decode.decode(head, self.anchors, self.input_size, self.params) for head in self.heads(rows).numpy()]
 
@@ -349,7 +355,7 @@ class Detection(Task):
         ious = [v for m in matches for v in m["ious"]]
         errors = [v for m in matches for v in m["score_errors"]]
         return {
-            **logit_fidelity(reference, outputs),
+            **logit_fidelity(reference, self.aligned(reference, outputs)),
             "matched_recall": total("matched") / total("reference") if total("reference") else 1.0,
             "matched_precision": total("matched") / total("candidate") if total("candidate") else 1.0,
             "mean_match_iou": float(np.mean(ious)) if ious else None,
@@ -387,7 +393,8 @@ class Detection(Task):
         # boxes an app would show that have no partner on the other side (missed or extra), then the raw heads
         matches = [detection_decode.match(r, o, MATCH_SCORE) for r, o in zip(self.decode(reference), self.decode(outputs))]
         unmatched = torch.tensor([m["reference"] + m["candidate"] - 2 * m["matched"] for m in matches], dtype=torch.float64)
-        return {"unmatched_boxes": unmatched, "head_rmse": super().departure(reference, outputs)["logit_rmse"]}
+        return {"unmatched_boxes": unmatched,
+                "head_rmse": super().departure(reference, self.aligned(reference, outputs))["logit_rmse"]}
 
     def preview(self, image, eager_row, artifact_row, preprocessing, labels=None):
         """input | eager boxes | artifact boxes (scores >= MATCH_SCORE)."""
