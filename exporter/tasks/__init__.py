@@ -15,6 +15,7 @@ from ..errors import UsageError
 from .base import Task
 from .classification import Classification
 from .detection import Detection
+from .region_detection import RegionDetection
 from .segmentation import Segmentation
 from .video import Video
 
@@ -45,4 +46,4 @@ def for_group(group: str, weight_name: str, model_name: str) -> type[Task]:
     raise UsageError(f"{weight_name}: {_not_yet(group)}")
 
 
-__all__ = ["TASKS", "Task", "Classification", "Detection", "Segmentation", "Video", "for_group"]
+__all__ = ["TASKS", "Task", "Classification", "Detection", "RegionDetection", "Segmentation", "Video", "for_group"]

@@ -44,8 +44,14 @@ class Task:
 
     @classmethod
     def for_model(cls, model_name: str) -> "type[Task]":
-        """The class that exports `model_name` (a task may export some of its models another way)."""
-        return cls
+        """The class that exports `model_name`: a subclass that takes it (a task may export some of its models
+        another way: Faster R-CNN's detection), else this one."""
+        return next((sub for sub in cls.__subclasses__() if sub.takes(model_name)), cls)
+
+    @classmethod
+    def takes(cls, model_name: str) -> bool:
+        """Whether this subclass, rather than its task's class, exports `model_name`."""
+        return False
 
     @classmethod
     def format_options(cls) -> dict[str, dict]:

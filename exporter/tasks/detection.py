@@ -148,12 +148,6 @@ class Detection(Task):
     drop = "map_drop_points"
 
     @classmethod
-    def for_model(cls, model_name: str) -> type[Task]:
-        from .region_detection import TWO_STAGE, RegionDetection
-
-        return RegionDetection if model_name.startswith(TWO_STAGE) else cls
-
-    @classmethod
     def refusal(cls, model_name: str) -> str | None:
         if not model_name.startswith(SINGLE_STAGE):
             extra = "masks" if model_name.startswith("maskrcnn") else "keypoints"

@@ -55,6 +55,10 @@ class FinalDetections(nn.Module):
 
 class RegionDetection(Detection):
     @classmethod
+    def takes(cls, model_name: str) -> bool:
+        return model_name.startswith(TWO_STAGE)
+
+    @classmethod
     def refusal(cls, model_name: str) -> str | None:
         return None
 
