@@ -1,6 +1,6 @@
 """On-device check of an exporter Jetson build: golden inputs through each ONNX (as a TensorRT engine,
 or in ONNX Runtime when tensorrt is missing) against the golden eager outputs (logits per image for
-classification, per pixel for segmentation, raw SSD heads for detection).
+classification, per pixel for segmentation, raw SSD heads or a Faster R-CNN's final rows for detection).
 
 Standalone on purpose: needs numpy plus tensorrt (and cuda-python) or onnxruntime, never torch or the
 exporter package. Copied into the build directory, so on the device:

@@ -7,7 +7,8 @@ centerness] + C class logits), the per-level outputs concatenated as torchvision
 exporter/device/detection_decode.py turns it into boxes for eager and for every artifact alike, and ships in the
 bundle with the anchors; its parameters (`Detection.params`) are read from the model object. Fidelity is
 judged on the raw heads (PSNR, cosine) and on the decoded boxes (matched to eager's by IoU >= 0.5 and
-class); labeled metrics are COCO mAP from pycocotools.
+class); labeled metrics are COCO mAP from pycocotools. Two-stage detectors (Faster R-CNN) take another graph and
+route, with the same metrics: tasks/region_detection.py.
 """
 
 from __future__ import annotations
