@@ -232,7 +232,10 @@ def aligned(reference: np.ndarray, candidate: np.ndarray, params: dict) -> np.nd
     """`candidate`, one image's graph output, with its rows in the order of the `reference` rows they match, before
     the two are compared value by value (PSNR). Only kind "final" needs it: two detections whose scores differ
     by float rounding come out of the graph in either order. A reference row takes the candidate row of its
-    label with the highest IoU (at least 0.5, the nearest score on ties); unmatched rows keep their order."""
+    label with the highest IoU (at least 0.5, the nearest score on ties); unmatched rows keep their order. A row
+    that neither side scores at params["match_score"] or more is returned as the reference's: an app does not
+    show it, and at fp16 the low-score tail crosses score_thresh and NMS either way (a box at 0.0500 in one
+    graph and not in the other)."""
     if params.get("kind") != "final":
         return candidate
     ref, out = np.asarray(reference).reshape(-1, 6), np.asarray(candidate).reshape(-1, 6)
@@ -244,5 +247,8 @@ def aligned(reference: np.ndarray, candidate: np.ndarray, params: dict) -> np.nd
             c = options[np.lexsort((np.abs(out[options, 4] - ref[r, 4]), -ious[r, options]))[0]]
             order[r], free[c] = c, False
     order[order < 0] = np.nonzero(free)[0]
-    return out[order].reshape(np.shape(candidate))
+    out = out[order]
+    unseen = (ref[:, 4] < params.get("match_score", 0.0)) & (out[:, 4] < params.get("match_score", 0.0))
+    out[unseen] = ref[unseen]
+    return out.reshape(np.shape(candidate))
 

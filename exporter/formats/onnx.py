@@ -105,6 +105,44 @@ class _HalfModel(torch.nn.Module):
         return self.model(x.half()).float()
 
 
+class _HalfPart(torch.nn.Module):
+    """One part of a mixed graph in half: its tensors in cast to half, out (in dicts, lists, tuples) back to float."""
+
+    def __init__(self, part):
+        super().__init__()
+        self.part = part.half()
+
+    def forward(self, x):
+        return _cast(self.part(_cast(x, torch.half)), torch.float)
+
+
+def _cast(value, dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return type(value)((k, _cast(v, dtype)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value
+
+
+def _half_graph(model) -> tuple[torch.nn.Module, dict]:
+    """The fp16 graph: the whole model in half, or, for a graph that names its `half_modules` (the parts that
+    can compute in half; the rest needs float, e.g. steps that run kernels with no Half version while traced),
+    only those, each with its BatchNorms folded first."""
+    parts = getattr(model, "half_modules", None)
+    if not parts:
+        folded, folding = _fold_batchnorms(model)
+        return _HalfModel(folded).eval(), folding
+    mixed, folding = copy.deepcopy(model).eval(), {"half_modules": list(parts)}
+    for name in parts:
+        parent, _, leaf = name.rpartition(".")
+        owner = mixed.get_submodule(parent) if parent else mixed
+        folded, folding[name] = _fold_batchnorms(getattr(owner, leaf))
+        setattr(owner, leaf, _HalfPart(folded))
+    return mixed, folding
+
+
 def _fold_batchnorms(model) -> tuple[torch.nn.Module, dict]:
     """`model` with each BatchNorm that follows a conv folded into it, in float32. Folded after the cast (as the
     ONNX optimizer does with a half graph), scale and shift are computed in half and the folded weights rounded
@@ -229,8 +267,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
     opset, sizes, external = check_opset(opset), batch_profile(batch), check_external_data(external_data)
     exporter = check_exporter(exporter, batch)
     if precision == "fp16":
-        folded, folding = _fold_batchnorms(model)
-        _export_graph(_HalfModel(folded).eval(), example, opset, path, external, exporter)
+        half, folding = _half_graph(model)
+        _export_graph(half, example, opset, path, external, exporter)
     elif precision == "int8":
         quantization = _quantize(model, example, opset, as_calibration(calib), path, external, exporter)
     else:
@@ -251,7 +289,9 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
         "batch_check": _check_batch_axis(path, example, sizes),
         "ops": ops,
         "nodes": len(proto.graph.node),
-        "graph": {"fp32": "float32", "fp16": "float16 with fp32 I/O casts", "int8": "explicit Q/DQ, symmetric int8, per-channel weights"}[precision],
+        "graph": {"fp32": "float32", "fp16": "float16 with fp32 I/O casts", "int8": "explicit Q/DQ, symmetric int8, per-channel weights"}[precision]
+        if not (precision == "fp16" and "half_modules" in folding) else
+        f"float16 in {', '.join(folding['half_modules'])}, float32 elsewhere",
     }
     if data := files.companions(path):
         # the tensors, beside the graph under this name (written inside it): ship and copy the two together

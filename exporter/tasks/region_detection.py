@@ -21,9 +21,6 @@ from .detection import Detection, _reference_model
 TWO_STAGE = ("fasterrcnn",)
 EXPORT_ROUTE = {"exporter": "torchscript", "batch": "1:1:1"}
 PRECISIONS_NOT_YET = {  # measured 2026-11-27, torch 2.14.1, torchvision 0.29.1
-    "fp16": "not yet at fp16: the graph is traced by running it, and torchvision's CPU nms has no Half kernel "
-            "(\"nms_kernel\" not implemented for 'Half'); an fp16 graph needs the backbone in half and the proposal "
-            "and box steps in float",
     "int8": "not yet at int8: the Q/DQ search ties each ONNX Conv to its module by the weight's name, which the "
             "TorchScript-based exporter replaces when it folds BatchNorm into the Conv (onnx::Conv_<n>)",
 }
@@ -33,6 +30,10 @@ TORCH_EXPORT_STOPS = ("torch.export stops in the region proposal step: batched_n
 
 class FinalDetections(nn.Module):
     """Backbone, RPN and box head on an already resized and normalized image: (N, rows, 6)."""
+
+    # fp16 graphs compute these in half; the proposal and box steps stay float (torchvision's CPU nms, run while
+    # the graph is traced, has no Half kernel, and score thresholds and top-k are where rounding reorders boxes)
+    half_modules = ("backbone.body", "backbone.fpn")
 
     def __init__(self, model: nn.Module):
         super().__init__()
