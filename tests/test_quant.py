@@ -265,7 +265,8 @@ def test_the_report_names_the_ops_int8_leaves_in_float(tmp_path):
     graph = onnx.load(str(candidate.path)).graph
     producers = {o: n.op_type for n in graph.node for o in n.output}
     fed_by_dq = {n.name: [producers.get(i) for i in n.input[:2]] for n in graph.node if n.op_type == "MatMul"}
-    mlp_in, mlp_out = (qdq._nodes[name][0] for name in ("mlp.0", "mlp.2"))
+    (mlp_in, _), = qdq._nodes["mlp.0"]
+    (mlp_out, _), = qdq._nodes["mlp.2"]
     assert fed_by_dq[mlp_in] == ["DequantizeLinear", "DequantizeLinear"], fed_by_dq
     assert "DequantizeLinear" not in fed_by_dq[mlp_out] and set(qdq._unmapped) <= set(fed_by_dq)
     assert all("DequantizeLinear" not in fed_by_dq[n] for n in qdq._unmapped)
@@ -491,6 +492,42 @@ def test_a_head_shared_by_levels_is_int8_at_every_call_and_stored_once(tmp_path)
     params = sum(p.numel() for p in model.parameters())
     shared = sum(p.numel() for m in (model.tower, model.out) for p in m.parameters())
     assert size < params + shared, (size, params, shared)  # one byte a weight, and the shared head's stored once
+
+
+def test_a_head_shared_by_levels_gets_q_dq_at_every_call_in_onnx(tmp_path):
+    """The Q/DQ search tied a layer to one ONNX node: a head run on every FPN level (RetinaNet, FCOS, Faster R-CNN's
+    RPN head) was int8 at its last call only. Every call is one node on the same weight: all are int8, or, the
+    layer kept in float, none; its activation range covers every call's input."""
+    import onnx
+
+    from exporter.formats.onnx import INPUT, _export_graph
+    from exporter.quant.onnx_qdq import OnnxQdqBackend
+    from exporter.quant.sensitivity import activation_scales
+
+    torch.manual_seed(0)
+    model, example = _SharedHead().eval(), torch.randn(1, 3, 32, 32)
+    fp32 = tmp_path / "fp32.onnx"
+    _export_graph(model, example, 18, fp32)
+    qdq = OnnxQdqBackend(model, fp32, INPUT, "mse", tmp_path)
+    assert sorted(qdq.layers()) == ["down", "out", "stem", "tower.0", "tower.2"]
+    assert [len(qdq._nodes[name]) for name in ("stem", "tower.0", "out")] == [1, 2, 2]
+    images = [torch.randn(1, 3, 32, 32) for _ in range(4)]
+
+    def int8_convs(candidate):
+        graph = onnx.load(str(candidate.path)).graph
+        producers = {o: n.op_type for n in graph.node for o in n.output}
+        # by the weight: an input tensor shared with a quantized layer comes through its Q/DQ either way
+        return sorted(n.name for n in graph.node if n.op_type == "Conv" and producers.get(n.input[1]) == "DequantizeLinear")
+
+    every = [node for name in qdq.layers() for node, _ in qdq._nodes[name]]
+    assert int8_convs(qdq.quantize([], images, "mse")) == sorted(every)
+    assert int8_convs(qdq.quantize(["tower.0"], images, "mse")) == sorted(set(every) - {n for n, _ in qdq._nodes["tower.0"]})
+    assert qdq.float_ops(["tower.0"]) == {"Conv": 2, **qdq.float_ops([])}
+    with torch.no_grad():  # the range of the shared layer's input: the larger of its two calls' inputs
+        first, second = model.stem(example), model.down(model.stem(example))
+    scale = activation_scales(model, ["tower.0"], example)["tower.0"]
+    assert scale * 127 <= max(first.abs().max(), second.abs().max()) + 1e-6
+    assert scale * 127 > min(first.abs().max(), second.abs().max()) * 1e-3
 
 
 class _ComputedBias(torch.nn.Module):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import onnx
 import pytest
 
 from exporter.device import detection_decode
@@ -61,24 +62,34 @@ def test_faster_rcnn_onnx_matches_eager_and_the_device_kit_agrees(jetson, tmp_pa
     assert task["decode"]["kind"] == "final" and task["decode"]["anchors"] is None
     assert doc["eager"]["accuracy"]["map50"] > 0
     made = {a["name"]: a for a in doc["artifacts"]}
-    for onnx, agreement in ((made["onnx_fp32"], 0.99), (made["onnx_fp16"], 0.95)):
-        assert onnx["details"]["exporter"] == "torchscript" and onnx["details"]["batch_profile"] == [1, 1, 1]
-        assert {"RoiAlign", "NonMaxSuppression"} <= set(onnx["details"]["ops"])
-        fidelity = onnx["fidelity"]
+    for artifact, agreement in ((made["onnx_fp32"], 0.99), (made["onnx_fp16"], 0.95)):
+        assert artifact["details"]["exporter"] == "torchscript" and artifact["details"]["batch_profile"] == [1, 1, 1]
+        assert {"RoiAlign", "NonMaxSuppression"} <= set(artifact["details"]["ops"])
+        fidelity = artifact["fidelity"]
         assert fidelity["eager_detections"] > 0
-        assert onnx["status"] == "passed", onnx["reasons"]
-        assert (onnx["status"] == "passed") == (breaches(onnx, onnx["thresholds"]) == [])
+        assert artifact["status"] == "passed", artifact["reasons"]
+        assert (artifact["status"] == "passed") == (breaches(artifact, artifact["thresholds"]) == [])
         assert fidelity["matched_recall"] >= agreement and fidelity["matched_precision"] >= agreement, fidelity
-        assert abs(onnx["accuracy"]["map_drop_points"]) <= 1.0, onnx["accuracy"]
+        assert abs(artifact["accuracy"]["map_drop_points"]) <= 1.0, artifact["accuracy"]
     # fp16: the backbone in half, the proposal and box steps (nms) in float
     assert made["onnx_fp16"]["details"]["graph"] == "float16 in backbone.body, backbone.fpn, float32 elsewhere"
     assert made["onnx_fp16"]["details"]["batchnorm_folding_fp32"]["backbone.body"]["folded"] > 0
     assert result.exit_code == 0, result.output
     assert not (out / "golden" / "anchors.npy").exists()
-    for name in ("onnx_int8", "tensorrt_int8"):
-        assert made[name]["status"] == "unavailable" and "not yet at" in made[name]["reasons"][0], made[name]
-    assert made["tensorrt_fp16"]["status"] == "unavailable" and "tensorrt" in made["tensorrt_fp16"]["reasons"][0]
-    assert "Not made for this model (the notes say why): `onnx_int8`, `tensorrt_int8`" in (out / "report.md").read_text()
+    # int8: every Conv and Gemm of the graph found by the search (its BatchNorms folded before export keep the
+    # parameters' names), Q/DQ on them, judged by the budget and the int8 thresholds like any other model
+    int8 = made["onnx_int8"]
+    quantization = int8["details"]["quantization"]
+    graph = onnx.load(str(out / int8["path"])).graph
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    layers = [n for n in graph.node if n.op_type in ("Conv", "Gemm")]
+    in_float = {n.input[1].removesuffix(".weight") for n in layers if producers.get(n.input[1]) != "DequantizeLinear"}
+    assert len(layers) > 70 and in_float == {f["name"] for f in quantization["float_layers"]}, in_float
+    assert quantization["layers"] == quantization["int8_layers"] + len(in_float)
+    assert (int8["status"] == "passed") == (breaches(int8, int8["thresholds"]) == []), int8
+    for name in ("tensorrt_fp16", "tensorrt_int8"):
+        assert made[name]["status"] == "unavailable" and "tensorrt" in made[name]["reasons"][0], made[name]
+    assert "Not made for this model" not in (out / "report.md").read_text()
     # the device kit, from a copy of the build directory, without torch or the exporter
     copy = tmp_path / "kit"
     shutil.copytree(out, copy)

@@ -68,19 +68,21 @@ class OnnxQdqBackend:
         # the dynamo exporter names each Conv/Gemm weight after its parameter ("features.0.0.weight"), which
         # ties an ONNX node to the module path the sensitivity analysis and the ranges use; a MatMul's weight is
         # the Linear's transposed weight under a generated name, found by its values
-        self._nodes: dict[str, tuple[str, str]] = {}  # layer -> (node name, input tensor)
+        # layer -> its nodes (name, input tensor): a module called more than once (a detector's head on every FPN
+        # level, Faster R-CNN's RPN head) is one node per call, all on the same weight
+        self._nodes: dict[str, list[tuple[str, str]]] = {}
         self._unmapped: list[str] = []  # MatMul nodes that are no Linear layer's: left float
         linears = _linear_weights(model)
         for node in graph.node:
             weight = node.input[1] if len(node.input) > 1 else None
             if node.op_type in ("Conv", "Gemm") and weight in initializers:
-                self._nodes[weight.removesuffix(".weight")] = (node.name, node.input[0])
+                self._nodes.setdefault(weight.removesuffix(".weight"), []).append((node.name, node.input[0]))
             elif node.op_type == "MatMul":
                 layer = _linear_of(initializers.get(weight), linears, self.fp32_path.parent)
                 if layer is None:
                     self._unmapped.append(node.name)
                 else:
-                    self._nodes[layer] = (node.name, node.input[0])
+                    self._nodes.setdefault(layer, []).append((node.name, node.input[0]))
 
     def layers(self) -> list[str]:
         return list(self._nodes)
@@ -93,14 +95,17 @@ class OnnxQdqBackend:
         (TensorRT may still fuse some of them, e.g. a Relu, into an int8 kernel)."""
         import onnx
 
-        excluded = {self._nodes[name][0] for name in float_layers}
-        quantized = {node for node, _ in self._nodes.values()} - excluded
+        excluded = self._node_names(float_layers)
+        quantized = self._node_names(self._nodes) - excluded
         counts: dict[str, int] = {}
         for node in onnx.load(str(self.fp32_path), load_external_data=False).graph.node:
             if node.op_type in DATA_MOVEMENT or node.name in quantized:
                 continue
             counts[node.op_type] = counts.get(node.op_type, 0) + 1
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def _node_names(self, layers) -> set[str]:
+        return {node for name in layers for node, _ in self._nodes[name]}
 
     @staticmethod
     def describe(method: str) -> str:
@@ -113,10 +118,11 @@ class OnnxQdqBackend:
         if self._overrides is None:
             scales = activation_scales(self.model, self.layers(), torch.cat(range_images))
             self._overrides = {}
-            for layer, (_, tensor) in self._nodes.items():
+            for layer, nodes in self._nodes.items():
                 if layer in scales:
                     limit = np.float32(scales[layer].item() * 127)
-                    self._overrides[tensor] = [{"rmin": -limit, "rmax": limit}]
+                    for _, tensor in nodes:
+                        self._overrides[tensor] = [{"rmin": -limit, "rmax": limit}]
         return self._overrides
 
     def quantize(self, float_layers: list[str], range_images: list[torch.Tensor], method: str) -> QdqCandidate:
@@ -146,7 +152,7 @@ class OnnxQdqBackend:
 
         self._attempts += 1
         path = self.workdir / f"attempt{self._attempts}.onnx"
-        excluded = {self._nodes[name][0] for name in float_layers} | set(self._unmapped)
+        excluded = self._node_names(float_layers) | set(self._unmapped)
         # Q/DQ on the inputs only: ONNX Runtime also quantizes each Conv/Gemm output by default, which
         # put the logits through int8 and kept an outlier tensor quantized after its consumer went float
         extra = {"ActivationSymmetric": True, "WeightSymmetric": True,

@@ -55,11 +55,18 @@ def activation_scale(peak: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 
 def activation_scales(model: nn.Module, layers: list[str], images: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per layer, the int8 scale of its input that minimises the squared error on `images`."""
+    """Per layer, the int8 scale of its input that minimises the squared error on `images`. A layer called more
+    than once (a head on every FPN level) gets one scale for all its inputs, as its quantized graph has."""
     modules = dict(model.named_modules())
     samples: dict[str, tuple] = {}
-    hooks = [modules[name].register_forward_pre_hook(lambda _m, args, name=name: samples.__setitem__(name, _sample(args[0])))
-             for name in layers]
+
+    def keep(name, x):
+        peak, flat = _sample(x)
+        if name in samples:
+            peak, flat = torch.maximum(samples[name][0], peak), torch.cat([samples[name][1], flat])
+        samples[name] = peak, flat
+
+    hooks = [modules[name].register_forward_pre_hook(lambda _m, args, name=name: keep(name, args[0])) for name in layers]
     with torch.no_grad(), one_thread():  # ranges that do not depend on --threads: byte-identical artifacts
         try:
             model(images)

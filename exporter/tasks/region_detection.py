@@ -20,10 +20,6 @@ from .detection import Detection, _reference_model
 
 TWO_STAGE = ("fasterrcnn",)
 EXPORT_ROUTE = {"exporter": "torchscript", "batch": "1:1:1"}
-PRECISIONS_NOT_YET = {  # measured 2026-11-27, torch 2.14.1, torchvision 0.29.1
-    "int8": "not yet at int8: the Q/DQ search ties each ONNX Conv to its module by the weight's name, which the "
-            "TorchScript-based exporter replaces when it folds BatchNorm into the Conv (onnx::Conv_<n>)",
-}
 TORCH_EXPORT_STOPS = ("torch.export stops in the region proposal step: batched_nms branches on boxes.numel() > 4000, "
                       "then on numel() == 0, and MultiScaleRoIAlign takes len(rois) (data-dependent sizes)")
 
@@ -66,7 +62,7 @@ class RegionDetection(Detection):
     @classmethod
     def refuses(cls, format_name: str, precision: str | None = None) -> str | None:
         if format_name in ("onnx", "tensorrt"):
-            return PRECISIONS_NOT_YET.get(precision)
+            return None
         if format_name == "torchscript_lite":
             return ("its graph calls torchvision's own nms and roi_align kernels, which PyTorch's Android lite "
                     "runtime does not ship; ONNX (Jetson) is the route for two-stage detectors")
