@@ -18,6 +18,9 @@ THRESHOLD_KEYS = {
     "matched_recall": (("fidelity", "matched_recall"), "min"),
     "matched_precision": (("fidelity", "matched_precision"), "min"),
     "map_drop": (("accuracy", "map_drop_points"), "max"),
+    "flow_agreement": (("fidelity", "flow_agreement"), "min"),
+    "epe_vs_eager": (("fidelity", "epe_vs_eager"), "max"),
+    "epe_increase": (("accuracy", "epe_increase"), "max"),
 }
 
 # the keys that mean something for each task's metrics (exporter.tasks)
@@ -26,9 +29,11 @@ TASK_KEYS = {
     "segmentation": ("pixel_agreement", "miou_vs_eager", "psnr_db", "cosine", "max_abs_error", "miou_drop"),
     "detection": ("matched_recall", "matched_precision", "psnr_db", "cosine", "max_abs_error", "map_drop"),
     "video": ("top1_agreement", "top5_agreement", "psnr_db", "cosine", "max_abs_error", "accuracy_drop"),
+    "optical_flow": ("flow_agreement", "epe_vs_eager", "psnr_db", "cosine", "max_abs_error", "epe_increase"),
 }
 # fractions in [0, 1]
-FRACTIONS = ("top1_agreement", "top5_agreement", "pixel_agreement", "miou_vs_eager", "matched_recall", "matched_precision")
+FRACTIONS = ("top1_agreement", "top5_agreement", "pixel_agreement", "miou_vs_eager", "matched_recall", "matched_precision",
+             "flow_agreement")
 
 
 def _lookup(metrics: dict, path: tuple[str, str]):

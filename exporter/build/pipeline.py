@@ -278,7 +278,7 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
         return entry
     refusal = session.task.refuses(spec.format, spec.precision)
     if refusal:
-        entry.update(status="unavailable", reasons=[f"{NOT_MADE}a {session.task.name} graph: {refusal}"])
+        entry.update(status="unavailable", reasons=[f"{NOT_MADE}{_a(session.task.name)} graph: {refusal}"])
         return entry
     if spec.precision not in module.PRECISIONS:
         entry["reasons"] = [f"{spec.format} does not offer {spec.precision} (it offers {', '.join(module.PRECISIONS)})"]
@@ -366,6 +366,10 @@ def _post_build(plan: Plan, out: Path, doc: dict, session: Session) -> None:
 
     module_name, _, function = plan.post_build.partition(":")
     getattr(importlib.import_module(module_name), function)(out, doc, session)
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def _overall_status(artifacts: list[dict]) -> str:

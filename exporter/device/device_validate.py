@@ -1,6 +1,7 @@
 """On-device check of an exporter Jetson build: golden inputs through each ONNX (as a TensorRT engine,
 or in ONNX Runtime when tensorrt is missing) against the golden eager outputs (logits per image for
-classification, per pixel for segmentation, raw SSD heads or a Faster R-CNN's final rows for detection).
+classification, per pixel for segmentation, raw SSD heads or a Faster R-CNN's final rows for detection, the
+flow of each pixel for optical flow).
 
 Standalone on purpose: needs numpy plus tensorrt (and cuda-python) or onnxruntime, never torch or the
 exporter package. Copied into the build directory, so on the device:
@@ -13,7 +14,7 @@ their boxes matched.
 
 Exit codes: 0 every artifact within its thresholds; 1 a threshold broken; 2 bad input (corrupted ONNX,
 golden files that do not fit the model, no runtime, missing anchors or decode code), with one line on
-stderr. The metrics are those of exporter/validation.py. accuracy_drop, miou_drop and map_drop are not
+stderr. The metrics are those of exporter/validation.py. accuracy_drop, miou_drop, map_drop and epe_increase are not
 checked: a handful of golden images cannot resolve a 1-point change, and they carry no labels here.
 
 The build judged its thresholds on its whole validation set; 8 golden inputs cannot resolve them (one
@@ -58,6 +59,7 @@ TASKS = {
     "video": Task("video", ("NC",), ("top1_agreement", "top5_agreement", "psnr_db", "cosine"), ("max_abs_error",)),
     "segmentation": Task("segmentation", ("NCHW",), ("pixel_agreement", "miou_vs_eager", "psnr_db", "cosine"), ("max_abs_error",)),
     "detection": Task("detection", ("NAK", "NDK"), ("matched_recall", "matched_precision", "psnr_db", "cosine"), ("max_abs_error",)),
+    "optical_flow": Task("optical_flow", ("NCHW",), ("flow_agreement", "psnr_db", "cosine"), ("max_abs_error", "epe_vs_eager")),
 }
 
 
@@ -75,6 +77,7 @@ ITEMS = {
     "pixel_agreement": Items("pixels", "pixels", "pixels of another class"),
     "matched_recall": Items("eager_detections", "eager boxes", "eager boxes unmatched"),
     "matched_precision": Items("artifact_detections", "artifact boxes", "artifact boxes unmatched"),
+    "flow_agreement": Items("pixels", "pixels", "pixels more than 1 px from eager's flow"),
 }
 
 
@@ -141,6 +144,18 @@ def segmentation_fidelity(ref: np.ndarray, out) -> dict:
         "cosine": float(np.mean(cosines)),
         "max_abs_error": worst,
     }
+
+
+def flow_fidelity(ref: np.ndarray, out) -> dict:
+    """Optical flow: (N, 2, H, W) flow against the artifact's. flow_agreement: the fraction of pixels whose flow
+    is within 1 px (end-point distance) of eager's; epe_vs_eager: that distance, averaged over the pixels; the
+    rest as for classification, over every value."""
+    ref, out = ref.astype(np.float64), np.stack(out).astype(np.float64)
+    metrics = fidelity(ref.reshape(len(ref), -1), out.reshape(len(out), -1))
+    distance = np.sqrt(np.sum((out - ref) ** 2, axis=1))
+    return {key: metrics[key] for key in ("samples", "psnr_db", "cosine", "max_abs_error")} | {
+        "pixels": int(distance.size), "flow_agreement": float(np.mean(distance < 1.0)),
+        "epe_vs_eager": float(np.mean(distance))}
 
 
 class Decoding(NamedTuple):
@@ -268,7 +283,7 @@ def _read_build(directory: Path) -> tuple[dict, Task, str, np.ndarray, np.ndarra
     task, entry = _task(doc)
     frames = entry.get("frames")  # clips: N x 3 x T x H x W
     if inputs.ndim != (5 if frames else 4) or logits.ndim != len(task.layouts[0]) or len(inputs) != len(logits):
-        raise BadInput(f"golden files do not pair up for {task.name} (inputs N x 3 x {'T x ' if frames else ''}H x W, "
+        raise BadInput(f"golden files do not pair up for {task.name} (inputs N x C x {'T x ' if frames else ''}H x W, "
                        f"eager logits {' x '.join(task.layouts[0])}): inputs {inputs.shape}, eager logits {logits.shape}")
     size = entry.get("input_size")
     if (size is not None and list(inputs.shape[-2:]) != list(size)) or (frames and inputs.shape[2] != frames):
@@ -478,6 +493,8 @@ def judge(golden: Golden, entry: dict, outputs, runtime: str) -> dict:
         metrics = segmentation_fidelity(golden.logits, outputs)
     elif task.name == "detection":
         metrics = detection_fidelity(golden.logits, np.stack(outputs), golden.decoding, golden.eager)
+    elif task.name == "optical_flow":
+        metrics = flow_fidelity(golden.logits, outputs)
     else:
         metrics = fidelity(golden.logits, np.stack(outputs))
     # the others (accuracy_drop, miou_drop, map_drop) need labeled data
@@ -531,6 +548,8 @@ def summary(result: dict) -> str:
         iou = "n/a" if f["mean_match_iou"] is None else f"{f['mean_match_iou']:.3f}"
         agreement = (f"matched recall {f['matched_recall']:.4f}, precision {f['matched_precision']:.4f}, "
                      f"mean IoU {iou} ({f['eager_detections']} eager boxes)")
+    elif result.get("task") == "optical_flow":
+        agreement = f"within 1 px of eager {f['flow_agreement']:.4f}, EPE vs eager {f['epe_vs_eager']:.3g} px"
     else:
         agreement = f"top1 {f['top1_agreement']:.3f}"
     line = (f"{result['status'].upper()} {result['name']} ({result['runtime']}, {f['samples']} golden inputs): "

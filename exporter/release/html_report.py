@@ -216,7 +216,8 @@ def _table(docs: list[dict]) -> str:
 
 
 SAME = {"classification": "the same top-1 class as eager", "segmentation": "the same class as eager on every pixel",
-        "detection": "the same boxes as eager", "video": "the same top-1 class as eager"}
+        "detection": "the same boxes as eager", "video": "the same top-1 class as eager",
+        "optical_flow": "the same flow as eager on every pixel"}
 
 
 def _panels(doc: dict) -> str:
@@ -227,6 +228,8 @@ def _panels(doc: dict) -> str:
         return "input | eager's five likeliest classes, eager (grey) over the artifact (blue; red when its top-1 differs)"
     if task == "segmentation":
         return "input | eager mask | artifact mask, pixels whose class differs in white"
+    if task == "optical_flow":
+        return "frame 1 | eager's flow | the artifact's flow (hue: direction, saturation: length)"
     score = ((doc.get("task") or {}).get("decode") or {}).get("match_score")
     return f"input | eager boxes | artifact boxes{f' (score ≥ {score})' if score is not None else ''}"
 

@@ -59,6 +59,7 @@ COLUMNS = {
     "video": ({"top-1 agree": "top1_agreement"}, ("acc1", "drop_points", "acc@1")),
     "segmentation": ({"pixel agree": "pixel_agreement", "mIoU vs eager": "miou_vs_eager"}, ("miou", "miou_drop_points", "mIoU")),
     "detection": ({"matched recall": "matched_recall", "matched precision": "matched_precision"}, ("map", "map_drop_points", "mAP")),
+    "optical_flow": ({"within 1 px of eager": "flow_agreement"}, ("epe", "epe_increase", "EPE px")),
 }
 
 
@@ -74,6 +75,8 @@ def eager_summary(doc: dict) -> str:
         return f"mIoU {eager['miou']:.2f}, pixel accuracy {eager['pixel_acc']:.2f}%"
     if task_name(doc) == "detection":
         return f"COCO mAP {_num(eager['map'], '.2f')}, mAP@0.5 {_num(eager['map50'], '.2f')}"
+    if task_name(doc) == "optical_flow":
+        return f"EPE {eager['epe']:.3f} px, Fl-all {eager['fl_all']:.2f}%"
     return f"acc@1 {eager['acc1']:.2f}%, acc@5 {eager['acc5']:.2f}%"
 
 
@@ -111,7 +114,8 @@ def rows(doc: dict) -> list[dict]:
                 "status": status,
                 **{header: _num(fid.get(key), ".1%") for header, key in fidelity_columns.items()},
                 "PSNR dB": _num(fid.get("psnr_db"), ".1f"),
-                f"{label} (drop)": f"{_num(acc.get(metric), '.2f')} ({_num(acc.get(drop), '+.2f')})" if acc else "not measured",
+                f"{label} ({'drop' if 'drop' in drop else 'change'})":
+                    f"{_num(acc.get(metric), '.2f')} ({_num(acc.get(drop), '+.2f')})" if acc else "not measured",
                 "p50 ms": _num(lat.get("p50"), ".2f"),
                 "p90 ms": _num(lat.get("p90"), ".2f"),
                 "eager p50": _num((a.get("eager_latency_ms") or {}).get("p50"), ".2f"),

@@ -15,24 +15,16 @@ from ..errors import UsageError
 from .base import Task
 from .classification import Classification
 from .detection import Detection
+from .optical_flow import OpticalFlow
 from .region_detection import RegionDetection
 from .segmentation import Segmentation
 from .video import Video
 
-TASKS: dict[str, type[Task]] = {task.name: task for task in (Classification, Segmentation, Detection, Video)}
+TASKS: dict[str, type[Task]] = {task.name: task for task in (Classification, Segmentation, Detection, Video, OpticalFlow)}
 
 # torchvision's model groups (weights.TASK_MODULES) -> our task; the quantized classifiers are classifiers
 GROUPS = {"classification": Classification, "quantization": Classification, "segmentation": Segmentation,
-          "detection": Detection, "video": Video}
-NOT_YET = {
-    "optical_flow": "optical flow weights are not supported: ExecuTorch's XNNPACK lowering of RAFT did not finish in "
-                    "400 s; Core ML rejects its integer sqrt and rank-6 correlation volume; ONNX exports only at a "
-                    "fixed batch, and the exporter has no two-image flow task",
-}
-
-
-def _not_yet(group: str) -> str:
-    return NOT_YET.get(group, f"{group} weights are not supported")
+          "detection": Detection, "video": Video, "optical_flow": OpticalFlow}
 
 
 def for_group(group: str, weight_name: str, model_name: str) -> type[Task]:
@@ -43,7 +35,8 @@ def for_group(group: str, weight_name: str, model_name: str) -> type[Task]:
         if refusal:
             raise UsageError(f"{weight_name}: {refusal}")
         return task
-    raise UsageError(f"{weight_name}: {_not_yet(group)}")
+    raise UsageError(f"{weight_name}: {group} weights are not supported")
 
 
-__all__ = ["TASKS", "Task", "Classification", "Detection", "RegionDetection", "Segmentation", "Video", "for_group"]
+__all__ = ["TASKS", "Task", "Classification", "Detection", "OpticalFlow", "RegionDetection", "Segmentation", "Video",
+           "for_group"]
