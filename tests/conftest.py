@@ -60,7 +60,8 @@ ANDROID_BUILD = "android_build"  # the xdist group of every file that checks thi
 # test_region_detection starts once test_detection has had time to train the SSDlite stand-in its own starts from
 # (a worker that asks for it earlier waits on the other's lock, idle).
 SLOWEST_FIRST = ("test_segmentation", ANDROID_BUILD, "test_detection", "test_quant", "test_coverage",
-                 "test_region_detection", "test_reproducibility", "test_ios", "test_video", "test_jetson")
+                 "test_optical_flow", "test_region_detection", "test_reproducibility", "test_ios", "test_video",
+                 "test_jetson")
 ARM_SETUP = pytest.StashKey()
 
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,8 +21,22 @@ if TYPE_CHECKING:
     import torch
 
 
+PACKAGE = Path(__file__).resolve().parents[1]  # the whole exporter package
+
+
 def default_root() -> Path:
     return Path(os.environ.get("EXPORTER_CACHE") or Path.home() / ".cache" / "exporter")
+
+
+@lru_cache(maxsize=None)
+def source_digest() -> str:
+    """The exporter package's own code: every cached step and whole build is keyed on it, so a fix to an exporter
+    or a metric is never answered with what the code before it made (a Q/DQ artifact came back from the cache
+    unchanged after the search learned to quantize every call of a shared head)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".json") and p.is_file()):
+        h.update(f"{path.relative_to(PACKAGE).as_posix()}\0{files.sha256(path)}\n".encode())
+    return h.hexdigest()
 
 
 def key(**parts) -> str:

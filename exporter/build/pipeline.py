@@ -64,7 +64,8 @@ class Session:
             "labels": cache.tensors_digest([labels]) if labels is not None else None,
             "calibration_labels": (cache.tensors_digest([self.inputs.calibration_labels])
                                    if self.inputs.calibration_labels is not None else None),
-            "tools": manifest.tool_versions(),
+            # every cached step is keyed on these: the exporter's own code is one of the tools
+            "tools": {**manifest.tool_versions(), "exporter_source": cache.source_digest()},
             "exporter": __version__,
         }
 

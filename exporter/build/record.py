@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import os
 import shutil
 import stat
@@ -25,7 +24,6 @@ from .cache import BuildCache
 from ..formats import FORMATS
 from ..progress import Progress
 
-PACKAGE = Path(__file__).resolve().parents[1]  # the whole exporter package
 # where and whether, not what; `offline` only forbids fetching a missing checkpoint, and a record is
 # replayed only when the checkpoint it read is still there, unchanged, so it never needs the network
 NOT_KEYED = ("out", "force", "cache", "cache_dir", "target", "offline")
@@ -41,19 +39,12 @@ def _request_fields(request) -> dict:
     return {k: _absolute(v) for k, v in fields.items() if k not in NOT_KEYED}
 
 
-def _source_digest() -> str:
-    h = hashlib.sha256()
-    for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".json") and p.is_file()):
-        h.update(f"{path.relative_to(PACKAGE).as_posix()}\0{files.sha256(path)}\n".encode())
-    return h.hexdigest()
-
-
 def _environment() -> dict:
     gpus = Path("/proc/driver/nvidia/gpus")
     return {
         "tools": manifest.tool_versions(),
         "installed": {name: spec.installed() for name, spec in FORMATS.items()},
-        "exporter_source": _source_digest(),
+        "exporter_source": cache.source_digest(),
         "host": {k: v for k, v in manifest.host(0).items() if k != "threads"},
         "gpus": sorted(os.listdir(gpus)) if gpus.is_dir() else [],
         # where torch looks for hub checkpoints when no --checkpoint is given
