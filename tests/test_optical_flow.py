@@ -71,7 +71,7 @@ def args(model, out, *extra, data=None):
 
 @pytest.mark.slow
 def test_the_flow_stand_in_is_real(raft):
-    assert raft.held_out_epe < 0.4 * raft.zero_flow_epe, raft
+    assert raft.held_out_epe < 0.5 * raft.zero_flow_epe, raft  # 0.28-0.32 on three seeds here
 
 
 @pytest.fixture(scope="module")

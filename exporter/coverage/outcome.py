@@ -9,8 +9,8 @@ A cell is one artifact of one weight on one target. Its `outcome`:
                      against its float model: what the weight loses, not the export
     export       ❌  export failed (the first line of the error), `kind` classified by CLASSIFIERS
     unavailable  ⚪  this host cannot run (or build) it: Core ML predicts only on macOS, TensorRT needs a GPU
-    refused      ⛔  refused by design (an optical-flow weight, a two-stage detector, a format that
-                     cannot take an eager-quantized model, a format that cannot take the task's graph)
+    refused      ⛔  refused by design (Mask/Keypoint R-CNN, a format that cannot take an eager-quantized
+                     model, a format that cannot take the task's graph)
     time         ⏱  the build hit the sweep's time limit before this artifact was done
     skipped      ⏭  not built: the weight is larger than --max-params
     not_run      ·   not reached: the build stopped (crashed or was killed) at an earlier artifact

@@ -370,9 +370,10 @@ and marked ⏱), offline and without `--data`:
   int8 weight is judged against its float model: when the weight itself, run as it is in eager PyTorch, breaks
   the thresholds its artifact broke (its PSNR within 6 dB), the cell reads "❎ … · the int8 weight's own": what
   the weight's quantization loses, which no export of it wins back. A ❎ without either is ours to explain.
-- **⛔ is the exporter's own refusal** (optical-flow weights, two-stage detectors: the one-line error
-  `exporter build` exits 2 with), asked without building. A format that cannot take an eager-quantized model,
-  or a clip (the `.pte`: no 3-D convolution in XNNPACK), is ⛔ per artifact.
+- **⛔ is the exporter's own refusal** (Mask and Keypoint R-CNN: the one-line error `exporter build` exits 2
+  with), asked without building. A format that cannot take an eager-quantized model, a clip (the `.pte`: no 3-D
+  convolution in XNNPACK), a frame pair (RAFT: the `.pte` and Core ML) or a two-stage detector (Android, iOS) is
+  ⛔ per artifact, with its reason.
 - **⚪ is not a failure**: the artifact cannot be run (Core ML off macOS) or built (TensorRT without a GPU) on
   this host; a Core ML package that converted shows its size.
 - **Resumable.** Each build's row is cached in `$EXPORTER_CACHE/coverage/` keyed on the weight, the target,

@@ -306,15 +306,15 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
         "batch_check": _check_batch_axis(path, example, sizes),
         "ops": ops,
         "nodes": len(proto.graph.node),
-        "graph": {"fp32": "float32", "fp16": "float16 with fp32 I/O casts", "int8": "explicit Q/DQ, symmetric int8, per-channel weights"}[precision]
-        if not (precision == "fp16" and "half_modules" in folding) else
-        f"float16 in {', '.join(folding['half_modules'])}, float32 elsewhere",
+        "graph": {"fp32": "float32", "fp16": "float16 with fp32 I/O casts", "int8": "explicit Q/DQ, symmetric int8, per-channel weights"}[precision],
     }
     if data := files.companions(path):
         # the tensors, beside the graph under this name (written inside it): ship and copy the two together
         details["external_data"] = {"file": data[0].name, "bytes": data[0].stat().st_size}
     if precision == "fp16":
         details["batchnorm_folding_fp32"] = folding
+        if "half_modules" in folding:
+            details["graph"] = f"float16 in {', '.join(folding['half_modules'])}, float32 elsewhere"
     if crash := nchwc_crash(path):
         details["onnxruntime_nchwc"] = crash
     if precision == "int8":
