@@ -1,5 +1,5 @@
 """`exporter coverage` cannot rot: a real sweep of two small weights (random weights, ONNX fp32 on the jetson
-target, the cheapest artifact), one weight the exporter refuses (optical flow) and one skipped for size;
+target, the cheapest artifact), one weight the exporter refuses (Mask R-CNN) and one skipped for size;
 resumed from the row cache, sharded and merged, stopped at a time limit; plus the pieces the sweep classifies
 and randomises with. About a minute on 2 shared cores."""
 
@@ -21,7 +21,7 @@ from exporter.coverage import outcome, randomize, rowcache, sweep, table
 from .conftest import CACHE, QUANTIZED_WEIGHT, run_cli
 
 SMALL = ["mobilenet_v3_small", "squeezenet1_1"]
-SWEEP = ["coverage", "--models", ",".join(SMALL + ["raft_small", "resnet18"]), "--one-per-builder",
+SWEEP = ["coverage", "--models", ",".join(SMALL + ["maskrcnn_resnet50_fpn", "resnet18"]), "--one-per-builder",
          "--target", "jetson", "--format", "onnx:fp32", "--max-params", "3000000"]
 
 
@@ -54,7 +54,7 @@ def test_sweep_builds_refuses_and_skips(first_run, cache_dir):
     out, result, _ = first_run
     doc = json.loads((out / "coverage.json").read_text())
     rows = _rows(out)
-    assert set(rows) == {"mobilenet_v3_small", "squeezenet1_1", "raft_small", "resnet18"}
+    assert set(rows) == {"mobilenet_v3_small", "squeezenet1_1", "maskrcnn_resnet50_fpn", "resnet18"}
     assert doc["complete"] and doc["planned_rows"] == 4 and {r["target"] for r in doc["rows"]} == {"jetson"}
     for name in SMALL:
         row = rows[name]
@@ -66,8 +66,9 @@ def test_sweep_builds_refuses_and_skips(first_run, cache_dir):
         assert row["checkpoint"]["batchnorms_settled"] > 0 or name == "squeezenet1_1"
         assert row["checkpoint"]["reference_spread"]["relative_std"] > 0.01
         assert row["input_size"] == [224, 224]  # a classifier's own crop, whatever the sweep's --input-size
-    assert rows["raft_small"]["outcome"] == "refused" and "optical flow" in rows["raft_small"]["reason"]
-    assert rows["raft_small"]["cells"] == []  # refused without building
+    refused = rows["maskrcnn_resnet50_fpn"]
+    assert refused["outcome"] == "refused" and "masks have no output layout" in refused["reason"]
+    assert refused["cells"] == []  # refused without building
     assert rows["resnet18"]["outcome"] == "skipped" and "--max-params" in rows["resnet18"]["reason"]
     (group,) = [g for g in doc["summary"] if g["task"] == "classification"]
     assert (group["built"], group["skipped"], group["artifacts"]["passed"]) == (2, 1, 2)
@@ -81,7 +82,7 @@ def test_the_table_says_what_made_it(first_run):
     md = (out / "coverage.md").read_text()
     for needle in ("# torchvision coverage", "complete: 4 of 4", "`exporter coverage --target jetson --format onnx:fp32 --models", "cores",
                    f"torch {torch.__version__.split('+')[0]}", "onnxruntime", "executorch", "coremltools",
-                   "## Summary", "## jetson", "| onnx_fp32 |", "✅", "## Refused by design (⛔)", "Raft_Small_Weights",
+                   "## Summary", "## jetson", "| onnx_fp32 |", "✅", "## Refused by design (⛔)", "MaskRCNN_ResNet50_FPN_Weights",
                    "## Skipped (⏭)", "ResNet18_Weights", "## How this table is made"):
         assert needle in md, needle
 

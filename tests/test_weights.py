@@ -69,8 +69,8 @@ def test_inspect_reads_preprocessing_from_transforms(tmp_path):
 def test_unexportable_weights_are_refused_clearly():
     with pytest.raises(UsageError, match="maskrcnn_resnet50_fpn cannot be exported yet: its masks have no output layout"):
         weights.load("maskrcnn_resnet50_fpn", checkpoint=None)
-    with pytest.raises(UsageError, match="optical flow weights are not supported"):
-        weights.load("raft_small", checkpoint=None)
+    with pytest.raises(UsageError, match="keypointrcnn_resnet50_fpn cannot be exported yet: its keypoints"):
+        weights.load("keypointrcnn_resnet50_fpn", checkpoint=None)
 
 
 def test_checkpoint_num_classes_and_labels(digits_model):

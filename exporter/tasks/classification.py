@@ -82,8 +82,8 @@ class Classification(Task):
         crop = weights.transforms().crop_size
         size = (crop[0], crop[-1])
         if requested is not None and tuple(requested) != size:
-            raise UsageError(f"--input-size is for segmentation, RetinaNet/FCOS and video weights; a classifier takes "
-                             f"its weights' crop, {size[0]}x{size[1]}")
+            raise UsageError(f"--input-size is for segmentation, detection, video and optical-flow weights; a classifier "
+                             f"takes its weights' crop, {size[0]}x{size[1]}")
         return size
 
     @classmethod
