@@ -167,7 +167,7 @@ def test_a_build_whose_code_changed_while_it_ran_is_not_recorded(tmp_path, andro
     request = BuildRequest(docs[0]["weight"]["name"], out=tmp_path / "unused", cache_dir=tmp_path / "cache")
     plans = [target_profile(request, "android")]
     changed = BuildRecord(tmp_path / "cache", request, plans)
-    monkeypatch.setattr(build_record, "_source_digest", lambda: "edited while building")
+    monkeypatch.setattr(build_record.cache, "source_digest", lambda: "edited while building")
     changed.store(out, docs)
     assert changed.cache.fetch_json("builds", changed.key) is None
     monkeypatch.undo()

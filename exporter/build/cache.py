@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import shutil
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,11 +27,11 @@ def default_root() -> Path:
     return Path(os.environ.get("EXPORTER_CACHE") or Path.home() / ".cache" / "exporter")
 
 
-@lru_cache(maxsize=None)
 def source_digest() -> str:
     """The exporter package's own code: every cached step and whole build is keyed on it, so a fix to an exporter
     or a metric is never answered with what the code before it made (a Q/DQ artifact came back from the cache
-    unchanged after the search learned to quantize every call of a shared head)."""
+    unchanged after the search learned to quantize every call of a shared head). Read afresh at every call: a
+    build record compares it before and after the build (code edited while it ran)."""
     h = hashlib.sha256()
     for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".json") and p.is_file()):
         h.update(f"{path.relative_to(PACKAGE).as_posix()}\0{files.sha256(path)}\n".encode())
