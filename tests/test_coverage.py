@@ -691,6 +691,16 @@ def test_the_sweeps_input_size_goes_to_the_graphs_that_take_one():
     assert randomize.built_input_size("MobileNet_V3_Small_Weights.IMAGENET1K_V1", size) == [224, 224]
 
 
+def test_a_change_to_the_exporters_code_keys_its_rows_anew(monkeypatch):
+    from exporter.build import cache
+
+    def row_key(source):
+        monkeypatch.setattr(cache, "source_digest", lambda: source)
+        return rowcache.key("W.V1", "android", {"calib": 16}, {"torch": "2.14.1"})
+
+    assert row_key("before") == row_key("before") != row_key("after")
+
+
 def test_a_cached_row_built_at_another_input_size_is_built_again(tmp_path):
     """The row key holds the size the sweep asks for; the size a weight accepts of it can change (R3D-18's frames
     were built at the sweep's 128 before they were kept at the weight's own 112), so a row records it."""

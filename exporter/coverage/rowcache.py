@@ -1,6 +1,8 @@
 """The sweep's row cache: each finished build (weight x target) is stored as
-`$EXPORTER_CACHE/coverage/<key>.json`, keyed on the weight, the target, the sweep's settings and the exporter
-and tool versions, so an interrupted sweep continues where it stopped and a re-run rebuilds nothing."""
+`$EXPORTER_CACHE/coverage/<key>.json`, keyed on the weight, the target, the sweep's settings, the exporter's
+version and source and the tools' versions, so an interrupted sweep continues where it stopped and a re-run
+rebuilds nothing, while a fix to the exporter's code builds its rows again (keyed on the version alone, a re-run
+after the shared-head Q/DQ fix served the rows the code before it had made)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ def root(cache_dir: Path | None = None) -> Path:
 
 
 def key(weight: str, target: str, settings: dict, tools: dict) -> str:
-    parts = {"row_version": ROW_VERSION, "exporter": __version__, "weight": weight, "target": target,
-             "settings": settings, "tools": tools}
+    from ..build.cache import source_digest
+
+    parts = {"row_version": ROW_VERSION, "exporter": __version__, "exporter_source": source_digest(),
+             "weight": weight, "target": target, "settings": settings, "tools": tools}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -377,8 +377,9 @@ and marked ⏱), offline and without `--data`:
 - **⚪ is not a failure**: the artifact cannot be run (Core ML off macOS) or built (TensorRT without a GPU) on
   this host; a Core ML package that converted shows its size.
 - **Resumable.** Each build's row is cached in `$EXPORTER_CACHE/coverage/` keyed on the weight, the target,
-  these settings and the exporter and tool versions: an interrupted sweep continues, and a re-run rebuilds
-  nothing (a row stopped at a shorter time limit, or by the wall clock alone, is built again).
+  these settings, the exporter's version and source and the tools' versions: an interrupted sweep continues, a
+  re-run rebuilds nothing, and a change to the exporter's code builds every row again (as does a row stopped at a
+  shorter time limit, or by the wall clock alone).
 - "ops outside XNNPACK" lists the `.pte` graphs' ops that touch tensors and were left outside the XNNPACK
   delegate (the manifest's `details.delegation.ops_outside_on_tensors`; scalar casts are not counted).
 """
