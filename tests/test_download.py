@@ -155,6 +155,19 @@ def test_offline_never_connects(tmp_path, digits_model, server, hub, how):
     assert server.requests == 0
 
 
+@pytest.mark.parametrize("extra, needle", [
+    (["--input-size", "64", "64"], "--input-size is for segmentation"),
+    (["--data", "/nonexistent/digits"], "--data /nonexistent/digits is not a directory"),
+    (["--format", "onnx"], "--format onnx matches nothing in target android"),
+])
+def test_a_bad_request_is_refused_before_the_checkpoint_is_downloaded(tmp_path, digits_model, server, hub, extra, needle):
+    home, checkpoints = hub
+    out = tmp_path / "out"
+    result = run_cli("build", digits_model.weight, "--out", out, *extra, env={"TORCH_HOME": str(home)})
+    assert_clean_refusal(result, out, needle)
+    assert server.requests == 0 and not checkpoints.exists()
+
+
 def test_unwritable_cache_is_one_line(tmp_path, digits_model, server):
     out = tmp_path / "out"
     result = _build(digits_model, out, Path("/proc/exporter-torch-home"))

@@ -394,20 +394,25 @@ def _finish(out: Path, doc: dict, progress: Progress, prefix: str = "") -> dict:
 def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, progress: Progress) -> tuple[Path, list[dict]]:
     """Build the target profiles in `targets`, sharing one model load, one calibration set and one eager run;
     returns the output directory and the manifests. See build.build_targets."""
-    # Everything that can be wrong with the request is checked before anything is written.
-    task_class = weights.task_class(weights.resolve(request.weight))
+    # Everything that can be wrong with the request is checked before anything is written, and what needs no
+    # checkpoint before one is downloaded.
+    resolved = weights.resolve(request.weight)
+    task_class = weights.task_class(resolved)
     plans = make_all(targets, task_class.name, request.options, task_class.format_options())
     for plan in plans:
         _preflight(plan)
+    task_class.input_size_of(resolved, weights.model_name_of(resolved), request.input_size)
+    if request.data is not None and not Path(request.data).is_dir():
+        raise UsageError(f"--data {request.data} is not a directory")
+    single = len(plans) == 1
+    base = Path(request.out or (Path("exports") / weights.canonical_name(resolved) / (plans[0].target if single else "")))
+    outs = [base] if single else [base / p.target for p in plans]
+    for out in ([base] if single else [base, *outs]):
+        files.check_out_dir(out, request.force)
     with progress.step("load weights"):
         loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels, request.offline, progress,
                               request.float_checkpoint)
     task = task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
-    single = len(plans) == 1
-    base = Path(request.out or (Path("exports") / loaded.weight_name / (plans[0].target if single else "")))
-    outs = [base] if single else [base / p.target for p in plans]
-    for out in ([base] if single else [base, *outs]):
-        files.check_out_dir(out, request.force)
     with progress.step("load data"):
         inputs = _load_inputs(request.data, loaded, task, plans[0].data)
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
