@@ -75,6 +75,12 @@ def test_sweep_builds_refuses_and_skips(first_run, cache_dir):
     # one progress line per build, on stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("[")]
     assert len(lines) == 4 and sum("✅" in line for line in lines) == 2 and any("⛔" in line for line in lines)
+    # and each build's steps as they finish, before its row's line
+    stderr = result.stderr.splitlines()
+    for weight in (r["weight"] for r in doc["rows"] if r["outcome"] == "built"):
+        steps = [i for i, line in enumerate(stderr) if line.startswith(f"  {weight} jetson: ✓ ")]
+        assert any(f"✓ validate onnx_fp32" in stderr[i] for i in steps), result.stderr
+        assert max(steps) < next(i for i, line in enumerate(stderr) if line.startswith("[") and weight in line)
 
 
 def test_the_table_says_what_made_it(first_run):

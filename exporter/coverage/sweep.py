@@ -1,6 +1,6 @@
 """The sweep itself: for each chosen weight and target, one build in its own process (isolated from crashes
 and out-of-memory kills, stopped at the time limit), its cells read from the manifest it wrote, the row
-cached, a progress line on stderr, and the table rewritten after every row (so an interrupted sweep leaves a
+cached, progress on stderr (the build's steps as they finish, then the row's line), and the table rewritten after every row (so an interrupted sweep leaves a
 partial table that says so)."""
 
 from __future__ import annotations
@@ -202,13 +202,17 @@ class Sweep:
                    **{k: str(s.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
         start, cpu_before = time.perf_counter(), _children_cpu_seconds()
         stopped_by = None
+        relay = _LogRelay(log_path, f"  {spec['weight']} {name}: ", self.log)
         with open(log_path, "wb") as log:
             proc = _spawn([sys.executable, "-m", "exporter.coverage.worker", str(spec_path)], log, env)
             stop.child = proc
             try:
-                proc.wait(timeout=None if s.time_limit is None else WALL_FACTOR * s.time_limit)
-            except subprocess.TimeoutExpired:
-                stopped_by = "wall"
+                while not _waited(proc, RELAY_EVERY_S):
+                    relay()
+                    if s.time_limit is not None and time.perf_counter() - start > WALL_FACTOR * s.time_limit:
+                        stopped_by = "wall"
+                        break
+                relay()
             except KeyboardInterrupt:
                 _kill_group(proc)
                 raise
@@ -368,6 +372,40 @@ def _checkpoint_summary(info: dict | None) -> dict | None:
     keep = ("seed", "num_classes", "params", "batchnorms_settled", "reinitialised_zero_layers", "reference_spread",
             "quantized", "recipe", "epochs", "until_train_acc1", "epochs_trained", "held_out_acc1", "quantized_held_out_acc1", "prepare_s")
     return {k: info[k] for k in keep if k in info}
+
+
+RELAY_EVERY_S = 2.0
+
+
+def _waited(proc: subprocess.Popen, seconds: float) -> bool:
+    try:
+        proc.wait(timeout=seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+class _LogRelay:
+    """Passes on the worker's progress lines (worker.PROGRESS_MARKS) as the log grows, so an hour-long build
+    shows its steps as they finish instead of nothing until its row's line."""
+
+    def __init__(self, path: Path, prefix: str, log):
+        self.path, self.prefix, self.log, self.offset = path, prefix, log, 0
+
+    def __call__(self) -> None:
+        from .worker import PROGRESS_MARKS
+
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next call
+        self.offset += len(complete)
+        for line in complete.decode("utf-8", "replace").splitlines():
+            if line.startswith(PROGRESS_MARKS):
+                self.log(self.prefix + line)
 
 
 def _progress_line(n: int, total: int, row: dict) -> str:

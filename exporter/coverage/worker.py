@@ -21,6 +21,11 @@ import traceback
 from pathlib import Path
 
 
+# The lines of this process's log that the sweep relays as they come: the build's finished steps and the
+# trained tier's training epochs (the rest is libraries' chatter).
+PROGRESS_MARKS = ("✓ ", "✗ ", "train: ")
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}".rstrip(": ")
@@ -63,7 +68,7 @@ def run(spec: dict) -> int:
 
             input_size = None
             made = result["checkpoint"] = trained.make(spec["weight"], Path(spec["trained"]), spec["train_epochs"],
-                                                       log=lambda line: print(line, flush=True),
+                                                       log=lambda line: print(f"train: {line}", flush=True),
                                                        until=spec["train_until"], max_epochs=spec["train_max_epochs"])
         else:
             input_size = randomize.accepted_input_size(spec["weight"], spec.get("input_size"))
