@@ -49,7 +49,7 @@ def breaches(metrics: dict, thresholds: Mapping[str, float]) -> list[str]:
         value = _lookup(metrics, path)
         if value is None:
             continue  # e.g. accuracy without labels: reported as not measured, not as a pass
-        if (kind == "min" and value < limit) or (kind == "max" and value > limit):
+        if value != value or (kind == "min" and value < limit) or (kind == "max" and value > limit):  # NaN breaks any
             sign = ">=" if kind == "min" else "<="
             reasons.append(f"{key} {value:.4g} (needs {sign} {limit:g})")
     return reasons

@@ -115,12 +115,38 @@ def judge(
 ) -> dict:
     """Fidelity and accuracy of outputs already computed (one flattened row per input, as run_all makes them)
     against the eager reference, with the status they earn: the contract without running or timing anything."""
-    metrics = task.quality(outputs, reference, labels, eager_accuracy, thresholds)
+    broken = not_finite(outputs, reference)
+    metrics = _measured(task.quality(outputs, reference, labels, eager_accuracy, thresholds), bool(broken))
+    if broken:
+        metrics["reasons"].insert(0, broken)
     blind = blind_spot(task, reference, thresholds)
     if blind:
         metrics["reasons"].append(blind)
     metrics["status"] = "failed" if metrics["reasons"] else "passed"
     return metrics
+
+
+def not_finite(outputs: torch.Tensor, reference: torch.Tensor) -> str | None:
+    """Why outputs with NaN or infinity where eager's are finite fail (an fp16 graph that overflowed), or None.
+    No threshold can say it: a NaN compares false with every limit."""
+    bad = ~torch.isfinite(outputs) & torch.isfinite(reference)
+    if not bad.any():
+        return None
+    rows = int(bad.reshape(len(bad), -1).any(1).sum())
+    return (f"outputs not finite: {int(bad.sum())} of {bad.numel()} values are NaN or infinite where eager's are "
+            f"finite ({rows} of {len(bad)} inputs)")
+
+
+def _measured(value, outputs_broken: bool):
+    """The metrics with NaN as None: not measurable, as JSON can say it; when the outputs were not finite, their
+    infinite metrics too (a PSNR of inf is a perfect match only between finite outputs)."""
+    if isinstance(value, float) and (math.isnan(value) or outputs_broken and math.isinf(value)):
+        return None
+    if isinstance(value, dict):
+        return {k: _measured(v, outputs_broken) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_measured(v, outputs_broken) for v in value]
+    return value
 
 
 def evaluate(

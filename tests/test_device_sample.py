@@ -133,3 +133,16 @@ def test_golden_rows_are_where_a_device_shows_first():
 
     segmenter = weights.bind_task(weights.resolve("LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1"), 3, (8, 8))
     assert segmenter.golden_rows(torch.zeros(12, 3 * 8 * 8), 8) == list(range(8))
+
+
+def test_outputs_that_are_not_finite_break_the_device_check():
+    """A NaN compares false with every limit: a device whose fp16 run overflowed must not read PASSED."""
+    import numpy as np
+
+    ref = np.random.default_rng(0).normal(size=(8, 10)).astype(np.float32)
+    out = ref.copy()
+    out[2, 3] = np.nan
+    metrics = device_validate.fidelity(ref, out)
+    assert breaches(metrics, {"psnr_db": 30.0}, CLASSIFICATION) == ["psnr_db nan (needs >= 30)"]
+    out[2, 3] = np.inf
+    assert breaches(device_validate.fidelity(ref, out), {"psnr_db": 30.0}, CLASSIFICATION)

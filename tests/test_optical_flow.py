@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
 
 from exporter.errors import UsageError
+from exporter.release import manifest
 from exporter.standins import flow as digits_flow
 from exporter.tasks.optical_flow import OpticalFlow, read_flo, resized_flow, write_flo
 from exporter.thresholds import breaches
@@ -41,6 +43,17 @@ def test_resized_flow_scales_its_vectors_and_keeps_unknown_pixels_out():
     assert half.shape == (2, 2, 4)
     assert torch.allclose(half[:, 1, 1:], torch.tensor([[1.0], [-0.5]]).expand(2, 3))
     assert torch.isnan(resized_flow(flow, (4, 8))[:, 0, 0]).all()
+    assert flow[0, 0, 0] == 1e10  # the caller's array as it was
+    twice = resized_flow(flow, (8, 16))  # a hole stays within its own 2x2 footprint (NaN through bilinear: 16 pixels)
+    unknown = twice.isnan().any(0)
+    assert 0 < unknown.sum() <= 4 and unknown[0, 0]
+    assert torch.allclose(twice[0][~unknown], torch.tensor(4.0)) and torch.allclose(twice[1][~unknown], torch.tensor(-2.0))
+    sparse = np.full((8, 8, 2), 2e9, dtype=np.float32)
+    sparse[::2, ::2] = (1.0, 3.0)  # a quarter of the pixels known, as LiDAR-based ground truth has it
+    resized = resized_flow(sparse, (12, 12))
+    assert 0 < resized[0].isnan().float().mean() < 0.5
+    assert torch.allclose(resized[0][~resized[0].isnan()], torch.tensor(1.5))
+    assert torch.allclose(resized[1][~resized[1].isnan()], torch.tensor(4.5))
 
 
 def test_a_stand_in_run_that_did_not_learn_is_trained_once_more_from_another_seed(tmp_path, monkeypatch):
@@ -103,6 +116,8 @@ def builds(tmp_path_factory, raft):
 @pytest.mark.slow
 def test_raft_onnx_and_ptl_match_eager_and_the_device_kit_agrees(raft, builds, tmp_path):
     out, docs, result = builds
+    for doc in docs.values():
+        jsonschema.validate(doc, manifest.schema())
     jetson = {a["name"]: a for a in docs["jetson"]["artifacts"]}
     task = docs["jetson"]["task"]
     assert task["name"] == "optical_flow" and task["output"]["layout"] == "NCHW" and task["output"]["shape"][1] == 2
@@ -145,3 +160,9 @@ def test_bad_flow_data_and_sizes_exit_2(raft, tmp_path):
                          "has no second frame")
     assert_clean_refusal(run_cli("build", raft.weight, "--checkpoint", raft.checkpoint, "--input-size", "100", "100",
                                  "--target", "jetson", "--out", out), out, "multiples of 8")
+    unknown = tmp_path / "unknown"
+    shutil.copytree(raft.data_dir, unknown)
+    for flo in unknown.glob("*_flow.flo"):
+        write_flo(flo, np.full_like(read_flo(flo), 2e9))
+    assert_clean_refusal(run_cli(*args(raft, out, "--target", "jetson", "--format", "onnx:fp32", data=unknown)), out,
+                         "no pixel of the validation pairs' flow is known")

@@ -110,6 +110,36 @@ def test_a_constant_reference_cannot_pass_anything():
     assert metrics["status"] == "failed" and metrics["reasons"] == [reason]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_outputs_that_are_not_finite_fail_saying_so_and_the_manifest_still_writes(bad):
+    """An fp16 graph that overflows gives inf or NaN: a NaN compares false with every limit, so thresholds alone
+    passed it, and JSON could not hold its PSNR, after the whole build had run (an inf crashed the PSNR)."""
+    import json
+
+    import jsonschema
+
+    from exporter.release import manifest
+    from exporter.tasks import OpticalFlow
+
+    reference = torch.randn(8, 10, generator=torch.Generator().manual_seed(0)) * 5
+    outputs = reference.clone()
+    outputs[3, reference[3].argmin()] = bad
+    task = classification.Classification(num_classes=10, input_size=(8, 8))
+    metrics = validation.judge(task, outputs, reference, None, None, {"top1_agreement": 0.5, "psnr_db": 30.0})
+    assert metrics["status"] == "failed" and metrics["reasons"][0].startswith("outputs not finite: 1 of 80 values")
+    assert metrics["fidelity"]["psnr_db"] is None and metrics["fidelity"]["cosine"] is None
+    fidelity = json.loads(manifest.dumps(metrics))["fidelity"]
+    jsonschema.validate(fidelity, {"$defs": manifest.schema()["$defs"], "$ref": "#/$defs/fidelity"})
+    flow = OpticalFlow(2, (4, 4))
+    reference = torch.randn(2, 32, generator=torch.Generator().manual_seed(1))
+    outputs = reference.clone()
+    outputs[0, :3] = bad
+    metrics = validation.judge(flow, outputs, reference, reference, {"epe": 0.0, "fl_all": 0.0},
+                               {"flow_agreement": 0.5, "epe_vs_eager": 1.0, "epe_increase": 1.0})
+    assert metrics["status"] == "failed" and metrics["fidelity"]["epe_vs_eager"] is None, metrics
+    assert breaches({"fidelity": {"psnr_db": float("nan")}}, {"psnr_db": 30.0}) == ["psnr_db nan (needs >= 30)"]
+
+
 def test_a_near_constant_reference_is_caught_at_the_thresholds_it_cannot_resolve():
     """Outputs that vary by 1e-4 of their size: a 30 dB int8 threshold cannot tell an input-blind artifact
     from a good one; a 100 dB one can."""

@@ -86,6 +86,8 @@ class BadInput(Exception):
 
 
 def _psnr(peak: float, rmse: float) -> float:
+    if not math.isfinite(rmse):  # outputs with NaN or infinity: not measurable, and a breach of any threshold
+        return math.nan
     return math.inf if rmse == 0 else 20 * math.log10(peak / rmse)
 
 
@@ -222,11 +224,11 @@ def breaches(metrics: dict, thresholds: dict, task: Task = TASKS["classification
                 reasons.append(f"{key} {value:.4g} ({missed} of {items} {misses}; {limit:g} allows {allowed} of {items}{own_run})")
         elif key in task.min_keys:
             floor = min(limit, float(host[key])) if key in host else limit
-            if value < floor:
+            if not value >= floor:  # NaN breaks it too
                 reasons.append(f"{key} {value:.4g} (needs >= {floor:g})")
         elif key in task.max_keys:
             ceiling = max(limit, float(host[key])) if key in host else limit
-            if value > ceiling:
+            if not value <= ceiling:
                 reasons.append(f"{key} {value:.4g} (needs <= {ceiling:g})")
     return reasons
 

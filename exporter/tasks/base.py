@@ -16,6 +16,9 @@ def logit_fidelity(reference: torch.Tensor, output: torch.Tensor) -> dict:
     """PSNR against the reference's peak, mean per-image cosine, max abs error: rows are images."""
     ref, out = reference.double(), output.double()
     diff = out - ref
+    if not torch.isfinite(diff).all():  # outputs not finite: not measurable (validation.not_finite says why)
+        nan = math.nan
+        return {"samples": int(ref.shape[0]), "psnr_db": nan, "cosine": nan, "max_abs_error": nan}
     rmse = diff.pow(2).mean().sqrt().item()
     peak = ref.abs().max().item()
     return {

@@ -77,14 +77,25 @@ def write_flo(path: Path, flow: np.ndarray) -> None:
 
 
 def resized_flow(flow: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
-    """(H, W, 2) flow at `size` (h, w), its vectors scaled with the frame; unknown pixels stay NaN."""
-    tensor = torch.from_numpy(flow).permute(2, 0, 1).float()
-    tensor[:, (tensor.abs() > UNKNOWN_FLOW).any(0)] = float("nan")
+    """(H, W, 2) flow at `size` (h, w), its vectors scaled with the frame; pixels with no ground truth are NaN.
+    Known and unknown pixels are resized apart (a weighted mean of the known ones only), so a hole in the ground
+    truth does not spread to its neighbours, nor sparse ground truth vanish, as NaN would through interpolation."""
+    tensor = torch.from_numpy(flow).permute(2, 0, 1).float().clone()  # the caller's array is left as it was
+    known = ~(tensor.abs() > UNKNOWN_FLOW).any(0)
     height, width = tensor.shape[1:]
-    if (height, width) == tuple(size):
-        return tensor
-    scaled = nn.functional.interpolate(tensor[None], size=tuple(size), mode="bilinear", align_corners=False)[0]
-    return scaled * torch.tensor([size[1] / width, size[0] / height])[:, None, None]
+    if (height, width) != tuple(size):
+        def resize(t):
+            return nn.functional.interpolate(t[None], size=tuple(size), mode="bilinear", align_corners=False)[0]
+
+        if known.all():
+            tensor = resize(tensor)
+        else:
+            weight = resize(known[None].float())[0]
+            tensor = resize(tensor * known) / weight.clamp_min(1e-12)
+            known = weight > 1e-6
+        tensor = tensor * torch.tensor([size[1] / width, size[0] / height])[:, None, None]
+    tensor[:, ~known] = float("nan")
+    return tensor
 
 
 class OpticalFlow(Task):
@@ -197,6 +208,9 @@ class OpticalFlow(Task):
         calibration = [self._read(pairs[i], transform) for i in calib_idx]
         validation = [self._read(pairs[i], transform) for i in val_idx]
         labeled = pairs[0][2] is not None
+        if labeled and validation and all(f.isnan().all() for _, f in validation):
+            raise UsageError(f"--data {root}: no pixel of the validation pairs' flow is known (every value is over "
+                             f"{UNKNOWN_FLOW:g}, Middlebury's 'unknown')")
         return Inputs(
             [x[None] for x, _ in calibration],
             torch.stack([x for x, _ in validation]),
