@@ -146,3 +146,43 @@ def test_rows_no_app_would_show_are_not_compared():
     shown[2] = (27, 38, 61, 103, 0.35, 4)
     assert np.array_equal(detection_decode.aligned(eager, shown, params), shown)
     assert np.array_equal(detection_decode.aligned(eager, tail, {"kind": "final"}), tail)  # no match_score: every row
+
+
+def test_a_half_part_takes_any_arguments_and_returns_float_as_its_part_does():
+    """A graph's half_modules: each part computes in half behind casts, whatever it takes (positional, keyword)
+    and returns (a named tuple, a dict), its BatchNorms folded first."""
+    import collections
+
+    import torch
+
+    from exporter.formats.onnx import _half_graph
+
+    Pair = collections.namedtuple("Pair", "sum extra")
+
+    class Body(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+
+        def forward(self, x, y, *, scale):
+            return Pair(self.bn(self.conv(x)) + y, {"scaled": x * scale})
+
+    class Graph(torch.nn.Module):
+        half_modules = ("body",)
+
+        def __init__(self):
+            super().__init__()
+            self.body = Body()
+
+        def forward(self, x):
+            out = self.body(x, torch.ones(1, 4, 8, 8), scale=torch.tensor(2.0))
+            return out.sum.sum(1) + out.extra["scaled"].sum(1)
+
+    torch.manual_seed(0)
+    graph = Graph().eval()
+    graph.body.bn.running_var.uniform_(0.5, 2.0)
+    mixed, details = _half_graph(graph)
+    x = torch.randn(2, 3, 8, 8)
+    out = mixed(x)
+    assert out.dtype == torch.float32 and details["body"]["batchnorms"] == 1 and details["body"]["folded"] == 1
+    assert torch.allclose(out, graph(x), atol=2e-2), (out - graph(x)).abs().max()

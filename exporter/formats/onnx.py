@@ -112,8 +112,8 @@ class _HalfPart(torch.nn.Module):
         super().__init__()
         self.part = part.half()
 
-    def forward(self, x):
-        return _cast(self.part(_cast(x, torch.half)), torch.float)
+    def forward(self, *args, **kwargs):
+        return _cast(self.part(*_cast(args, torch.half), **_cast(kwargs, torch.half)), torch.float)
 
 
 def _cast(value, dtype):
@@ -121,6 +121,8 @@ def _cast(value, dtype):
         return value.to(dtype) if value.is_floating_point() else value
     if isinstance(value, dict):
         return type(value)((k, _cast(v, dtype)) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple takes its items as arguments
+        return type(value)(*(_cast(v, dtype) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_cast(v, dtype) for v in value)
     return value
