@@ -393,6 +393,11 @@ def _command_line(ctx: click.Context) -> str:
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Threads per build.")
 @click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=(128, 128), show_default=True,
               metavar="H W", help="Input size of the graphs that take one: segmentation, RetinaNet, FCOS, video frames.")
+@click.option("--arch", "coverage_arch", type=click.Choice(["aarch64"]), default=None,
+              help="Also validate each .pte, .ptl and ONNX artifact on emulated aarch64 CPUs (the target's [validate] "
+                   "cpus); the table is coverage[-digits]-aarch64.")
+@click.option("--cpu", "coverage_cpus", multiple=True, metavar="NAME",
+              help="Emulated aarch64 CPU (repeatable), instead of the target's (implies --arch aarch64).")
 @click.option("--shard", default=None, metavar="I/N", help="Run only shard I of N (weights I, I+N, …); writes OUT/coverage-shard-I-of-N.json/.md.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("docs"), show_default=True, help="Where coverage.md and coverage.json go.")
 @click.option("--builds", type=click.Path(path_type=Path), default=None, help="Keep every build under DIR/<weight>/<target> [default: temporary].")
@@ -401,8 +406,8 @@ def _command_line(ctx: click.Context) -> str:
 @click.option("--merge", "merge", is_flag=True, help="Merge the coverage JSON files or directories PATH... into OUT instead of building.")
 @one_line_errors
 def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_params, time_limit, weight_source,
-             train_epochs, calib_size, val_size, warmup, iterations, threads, input_size, shard, out, builds, no_cache,
-             matrix_shards, merge):
+             train_epochs, calib_size, val_size, warmup, iterations, threads, input_size, coverage_arch, coverage_cpus,
+             shard, out, builds, no_cache, matrix_shards, merge):
     """Sweep torchvision: build every weight (random weights, settled batch norms; or, with --weights digits,
     each classifier trained on the digits) for every target, validate, and write the weight x artifact table
     (OUT/coverage.md) and its JSON."""
@@ -416,7 +421,8 @@ def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_
         if not merge_paths:
             raise UsageError("--merge needs the coverage JSON files or directories to merge")
         doc = sweep.merge(merge_paths, out, command)
-        json_path, md_path = sweep.output_paths(out, None, doc["settings"].get("weights", "random"))
+        json_path, md_path = sweep.output_paths(out, None, doc["settings"].get("weights", "random"),
+                                                bool(doc["settings"].get("cpus")))
     else:
         if merge_paths:
             raise UsageError(f"unexpected argument {merge_paths[0]} (paths are for --merge)")
@@ -425,13 +431,18 @@ def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_
             raise UsageError("--train-epochs is for --weights digits")
         if not trained:
             calib_size, val_size = (16 if calib_size is None else calib_size), (8 if val_size is None else val_size)
+        if coverage_cpus:
+            from .aarch64 import cpus as aarch64_cpus
+
+            aarch64_cpus.check(coverage_cpus)
         settings = sweep.Settings(targets=tuple(targets) or ("all",), formats=tuple(formats), calib_size=calib_size,
                                   val_size=val_size, warmup=warmup, iterations=iterations, threads=threads,
                                   input_size=tuple(input_size), time_limit=time_limit or None, weights=weight_source,
-                                  train_epochs=train_epochs or sweep.trained.EPOCHS)
+                                  train_epochs=train_epochs or sweep.trained.EPOCHS,
+                                  cpus=tuple(coverage_cpus) or (("target",) if coverage_arch else ()))
         sweep.run(settings, models, tasks, one_per_builder, max_params, shard, out, cache=not no_cache,
                   builds_dir=builds, command=command)
-        json_path, md_path = sweep.output_paths(out, sweep.select.parse_shard(shard), weight_source)
+        json_path, md_path = sweep.output_paths(out, sweep.select.parse_shard(shard), weight_source, settings.on_aarch64)
     click.echo(f"table: {md_path}\njson: {json_path}", err=True)
 
 

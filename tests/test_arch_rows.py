@@ -26,7 +26,7 @@ class FakeArm:
     def __init__(self, key: str, perturb: dict | None = None, broken: dict | None = None):
         self.key, self.perturb, self.broken, self.calls = key, perturb or {}, broken or {}, []
 
-    def prepare(self, cache_dir=None, progress=None, offline=None):
+    def prepare(self, cache_dir=None, progress=None, offline=None, root=None):
         return Runner(cache_dir or aarch64.cache_root(), {"key": self.key, "qemu": "fake", "seconds": 0.0,
                                                           "size_bytes": 0, "packages": {}})
 

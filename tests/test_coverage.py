@@ -288,6 +288,8 @@ def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_pa
     (["--task", "poetry"], "--task"),
     (["--train-epochs", "2"], "--train-epochs is for --weights digits"),
     (["--weights", "imagenet"], "--weights"),
+    (["--cpu", "cortex-a99"], "unknown aarch64 CPU 'cortex-a99'"),
+    (["--arch", "riscv64"], "--arch"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle, tmp_path):
     result = run_cli("coverage", "--out", tmp_path, *args)

@@ -74,3 +74,25 @@ def test_a_bpte_that_departs_is_refused_inside_the_aarch64_runner(arm_runner, go
     # (a good one passes on both CPUs in the build above; this one departs beyond its tolerance on one element)
     bad = verify_bundled(runner, g["bad"], E2E_CPUS[:1], g["tol"]["rtol"], g["tol"]["atol"])
     assert bad[0]["passed"] is False and bad[0]["error"].startswith("case 3 of 8"), bad
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not E2E, reason="set EXPORTER_TEST_AARCH64=1: sets up the aarch64 runner (minutes, ~1.5 GB) once")
+def test_the_coverage_sweep_validates_on_an_arm_core_too(arm_runner, tmp_path):
+    """`exporter coverage --cpu NAME`: every runnable artifact of each row judged on the emulated core as well, in a
+    table of its own (coverage-aarch64), the runner set up by the sweep and found by its offline builds."""
+    from .conftest import run_cli
+
+    out = tmp_path / "table"
+    result = run_cli("coverage", "--target", "jetson", "--format", "onnx:fp32", "--models", "mobilenet_v3_small",
+                     "--one-per-builder", "--cpu", "cortex-a76", "--out", out,
+                     env={"EXPORTER_CACHE": str(tmp_path / "cache"), "EXPORTER_AARCH64_CACHE": str(arm_runner.path.parent)})
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "aarch64 onnx_fp32 on cortex-a76 (emulated)" in result.stderr
+    doc = json.loads((out / "coverage-aarch64.json").read_text())
+    (row,) = doc["rows"]
+    (cell,) = row["cells"]
+    assert cell["outcome"] == "passed" and cell["aarch64"] == {"cortex-a76": "passed"}, cell
+    md = (out / "coverage-aarch64.md").read_text()
+    assert "✅ on cortex-a76" in md and "also validated on emulated aarch64 (cortex-a76)" in md
+    assert not (out / "coverage.json").exists()

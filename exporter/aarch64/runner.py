@@ -40,11 +40,11 @@ def _read_ready(path: Path) -> dict | None:
     return info if isinstance(info, dict) else None
 
 
-def find(cache_dir: Path | None = None, wanted: dict[str, str] | None = None) -> Runner | None:
+def find(cache_dir: Path | None = None, wanted: dict[str, str] | None = None, root: Path | None = None) -> Runner | None:
     """The newest complete runner for these package versions (whatever its qemu), or None. Temporary and
-    READY-less directories are never returned."""
+    READY-less directories are never returned. `root`: the runners' directory, instead of cache_root(cache_dir)."""
     wanted = pins.wanted() if wanted is None else wanted
-    root = cache_root(cache_dir)
+    root = Path(root) if root is not None else cache_root(cache_dir)
     found = []
     for path in root.glob("*") if root.is_dir() else []:
         if path.name.startswith(".") or not path.is_dir():
@@ -80,7 +80,7 @@ def offline_by_environment() -> bool:
 
 def prepare(cache_dir: Path | None = None, progress: Progress | None = None, rebuild: bool = False,
             offline: bool | None = None, builder: Builder | None = None, wanted: dict[str, str] | None = None,
-            clock: Callable[[], float] = time.time) -> Runner:
+            clock: Callable[[], float] = time.time, root: Path | None = None) -> Runner:
     """A ready runner: an existing complete one for these versions, else one built now (in a temporary
     directory, renamed into place when complete). UsageError (one line) when it cannot be."""
     progress = progress or Progress()
@@ -91,12 +91,12 @@ def prepare(cache_dir: Path | None = None, progress: Progress | None = None, reb
         from .debian import DebianBuilder
 
         builder = DebianBuilder()
-    root = cache_root(cache_dir)
+    root = Path(root) if root is not None else cache_root(cache_dir)
     with files.locked(root / ".lock"):
         for leftover in root.glob(".tmp-*"):  # a set-up killed part way (we hold the lock: none is running)
             progress.note(f"removing an unfinished aarch64 runner set-up: {leftover}")
             shutil.rmtree(leftover, ignore_errors=True)
-        existing = None if rebuild else find(cache_dir, wanted)
+        existing = None if rebuild else find(cache_dir, wanted, root)
         if existing:
             return existing
         if offline:

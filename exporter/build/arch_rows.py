@@ -110,7 +110,7 @@ def _key(session, entry: dict, cpu: str, runner) -> str:
 
 
 def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Path | None, offline: bool,
-        prefix: str = "", write=lambda: None) -> None:
+        prefix: str = "", write=lambda: None, runners: Path | None = None) -> None:
     """Run every runnable artifact of `doc` on each CPU the plan names, add its rows, fail what fails there."""
     if "aarch64" not in session.plan.validate.arches:
         return
@@ -123,7 +123,7 @@ def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Pa
         return
     started = time.perf_counter()
     with progress.step(f"{prefix}aarch64 runner"):
-        runner = aarch64.prepare(request_cache_dir, progress, offline=offline or None)
+        runner = aarch64.prepare(request_cache_dir, progress, offline=offline or None, root=runners)
     summary["runner"] = {k: runner.info.get(k) for k in ("key", "qemu", "packages", "seconds", "size_bytes")}
     inputs = session.inputs.validation.contiguous().numpy()
     for entry in entries:

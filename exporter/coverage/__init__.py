@@ -31,10 +31,12 @@ def _command() -> str:
     return shlex.join(["exporter", *args])
 
 
-def output_paths(out: Path, shard: tuple[int, int] | None, weights: str = "random") -> tuple[Path, Path]:
+def output_paths(out: Path, shard: tuple[int, int] | None, weights: str = "random",
+                 aarch64: bool = False) -> tuple[Path, Path]:
     """OUT/coverage.json and .md, or OUT/coverage-shard-I-of-N.json and .md for a shard (a shard never
-    overwrites the whole table); the trained tier's are OUT/coverage-digits*.json and .md."""
-    stem = "coverage" if weights == "random" else f"coverage-{weights}"
+    overwrites the whole table); the trained tier's are OUT/coverage-digits*.json and .md; a sweep validated on
+    aarch64 too adds -aarch64 (its verdicts are another table's)."""
+    stem = ("coverage" if weights == "random" else f"coverage-{weights}") + ("-aarch64" if aarch64 else "")
     stem = stem if shard is None else f"{stem}-shard-{shard[0]}-of-{shard[1]}"
     out = Path(out)
     return out / f"{stem}.json", out / f"{stem}.md"
@@ -52,7 +54,7 @@ def run(settings: Settings, models=(), tasks=(), one_per_builder: bool = False, 
     found = select.shard(select.candidates(models, tasks, one_per_builder, max_params), which)
     if settings.is_trained:
         found = trained.restrict(found)
-    json_path, md_path = output_paths(out, which, settings.weights)
+    json_path, md_path = output_paths(out, which, settings.weights, settings.on_aarch64)
     selection = {"models": select.patterns(models), "tasks": list(tasks), "one_per_builder": one_per_builder,
                  "max_params": max_params, "shard": shard, "weights": len(found)}
     sweep = Sweep(settings, found, json_path, md_path, command or _command(), selection, cache, cache_dir, builds_dir)
@@ -65,7 +67,7 @@ def merge(paths, out: Path = Path("docs"), command: str | None = None) -> dict:
     from . import table
 
     doc = table.merge(paths, command or _command())
-    json_path, md_path = output_paths(out, None, doc["settings"].get("weights", "random"))
+    json_path, md_path = output_paths(out, None, doc["settings"].get("weights", "random"), bool(doc["settings"].get("cpus")))
     table.write(doc, json_path, md_path)
     return doc
 

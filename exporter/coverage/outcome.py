@@ -185,6 +185,8 @@ def cell_from_artifact(artifact: dict) -> dict:
     if "quantization" in details and isinstance(details["quantization"], dict):
         q = details["quantization"]
         cell["quantization"] = {k: q[k] for k in ("float_layers", "layers", "met_budget", "perturbation") if k in q}
+    if artifact.get("aarch64"):  # its verdict on each emulated ARM CPU (the status above already holds them)
+        cell["aarch64"] = {r["cpu"]: r["status"] for r in artifact["aarch64"]}
     psnr = (artifact.get("fidelity") or {}).get("psnr_db")
     if isinstance(psnr, (int, float)) and math.isfinite(psnr):
         cell["psnr_db"] = round(psnr, 2)

@@ -42,10 +42,16 @@ class Settings:
     train_epochs: int = trained.EPOCHS  # the digits tier's training: these epochs, then more while its acc@1
     train_until: float = trained.UNTIL  # on its own training digits is under this, up to train_max_epochs
     train_max_epochs: int = trained.MAX_EPOCHS
+    cpus: tuple[str, ...] = ()  # emulated aarch64 CPUs each runnable artifact is validated on too; ("target",): the
+    # target's own [validate] cpus; (): this host only
 
     @property
     def is_trained(self) -> bool:
         return self.weights == "digits"
+
+    @property
+    def on_aarch64(self) -> bool:
+        return bool(self.cpus)
 
     def key_parts(self) -> dict:
         """What a row's result depends on (the time limit only decides whether it finished)."""
@@ -60,6 +66,8 @@ class Settings:
             parts.pop("weights")
             for name in ("train_epochs", "train_until", "train_max_epochs"):
                 parts.pop(name)
+        if not self.on_aarch64:  # as before there were aarch64 rows
+            parts.pop("cpus")
         return json.loads(json.dumps(parts))
 
 
@@ -83,6 +91,12 @@ class Sweep:
         from ..release.manifest import tool_versions
 
         tools = tool_versions()
+        if self.settings.on_aarch64:  # set up once, here, where downloads are allowed (the builds run offline)
+            from .. import aarch64
+            from ..progress import Progress
+
+            self._runners = aarch64.cache_root(self.cache_dir)
+            aarch64.prepare(progress=Progress(), root=self._runners)
         started = time.time()
         doc = table.new_document(self.command, self.settings.describe(), self.selection, tools)
         planned = [(c, t) for c in self.candidates for t in self.settings.targets]
@@ -184,6 +198,8 @@ class Sweep:
             "weights": s.weights, "train_epochs": s.train_epochs, "train_until": s.train_until,
             "train_max_epochs": s.train_max_epochs, "trained": str(trained.directory(self.cache_dir)),
             "cpu_limit_s": s.time_limit,
+            "aarch64_cpus": [c for c in s.cpus if c != "target"] if s.on_aarch64 else None,
+            "aarch64_runners": str(self._runners) if s.on_aarch64 else None,
         }
 
     def _run_worker(self, spec: dict, weight_dir: Path, stop) -> tuple[subprocess.Popen, str | None, float, Path]:

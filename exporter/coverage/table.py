@@ -227,16 +227,23 @@ def _acc1(cell: dict) -> str:
     return f" · acc@1 {acc1:.1f}" if isinstance(acc1, (int, float)) else ""
 
 
+def _arm(cell: dict) -> str:
+    cpus = cell.get("aarch64") or {}
+    return f" · ✅ on {', '.join(cpus)}" if cpus and all(v == "passed" for v in cpus.values()) else ""
+
+
 def cell_text(cell: dict) -> str:
     symbol = SYMBOLS[cell["outcome"]]
     kind = cell.get("kind")
     if cell["outcome"] == "passed":
-        return f"{symbol} {_mb(cell.get('size_bytes'))}{_acc1(cell)}".strip()
+        return f"{symbol} {_mb(cell.get('size_bytes'))}{_acc1(cell)}{_arm(cell)}".strip()
     if cell["outcome"] == "failed":
         if kind == "degenerate reference":
             return f"{symbol} degenerate"
         suffix = {"ill-conditioned reference": " · ill-conditioned", "quantized weight": " · the int8 weight's own"}.get(kind, "")
-        return f"{symbol} {_short_reason(cell.get('reason'))}{suffix}{_acc1(cell)}"
+        reason = cell.get("reason") or ""
+        where = reason.split(" (emulated)")[0].removeprefix("aarch64 ") + ": " if reason.startswith("aarch64 ") else ""
+        return f"{symbol} {where}{_short_reason(reason)}{suffix}{_acc1(cell)}{_arm(cell)}"
     if cell["outcome"] == "export":
         return f"{symbol} {kind}"
     if cell["outcome"] == "unavailable":
@@ -308,6 +315,9 @@ def _settings_line(settings: dict) -> str:
             "×".join(map(str, settings["input_size"])) + ", or the weight's own where that is smaller or its minimum larger"
             if settings.get("input_size") else "the weight's"),
         f"time limit {limit:g} s per build" if limit else "no time limit",
+        *([f"every .pte, .ptl and ONNX also validated on emulated aarch64 ("
+           + ("each target's own CPUs" if settings["cpus"] == ["target"] else ", ".join(settings["cpus"]))
+           + "): a cell passes only where it passes on every CPU"] if settings.get("cpus") else []),
     ]
     return "; ".join(parts)
 

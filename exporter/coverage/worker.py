@@ -85,6 +85,8 @@ def run(spec: dict) -> int:
             data=Path(made["data"]) if made.get("data") else None,
             labels=Path(made["labels"]) if made.get("labels") else None,
             cache=True, cache_dir=Path(spec["build_cache"]),  # shared by the weight's targets, then removed
+            **({"arch": ["aarch64"], "cpus": spec["aarch64_cpus"], "aarch64_runners": Path(spec["aarch64_runners"])}
+               if spec.get("aarch64_runners") else {}),
         )
         if spec.get("floor_only"):
             result.update(stage="done", floor=floor(request, spec["target"]), status=None)
