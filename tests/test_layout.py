@@ -162,7 +162,7 @@ MAY_IMPORT = {
     "release": {"formats", "device", "files", "errors", "hostload"},
     "build": {"weights", "tasks", "formats", "quant", "validation", "data", "release", "aarch64", *LEAVES, "exporter"},
     "standins": {"weights", "tasks", "files", "errors", "hostload"},
-    "coverage": {"build", "weights", "tasks", "data", "release", "standins", *LEAVES, "exporter"},
+    "coverage": {"build", "weights", "tasks", "data", "release", "standins", "aarch64", *LEAVES, "exporter"},
     "aarch64": {"errors", "files", "progress"},
     "cli": {"build", "weights", "release", "device", "coverage", "aarch64", *LEAVES, "exporter"},
     "bench": {"data", "formats", "validation", "quant", "tasks", "weights", "release", "device", "standins",
