@@ -216,7 +216,7 @@ def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop
     runner = sweep.Sweep(sweep.Settings(time_limit=1), [], tmp_path / "c.json", tmp_path / "c.md", "test")
     stop = type("Stop", (), {"child": None})()
     proc, stopped, seconds, _log = runner._run_worker(
-        {"target": "jetson", "result": str(tmp_path / "r.json"), "cpu_limit_s": 1}, tmp_path, stop)
+        {"weight": "W.V1", "target": "jetson", "result": str(tmp_path / "r.json"), "cpu_limit_s": 1}, tmp_path, stop)
     assert stopped == stopped_by, (proc.returncode, seconds)
     if stopped_by is None:
         assert proc.returncode == 0 and seconds >= 2  # past the 1 s limit on the wall clock, and not stopped
