@@ -1,7 +1,7 @@
 """The sweep itself: for each chosen weight and target, one build in its own process (isolated from crashes
 and out-of-memory kills, stopped at the time limit), its cells read from the manifest it wrote, the row
-cached, progress on stderr (the build's steps as they finish, then the row's line), and the table rewritten after every row (so an interrupted sweep leaves a
-partial table that says so)."""
+cached, progress on stderr (the build's steps as they finish, then the row's line), and the table rewritten
+after every row (so an interrupted sweep leaves a partial table that says so)."""
 
 from __future__ import annotations
 
