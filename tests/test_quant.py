@@ -615,3 +615,35 @@ def test_the_report_says_when_the_check_images_are_too_few_to_resolve_the_accura
     assert "one of 64 check images is 1.6 points of acc@1, coarser than the 1-point budget" in quantization_summary(q)
     assert "coarser" not in quantization_summary({**q, "check_images": 200})
     assert "coarser" not in quantization_summary({**q, "check_labeled": False})
+
+
+class _UntraceableConvBn(torch.nn.Module):
+    """A Conv and its BatchNorm right under a module torch.fx cannot trace (a branch on a value), beside a child
+    it can: folding by parts folds the child's pair only, and the TorchScript exporter folds the other itself,
+    naming the folded weight onnx::Conv_<n>, a name no module has."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.child = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8))
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        if y.mean() > 1e9:  # never, but torch.fx cannot know
+            y = -y
+        return self.child(y).mean((2, 3))
+
+
+def test_a_conv_whose_weight_the_onnx_exporter_named_stays_float_instead_of_failing_the_search(tmp_path):
+    from exporter.formats.onnx import INPUT, _export_graph, _fold_batchnorms
+    from exporter.quant.onnx_qdq import OnnxQdqBackend
+
+    torch.manual_seed(0)
+    model, folding = _fold_batchnorms(_UntraceableConvBn().eval(), by_parts=True)
+    assert folding == {"batchnorms": 2, "folded": 1}
+    fp32 = tmp_path / "fp32.onnx"
+    _export_graph(model, torch.randn(1, 3, 16, 16), 18, fp32, exporter="torchscript")
+    qdq = OnnxQdqBackend(model, fp32, INPUT, "mse", tmp_path)
+    assert qdq.layers() == ["child.0"] and len(qdq._unmapped) == 1
+    candidate = qdq.quantize([], [torch.randn(1, 3, 16, 16) for _ in range(4)], "mse")
+    assert candidate.path.is_file() and qdq.float_ops([]).get("Conv") == 1

@@ -71,12 +71,17 @@ class OnnxQdqBackend:
         # layer -> its nodes (name, input tensor): a module called more than once (a detector's head on every FPN
         # level, Faster R-CNN's RPN head) is one node per call, all on the same weight
         self._nodes: dict[str, list[tuple[str, str]]] = {}
-        self._unmapped: list[str] = []  # MatMul nodes that are no Linear layer's: left float
+        self._unmapped: list[str] = []  # nodes that are no layer's: left float
         linears = _linear_weights(model)
+        modules = dict(model.named_modules())
         for node in graph.node:
             weight = node.input[1] if len(node.input) > 1 else None
             if node.op_type in ("Conv", "Gemm") and weight in initializers:
-                self._nodes.setdefault(weight.removesuffix(".weight"), []).append((node.name, node.input[0]))
+                layer = weight.removesuffix(".weight")
+                if layer in modules:
+                    self._nodes.setdefault(layer, []).append((node.name, node.input[0]))
+                else:  # a weight the exporter made (a BatchNorm it folded, onnx::Conv_<n>): no module to rank it by
+                    self._unmapped.append(node.name)
             elif node.op_type == "MatMul":
                 layer = _linear_of(initializers.get(weight), linears, self.fp32_path.parent)
                 if layer is None:
