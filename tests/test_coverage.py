@@ -330,6 +330,17 @@ def test_cells_read_from_a_manifest():
         "delegated_nodes": 9, "non_delegated_nodes": 1, "delegated_subgraphs": 1, "ops_outside_delegate": {"mean": 1},
         "ops_outside_on_tensors": {"mean": 1}}}))
     assert table._outside_xnnpack([pte]) == "fp16: mean×1"
+    rows = lambda *statuses: [{"cpu": cpu, "status": st} for cpu, st in zip(("cortex-a53", "cortex-a76"), statuses)]
+    on_arm = outcome.cell_from_artifact(artifact(status="passed", path="m.pte", size_bytes=2_000_000,
+                                                 aarch64=rows("passed", "passed")))
+    assert table.cell_text(on_arm) == "✅ 2.0 MB · ✅ on cortex-a53, cortex-a76"
+    broke_there = outcome.cell_from_artifact(artifact(path="m.pte", aarch64=rows("passed", "failed"), reasons=[
+        "aarch64 cortex-a76 (emulated): psnr_db 25.1 (needs >= 30)"]))
+    assert (broke_there["outcome"], table.cell_text(broke_there)) == ("failed", "❎ cortex-a76: psnr_db 25.1")
+    # qemu out of time (a starved host) is no verdict on the artifact
+    slow = outcome.cell_from_artifact(artifact(path="m.ptl", aarch64=rows("passed", "failed"), reasons=[
+        "aarch64 cortex-a76 (emulated): could not run on aarch64: timed out after 1800 s under qemu (cortex-a76)"]))
+    assert (slow["outcome"], slow["kind"], table.cell_text(slow)) == ("time", "time limit", "⏱ qemu on cortex-a76")
 
 
 def test_a_killed_build_marks_where_it_stopped():

@@ -201,12 +201,18 @@ def cell_from_artifact(artifact: dict) -> dict:
         refused = reason.startswith(NOT_MADE)
         cell["outcome"] = "refused" if refused else "unavailable"
         cell["kind"] = "by design" if refused else ("built, cannot run here" if built else "cannot build here")
+    elif built and reasons and all(_emulator_timeout(r) for r in reasons):
+        cell.update(outcome="time", kind="time limit")  # qemu ran out of time: the artifact was not judged there
     elif built:
         cell.update(outcome="failed", kind="validation")
     else:
         error = reason.removeprefix("export failed: ")
         cell.update(outcome="export", kind=classify(error))
     return cell
+
+
+def _emulator_timeout(reason: str) -> bool:
+    return reason.startswith("aarch64 ") and "timed out after" in reason and "under qemu" in reason
 
 
 def cells_from_manifest(doc: dict) -> list[dict]:
@@ -260,7 +266,9 @@ def reclassify(row: dict) -> dict:
     """A row with its cells' kinds derived from their reasons: export failures by today's CLASSIFIERS,
     validation failures by the row's precision `floor` (a cached row keeps its reasons and floor)."""
     for cell in row.get("cells", []):
-        if cell.get("outcome") == "export" and cell.get("reason") and cell.get("kind") not in ("out of memory", "time limit"):
+        if cell.get("outcome") == "failed" and cell.get("reasons") and all(map(_emulator_timeout, cell["reasons"])):
+            cell.update(outcome="time", kind="time limit")
+        elif cell.get("outcome") == "export" and cell.get("reason") and cell.get("kind") not in ("out of memory", "time limit"):
             cell["kind"] = classify(cell["reason"].removeprefix("export failed: "))
         elif cell.get("outcome") == "failed" and cell.get("kind") in JUDGED_KINDS:
             reasons = cell.get("reasons") or [cell.get("reason")]

@@ -241,11 +241,15 @@ def cell_text(cell: dict) -> str:
         if kind == "degenerate reference":
             return f"{symbol} degenerate"
         suffix = {"ill-conditioned reference": " · ill-conditioned", "quantized weight": " · the int8 weight's own"}.get(kind, "")
-        reason = cell.get("reason") or ""
-        where = reason.split(" (emulated)")[0].removeprefix("aarch64 ") + ": " if reason.startswith("aarch64 ") else ""
+        reason, where = cell.get("reason") or "", ""
+        if reason.startswith("aarch64 "):  # "aarch64 <cpu> (emulated): <the reason there>"
+            where, _, reason = reason.removeprefix("aarch64 ").partition(" (emulated): ")
+            where += ": "
         return f"{symbol} {where}{_short_reason(reason)}{suffix}{_acc1(cell)}{_arm(cell)}"
     if cell["outcome"] == "export":
         return f"{symbol} {kind}"
+    if cell["outcome"] == "time" and cell.get("aarch64"):
+        return f"{symbol} qemu on {', '.join(c for c, v in cell['aarch64'].items() if v != 'passed')}"
     if cell["outcome"] == "unavailable":
         return f"{symbol} {_mb(cell.get('size_bytes'))}".strip()
     return symbol
