@@ -50,6 +50,7 @@ def test_resized_flow_scales_its_vectors_and_keeps_unknown_pixels_out():
     assert torch.allclose(twice[0][~unknown], torch.tensor(4.0)) and torch.allclose(twice[1][~unknown], torch.tensor(-2.0))
     sparse = np.full((8, 8, 2), 2e9, dtype=np.float32)
     sparse[::2, ::2] = (1.0, 3.0)  # a quarter of the pixels known, as LiDAR-based ground truth has it
+    sparse[1, 1] = np.nan  # a file that marks a hole with NaN: unknown too
     resized = resized_flow(sparse, (12, 12))
     assert 0 < resized[0].isnan().float().mean() < 0.5
     assert torch.allclose(resized[0][~resized[0].isnan()], torch.tensor(1.5))

@@ -81,7 +81,7 @@ def resized_flow(flow: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     Known and unknown pixels are resized apart (a weighted mean of the known ones only), so a hole in the ground
     truth does not spread to its neighbours, nor sparse ground truth vanish, as NaN would through interpolation."""
     tensor = torch.from_numpy(flow).permute(2, 0, 1).float().clone()  # the caller's array is left as it was
-    known = ~(tensor.abs() > UNKNOWN_FLOW).any(0)
+    known = (tensor.abs() <= UNKNOWN_FLOW).all(0)  # NaN or infinity in a file: unknown too
     height, width = tensor.shape[1:]
     if (height, width) != tuple(size):
         def resize(t):
@@ -91,7 +91,7 @@ def resized_flow(flow: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
             tensor = resize(tensor)
         else:
             weight = resize(known[None].float())[0]
-            tensor = resize(tensor * known) / weight.clamp_min(1e-12)
+            tensor = resize(torch.where(known, tensor, 0.0)) / weight.clamp_min(1e-12)
             known = weight > 1e-6
         tensor = tensor * torch.tensor([size[1] / width, size[0] / height])[:, None, None]
     tensor[:, ~known] = float("nan")
