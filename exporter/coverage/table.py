@@ -441,8 +441,13 @@ def markdown(doc: dict) -> str:
               "and the labels of held-out digits; a cell shows the artifact's acc@1.") if trained else
              ("Every chosen torchvision weight with **random weights** (nothing downloaded), built for each target by the "
               "real `exporter build` and validated against its eager reference on synthetic inputs."))
+    if settings.get("cpus"):
+        intro += (" Every `.pte`, `.ptl` and ONNX artifact also ran on **emulated aarch64 cores** (qemu-user, the "
+                  "aarch64 wheels of the same versions), judged by the same contract: a cell passes only where it "
+                  "passes on every core, and names them.")
     lines = [
-        "# torchvision coverage" + (", trained on the digits" if trained else ""),
+        "# torchvision coverage" + (", trained on the digits" if trained else "")
+        + (", on x86 and emulated aarch64" if settings.get("cpus") else ""),
         "",
         intro + " [How this table is made](#how-this-table-is-made).",
         "",
