@@ -16,10 +16,13 @@ import pytest
 import torch
 from torch import nn
 
+import exporter
+from exporter import coverage
 from exporter.coverage import outcome, randomize, rowcache, sweep, table
 
 from .conftest import CACHE, QUANTIZED_WEIGHT, run_cli
 
+DOCS = Path(__file__).parents[1] / "docs"
 SMALL = ["mobilenet_v3_small", "squeezenet1_1"]
 SWEEP = ["coverage", "--models", ",".join(SMALL + ["maskrcnn_resnet50_fpn", "resnet18"]), "--one-per-builder",
          "--target", "jetson", "--format", "onnx:fp32", "--max-params", "3000000"]
@@ -208,13 +211,10 @@ def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop
     ⏱ at 1800 s with three sweeps on two cores, 1368 s with two): the limit is the build's CPU time."""
     import signal
 
-    script = ("import json, sys, time; from exporter.coverage.worker import limit_cpu; "
-              f"limit_cpu(json.load(open(sys.argv[1]))); {behaviour}")
-    spawn = sweep._spawn
-    monkeypatch.setattr(sweep, "_spawn", lambda command, log, env: spawn([sys.executable, "-c", script, command[-1]], log, env))
+    _fake_worker(monkeypatch, behaviour)
     monkeypatch.setattr(sweep, "WALL_FACTOR", 3)
     runner = sweep.Sweep(sweep.Settings(time_limit=1), [], tmp_path / "c.json", tmp_path / "c.md", "test")
-    stop = type("Stop", (), {"child": None})()
+    stop = type("Stop", (), {"child": None, "signalled": False})()
     proc, stopped, seconds, _log = runner._run_worker(
         {"weight": "W.V1", "target": "jetson", "result": str(tmp_path / "r.json"), "cpu_limit_s": 1}, tmp_path, stop)
     assert stopped == stopped_by, (proc.returncode, seconds)
@@ -226,6 +226,37 @@ def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop
         assert 3 <= seconds < 10
     text = sweep._limit_text(stopped, 1, seconds)
     assert (text is None) == (stopped_by is None) and (stopped_by is None or "CPU" in text)
+
+
+def _fake_worker(monkeypatch, script: str) -> None:
+    """The sweep's worker replaced by `script` (argv[1]: its spec), under the same CPU limit."""
+    script = "import json, sys, time; from exporter.coverage.worker import limit_cpu; " \
+             "spec = json.load(open(sys.argv[1])); limit_cpu(spec); " + script
+    spawn = sweep._spawn
+    monkeypatch.setattr(sweep, "_spawn", lambda command, log, env: spawn([sys.executable, "-c", script, command[-1]], log, env))
+
+
+def test_a_build_that_finished_before_the_limit_stopped_its_floor_stands(tmp_path, monkeypatch):
+    """The precision floor is measured after the build, in the same process: the limit ending it leaves a row
+    built (with the floor's error), not a ⏱ on a build that finished."""
+    _fake_worker(monkeypatch, "json.dump({'stage': 'done', 'status': 'failed'}, open(spec['result'], 'w')); "
+                              "sum(1 for _ in iter(int, 1))")
+    runner = sweep.Sweep(sweep.Settings(targets=("jetson",), formats=("onnx:fp32",), time_limit=1), [],
+                         tmp_path / "c.json", tmp_path / "c.md", "test")
+    candidate = sweep.Candidate("MobileNet_V3_Small_Weights.IMAGENET1K_V1", "mobilenet_v3_small", "classification", 2)
+    row = runner._build(candidate, "jetson", tmp_path, type("Stop", (), {"child": None, "signalled": False})())
+    assert row["outcome"] == "built" and not row["timed_out"], row
+    assert "stopped the floor" in row["floor"]["error"] and "CPU time" in row["floor"]["error"]
+
+
+def test_sigterm_between_builds_stops_the_sweep_before_the_next_build_runs(tmp_path, monkeypatch):
+    _fake_worker(monkeypatch, "time.sleep(30)")
+    runner = sweep.Sweep(sweep.Settings(time_limit=60), [], tmp_path / "c.json", tmp_path / "c.md", "test")
+    stop = type("Stop", (), {"child": None, "signalled": True})()
+    started = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        runner._run_worker({"weight": "W.V1", "target": "jetson", "result": str(tmp_path / "r.json")}, tmp_path, stop)
+    assert time.perf_counter() - started < 10
 
 
 def test_a_worker_stays_in_the_sweeps_session_and_its_kill_takes_what_it_started(tmp_path):
@@ -290,6 +321,7 @@ def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_pa
     (["--weights", "imagenet"], "--weights"),
     (["--cpu", "cortex-a99"], "unknown aarch64 CPU 'cortex-a99'"),
     (["--arch", "riscv64"], "--arch"),
+    (["--target", "jetson", "--target", "jetsn"], "unknown target 'jetsn'"),  # refused before jetson's build
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle, tmp_path):
     result = run_cli("coverage", "--out", tmp_path, *args)
@@ -806,6 +838,59 @@ def test_a_cached_row_stopped_on_the_wall_clock_alone_is_built_again(tmp_path):
     rowcache.store(tmp_path, {"key": "cpu", "timed_out": True, "stopped_by": "cpu", "time_limit_s": 1800, "cells": []})
     assert rowcache.fetch(tmp_path, "cpu", 1800) is not None
     assert rowcache.fetch(tmp_path, "cpu", 3600) is None
+    # the backstop stops a starved or blocked build: that says nothing about the weight either
+    rowcache.store(tmp_path, {"key": "wall", "timed_out": True, "stopped_by": "wall", "time_limit_s": 1800, "cells": []})
+    assert rowcache.fetch(tmp_path, "wall", 1800) is None
+
+
+def test_a_changed_target_profile_keys_its_rows_anew(tmp_path):
+    """A threshold lives in targets/*.toml, not in the exporter's source: a row cached under the old one would
+    show a ✅ the new one does not give."""
+    profile = tmp_path / "jetson.toml"
+    profile.write_text((Path(exporter.__file__).parents[1] / "targets" / "jetson.toml").read_text())
+    before = rowcache.key("W.V1", str(profile), {"calib": 16}, {"torch": "2.14.1"})
+    profile.write_text(profile.read_text().replace("psnr_db = 60.0", "psnr_db = 200.0", 1))
+    assert rowcache.key("W.V1", str(profile), {"calib": 16}, {"torch": "2.14.1"}) != before
+
+
+def test_bad_output_directories_are_refused_before_any_build(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    for args in (["--out", tmp_path / "a_file"], ["--out", tmp_path / "o", "--builds", tmp_path / "a_file"],
+                 ["--merge", DOCS / "coverage-digits.json", "--out", tmp_path / "a_file"]):
+        result = run_cli("coverage", "--models", SMALL[0], "--one-per-builder", *args)
+        assert result.exit_code == 2 and "cannot be a directory" in result.stderr.strip().splitlines()[-1], result.output
+
+
+def _merge_doc(tmp_path, name: str, rows: list[dict], time_limit: float, torch_version: str = "2.14.1") -> Path:
+    settings = sweep.Settings(targets=("android",), time_limit=time_limit).describe()
+    doc = table.new_document("test", settings, {}, {"torch": torch_version})
+    doc.update(rows=rows, planned_rows=len(rows), complete=True)
+    (tmp_path / name).write_text(json.dumps(doc))
+    return tmp_path / name
+
+
+def test_a_merge_keeps_measured_rows_and_says_what_its_files_were_made_with(tmp_path):
+    row = {"weight": "W.V1", "model": "w", "task": "classification", "params": 40e6, "target": "android"}
+    built = dict(row, outcome="built", reason=None, seconds=3.0, time_limit_s=900, cells=[])
+    skipped = dict(row, outcome="skipped", reason="40M parameters, over --max-params 30M", seconds=0.0, cells=[])
+    other = dict(built, weight="X.V1", model="x", time_limit_s=3600)
+    whole = _merge_doc(tmp_path, "whole.json", [built], 900)
+    small = _merge_doc(tmp_path, "small.json", [skipped, other], 3600, "2.15.0")
+    # a later sweep with --max-params skips what an earlier one built: the measured row stays
+    doc = coverage.merge([whole, small], tmp_path / "m", command="test")
+    assert {r["weight"]: r["outcome"] for r in doc["rows"]} == {"W.V1": "built", "X.V1": "built"}
+    # ...while a skipped row is replaced by one that was built
+    assert {r["weight"]: r["outcome"] for r in coverage.merge([small, whole], tmp_path / "n", command="test")["rows"]} == {
+        "W.V1": "built", "X.V1": "built"}
+    text = (tmp_path / "m" / "coverage.md").read_text()
+    assert "time limit 900 to 3600 s per build" in text and "torch 2.14.1 / 2.15.0" in text
+    # a file named on the command line that is not a table is refused, not left out of a "complete" merge
+    (tmp_path / "cut.json").write_text(whole.read_text()[:100])
+    (tmp_path / "no_rows.json").write_text(json.dumps({"coverage_version": table.COVERAGE_VERSION}))
+    for bad in ("cut.json", "no_rows.json"):
+        result = run_cli("coverage", "--merge", whole, tmp_path / bad, "--out", tmp_path / "bad")
+        assert result.exit_code == 2 and "is not a coverage JSON file" in result.stderr, result.output
+    assert not (tmp_path / "bad").exists() or not list((tmp_path / "bad").iterdir())
 
 
 def test_a_model_with_auxiliary_heads_trains_on_its_main_logits():

@@ -42,6 +42,16 @@ def output_paths(out: Path, shard: tuple[int, int] | None, weights: str = "rando
     return out / f"{stem}.json", out / f"{stem}.md"
 
 
+def _directory(path: Path, option: str) -> None:
+    """Make an output directory now, so that a bad one is refused before hours of builds, not after the first."""
+    from ..errors import UsageError
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{option} {path}: cannot be a directory ({e.strerror or e})") from None
+
+
 def run(settings: Settings, models=(), tasks=(), one_per_builder: bool = False, max_params: int | None = None,
         shard: str | None = None, out: Path = Path("docs"), cache: bool = True, cache_dir: Path | None = None,
         builds_dir: Path | None = None, command: str | None = None) -> dict:
@@ -54,6 +64,9 @@ def run(settings: Settings, models=(), tasks=(), one_per_builder: bool = False, 
     found = select.shard(select.candidates(models, tasks, one_per_builder, max_params), which)
     if settings.is_trained:
         found = trained.restrict(found)
+    if builds_dir is not None:
+        _directory(builds_dir, "--builds")
+    _directory(out, "--out")
     json_path, md_path = output_paths(out, which, settings.weights, settings.on_aarch64)
     selection = {"models": select.patterns(models), "tasks": list(tasks), "one_per_builder": one_per_builder,
                  "max_params": max_params, "shard": shard, "weights": len(found)}
@@ -66,6 +79,7 @@ def merge(paths, out: Path = Path("docs"), command: str | None = None) -> dict:
     OUT/coverage.json and OUT/coverage.md; returns the merged document."""
     from . import table
 
+    _directory(out, "--out")
     doc = table.merge(paths, command or _command())
     json_path, md_path = output_paths(out, None, doc["settings"].get("weights", "random"), bool(doc["settings"].get("cpus")))
     table.write(doc, json_path, md_path)

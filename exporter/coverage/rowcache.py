@@ -1,8 +1,9 @@
 """The sweep's row cache: each finished build (weight x target) is stored as
-`$EXPORTER_CACHE/coverage/<key>.json`, keyed on the weight, the target, the sweep's settings, the exporter's
-version and source and the tools' versions, so an interrupted sweep continues where it stopped and a re-run
-rebuilds nothing, while a fix to the exporter's code builds its rows again (keyed on the version alone, a re-run
-after the shared-head Q/DQ fix served the rows the code before it had made)."""
+`$EXPORTER_CACHE/coverage/<key>.json`, keyed on the weight, the target and its profile (targets/*.toml:
+artifacts, thresholds), the sweep's settings, the exporter's version and source and the tools' versions, so an
+interrupted sweep continues where it stopped and a re-run rebuilds nothing, while a fix to the exporter's code
+or a changed threshold builds its rows again (keyed on the version alone, a re-run after the shared-head Q/DQ
+fix served the rows the code before it had made)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ def root(cache_dir: Path | None = None) -> Path:
 
 
 def key(weight: str, target: str, settings: dict, tools: dict) -> str:
+    from ..build import profiles
     from ..build.cache import source_digest
 
     parts = {"row_version": ROW_VERSION, "exporter": __version__, "exporter_source": source_digest(),
-             "weight": weight, "target": target, "settings": settings, "tools": tools}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+             "weight": weight, "target": target, "profile": profiles.load(target), "settings": settings, "tools": tools}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 def fetch(directory: Path, row_key: str, time_limit: float | None, input_size: list[int] | None = None) -> dict | None:
@@ -44,7 +46,7 @@ def fetch(directory: Path, row_key: str, time_limit: float | None, input_size: l
     if input_size is not None and row.get("input_size") not in (None, list(input_size)):
         return None
     if row.get("timed_out"):
-        if row.get("stopped_by") is None:  # stopped by a wall-clock limit (before the limit was CPU time)
+        if row.get("stopped_by") in (None, "wall"):  # the wall clock stops a starved or blocked build, not the weight's
             return None
         earlier = row.get("time_limit_s")
         if earlier is None or (time_limit is None or time_limit > earlier):

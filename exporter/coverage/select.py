@@ -122,14 +122,12 @@ def targets_for(targets, formats=()) -> list[str]:
     from ..build import BuildRequest, expand_targets, target_profile
 
     chosen = expand_targets(list(targets) or ["all"])
-    if not formats:
-        return chosen
     kept = []
-    for target in chosen:
+    for target in chosen:  # every target is read here, so a misspelt one stops the sweep before any build
         try:
             target_profile(BuildRequest("coverage", target=target, formats=list(formats)), target)
         except UsageError as e:
-            if "matches nothing" not in str(e):
+            if not formats or "matches nothing" not in str(e):
                 raise
             continue
         kept.append(target)

@@ -155,6 +155,8 @@ class Sweep:
         return Path(tempfile.mkdtemp(prefix=f"coverage-{candidate.model}-"))
 
     def _row(self, candidate: Candidate, target: str, tools: dict, cache_root: Path, weight_dir: Path, stop) -> dict:
+        if stop.signalled:
+            raise KeyboardInterrupt
         row = {"weight": candidate.weight, "model": candidate.model, "task": candidate.task, "params": candidate.params,
                "quantized": candidate.quantized, "target": target}
         if candidate.refused:
@@ -223,6 +225,8 @@ class Sweep:
             proc = _spawn([sys.executable, "-m", "exporter.coverage.worker", str(spec_path)], log, env)
             stop.child = proc
             try:
+                if stop.signalled:  # SIGTERM came between builds, before this one could be killed by it
+                    raise KeyboardInterrupt
                 while not _waited(proc, RELAY_EVERY_S):
                     relay()
                     if s.time_limit is not None and time.perf_counter() - start > WALL_FACTOR * s.time_limit:
@@ -262,7 +266,11 @@ class Sweep:
         manifest = _read_json(out / "manifest.json")
         done = outcome.cells_from_manifest(manifest) if manifest else []
         error = result.get("error")
-        finished = result.get("stage") == "done" and not timed_out
+        finished = result.get("stage") == "done"
+        if finished and timed_out:  # stopped while measuring the floor: the build and its cells stand
+            floor_stopped = f"the time limit ({_limit_text(stopped_by, s.time_limit, seconds)}) stopped the floor"
+            result.setdefault("floor", {"error": floor_stopped})
+            timed_out, stopped_by = False, None
         info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out, "stopped_by": stopped_by,
                 "usage_error": result.get("usage_error"), "time_limit_s": s.time_limit, "checkpoint": _checkpoint_summary(result.get("checkpoint")),
                 "checkpoint_s": result.get("checkpoint_s"), "floor": result.get("floor")}

@@ -94,29 +94,57 @@ def write(doc: dict, json_path: Path, md_path: Path | None) -> None:
 
 # --- merge ---------------------------------------------------------------------------------------------------
 
-def _row_files(paths) -> list[Path]:
+def _row_files(paths) -> list[tuple[Path, bool]]:
+    """(file, named on the command line) for each file to merge; a directory's are found in it."""
     found = []
     for path in map(Path, paths):
         if path.is_dir():
-            found += sorted(path.rglob("*.json"))
+            found += [(f, False) for f in sorted(path.rglob("*.json"))]
         elif path.is_file():
-            found.append(path)
+            found.append((path, True))
         else:
             raise UsageError(f"--merge: {path} does not exist")
     return found
 
 
+def _coverage_doc(path: Path) -> dict | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("coverage_version") != COVERAGE_VERSION:
+        return None
+    if not isinstance(doc.get("settings"), dict) or not isinstance(doc.get("rows"), list):
+        return None
+    return doc
+
+
+def _kept(old: dict | None, new: dict) -> bool:
+    """Whether `new` replaces `old` for one weight x target: the later file's, except that a row skipped for
+    size never hides one that was built."""
+    return old is None or new.get("outcome") != "skipped" or old.get("outcome") == "skipped"
+
+
+def _tools(docs) -> dict:
+    """The tools' versions; a tool the files differ on shows each version."""
+    names = dict.fromkeys(k for _, d in docs for k in (d.get("tools") or {}))
+    merged = {}
+    for name in names:
+        versions = dict.fromkeys(v for _, d in docs for v in str((d.get("tools") or {}).get(name)).split(" / "))
+        merged[name] = " / ".join(v for v in versions if v != "None") or None
+    return merged
+
+
 def merge(paths, command: str) -> dict:
     """One document from several coverage JSON files (or directories holding them, e.g. CI shard artifacts).
-    A weight x target present in several files keeps the last one read."""
+    A weight x target present in several files keeps the last one read, unless that one was skipped for size."""
     docs = []
-    for path in _row_files(paths):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(doc, dict) and doc.get("coverage_version") == COVERAGE_VERSION:
+    for path, named in _row_files(paths):
+        doc = _coverage_doc(path)
+        if doc is not None:
             docs.append((path, doc))
+        elif named:  # a directory may hold other JSON; a file named on the command line must be a table
+            raise UsageError(f"--merge: {path} is not a coverage JSON file (from `exporter coverage`)")
     if not docs:
         raise UsageError(f"--merge: no coverage JSON files (from `exporter coverage`) in {', '.join(map(str, paths))}")
     first = docs[0][1]
@@ -131,12 +159,13 @@ def merge(paths, command: str) -> dict:
     rows = {}
     for _, doc in docs:
         for row in doc["rows"]:
-            rows[(row["weight"], row["target"])] = reclassify(row)  # by today's rules
-    targets = {t for _, d in docs for t in d["settings"]["targets"]}
+            if _kept(rows.get((row["weight"], row["target"])), row):
+                rows[(row["weight"], row["target"])] = reclassify(row)  # by today's rules
+    targets = {t for _, d in docs for t in d["settings"].get("targets") or ()}
     settings = dict(first["settings"], targets=sorted(targets, key=lambda t: (_order(t, TARGET_ORDER), t)))
-    merged = new_document(command, settings, dict(first.get("selection") or {}, shard=None), first["tools"])
-    hosts = {json.dumps(d["host"], sort_keys=True) for _, d in docs}
-    merged["host"] = first["host"]
+    merged = new_document(command, settings, dict(first.get("selection") or {}, shard=None), _tools(docs))
+    hosts = {json.dumps(d.get("host"), sort_keys=True) for _, d in docs}
+    merged["host"] = first.get("host")
     merged["exporter_commit"] = None  # each file's own, in merged_from: sweeps merged may come from several commits
     if len(hosts) > 1:
         merged["hosts"] = [json.loads(h) for h in sorted(hosts)]
@@ -301,8 +330,16 @@ def _outside_xnnpack(cells: list[dict]) -> str:
     return "; ".join(dict.fromkeys(parts)) or "—"
 
 
-def _settings_line(settings: dict) -> str:
-    limit = settings.get("time_limit")
+def _limit_text(settings: dict, rows: list[dict]) -> str:
+    """The time limit, or the range of the limits its rows were built under (a merge of sweeps run with several)."""
+    limits = {r["time_limit_s"] for r in rows if r.get("outcome") in ("built", "stopped") and r.get("time_limit_s")}
+    limits |= {settings["time_limit"]} if settings.get("time_limit") and not limits else set()
+    if len(limits) > 1:
+        return f"time limit {min(limits):g} to {max(limits):g} s per build (each row's own sweep's)"
+    return f"time limit {limits.pop():g} s per build" if limits else "no time limit"
+
+
+def _settings_line(settings: dict, rows: list[dict]) -> str:
     parts = [
         f"targets {', '.join(settings['targets'])}",
         f"formats {', '.join(settings['formats'])}" if settings.get("formats") else "every artifact of each target",
@@ -318,7 +355,7 @@ def _settings_line(settings: dict) -> str:
         "segmentation, RetinaNet, FCOS and video-frame input " + (
             "×".join(map(str, settings["input_size"])) + ", or the weight's own where that is smaller or its minimum larger"
             if settings.get("input_size") else "the weight's"),
-        f"time limit {limit:g} s per build" if limit else "no time limit",
+        _limit_text(settings, rows),
         *([f"every .pte, .ptl and ONNX also validated on emulated aarch64 ("
            + ("each target's own CPUs" if settings["cpus"] == ["target"] else ", ".join(settings["cpus"]))
            + "): a cell passes only where it passes on every CPU"] if settings.get("cpus") else []),
@@ -390,10 +427,10 @@ and marked ⏱), offline and without `--data`:
   ⛔ per artifact, with its reason.
 - **⚪ is not a failure**: the artifact cannot be run (Core ML off macOS) or built (TensorRT without a GPU) on
   this host; a Core ML package that converted shows its size.
-- **Resumable.** Each build's row is cached in `$EXPORTER_CACHE/coverage/` keyed on the weight, the target,
-  these settings, the exporter's version and source and the tools' versions: an interrupted sweep continues, a
-  re-run rebuilds nothing, and a change to the exporter's code builds every row again (as does a row stopped at a
-  shorter time limit, or by the wall clock alone).
+- **Resumable.** Each build's row is cached in `$EXPORTER_CACHE/coverage/` keyed on the weight, the target and
+  its profile (`targets/*.toml`), these settings, the exporter's version and source and the tools' versions: an
+  interrupted sweep continues, a re-run rebuilds nothing, and a change to the exporter's code or to a target's
+  thresholds builds every row again (as does a row stopped at a shorter time limit, or by the wall clock alone).
 - "ops outside XNNPACK" lists the `.pte` graphs' ops that touch tensors and were left outside the XNNPACK
   delegate (the manifest's `details.delegation.ops_outside_on_tensors`; scalar casts are not counted).
 """
@@ -470,7 +507,7 @@ def markdown(doc: dict) -> str:
         + " |",
         "| host | " + "; ".join(_esc(_host_line(h)) for h in (doc.get("hosts") or [host])) + " |",
         "| tools | " + ", ".join(f"{name} {tools.get(name) or '—'}" for name in SHOWN_TOOLS) + " |",
-        f"| settings | {_esc(_settings_line(settings))} |",
+        f"| settings | {_esc(_settings_line(settings, rows))} |",
         "| selection | " + " + ".join(dict.fromkeys(_esc(_selection_line(m.get("selection") or {}))
                                                   for m in (doc.get("merged_from") or [doc]))) + " |",
         "",
