@@ -186,7 +186,7 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
                    "320 320) or of a video graph's frames (the weight's crop); SSD and classifiers take their "
                    "weight's own.")
 @click.option("--calib-size", type=click.IntRange(min=0), default=None)
-@click.option("--val-size", type=click.IntRange(min=1), default=None)
+@click.option("--val-size", type=click.IntRange(min=2), default=None)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for eager and every runtime alike.")
 @click.option("--warmup", type=click.IntRange(min=0), default=None)
 @click.option("--iterations", type=click.IntRange(min=1), default=None, help="Timed iterations per runner.")
@@ -218,7 +218,7 @@ def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint
           require_engine, deployment_target, make_bundle,
           no_cache, force, quiet, as_json):
     """Export WEIGHT for a target, validate every artifact against eager PyTorch, write manifest and report."""
-    from .build import BuildRequest, build_targets, expand_targets
+    from .build import BuildRequest, build_targets, default_out, expand_targets, profiles
     from .progress import Progress
 
     request = BuildRequest(
@@ -231,8 +231,13 @@ def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint
         cache=not no_cache, offline=offline, float_checkpoint=float_checkpoint, input_size=input_size,
         arch=list(arches), cpus=list(cpus),
     )
+    if make_bundle:  # a target with no bundle selection is refused before the build, not after it
+        from .release.bundle import check_target
+
+        for target in expand_targets(targets):
+            check_target(profiles.load(target)["name"])
     docs = build_targets(request, expand_targets(targets), Progress(quiet=quiet or as_json))
-    base = out or Path("exports") / docs[0]["weight"]["name"] / (docs[0]["target"]["name"] if len(docs) == 1 else "")
+    base = out or default_out(docs[0]["weight"]["name"], [doc["target"]["name"] for doc in docs])
     if make_bundle and all(doc["status"] == "passed" for doc in docs):
         from .release.bundle import make_bundles, zip_path
 
@@ -387,7 +392,7 @@ def _command_line(ctx: click.Context) -> str:
                    "(cached), validated on held-out labeled digits.")
 @click.option("--train-epochs", type=click.IntRange(min=1), default=None, help="Epochs of the digits training [default: 4].")
 @click.option("--calib-size", type=click.IntRange(min=0), default=None, help="[default: 16 (random); the target's own (digits)]")
-@click.option("--val-size", type=click.IntRange(min=1), default=None, help="[default: 8 (random); the target's own (digits)]")
+@click.option("--val-size", type=click.IntRange(min=2), default=None, help="[default: 8 (random); the target's own (digits)]")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--iterations", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Threads per build.")

@@ -96,6 +96,9 @@ def blind_spot(task: Task, reference: torch.Tensor, thresholds: Mapping[str, flo
     limits = {k: v for k, v in thresholds.items() if THRESHOLD_KEYS[k][0][0] == "fidelity"}
     if not limits:
         return None
+    if len(reference) < 2:
+        return (f"fidelity not measurable on {len(reference)} validation input: whether eager's outputs vary "
+                f"across inputs, and so whether agreement with them means anything, takes two or more")
     constant = reference.double().mean(0, keepdim=True).expand_as(reference).float()
     fidelity = task.fidelity(reference, constant)
     if fidelity["psnr_db"] < NEAR_CONSTANT_DB or breaches({"fidelity": fidelity}, limits):

@@ -128,6 +128,16 @@ def test_profile_with_unknown_keys(build, tmp_path):
     assert_clean_refusal(result, out, "unknown key(s) turbo")
 
 
+def test_one_validation_input_is_refused(build, tmp_path):
+    """Whether eager's outputs vary across inputs (and so whether agreement means anything) takes two."""
+    result, out = build("--val-size", "1")  # click's own usage error
+    assert result.exit_code == 2 and "'--val-size': 1 is not in the range x>=2" in result.stderr and not out.exists()
+    profile = tmp_path / "custom.toml"
+    profile.write_text('[[artifacts]]\nformat = "executorch"\nprecision = "fp32"\n[data]\nval_size = 1\n')
+    result, out = build("--target", profile)
+    assert_clean_refusal(result, out, "val_size must be >= 2")
+
+
 def test_real_entry_point_exits_2_without_traceback(tmp_path):
     import subprocess
     import sys
@@ -141,3 +151,39 @@ def test_real_entry_point_exits_2_without_traceback(tmp_path):
     assert line.startswith("error: unknown weight 'MobileNet_V3_Large_Weights.IMAGENET1K_V9'; did you mean")
     assert "MobileNet_V3_Large_Weights.IMAGENET1K_V1" in line
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("content", [b"hello", b"abc def", bytes(range(256)) * 4])
+def test_a_file_that_is_no_checkpoint(build, tmp_path, content):
+    path = tmp_path / "notes.pth"
+    path.write_bytes(content)
+    result, out = build(checkpoint=path)
+    assert_clean_refusal(result, out, str(path))
+    assert "weights_only=False" not in result.stderr  # never the advice to run what the file holds
+
+
+def test_labels_that_are_not_text(build, tmp_path, digits_model):
+    result, out = build("--labels", digits_model.checkpoint)
+    assert_clean_refusal(result, out, "is not UTF-8 text")
+
+
+def _profile(tmp_path, name: str, extra: str = "", stem: str = "android") -> str:
+    folder = tmp_path / name
+    folder.mkdir()
+    path = folder / f"{stem}.toml"
+    path.write_text(extra + '[[artifacts]]\nformat = "executorch"\nprecision = "fp32"\n')
+    return str(path)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (lambda t: ["--target", _profile(t, "a"), "--target", "android"], "are both named 'android'"),
+    (lambda t: ["--target", _profile(t, "b", 'name = "../escaped"\n')], "name '../escaped' must be"),
+    (lambda t: ["--target", _profile(t, "e", '[[artifacts]]\nformat = "onnx"\nprecision = "fp32"\nname = "../x"\n')],
+     "name '../x' must be"),
+    (lambda t: ["--target", _profile(t, "c", 'post_build = "no_such_module:fn"\n')], "post_build 'no_such_module:fn' cannot be loaded"),
+    (lambda t: ["--target", _profile(t, "d", stem="pixel"), "--bundle"], "no bundle selection for target"),
+    (lambda t: ["--format", "executorch:int8", "--calib-size", "0"], "need calibration images"),
+])
+def test_a_build_that_cannot_finish_is_refused_before_it_writes(build, tmp_path, args, needle):
+    result, out = build(*args(tmp_path))
+    assert_clean_refusal(result, out, needle)

@@ -13,7 +13,7 @@ from exporter.build import profiles
 from exporter.build.plan import make as make_plan
 from exporter.standins import digits
 from exporter.errors import UsageError
-from exporter.quant import Calibration
+from exporter.quant import SETTINGS, Calibration
 from exporter.quant.search import _steps
 
 from .conftest import FAST, assert_clean_refusal, build_args, run_cli
@@ -49,6 +49,12 @@ def test_calibration_split_holds_out_disjoint_interleaved_images():
     assert seen == list(range(10)) and len(check) == 5  # every image once, half held out
     assert [int(x[0, 0, 0, 0]) for x in check] == [1, 3, 5, 7, 9]
     assert check_labels.tolist() == [labels[i].item() for i in (1, 3, 5, 7, 9)]
+    # another fraction holds out that share, not the nearest 1/k of it; a small one still holds one image out
+    for fraction, held in ((0.75, 96), (0.05, 6), (0.004, 1)):
+        images = [torch.full((1,), float(i)) for i in range(128)]
+        ranges, check, _ = Calibration(images, None, settings={**SETTINGS, "check_fraction": fraction}).split()
+        assert len(check) == held and len(ranges) == 128 - held, (fraction, len(check))
+        assert len({float(x) for x in check} | {float(x) for x in ranges}) == 128
 
 
 def test_fallback_steps_grow_and_stop_at_the_cap():
@@ -186,6 +192,21 @@ def test_search_respects_the_cap_and_no_fallback(monkeypatch):
     assert [s["float_layers"] for s in capped["steps"][2:]] == [1, 2] and "cap of 2" in capped["note"]
     plain = _search(monkeypatch, "layer0", list(_FakeBackend.LAYERS), fallback=False)
     assert plain["float_layers"] == [] and len(plain["steps"]) == 2 and "--no-fallback" in plain["note"]
+
+
+def test_the_cap_and_the_steps_count_the_layers_floated_beside_a_layer(monkeypatch):
+    """On ExecuTorch a layer's producer goes float with it (XNNPACK runs a quantized op only with a quantized
+    output): a step of one layer can be two in float. The cap holds for all of them, and a layer already float
+    beside another is not a step of its own."""
+    producer = {"layer7": "layer6", "layer5": "layer4"}
+    monkeypatch.setattr(_FakeBackend, "float_closure", lambda self, layers: list(dict.fromkeys(
+        [*layers, *(producer[n] for n in layers if n in producer)])))
+    # ranking: layer7 (floats layer6 with it), layer6 (already float: no step), layer5 (+ layer4), ...
+    ranking = ["layer7", "layer6", "layer5", "layer0", "layer1", "layer2", "layer3", "layer4"]
+    report = _search(monkeypatch, "layer3", ranking, max_float_fraction=0.5)  # cap: 4 layers
+    fallback = report["steps"][2:]
+    assert [s["float_layers"] for s in fallback] == [2, 4, 5] and fallback[-1]["over_cap"], fallback
+    assert len(report["float_layers"]) <= 4 and "over the cap of 4" in report["note"], report
 
 
 def test_a_missed_budget_says_when_the_model_itself_amplifies_small_errors(monkeypatch):
@@ -647,3 +668,61 @@ def test_a_conv_whose_weight_the_onnx_exporter_named_stays_float_instead_of_fail
     assert qdq.layers() == ["child.0"] and len(qdq._unmapped) == 1
     candidate = qdq.quantize([], [torch.randn(1, 3, 16, 16) for _ in range(4)], "mse")
     assert candidate.path.is_file() and qdq.float_ops([]).get("Conv") == 1
+
+
+class _SharedOutlierInput(torch.nn.Module):
+    """A stem whose one outlier channel feeds two convs (a ResNet block's conv1 and downsample, Inception's
+    branches); only `a` matters to the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.a, self.b = torch.nn.Conv2d(3, 8, 1), torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 1)
+        self.fc = torch.nn.Linear(8, 10)
+        with torch.no_grad():
+            self.stem.weight[0] *= 1000
+            self.stem.bias[0] *= 1000
+            self.a.weight[:, 0] /= 1000
+            self.b.weight[:, 0] /= 1000
+
+    def forward(self, x):
+        y = torch.relu(self.stem(x))
+        return self.fc(torch.relu(self.a(y)).mean((2, 3)) + 0.01 * torch.relu(self.b(y)).mean((2, 3)))
+
+
+def test_a_layer_kept_float_reads_a_float_input_even_where_a_quantized_layer_shares_it(tmp_path):
+    """ONNX Runtime's nodes_to_exclude left `a`'s input int8 because `b` reads the same tensor: `a` "in float"
+    gained 1 dB where a float input gives it back (measured 12.0 against 48.3 dB). Biases stay float too
+    (TensorRT's rule)."""
+    import onnx
+
+    from exporter.formats.onnx import INPUT, _export_graph
+    from exporter.quant.onnx_qdq import OnnxQdqBackend
+    from exporter.tasks.base import logit_fidelity
+
+    torch.manual_seed(0)
+    model = _SharedOutlierInput().eval()
+    images = [torch.randn(1, 3, 16, 16) for _ in range(24)]
+    fp32 = tmp_path / "fp32.onnx"
+    _export_graph(model, images[0], 18, fp32)
+    qdq = OnnxQdqBackend(model, fp32, INPUT, "minmax", tmp_path)
+    check = torch.cat(images[16:])
+    with torch.no_grad():
+        reference = model(check)
+
+    def psnr(float_layers):
+        candidate = qdq.quantize(float_layers, images[:16], "minmax")
+        return candidate, logit_fidelity(reference, torch.cat([candidate(x[None]) for x in check]))["psnr_db"]
+
+    (_, plain), (candidate, kept) = psnr([]), psnr(["a"])
+    assert kept > plain + 20 and kept > 40, (plain, kept)
+    graph = onnx.load(str(candidate.path)).graph
+    producers = {o: n for n in graph.node for o in n.output}
+    (a_node, _), = qdq._nodes["a"]
+    (b_node, _), = qdq._nodes["b"]
+    inputs = {n.name: [producers[i].op_type if i in producers else "initializer" for i in n.input] for n in graph.node}
+    assert "DequantizeLinear" not in inputs[a_node] and inputs[b_node][:2] == ["DequantizeLinear", "DequantizeLinear"]
+    # no Q/DQ left without a reader, and no int32 (quantized) bias
+    read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    assert all(n.output[0] in read for n in graph.node)
+    int32 = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.INT32}
+    assert not [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in int32]

@@ -54,11 +54,22 @@ def test_warm_rerun_reuses_artifacts_and_validation_and_rebuilds_a_corrupt_entry
     shutil.rmtree(tmp_path / "cache" / "builds")
     (stored,) = (tmp_path / "cache" / "artifacts").glob("*/*/artifact")
     stored.write_bytes(stored.read_bytes()[:1000])  # a truncated cache entry
-    assert run_cli(*build_args(digits_model, repaired, "--format", "torchscript_lite"), env=env).exit_code == 0
+    (repaired / "golden").mkdir(parents=True)
+    (repaired / "golden" / "eager_masks.npy").write_text("")  # an earlier build's, which --force must not leave behind
+    assert run_cli(*build_args(digits_model, repaired, "--format", "torchscript_lite", "--force"), env=env).exit_code == 0
+    assert not (repaired / "golden" / "eager_masks.npy").exists()
     third = _manifest(repaired)
     assert any(e.startswith("corrupt cache entry") for e in third["cache"]["events"])
     rebuilt = third["artifacts"][0]
     assert rebuilt["status"] == "passed" and files.sha256(repaired / rebuilt["path"]) == rebuilt["sha256"]
+
+    # the class names are written into artifacts (Core ML's) and previews: other labels, no artifact reused
+    shutil.rmtree(tmp_path / "cache" / "builds")
+    labels = tmp_path / "labels.txt"
+    labels.write_text(digits_model.labels_file.read_text().replace("digit", "Ziffer"))
+    relabeled = tmp_path / "relabeled"
+    assert run_cli(*build_args(digits_model, relabeled, "--format", "torchscript_lite", "--labels", labels), env=env).exit_code == 0
+    assert _manifest(relabeled)["cache"]["events"] == ["eager reference reused from the cache"]  # labels: not its
 
     nocache = tmp_path / "nocache"
     assert run_cli(*build_args(digits_model, nocache, "--format", "torchscript_lite", "--no-cache"), env=env).exit_code == 0
@@ -69,7 +80,7 @@ def _tree(directory):
     return {p.relative_to(directory).as_posix(): files.sha256(p) for p in directory.rglob("*") if p.is_file()}
 
 
-def test_unchanged_rerun_is_restored_whole_without_torch_and_any_input_change_is_seen(tmp_path, digits_model):
+def test_unchanged_rerun_is_restored_whole_without_torch_and_any_input_change_is_seen(tmp_path, digits_model, monkeypatch):
     cache, data, labels = tmp_path / "cache", tmp_path / "data", tmp_path / "labels.txt"
     shutil.copytree(digits_model.data_dir, data)
     shutil.copy(digits_model.labels_file, labels)
@@ -103,6 +114,10 @@ def test_unchanged_rerun_is_restored_whole_without_torch_and_any_input_change_is
         return BuildRecord(cache, request, plans).restore(Progress(quiet=True)) is not None
 
     assert restored()
+    (data / "zz").mkdir()  # an empty class folder: the classes (sorted folder names) are others
+    assert not restored()
+    (data / "zz").rmdir()
+    assert restored()
     image = next(p for p in sorted(data.rglob("*")) if p.is_file())
     original = image.read_bytes()
     image.write_bytes(original + b"\0")
@@ -114,6 +129,16 @@ def test_unchanged_rerun_is_restored_whole_without_torch_and_any_input_change_is
     shutil.copy(digits_model.labels_file, labels)
     assert restored()
     assert not BuildRecord(cache, dataclasses.replace(request, verify=False), plans).restore(Progress(quiet=True))
+    # recorded with --out, asked without: restored into the default exports/WEIGHT/TARGET
+    monkeypatch.chdir(tmp_path)
+    default = BuildRecord(cache, dataclasses.replace(request, out=None), plans).restore(Progress(quiet=True))
+    assert default and (tmp_path / "exports" / digits_model.weight / "android" / "manifest.json").is_file()
+    # an unfinished build (a killed one's manifest) is not made "passed" by validating what it lists
+    unfinished = shutil.copytree(cold, tmp_path / "unfinished")
+    doc = _manifest(unfinished)
+    (unfinished / "manifest.json").write_text(json.dumps(dict(doc, status="building")))
+    refused = run_cli("validate", unfinished)
+    assert refused.exit_code == 2 and "unfinished build" in refused.stderr, refused.output
     blob = max((cache / "blobs").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else 0)
     blob.write_bytes(blob.read_bytes()[:100])
     assert not restored()  # a damaged stored file is never restored

@@ -26,6 +26,18 @@ def test_psnr_matches_definition():
     assert classification.fidelity(ref, out)["psnr_db"] == pytest.approx(20 * math.log10(40))
 
 
+def test_an_error_on_an_all_zero_reference_is_minus_infinity_db():
+    zeros = torch.zeros(4, 10)
+    assert classification.fidelity(zeros, zeros + 1e-6)["psnr_db"] == -math.inf
+    assert classification.fidelity(zeros, zeros.clone())["psnr_db"] == math.inf
+
+
+def test_one_validation_input_cannot_show_a_degenerate_reference_and_says_so():
+    task = classification.Classification(10, (8, 8))
+    reason = validation.blind_spot(task, torch.randn(1, 10), {"psnr_db": 30.0})
+    assert reason and "on 1 validation input" in reason and "degenerate" not in reason
+
+
 def test_agreement_counts_flipped_predictions():
     ref = torch.eye(6) * 5
     out = ref.clone()

@@ -8,15 +8,31 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import cache, profiles
+from ..errors import UsageError
 from .request import BuildRequest
 from ..progress import Progress
 
 
 def expand_targets(targets) -> list[str]:
     targets = [targets] if isinstance(targets, (str, Path)) else list(targets)
-    if "all" in targets:
-        return profiles.available_targets()
-    return list(dict.fromkeys(str(t) for t in targets))
+    expanded = [name for t in targets for name in (profiles.available_targets() if str(t) == "all" else [str(t)])]
+    return list(dict.fromkeys(expanded))
+
+
+def default_out(weight: str, targets: list[str]) -> Path:
+    """Where a build without --out writes: exports/WEIGHT/TARGET, or exports/WEIGHT holding one folder per target."""
+    return Path("exports") / weight / (targets[0] if len(targets) == 1 else "")
+
+
+def _distinct(chosen: list[dict]) -> list[dict]:
+    """Each target's files go under its name: two profiles of one name would write the same folder."""
+    seen = {}
+    for profile in chosen:
+        other = seen.setdefault(profile["name"], profile)
+        if other is not profile:
+            raise UsageError(f"targets {other.get('path')} and {profile.get('path')} are both named "
+                             f"'{profile['name']}' (a build's folders are named after its targets): give one another `name`")
+    return chosen
 
 
 def target_profile(request: BuildRequest, target: str) -> dict:
@@ -52,7 +68,7 @@ def build_targets(request: BuildRequest, targets, progress: Progress | None = No
     from .record import BuildRecord
 
     progress = progress or Progress(quiet=True)
-    chosen = [target_profile(request, t) for t in expand_targets(targets)]
+    chosen = _distinct([target_profile(request, t) for t in expand_targets(targets)])
     record = BuildRecord(request.cache_dir or cache.default_root(), request, chosen) if request.cache else None
     if record is not None:
         docs = record.restore(progress)

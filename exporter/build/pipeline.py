@@ -10,7 +10,6 @@ import dataclasses
 import datetime
 import functools
 import json
-import shutil
 import sys
 from dataclasses import field, dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, report
 from ..release.ship import NOT_MADE
-from . import arch_rows, cache, golden_program, memory_profile, profiles
+from . import arch_rows, cache, default_out, golden_program, memory_profile, profiles
 from .plan import ArtifactSpec, Plan, make_all, make as make_plan
 from ..tasks import Task
 from ..quant import Calibration
@@ -51,7 +50,7 @@ class Session:
 
     @functools.cached_property
     def digests(self) -> dict:
-        """What the cache keys hang on: the exact checkpoint and input tensors."""
+        """What the cache keys hang on: the exact checkpoint, input tensors and what is written with them."""
         labels = self.inputs.labels
         return {
             "checkpoint": self.loaded.checkpoint["sha256"],
@@ -64,6 +63,7 @@ class Session:
             "labels": cache.tensors_digest([labels]) if labels is not None else None,
             "calibration_labels": (cache.tensors_digest([self.inputs.calibration_labels])
                                    if self.inputs.calibration_labels is not None else None),
+            "meta": self.meta,  # written into artifacts (Core ML's class names) and previews
             # every cached step is keyed on these: the exporter's own code is one of the tools
             "tools": {**manifest.tool_versions(), "exporter_source": cache.source_digest()},
             "exporter": __version__,
@@ -327,6 +327,8 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
 
 def _preflight(plan: Plan) -> None:
     """Missing extras and impossible options fail here, before anything is written."""
+    if plan.post_build:
+        _post_build_function(plan)
     for spec in plan.artifacts:
         module = FORMATS[spec.format].load_module()
         if hasattr(module, "preflight"):
@@ -363,10 +365,20 @@ def _write_golden(out: Path, session: Session) -> None:
 def _post_build(plan: Plan, out: Path, doc: dict, session: Session) -> None:
     if not plan.post_build:
         return
+    _post_build_function(plan)(out, doc, session)
+
+
+def _post_build_function(plan: Plan):
     import importlib
 
-    module_name, _, function = plan.post_build.partition(":")
-    getattr(importlib.import_module(module_name), function)(out, doc, session)
+    module_name, _, name = plan.post_build.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise UsageError(f"target {plan.target}: post_build {plan.post_build!r} cannot be loaded ({e})") from None
+    if not callable(function):
+        raise UsageError(f"target {plan.target}: post_build {plan.post_build!r} is not a function")
+    return function
 
 
 def _a(noun: str) -> str:
@@ -401,14 +413,23 @@ def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, pro
     plans = make_all(targets, task_class.name, request.options, task_class.format_options())
     for plan in plans:
         _preflight(plan)
+        calibrated = [a.label for a in plan.artifacts if a.precision == "int8"] if not weights.is_quantized(resolved) else []
+        if calibrated and plan.data.calib_size == 0:
+            raise UsageError(f"target {plan.target}: {', '.join(calibrated)} need calibration images; "
+                             f"--calib-size 0 gives none")
     task_class.input_size_of(resolved, weights.model_name_of(resolved), request.input_size)
     if request.data is not None and not Path(request.data).is_dir():
         raise UsageError(f"--data {request.data} is not a directory")
     single = len(plans) == 1
-    base = Path(request.out or (Path("exports") / weights.canonical_name(resolved) / (plans[0].target if single else "")))
+    base = Path(request.out or default_out(weights.canonical_name(resolved), [p.target for p in plans]))
     outs = [base] if single else [base / p.target for p in plans]
     for out in ([base] if single else [base, *outs]):
         files.check_out_dir(out, request.force)
+    if any("aarch64" in plan.validate.arches for plan in plans):  # offline with none cached: refused before any file
+        from .. import aarch64
+
+        with progress.step("aarch64 runner"):
+            aarch64.prepare(request.cache_dir, progress, offline=request.offline or None, root=request.aarch64_runners)
     with progress.step("load weights"):
         loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels, request.offline, progress,
                               request.float_checkpoint)
@@ -433,11 +454,7 @@ def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, pro
 def _build_one(request: BuildRequest, session: Session, out: Path, progress: Progress, prefix: str) -> dict:
     loaded, inputs, plan = session.loaded, session.inputs, session.plan
     out.mkdir(parents=True, exist_ok=True)
-    for stale in manifest.BUILD_FILES:
-        (out / stale).unlink(missing_ok=True)
-    shutil.rmtree(out / "previews", ignore_errors=True)
-    for staging in out.glob(".*.partial"):  # left by a killed build
-        shutil.rmtree(staging, ignore_errors=True)
+    manifest.clear_build_files(out)
     doc = {
         "schema_version": manifest.SCHEMA_VERSION,
         "exporter_version": __version__,
@@ -487,6 +504,8 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
         doc = manifest.read(out)
     except (ValueError, json.JSONDecodeError) as e:
         raise UsageError(f"cannot read {out / 'manifest.json'}: {e}") from None
+    if doc.get("status") == "building":  # killed part way: its manifest lists only the artifacts done by then
+        raise UsageError(f"{out} is an unfinished build (status 'building'); run the build again")
     for entry in doc["artifacts"]:
         if entry.get("path"):
             path = out / entry["path"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import tomllib
 from pathlib import Path
 
@@ -31,6 +32,7 @@ SECTIONS = {
 }
 TASK_SECTIONS = {"thresholds": dict, "data": dict}
 DATA_KEYS = {"calib_size": int, "val_size": int, "seed": int}
+MIN_VAL_SIZE = 2
 LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
 ARTIFACT_KEYS = {"name", "format", "precision", "options"}
 ARCHES = ("x86_64", "aarch64")  # x86_64: this host (always); aarch64: the emulated runner (exporter.aarch64)
@@ -126,6 +128,17 @@ def _check_ints(table: dict, keys: dict, where: str, minimum: int) -> None:
             raise UsageError(f"{where}: {k} must be an integer >= {minimum}, got {v!r}")
 
 
+def _check_name(name, where: str) -> None:
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise UsageError(f"{where}: name {name!r} must be letters, digits, '.', '_' or '-', starting with a letter or digit")
+
+
+def _check_val_size(table: dict, where: str) -> None:
+    if table.get("val_size", MIN_VAL_SIZE) < MIN_VAL_SIZE:
+        raise UsageError(f"{where}: val_size must be >= {MIN_VAL_SIZE} (whether eager's outputs vary, and so whether "
+                         f"agreement with them means anything, takes two inputs), got {table['val_size']}")
+
+
 def _check_validate(table: dict, artifacts: list, where: str) -> None:
     from ..aarch64 import cpus as named
 
@@ -151,10 +164,13 @@ def check(profile: dict, where: str) -> None:
     for key, kind in SECTIONS.items():
         if key in profile and not isinstance(profile[key], kind):
             raise UsageError(f"{where}: '{key}' must be a {kind.__name__}")
+    _check_name(profile.get("name", ""), where)  # it names the build's folder
     if not profile.get("artifacts"):
         raise UsageError(f"{where}: no [[artifacts]] listed")
     for art in profile["artifacts"]:
         _check_keys(art, ARTIFACT_KEYS, f"{where} [[artifacts]]")
+        if "name" in art:  # it names the artifact's file
+            _check_name(art["name"], f"{where} [[artifacts]]")
         if art.get("format") not in FORMATS:
             raise UsageError(f"{where}: unknown format {art.get('format')!r}; known: {', '.join(FORMATS)}")
         if art.get("precision") not in ("fp32", "fp16", "int8"):
@@ -164,11 +180,13 @@ def check(profile: dict, where: str) -> None:
     _check_thresholds(profile.get("thresholds", {}), where, "thresholds")
     _check_quantization(profile.get("quantization", {}), where)
     _check_ints(profile.get("data", {}), DATA_KEYS, f"{where} [data]", 0)
+    _check_val_size(profile.get("data", {}), f"{where} [data]")
     _check_keys(profile.get("tasks", {}), set(TASK_KEYS) - {"classification"}, f"{where} [tasks]")
     for task, table in profile.get("tasks", {}).items():
         _check_keys(table, TASK_SECTIONS, f"{where} [tasks.{task}]")
         _check_thresholds(table.get("thresholds", {}), where, f"tasks.{task}.thresholds", task)
         _check_ints(table.get("data", {}), DATA_KEYS, f"{where} [tasks.{task}.data]", 0)
+        _check_val_size(table.get("data", {}), f"{where} [tasks.{task}.data]")
     latency = profile.get("latency", {})
     _check_ints({k: v for k, v in latency.items() if k != "max_spread"}, LATENCY_KEYS, f"{where} [latency]", 0)
     spread = latency.get("max_spread", 2.0)  # p90/p50 beyond which latency is reported unreliable (hostload)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import files
 from ..release import html_report, manifest, report
-from . import cache
+from . import cache, default_out
 from .cache import BuildCache
 from ..formats import FORMATS
 from ..progress import Progress
@@ -54,8 +54,11 @@ def _environment() -> dict:
 
 def _tree(directory: Path, known: dict | None = None) -> dict:
     """relative path -> [size, mtime_ns, sha256] of every file; a file whose size and mtime match
-    `known` keeps its recorded hash (as git's index does), any other is hashed."""
+    `known` keeps its recorded hash (as git's index does), any other is hashed. Folders are listed too
+    ("name/" -> [0, 0, "folder"]): an ImageFolder's classes are its sorted folder names, an empty one included."""
     listing = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_dir()):
+        listing[path.relative_to(directory).as_posix() + "/"] = [0, 0, "folder"]
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel, st = path.relative_to(directory).as_posix(), path.stat()
         seen = (known or {}).get(rel)
@@ -95,7 +98,7 @@ def _inputs_unchanged(recorded: dict) -> bool:
 
 def _written(doc: dict) -> list[str]:
     """The files a build wrote into its directory (as its manifest describes them), less those rendered at restore."""
-    names = [n for n in manifest.BUILD_FILES if n not in RENDERED] + ["golden", "previews", *(doc.get("jetson") or {}).get("sha256", {})]
+    names = [n for n in manifest.BUILD_FILES if n not in RENDERED] + [*manifest.BUILD_FOLDERS, *(doc.get("jetson") or {}).get("sha256", {})]
     names += [a["path"] for a in doc["artifacts"] if a.get("path")]
     names += [a["bundled_program"]["path"] for a in doc["artifacts"] if a.get("bundled_program")]
     code = ((doc.get("task") or {}).get("decode") or {}).get("code")  # a task's device files (detection's decode)
@@ -138,7 +141,7 @@ class BuildRecord:
         record = self.cache.fetch_json("builds", self.key)
         if record is None or _noisy_latency(record["docs"]) or not _inputs_unchanged(record["inputs"]):
             return None
-        base = Path(self.request.out or record["default_out"])
+        base = Path(self.request.out or default_out(record["docs"][0]["weight"]["name"], record["targets"]))
         outs = self._outs(base, record["targets"])
         for out in dict.fromkeys([base, *outs]):
             files.check_out_dir(out, self.request.force)
@@ -148,8 +151,8 @@ class BuildRecord:
                    for f in written.values()):
                 return None  # a blob went missing or was damaged: build again, which stores it anew
             for out in outs:
-                for staging in out.glob(".*.partial") if out.is_dir() else ():  # left by a killed build
-                    shutil.rmtree(staging, ignore_errors=True)
+                if out.is_dir():
+                    manifest.clear_build_files(out)
             # a graph before its external data: writing a file clears companions it was not written with
             for rel, f in sorted(written.items(), key=lambda item: item[0].endswith(files.COMPANION_SUFFIXES)):
                 target = base / rel
@@ -200,7 +203,6 @@ class BuildRecord:
                 written[path.relative_to(base).as_posix()] = {"sha256": digest, "executable": executable}
         self.cache.store_json("builds", self.key, {
             "inputs": _inputs(self.request, docs),
-            "default_out": None if self.request.out else str(base),
             "targets": targets,
             "files": written,
             "docs": docs,

@@ -3,6 +3,7 @@ to meet it. Torch-free, so profiles and the CLI can build it without importing t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,8 +39,9 @@ class Calibration:
         """(images that set the ranges, images that check the budget, labels of the check images).
         Interleaved rather than halved, so that an ImageFolder's order cannot put one class on one side."""
         n = len(self.images)
-        every = max(2, round(1 / max(self.settings["check_fraction"], 1e-6)))
-        check_idx = [i for i in range(n) if i % every == every - 1] if n >= 4 else []
+        # check_fraction of them (at least one, never all), spread evenly: at 0.5 the odd-numbered images
+        held = min(n - 1, max(1, math.floor(self.settings["check_fraction"] * n))) if n >= 4 else 0
+        check_idx = [math.floor((j + 0.5) * n / held) for j in range(held)]
         ranges = [x for i, x in enumerate(self.images) if i not in set(check_idx)]
         check = [self.images[i] for i in check_idx]
         labels = None if self.labels is None or not check_idx else self.labels[check_idx]

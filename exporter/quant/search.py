@@ -96,8 +96,9 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     def attempt(float_layers: list[str], method: str):
         candidate = backend.quantize(float_layers, range_images, method)
         metrics = task.quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
-        steps.append({"float_layers": len(float_layers), "ranges": method, **_summary(task, metrics)})
-        log(f"  int8, {method} ranges, {len(float_layers)}/{len(layers)} layers float: "
+        floated = len(backend.float_closure(float_layers))  # with the producers XNNPACK needs float beside them
+        steps.append({"float_layers": floated, "ranges": method, **_summary(task, metrics)})
+        log(f"  int8, {method} ranges, {floated}/{len(layers)} layers float: "
             f"{metrics['fidelity']['psnr_db']:.1f} dB, agreement {task.headline(metrics)['agreement']:.3f}"
             + ("" if metrics["reasons"] else ", budget met"))
         return candidate, metrics
@@ -139,9 +140,17 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
         tried = [([], metrics, plain)]
         best, stale = metrics["fidelity"]["psnr_db"], 0
+        floated: list[str] = []
         for count in _steps(cap):
+            if set(ranking[:count]) <= set(floated):  # already float beside an earlier layer: the same model
+                continue
             held = None
             candidate, step_metrics = attempt(ranking[:count], method)
+            floated = backend.float_closure(ranking[:count])
+            if len(floated) > cap:  # the cap holds for every layer in float, those floated with a layer too
+                steps[-1]["over_cap"] = True
+                stopped = f"the next step keeps {len(floated)} layers in float, over the cap of {cap}"
+                break
             held = (ranking[:count], candidate, method)
             del candidate
             tried.append((ranking[:count], step_metrics, steps[-1]))

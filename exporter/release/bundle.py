@@ -86,9 +86,14 @@ def _read_build(out: Path) -> dict:
         raise UsageError(f"cannot read {out / 'manifest.json'}: {e}") from None
     if doc.get("status") == "building":
         raise UsageError(f"{out} is an unfinished build (status 'building'); run the build again")
-    if doc["target"]["name"] not in SELECTION:
-        raise UsageError(f"no bundle selection for target {doc['target']['name']!r}; bundles exist for {', '.join(SELECTION)}")
+    check_target(doc["target"]["name"])
     return doc
+
+
+def check_target(name: str) -> None:
+    """A bundle is made for the targets it has a selection for (build --bundle checks before it builds)."""
+    if name not in SELECTION:
+        raise UsageError(f"no bundle selection for target {name!r}; bundles exist for {', '.join(SELECTION)}")
 
 
 def _selected(doc: dict, allow_failed: bool) -> list[tuple[str, dict]]:

@@ -14,8 +14,22 @@ from .. import files
 
 SCHEMA_VERSION = 3
 SCHEMA_FILE = Path(__file__).parent / "schema" / "manifest.schema.json"
-# a build directory's own files, beside its artifacts and golden/ (removed first on --force)
+# a build directory's own files and folders, beside its artifacts (removed first on --force)
 BUILD_FILES = ("manifest.json", "report.md", "report.html", "labels.txt", "preprocessing.json")
+BUILD_FOLDERS = ("golden", "previews")
+
+
+def clear_build_files(out: Path) -> None:
+    """What an earlier build left in `out` that this one writes anew: a stale golden/labels.json (from a build
+    with --data, replaced by one without) would otherwise be bundled beside a manifest that says synthetic."""
+    import shutil
+
+    for name in BUILD_FILES:
+        (out / name).unlink(missing_ok=True)
+    for name in BUILD_FOLDERS:
+        shutil.rmtree(out / name, ignore_errors=True)
+    for staging in out.glob(".*.partial"):  # left by a killed build
+        shutil.rmtree(staging, ignore_errors=True)
 TOOLS = ("exporter", "torch", "torchvision", "executorch", "torchao", "coremltools", "onnx", "onnxruntime", "tensorrt")
 
 

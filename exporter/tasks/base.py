@@ -23,7 +23,7 @@ def logit_fidelity(reference: torch.Tensor, output: torch.Tensor) -> dict:
     peak = ref.abs().max().item()
     return {
         "samples": int(ref.shape[0]),
-        "psnr_db": math.inf if rmse == 0 else 20 * math.log10(peak / rmse),
+        "psnr_db": math.inf if rmse == 0 else -math.inf if peak == 0 else 20 * math.log10(peak / rmse),
         "cosine": torch.nn.functional.cosine_similarity(ref, out, dim=1).mean().item(),
         "max_abs_error": diff.abs().max().item(),
     }

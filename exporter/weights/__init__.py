@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import pickle
-import zipfile
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -245,9 +244,15 @@ def _read_state_dict(path: Path) -> dict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"checkpoint {path} was rejected by torch.load(weights_only=True): {first}") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
+        # the unpickler's own reason (an object other than tensors, an opcode it does not take), not torch's
+        # advice to retry with weights_only=False: that would run whatever the file holds
+        text = str(e)
+        reason = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0] if "WeightsUnpickler error:" in text \
+            else (text.strip().splitlines() or [type(e).__name__])[0]
+        reason = reason.split(". ", 1)[0].rstrip(".")  # what it met, without its advice
+        raise UsageError(f"checkpoint {path} was rejected by torch.load(weights_only=True): {reason} "
+                         f"(it holds objects other than tensors, or is not a torch file)") from None
+    except Exception as e:  # a file that is not a checkpoint fails in the unpickler in many ways (KeyError, IndexError, …)
         raise UsageError(f"checkpoint {path} is truncated or not a torch file ({type(e).__name__})") from None
     if isinstance(obj, dict):
         for key in ("state_dict", "model", "model_state_dict"):
@@ -398,7 +403,11 @@ def read_labels(path: str | Path, num_classes: int) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"labels file {path} does not exist")
-    labels = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"labels file {path} is not UTF-8 text (byte {e.start}): one class name per line") from None
+    labels = [line.strip() for line in text.splitlines() if line.strip()]
     if len(labels) != num_classes:
         raise UsageError(f"labels file {path} has {len(labels)} labels but the model has {num_classes} classes")
     return labels
