@@ -330,7 +330,7 @@ def _outside_xnnpack(cells: list[dict]) -> str:
     return "; ".join(dict.fromkeys(parts)) or "—"
 
 
-def _limit_text(settings: dict, rows: list[dict]) -> str:
+def _time_limit_line(settings: dict, rows: list[dict]) -> str:
     """The time limit, or the range of the limits its rows were built under (a merge of sweeps run with several)."""
     limits = {r["time_limit_s"] for r in rows if r.get("outcome") in ("built", "stopped") and r.get("time_limit_s")}
     limits |= {settings["time_limit"]} if settings.get("time_limit") and not limits else set()
@@ -355,7 +355,7 @@ def _settings_line(settings: dict, rows: list[dict]) -> str:
         "segmentation, RetinaNet, FCOS and video-frame input " + (
             "×".join(map(str, settings["input_size"])) + ", or the weight's own where that is smaller or its minimum larger"
             if settings.get("input_size") else "the weight's"),
-        _limit_text(settings, rows),
+        _time_limit_line(settings, rows),
         *([f"every .pte, .ptl and ONNX also validated on emulated aarch64 ("
            + ("each target's own CPUs" if settings["cpus"] == ["target"] else ", ".join(settings["cpus"]))
            + "): a cell passes only where it passes on every CPU"] if settings.get("cpus") else []),

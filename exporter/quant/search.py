@@ -96,9 +96,9 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     def attempt(float_layers: list[str], method: str):
         candidate = backend.quantize(float_layers, range_images, method)
         metrics = task.quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
-        floated = len(backend.float_closure(float_layers))  # with the producers XNNPACK needs float beside them
-        steps.append({"float_layers": floated, "ranges": method, **_summary(task, metrics)})
-        log(f"  int8, {method} ranges, {floated}/{len(layers)} layers float: "
+        in_float = len(backend.float_closure(float_layers))  # with the producers XNNPACK needs float beside them
+        steps.append({"float_layers": in_float, "ranges": method, **_summary(task, metrics)})
+        log(f"  int8, {method} ranges, {in_float}/{len(layers)} layers float: "
             f"{metrics['fidelity']['psnr_db']:.1f} dB, agreement {task.headline(metrics)['agreement']:.3f}"
             + ("" if metrics["reasons"] else ", budget met"))
         return candidate, metrics
