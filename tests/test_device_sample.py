@@ -146,3 +146,15 @@ def test_outputs_that_are_not_finite_break_the_device_check():
     assert breaches(metrics, {"psnr_db": 30.0}, CLASSIFICATION) == ["psnr_db nan (needs >= 30)"]
     out[2, 3] = np.inf
     assert breaches(device_validate.fidelity(ref, out), {"psnr_db": 30.0}, CLASSIFICATION)
+
+
+def test_an_all_zero_reference_is_judged_not_a_crash():
+    """PSNR's peak is 0 when eager's golden outputs are all zero (a zero-initialised head): the kit reads -inf
+    for an artifact that is not zero too, as the build does, and inf when it is."""
+    import numpy as np
+
+    ref = np.zeros((8, 10), dtype=np.float32)
+    assert device_validate.fidelity(ref, ref)["psnr_db"] == float("inf")
+    off = device_validate.fidelity(ref, ref + 0.5)
+    assert off["psnr_db"] == float("-inf")
+    assert breaches(off, {"psnr_db": 30.0}, CLASSIFICATION) == ["psnr_db -inf (needs >= 30)"]

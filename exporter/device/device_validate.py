@@ -88,7 +88,9 @@ class BadInput(Exception):
 def _psnr(peak: float, rmse: float) -> float:
     if not math.isfinite(rmse):  # outputs with NaN or infinity: not measurable, and a breach of any threshold
         return math.nan
-    return math.inf if rmse == 0 else 20 * math.log10(peak / rmse)
+    if rmse == 0:
+        return math.inf
+    return -math.inf if peak == 0 else 20 * math.log10(peak / rmse)  # an all-zero reference: as the build
 
 
 def fidelity(ref: np.ndarray, out: np.ndarray) -> dict:
