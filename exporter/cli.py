@@ -398,6 +398,9 @@ def _command_line(ctx: click.Context) -> str:
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Threads per build.")
 @click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=(128, 128), show_default=True,
               metavar="H W", help="Input size of the graphs that take one: segmentation, RetinaNet, FCOS, video frames.")
+@click.option("--classifier-size", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Build classifiers at N×N (with --weights digits, trained at it too) where their graph takes it "
+                   "(not ViT, MaxViT, Swin) [default: each weight's crop].")
 @click.option("--arch", "coverage_arch", type=click.Choice(["aarch64"]), default=None,
               help="Also validate each .pte, .ptl and ONNX artifact on emulated aarch64 CPUs (the target's [validate] "
                    "cpus); the table is coverage[-digits]-aarch64.")
@@ -411,8 +414,8 @@ def _command_line(ctx: click.Context) -> str:
 @click.option("--merge", "merge", is_flag=True, help="Merge the coverage JSON files or directories PATH... into OUT instead of building.")
 @one_line_errors
 def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_params, time_limit, weight_source,
-             train_epochs, calib_size, val_size, warmup, iterations, threads, input_size, coverage_arch, coverage_cpus,
-             shard, out, builds, no_cache, matrix_shards, merge):
+             train_epochs, calib_size, val_size, warmup, iterations, threads, input_size, classifier_size, coverage_arch,
+             coverage_cpus, shard, out, builds, no_cache, matrix_shards, merge):
     """Sweep torchvision: build every weight (random weights, settled batch norms; or, with --weights digits,
     each classifier trained on the digits) for every target, validate, and write the weight x artifact table
     (OUT/coverage.md) and its JSON."""
@@ -442,7 +445,8 @@ def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_
             aarch64_cpus.check(coverage_cpus)
         settings = sweep.Settings(targets=tuple(targets) or ("all",), formats=tuple(formats), calib_size=calib_size,
                                   val_size=val_size, warmup=warmup, iterations=iterations, threads=threads,
-                                  input_size=tuple(input_size), time_limit=time_limit or None, weights=weight_source,
+                                  input_size=tuple(input_size), classifier_size=classifier_size,
+                                  time_limit=time_limit or None, weights=weight_source,
                                   train_epochs=train_epochs or sweep.trained.EPOCHS,
                                   cpus=tuple(coverage_cpus) or (("target",) if coverage_arch else ()))
         sweep.run(settings, models, tasks, one_per_builder, max_params, shard, out, cache=not no_cache,

@@ -311,6 +311,26 @@ def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_pa
     assert "trained from scratch on scikit-learn's digits" in text and f"acc@1 {accuracy['acc1']:.1f}" in text
 
 
+def test_the_trained_tier_trains_and_builds_a_classifier_at_the_size_asked(tmp_path):
+    """--weights digits --classifier-size N: the architecture is trained on digits preprocessed at N x N (the resize
+    scaled with the crop, as the build scales it), built at that size and judged on held-out labels at it; the row
+    and the table name the size."""
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    result = run_cli("coverage", "--weights", "digits", "--classifier-size", "64", "--models", "shufflenet_v2_x0_5",
+                     "--one-per-builder", "--target", "jetson", "--format", "onnx:fp32", "--out", out,
+                     env={"EXPORTER_CACHE": str(cache)})
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads((out / "coverage-digits.json").read_text())["rows"]
+    assert row["input_size"] == row["classifier_size"] == [64, 64]
+    assert row["checkpoint"]["held_out_acc1"] > 80  # learned at 64 px, not a model of 224 px run small
+    assert json.loads((cache / "digits" / "digits_shufflenet_v2_x0_5_64px.json").read_text())["checkpoint"].endswith(
+        ".pth")  # cached apart from the model trained at the weight's crop
+    (cell,) = row["cells"]
+    assert cell["accuracy"]["eager_acc1"] > 80 and cell["outcome"] == "passed", cell
+    text = (out / "coverage-digits.md").read_text()
+    assert "ShuffleNet_V2_X0_5_Weights.IMAGENET1K_V1 (64×64)" in text and "or at the size their row names" in text
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--shard", "3/2"], "--shard"),
     (["--models", "no_such_model"], "matches no weight"),
@@ -740,6 +760,13 @@ def test_the_sweeps_input_size_goes_to_the_graphs_that_take_one():
     assert randomize.built_input_size("R3D_18_Weights.KINETICS400_V1", size) == [112, 112]
     assert randomize.built_input_size("MViT_V2_S_Weights.KINETICS400_V1", size) == [224, 224]
     assert randomize.built_input_size("MobileNet_V3_Small_Weights.IMAGENET1K_V1", size) == [224, 224]
+    # --classifier-size: a classifier whose graph takes that square; ViT's position embedding takes only its crop,
+    # Inception v3 nothing under 75x75
+    assert randomize.accepted_input_size("MobileNet_V3_Small_Weights.IMAGENET1K_V1", size, 96) == (96, 96)
+    assert randomize.accepted_input_size("GoogLeNet_QuantizedWeights.IMAGENET1K_FBGEMM_V1", None, 96) == (96, 96)
+    assert randomize.accepted_input_size("LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1", size, 96) == size
+    assert randomize.built_input_size("ViT_B_16_Weights.IMAGENET1K_V1", None, 96) == [224, 224]
+    assert randomize.built_input_size("Inception_V3_Weights.IMAGENET1K_V1", None, 64) == [299, 299]
 
 
 def test_a_change_to_the_exporters_code_keys_its_rows_anew(monkeypatch):
@@ -861,8 +888,9 @@ def test_bad_output_directories_are_refused_before_any_build(tmp_path):
         assert result.exit_code == 2 and "cannot be a directory" in result.stderr.strip().splitlines()[-1], result.output
 
 
-def _merge_doc(tmp_path, name: str, rows: list[dict], time_limit: float, torch_version: str = "2.14.1") -> Path:
-    settings = sweep.Settings(targets=("android",), time_limit=time_limit).describe()
+def _merge_doc(tmp_path, name: str, rows: list[dict], time_limit: float, torch_version: str = "2.14.1",
+               classifier_size: int | None = None) -> Path:
+    settings = sweep.Settings(targets=("android",), time_limit=time_limit, classifier_size=classifier_size).describe()
     doc = table.new_document("test", settings, {}, {"torch": torch_version})
     doc.update(rows=rows, planned_rows=len(rows), complete=True)
     (tmp_path / name).write_text(json.dumps(doc))
@@ -891,6 +919,18 @@ def test_a_merge_keeps_measured_rows_and_says_what_its_files_were_made_with(tmp_
         result = run_cli("coverage", "--merge", whole, tmp_path / bad, "--out", tmp_path / "bad")
         assert result.exit_code == 2 and "is not a coverage JSON file" in result.stderr, result.output
     assert not (tmp_path / "bad").exists() or not list((tmp_path / "bad").iterdir())
+
+
+def test_rows_built_at_a_classifier_size_merge_with_rows_at_the_crop_and_say_their_size(tmp_path):
+    row = {"weight": "W.V1", "model": "w", "task": "classification", "params": 4e6, "target": "android",
+           "outcome": "built", "reason": None, "seconds": 3.0, "time_limit_s": 900, "cells": []}
+    whole = _merge_doc(tmp_path, "whole.json", [row], 900)
+    small = _merge_doc(tmp_path, "small.json", [dict(row, weight="X.V1", model="x", classifier_size=[96, 96])], 900,
+                       classifier_size=96)
+    doc = coverage.merge([whole, small], tmp_path / "m", command="test")
+    assert {r["weight"]: r.get("classifier_size") for r in doc["rows"]} == {"W.V1": None, "X.V1": [96, 96]}
+    text = (tmp_path / "m" / "coverage.md").read_text()
+    assert "| X.V1 (96×96) |" in text and "| W.V1 |" in text and "or at the size their row names" in text
 
 
 def test_a_model_with_auxiliary_heads_trains_on_its_main_logits():

@@ -156,7 +156,7 @@ def test_offline_never_connects(tmp_path, digits_model, server, hub, how):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--input-size", "64", "64"], "--input-size is for segmentation"),
+    (["--input-size", "64", "48"], "a classifier's crop is square"),
     (["--data", "/nonexistent/digits"], "--data /nonexistent/digits is not a directory"),
     (["--format", "onnx"], "--format onnx matches nothing in target android"),
 ])

@@ -217,8 +217,8 @@ def test_task_mismatches_are_refused(tmp_path, lraspp, digits_model):
     out = tmp_path / "out"
     result = run_cli(*seg_args(lraspp, out, "--target", "android", "--threshold", "int8.accuracy_drop=1", "--no-cache"))
     assert_clean_refusal(result, out, "accuracy_drop does not apply to segmentation")
-    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--input-size", "64", "64",
+    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--input-size", "64", "48",
                      "--out", out, "--quiet")
-    assert_clean_refusal(result, out, "--input-size is for segmentation")
+    assert_clean_refusal(result, out, "a classifier's crop is square")
     result = run_cli("build", "MaskRCNN_ResNet50_FPN_Weights.COCO_V1", "--out", out, "--quiet")
     assert_clean_refusal(result, out, "its masks have no output layout")

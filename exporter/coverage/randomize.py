@@ -176,16 +176,19 @@ def _quantized_state(w, float_model: nn.Module, model_name: str, num_classes: in
     return model.state_dict()
 
 
-def accepted_input_size(weight_name: str, input_size):
+def accepted_input_size(weight_name: str, input_size, classifier_size: int | None = None):
     """`input_size` where the weight's graph takes one (segmentation, RetinaNet/FCOS, video frames no smaller than
     the weight's min_size) and it is no larger than the weight's own (the sweep measures small: R3D-18's frames
-    stay 112x112), else None (classifiers and SSD keep their weight's own size)."""
+    stay 112x112), else None (SSD keeps its weight's own size). A classifier takes `classifier_size` square on
+    those terms (ViT, MaxViT and Swin take only their crop), and its own crop without one."""
     from ..errors import UsageError
 
-    if input_size is None:
-        return None
     w = weights.resolve(weight_name)
     task, model_name = weights.task_class(w), weights.model_name_of(w)
+    if task.name == "classification":
+        input_size = (classifier_size, classifier_size) if classifier_size else None
+    if input_size is None:
+        return None
     try:
         task.input_size_of(w, model_name, tuple(input_size))
     except UsageError:
@@ -194,11 +197,11 @@ def accepted_input_size(weight_name: str, input_size):
     return None if any(r > o for r, o in zip(input_size, own)) else tuple(input_size)
 
 
-def built_input_size(weight_name: str, input_size) -> list[int]:
-    """The input (H, W) a random-tier build of the weight gets when the sweep asks for `input_size`."""
+def built_input_size(weight_name: str, input_size, classifier_size: int | None = None) -> list[int]:
+    """The input (H, W) a build of the weight gets when the sweep asks for `input_size` and `classifier_size`."""
     w = weights.resolve(weight_name)
     task, model_name = weights.task_class(w), weights.model_name_of(w)
-    return list(task.input_size_of(w, model_name, accepted_input_size(weight_name, input_size)))
+    return list(task.input_size_of(w, model_name, accepted_input_size(weight_name, input_size, classifier_size)))
 
 
 def make(weight_name: str, directory: Path, input_size=None) -> dict:
@@ -229,7 +232,7 @@ def make(weight_name: str, directory: Path, input_size=None) -> dict:
         state = _quantized_state(w, model, model_name, num_classes, images)
         info["quantized"] = {"backend": w.meta["backend"], "float_model": float_name}
     else:
-        model, info = _float_model(w, model_name, num_classes, accepted_input_size(weight_name, input_size), seed)
+        model, info = _float_model(w, model_name, num_classes, input_size, seed)
         state = model.state_dict()
     torch.save(state, _tmp(checkpoint))
     _tmp(checkpoint).replace(checkpoint)

@@ -37,6 +37,8 @@ class Settings:
     iterations: int = 2
     threads: int = 1
     input_size: tuple[int, int] = (128, 128)  # graphs that take one: segmentation, RetinaNet/FCOS, video frames (not classifiers, SSD)
+    classifier_size: int | None = None  # classifiers built (and in the trained tier, trained) at this square where
+    # their graph takes it (not ViT, MaxViT, Swin: their crop), instead of their weight's crop
     time_limit: float | None = 900.0  # CPU seconds per build (weight x target), WALL_FACTOR x on the wall clock; None: none
     weights: str = "random"  # or "digits": each architecture trained on the digits (coverage.trained)
     train_epochs: int = trained.EPOCHS  # the digits tier's training: these epochs, then more while its acc@1
@@ -68,6 +70,8 @@ class Settings:
                 parts.pop(name)
         if not self.on_aarch64:  # as before there were aarch64 rows
             parts.pop("cpus")
+        if self.classifier_size is None:  # as before classifiers could be built at another size
+            parts.pop("classifier_size")
         return json.loads(json.dumps(parts))
 
 
@@ -174,7 +178,7 @@ class Sweep:
                     if not stop.signalled:
                         rowcache.store(cache_root, cached)
                 return dict(outcome.reclassify(cached), from_cache=True, built_now=False)
-        row = outcome.reclassify(dict(row, key=key, input_size=input_size,
+        row = outcome.reclassify(dict(row, key=key, input_size=input_size, **self._resized(candidate, input_size),
                                       **self._build(candidate, target, weight_dir, stop)))
         row["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         if not stop.signalled and _cacheable(row):
@@ -182,12 +186,20 @@ class Sweep:
         return dict(row, from_cache=False, built_now=True)
 
     def _input_size(self, candidate: Candidate) -> list[int] | None:
-        """The size the random tier builds the weight at (None in the trained tier: the digits' own)."""
-        if self.settings.is_trained:
+        """The size the sweep builds the weight at (None in the trained tier at the weights' own crops)."""
+        s = self.settings
+        if s.is_trained and not s.classifier_size:
             return None
         from . import randomize
 
-        return randomize.built_input_size(candidate.weight, self.settings.input_size)
+        return randomize.built_input_size(candidate.weight, None if s.is_trained else s.input_size, s.classifier_size)
+
+    def _resized(self, candidate: Candidate, input_size: list[int] | None) -> dict:
+        """{"classifier_size": the size} for a classifier built at a size other than its weight's crop."""
+        from . import randomize
+
+        own = randomize.built_input_size(candidate.weight, None)
+        return {"classifier_size": input_size} if self.settings.classifier_size and input_size != own else {}
 
     def _spec(self, candidate: Candidate, target: str, weight_dir: Path) -> dict:
         s = self.settings
@@ -195,6 +207,7 @@ class Sweep:
             "weight": candidate.weight, "task": candidate.task, "target": target, "formats": list(s.formats),
             "calib_size": s.calib_size, "val_size": s.val_size, "warmup": s.warmup, "iterations": s.iterations,
             "threads": s.threads, "input_size": list(s.input_size) if s.input_size else None,
+            "classifier_size": s.classifier_size,
             "checkpoints": str(weight_dir / "checkpoints"), "build_cache": str(weight_dir / "cache"),
             "out": str(weight_dir / target), "result": str(weight_dir / f"{target}.result.json"),
             "weights": s.weights, "train_epochs": s.train_epochs, "train_until": s.train_until,

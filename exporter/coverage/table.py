@@ -149,8 +149,9 @@ def merge(paths, command: str) -> dict:
         raise UsageError(f"--merge: no coverage JSON files (from `exporter coverage`) in {', '.join(map(str, paths))}")
     first = docs[0][1]
 
-    def comparable(settings):  # the time limit only decides whether a build finished; targets only select
-        return {k: v for k, v in settings.items() if k not in ("time_limit", "targets")}
+    def comparable(settings):  # the time limit only decides whether a build finished; targets only select; a
+        # classifier built at another size says so in its row
+        return {k: v for k, v in settings.items() if k not in ("time_limit", "targets", "classifier_size")}
 
     for path, doc in docs[1:]:
         if comparable(doc["settings"]) != comparable(first["settings"]):
@@ -352,6 +353,8 @@ def _settings_line(settings: dict, rows: list[dict]) -> str:
             f"{settings['train_max_epochs']})" if settings.get("train_until") else "")),
         f"latency {settings['warmup']} warm-up + {settings['iterations']} timed iterations",
         f"{settings['threads']} thread{'s' if settings['threads'] != 1 else ''}",
+        *([f"classifiers at their weights' crop, or at the size their row names"]
+          if any(r.get("classifier_size") for r in rows) else []),
         "segmentation, RetinaNet, FCOS and video-frame input " + (
             "×".join(map(str, settings["input_size"])) + ", or the weight's own where that is smaller or its minimum larger"
             if settings.get("input_size") else "the weight's"),
@@ -443,7 +446,8 @@ with the real `exporter build` pipeline, one build per process, as the random sw
 but on a trained model:
 
 - **Trained, nothing downloaded.** The weight's architecture (10 classes) is trained from scratch on scikit-learn's
-  8×8 digits, preprocessed by the weight's own transforms (so at its own crop), by the recipe of the digits
+  8×8 digits, preprocessed by the weight's own transforms (so at its own crop, or at the size its row names: a
+  classifier trained and built at N×N by `--classifier-size N`, the resize scaled with it), by the recipe of the digits
   stand-ins the tests use (`exporter/standins/digits.py`: AdamW, one-cycle, batch-norm statistics recomputed),
   and cached in `$EXPORTER_CACHE/digits`. A quantized weight's float model is trained and then quantized as
   torchvision made its int8 weights.
@@ -555,7 +559,9 @@ def markdown(doc: dict) -> str:
             cells = [cell_text(by_name[name]) if name in by_name else "" for name in columns]
             params = f"{r['params'] / 1e6:.1f}" if r.get("params") else "—"
             eager = next(((c.get("accuracy") or {}).get("eager_acc1") for c in r["cells"] if c.get("accuracy")), None)
-            lines.append(f"| {_esc(r['weight'])} | {r['task']} | {params} | {r.get('seconds') or 0:.0f} | "
+            size = r.get("classifier_size")
+            lines.append(f"| {_esc(r['weight'])}{f' ({size[0]}×{size[1]})' if size else ''} | {r['task']} | {params} | "
+                         f"{r.get('seconds') or 0:.0f} | "
                          + ((f"{eager:.1f} | " if eager is not None else "— | ") if trained else "")
                          + " | ".join(_esc(c) for c in cells)
                          + (f" | {_esc(_outside_xnnpack(r['cells']))} |" if has_pte else " |"))

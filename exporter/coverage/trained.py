@@ -7,8 +7,10 @@ precision floor shows it), which leaves most int8 rows "ill-conditioned": no ver
 margins, and its held-out digits give labeled acc@1 for eager and every artifact, so the int8 budget
 (accuracy_drop) is checked as a user's build checks it.
 
-Each builder is trained once at its weight's own preprocessing (the cost grows with the weight's FLOPs) and
-cached under $EXPORTER_CACHE/digits; a quantized torchvision weight gets its float model trained and then
+Each builder is trained once at its weight's own preprocessing (the cost grows with the weight's FLOPs and its
+crop: EfficientNet-B2 took 10 to 33 minutes an epoch at 288 px here), or, with `--classifier-size N`, at N x N
+and built at that size (a classifier whose graph takes only its crop keeps it), and cached under
+$EXPORTER_CACHE/digits; a quantized torchvision weight gets its float model trained and then
 quantized as torchvision made its int8 weights. Tasks with no digits recipe are skipped (⏭), saying so."""
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ def restrict(candidates: list) -> list:
 
 
 def make(weight_name: str, cache: Path, epochs: int = EPOCHS, log=print, until: float | None = UNTIL,
-         max_epochs: int = MAX_EPOCHS) -> dict:
-    """The weight's digits-trained checkpoint(s), trained now or taken from `cache`; returns what the build needs
-    ({"checkpoint", "float_checkpoint", "data", "labels"}) and what the training reached."""
+         max_epochs: int = MAX_EPOCHS, size: int | None = None) -> dict:
+    """The weight's digits-trained checkpoint(s), trained now or taken from `cache` (at size x size, or the weight's
+    crop); returns what the build needs ({"checkpoint", "float_checkpoint", "data", "labels"}) and what the
+    training reached."""
     from .. import weights
     from ..standins import digits
 
@@ -54,12 +57,12 @@ def make(weight_name: str, cache: Path, epochs: int = EPOCHS, log=print, until: 
     name = weights.canonical_name(w)
     info = {"recipe": "digits", "epochs": epochs, "until_train_acc1": None if until is None else 100 * until}
     if weights.is_quantized(w):
-        model = digits.prepare_quantized(cache, name, epochs, log=log, until=until, max_epochs=max_epochs)
+        model = digits.prepare_quantized(cache, name, epochs, log=log, until=until, max_epochs=max_epochs, size=size)
         info.update(checkpoint=str(model.checkpoint), float_checkpoint=str(model.float_checkpoint),
                     held_out_acc1=round(100 * model.float_accuracy, 2),
                     quantized_held_out_acc1=round(100 * model.quantized_accuracy, 2))
     else:
-        model = digits.prepare(cache, log, name, epochs, until, max_epochs)
+        model = digits.prepare(cache, log, name, epochs, until, max_epochs, size)
         info.update(checkpoint=str(model.checkpoint), float_checkpoint=None,
                     held_out_acc1=round(100 * model.held_out_accuracy, 2))
     info.update(epochs_trained=model.epochs, data=str(model.data_dir), labels=str(model.labels_file), num_classes=10,

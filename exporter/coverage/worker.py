@@ -66,12 +66,13 @@ def run(spec: dict) -> int:
         if spec.get("weights") == "digits":
             from . import trained
 
-            input_size = None
+            input_size = randomize.accepted_input_size(spec["weight"], None, spec.get("classifier_size"))
             made = result["checkpoint"] = trained.make(spec["weight"], Path(spec["trained"]), spec["train_epochs"],
                                                        log=lambda line: print(f"train: {line}", flush=True),
-                                                       until=spec["train_until"], max_epochs=spec["train_max_epochs"])
+                                                       until=spec["train_until"], max_epochs=spec["train_max_epochs"],
+                                                       size=input_size[0] if input_size else None)
         else:
-            input_size = randomize.accepted_input_size(spec["weight"], spec.get("input_size"))
+            input_size = randomize.accepted_input_size(spec["weight"], spec.get("input_size"), spec.get("classifier_size"))
             made = result["checkpoint"] = randomize.make(spec["weight"], Path(spec["checkpoints"]), input_size)
         result["checkpoint_s"] = round(time.perf_counter() - started, 3)
         result["stage"] = "build"

@@ -75,11 +75,15 @@ def _recompute_batchnorm_stats(model: nn.Module, batches) -> None:
     model.eval()
 
 
-def _dataset(weight: str):
-    """Every digit preprocessed with the weight's own transforms, and the fixed train/held-out split."""
+def _dataset(weight: str, size: int | None = None):
+    """Every digit preprocessed with the weight's own transforms (at size x size, scaled as a build at that
+    --input-size scales them), and the fixed train/held-out split."""
     from torchvision.models import get_weight
 
-    preprocess = get_weight(weight).transforms()
+    from ..weights import bind_task
+
+    w = get_weight(weight)
+    preprocess = bind_task(w, 10, (size, size) if size else None).transform(w)
     images, targets = _digit_images()
     x = torch.stack([preprocess(im.convert("RGB")) for im in images])
     train_idx, held_idx = _split(len(images))
@@ -96,10 +100,10 @@ DID_NOT_LEARN = 0.3  # held-out acc@1 below 3x chance: the run collapsed (Squeez
 RETRY_LR_FACTOR = 0.1
 
 
-def train(weight: str = WEIGHT, epochs: int = EPOCHS, log=print) -> tuple[dict, float, list]:
+def train(weight: str = WEIGHT, epochs: int = EPOCHS, log=print, size: int | None = None) -> tuple[dict, float, list]:
     """Train `weight`'s architecture from scratch on the digits; returns (state dict, held-out accuracy, data).
     A run that did not learn is run once more, from the same start, at a tenth of the learning rate."""
-    x, y, train_idx, held_idx, (images, targets) = _dataset(weight)
+    x, y, train_idx, held_idx, (images, targets) = _dataset(weight, size)
     for lr in (2e-3, 2e-3 * RETRY_LR_FACTOR):
         torch.manual_seed(SEED)
         model = _model(weight)
@@ -131,12 +135,12 @@ def _model(weight: str) -> nn.Module:
 
 
 def train_further(weight: str, checkpoint: Path, epochs: int, until: float, max_epochs: int,
-                  log=print) -> tuple[dict | None, dict]:
+                  log=print, size: int | None = None) -> tuple[dict | None, dict]:
     """Go on training a digits model that has had `epochs` while its acc@1 on its own training images is under
     `until`: warm restarts at the retry learning rate, each as long as all training so far, up to `max_epochs` in
     all. Only the training images decide, never the held-out ones. Returns the new state (None: it already
     reached `until`) and {"epochs", "train_accuracy", "accuracy"} (the last on the held-out digits)."""
-    x, y, train_idx, held_idx, _data = _dataset(weight)
+    x, y, train_idx, held_idx, _data = _dataset(weight, size)
     model = _model(weight)
     model.load_state_dict(torch.load(checkpoint, weights_only=True))
     model.eval()
@@ -207,28 +211,35 @@ def _cached_info(info_file: Path, epochs: int, *paths: str, until: float | None 
 
 
 def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOCHS, until: float | None = None,
-            max_epochs: int | None = None) -> DigitsModel:
+            max_epochs: int | None = None, size: int | None = None) -> DigitsModel:
     """Train once and cache; later calls return the cached model. With `until`, the model is trained further
-    (train_further) until that acc@1 on its training images or `max_epochs`; a cached model is checked once."""
+    (train_further) until that acc@1 on its training images or `max_epochs`; a cached model is checked once.
+    `size`: trained on size x size inputs instead of the weight's crop (a model of its own, cached apart)."""
     from torchvision.models import get_weight
 
     from ..weights import model_name_of
 
     cache_dir = Path(cache_dir).resolve()  # the record holds absolute paths, valid from any working directory
     model_name = model_name_of(get_weight(weight))
-    info_file = cache_dir / ("digits.json" if weight == WEIGHT else f"digits_{model_name}.json")
+    info_file = cache_dir / (("digits" if weight == WEIGHT and not size else f"digits_{model_name}")
+                             + _at(size) + ".json")
     with one_at_a_time(info_file):
-        return _prepare(cache_dir, info_file, log, weight, epochs, until, max_epochs)
+        return _prepare(cache_dir, info_file, log, weight, epochs, until, max_epochs, size)
+
+
+def _at(size: int | None) -> str:
+    """The suffix of the files of a model trained at size x size (none at the weight's own crop)."""
+    return f"_{size}px" if size else ""
 
 
 def _prepare(cache_dir: Path, info_file: Path, log, weight: str, epochs: int, until: float | None,
-             max_epochs: int | None) -> DigitsModel:
+             max_epochs: int | None, size: int | None) -> DigitsModel:
     arch = _arch(weight)
     info = _cached_info(info_file, epochs, "checkpoint", "data_dir", until=until, arch=arch)
     if info is None:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        state, accuracy, (images, targets, held_idx) = train(weight, epochs, log=log)
-        checkpoint = save_checkpoint(state, cache_dir, weight_stem(weight))
+        state, accuracy, (images, targets, held_idx) = train(weight, epochs, log=log, size=size)
+        checkpoint = save_checkpoint(state, cache_dir, weight_stem(weight) + _at(size))
         data_dir, labels_file = _write_held_out(cache_dir, images, targets, held_idx)
         info = {
             "recipe": RECIPE_VERSION,
@@ -242,9 +253,9 @@ def _prepare(cache_dir: Path, info_file: Path, log, weight: str, epochs: int, un
         files.write_text(info_file, json.dumps(info, indent=2))
     if until is not None and (info.get("until"), info.get("max_epochs")) != (until, max_epochs or epochs):
         state, reached = train_further(weight, Path(info["checkpoint"]), info.get("epochs_trained", epochs), until,
-                                       max_epochs or epochs, log)
+                                       max_epochs or epochs, log, size)
         if state is not None:
-            info["checkpoint"] = str(save_checkpoint(state, cache_dir, weight_stem(weight)))
+            info["checkpoint"] = str(save_checkpoint(state, cache_dir, weight_stem(weight) + _at(size)))
         info.update(until=until, max_epochs=max_epochs or epochs, epochs_trained=reached["epochs"],
                     train_accuracy=reached["train_accuracy"], accuracy=reached["accuracy"])
         files.write_text(info_file, json.dumps(info, indent=2))
@@ -279,12 +290,13 @@ def quantize_eager(model: nn.Module, batches, backend: str) -> nn.Module:
     return torch.ao.quantization.convert(model, inplace=True)
 
 
-def quantize_digits(weight: str, float_checkpoint: Path, calib_images: int = 256) -> tuple[nn.Module, float]:
+def quantize_digits(weight: str, float_checkpoint: Path, calib_images: int = 256,
+                    size: int | None = None) -> tuple[nn.Module, float]:
     """The trained float digits model of a quantized weight's architecture, quantized as torchvision made
     its int8 weights (calibrated on training images); returns it and its held-out accuracy."""
     from torchvision.models import get_weight
 
-    x, y, train_idx, held_idx, _ = _dataset(weight)
+    x, y, train_idx, held_idx, _ = _dataset(weight, size)
     model = _model(weight)  # quantizable, float
     model.load_state_dict(torch.load(float_checkpoint, weights_only=True))
     calib = torch.as_tensor(train_idx[:calib_images]).split(32)
@@ -293,7 +305,7 @@ def quantize_digits(weight: str, float_checkpoint: Path, calib_images: int = 256
 
 
 def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=print, until: float | None = None,
-                      max_epochs: int | None = None) -> QuantizedDigitsModel:
+                      max_epochs: int | None = None, size: int | None = None) -> QuantizedDigitsModel:
     """Train the float model of a torchvision quantized weight on the digits and quantize it; cached."""
     from torchvision.models import get_weight
 
@@ -302,25 +314,25 @@ def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=pr
     cache_dir = Path(cache_dir).resolve()
     quantized = get_weight(weight)
     model_name = model_name_of(quantized)
-    info_file = cache_dir / f"digits_{model_name}.json"
+    info_file = cache_dir / f"digits_{model_name}{_at(size)}.json"
     with one_at_a_time(info_file):
-        return _prepare_quantized(cache_dir, info_file, quantized, epochs, log, until, max_epochs)
+        return _prepare_quantized(cache_dir, info_file, quantized, epochs, log, until, max_epochs, size)
 
 
 def _prepare_quantized(cache_dir: Path, info_file: Path, quantized, epochs: int, log, until: float | None,
-                       max_epochs: int | None) -> QuantizedDigitsModel:
+                       max_epochs: int | None, size: int | None) -> QuantizedDigitsModel:
     from ..weights import canonical_name, model_name_of
 
     model_name, weight = model_name_of(quantized), canonical_name(quantized)
-    floating = prepare(cache_dir, log, canonical_name(quantized.meta["unquantized"]), epochs, until, max_epochs)
+    floating = prepare(cache_dir, log, canonical_name(quantized.meta["unquantized"]), epochs, until, max_epochs, size)
     info = _cached_info(info_file, epochs, "checkpoint", "float_checkpoint", "data_dir")
     if info is None or info["float_checkpoint"] != str(floating.checkpoint):
-        model, accuracy = quantize_digits(weight, floating.checkpoint)
+        model, accuracy = quantize_digits(weight, floating.checkpoint, size=size)
         log(f"digits {model_name} ({quantized.meta['backend']}) held-out accuracy: {accuracy:.3%}")
         info = {
             "recipe": RECIPE_VERSION,
             "epochs": epochs,
-            "checkpoint": str(save_checkpoint(model.state_dict(), cache_dir, weight_stem(weight))),
+            "checkpoint": str(save_checkpoint(model.state_dict(), cache_dir, weight_stem(weight) + _at(size))),
             "float_checkpoint": str(floating.checkpoint),
             "data_dir": str(floating.data_dir),
             "labels_file": str(floating.labels_file),

@@ -81,10 +81,18 @@ class Classification(Task):
     def input_size_of(cls, weights, model_name, requested):
         crop = weights.transforms().crop_size
         size = (crop[0], crop[-1])
-        if requested is not None and tuple(requested) != size:
-            raise UsageError(f"--input-size is for segmentation, detection, video and optical-flow weights; a classifier "
-                             f"takes its weights' crop, {size[0]}x{size[1]}")
-        return size
+        if requested is None or tuple(requested) == size:
+            return size
+        least = tuple(weights.meta.get("min_size") or (1, 1))
+        if least == size:  # ViT, MaxViT, Swin: position embeddings or attention windows laid out for this size
+            raise UsageError(f"--input-size: {model_name} takes only its weights' crop, {size[0]}x{size[1]}")
+        h, w = (int(v) for v in requested)
+        if h != w:
+            raise UsageError(f"--input-size: a classifier's crop is square ({h}x{w} asked; its weights' is "
+                             f"{size[0]}x{size[1]})")
+        if h < least[0]:
+            raise UsageError(f"--input-size: {model_name} takes at least {least[0]}x{least[1]}")
+        return h, w
 
     @classmethod
     def num_classes_in(cls, state, model_name, default):
@@ -105,11 +113,12 @@ class Classification(Task):
 
     def preprocessing(self, weights):
         t = weights.transforms()
+        scale = self.input_size[0] / t.crop_size[0]  # --input-size: the resize in proportion to the crop
         return {
             "task": self.name,
             "input_size": list(self.input_size),
-            "resize_size": list(t.resize_size),
-            "crop_size": list(t.crop_size),
+            "resize_size": [round(s * scale) for s in t.resize_size],
+            "crop_size": [self.input_size[0]] * len(t.crop_size),
             "interpolation": t.interpolation.value,
             "antialias": t.antialias,
             "mean": list(t.mean),
@@ -121,7 +130,14 @@ class Classification(Task):
         }
 
     def transform(self, weights):
-        return weights.transforms()
+        t = weights.transforms()
+        if self.input_size[0] == t.crop_size[0]:
+            return t
+        from torchvision.transforms._presets import ImageClassification
+
+        p = self.preprocessing(weights)
+        return ImageClassification(crop_size=p["crop_size"][0], resize_size=p["resize_size"][0], mean=t.mean, std=t.std,
+                                   interpolation=t.interpolation, antialias=t.antialias)
 
     def load_data(self, root, transform, calib_size, val_size, seed):
         return data.from_imagefolder(Path(root), transform, calib_size, val_size, seed, num_classes=self.num_classes)
