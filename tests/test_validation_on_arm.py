@@ -42,6 +42,8 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
     for target in ("android", "jetson"):
         doc = json.loads((out / target / "manifest.json").read_text())
         assert doc["aarch64"]["runner"]["key"] == arm_runner.info["key"]
+        # set up (or found) once, before anything is written: one step, not one more per target
+        assert [step for step in doc["timings_s"] if "aarch64 runner" in step] == ["aarch64 runner"], doc["timings_s"]
         entries.update({e["path"]: e for e in doc["artifacts"] if e.get("path")})
     assert sorted(entries) == ["mobilenet_v3_small_executorch_fp32.pte", "mobilenet_v3_small_executorch_int8.pte",
                                "mobilenet_v3_small_onnx_int8.onnx"], sorted(entries)

@@ -8,6 +8,7 @@ Each row is cached by the artifact's bytes, the CPU, the runner, the inputs and 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from pathlib import Path
@@ -110,8 +111,9 @@ def _key(session, entry: dict, cpu: str, runner) -> str:
 
 
 def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Path | None, offline: bool,
-        prefix: str = "", write=lambda: None, runners: Path | None = None) -> None:
-    """Run every runnable artifact of `doc` on each CPU the plan names, add its rows, fail what fails there."""
+        prefix: str = "", write=lambda: None, runners: Path | None = None, runner_shown: bool = False) -> None:
+    """Run every runnable artifact of `doc` on each CPU the plan names, add its rows, fail what fails there.
+    runner_shown: the build has set the runner up and shown that step already (here it is found again, silently)."""
     if "aarch64" not in session.plan.validate.arches:
         return
     cpus = list(session.plan.validate.cpus)
@@ -122,7 +124,7 @@ def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Pa
     if not entries or not cpus:
         return
     started = time.perf_counter()
-    with progress.step(f"{prefix}aarch64 runner"):
+    with contextlib.nullcontext() if runner_shown else progress.step(f"{prefix}aarch64 runner"):
         runner = aarch64.prepare(request_cache_dir, progress, offline=offline or None, root=runners)
     summary["runner"] = {k: runner.info.get(k) for k in ("key", "qemu", "packages", "seconds", "size_bytes")}
     inputs = session.inputs.validation.contiguous().numpy()

@@ -490,7 +490,7 @@ def _build_one(request: BuildRequest, session: Session, out: Path, progress: Pro
         doc["timings_s"] = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
     arch_rows.add(session, doc, out, progress, request.cache_dir, request.offline, prefix, runners=request.aarch64_runners,
-                  write=lambda: manifest.write(out, doc))
+                  write=lambda: manifest.write(out, doc), runner_shown=True)
     _post_build(plan, out, doc, session)
     doc["cache"] = {"root": str(session.cache.root) if session.cache.root else None, "events": list(session.cache.events)}
     return _finish(out, doc, progress, prefix)
