@@ -183,8 +183,9 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 @click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None, metavar="H W",
               help="Fixed input size of a segmentation graph (the weight's resize size, square), of a RetinaNet, "
                    "FCOS or Faster R-CNN graph (multiples of 32; by default the weight's min_size square: 800 800, "
-                   "320 320) or of a video graph's frames (the weight's crop); SSD and classifiers take their "
-                   "weight's own.")
+                   "320 320) or of a video graph's frames (the weight's crop), or a classifier's square crop (at least the "
+                   "weight's min_size; the resize scaled with it; ViT, MaxViT and Swin take only their crop); SSD "
+                   "takes its own.")
 @click.option("--calib-size", type=click.IntRange(min=0), default=None)
 @click.option("--val-size", type=click.IntRange(min=2), default=None)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for eager and every runtime alike.")
@@ -400,7 +401,7 @@ def _command_line(ctx: click.Context) -> str:
               metavar="H W", help="Input size of the graphs that take one: segmentation, RetinaNet, FCOS, video frames.")
 @click.option("--classifier-size", type=click.IntRange(min=1), default=None, metavar="N",
               help="Build classifiers at N×N (with --weights digits, trained at it too) where their graph takes it "
-                   "(not ViT, MaxViT, Swin) [default: each weight's crop].")
+                   "and it is no larger than their crop (not ViT, MaxViT, Swin) [default: each weight's crop].")
 @click.option("--arch", "coverage_arch", type=click.Choice(["aarch64"]), default=None,
               help="Also validate each .pte, .ptl and ONNX artifact on emulated aarch64 CPUs (the target's [validate] "
                    "cpus); the table is coverage[-digits]-aarch64.")

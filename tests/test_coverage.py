@@ -767,6 +767,27 @@ def test_the_sweeps_input_size_goes_to_the_graphs_that_take_one():
     assert randomize.accepted_input_size("LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1", size, 96) == size
     assert randomize.built_input_size("ViT_B_16_Weights.IMAGENET1K_V1", None, 96) == [224, 224]
     assert randomize.built_input_size("Inception_V3_Weights.IMAGENET1K_V1", None, 64) == [299, 299]
+    # a size equal to the crop is the crop: the model trained (and cached) at it serves
+    assert randomize.accepted_input_size("MobileNet_V3_Small_Weights.IMAGENET1K_V1", None, 224) is None
+    # only a classifier's row depends on the classifier size, and only its row says it
+    settings = sweep.Settings(classifier_size=96)
+    assert "classifier_size" not in settings.key_parts("segmentation") and settings.key_parts("quantization")[
+        "classifier_size"] == 96
+    assert sweep.Settings().key_parts("classification") == settings.key_parts("segmentation")
+    runner = sweep.Sweep(settings, [], Path("x.json"), Path("x.md"), "test")
+    found = coverage.select.candidates(("lraspp_mobilenet_v3_large", "mobilenet_v3_small"), one_per_builder=True)
+    assert {c.model: runner._resized(c, runner._input_size(c)) for c in found} == {
+        "lraspp_mobilenet_v3_large": {}, "mobilenet_v3_small": {"classifier_size": [96, 96]}}
+
+
+def test_a_random_checkpoint_settled_at_one_size_is_not_served_at_another(tmp_path):
+    """Batch norms are settled on images of the size the graph is built at: --builds keeps one checkpoint per size."""
+    weight = "MobileNet_V3_Small_Weights.IMAGENET1K_V1"
+    small, own = randomize.make(weight, tmp_path, (96, 96)), randomize.make(weight, tmp_path, None)
+    assert small["checkpoint"] != own["checkpoint"]
+    assert randomize.make(weight, tmp_path, (96, 96))["checkpoint"] == small["checkpoint"]  # kept, not made again
+    first, second = (torch.load(info["checkpoint"], weights_only=True) for info in (small, own))
+    assert any(not torch.equal(first[k], second[k]) for k in first if k.endswith("running_var"))
 
 
 def test_a_change_to_the_exporters_code_keys_its_rows_anew(monkeypatch):

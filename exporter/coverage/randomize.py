@@ -179,15 +179,16 @@ def _quantized_state(w, float_model: nn.Module, model_name: str, num_classes: in
 def accepted_input_size(weight_name: str, input_size, classifier_size: int | None = None):
     """`input_size` where the weight's graph takes one (segmentation, RetinaNet/FCOS, video frames no smaller than
     the weight's min_size) and it is no larger than the weight's own (the sweep measures small: R3D-18's frames
-    stay 112x112), else None (SSD keeps its weight's own size). A classifier takes `classifier_size` square on
-    those terms (ViT, MaxViT and Swin take only their crop), and its own crop without one."""
+    stay 112x112), else None (SSD keeps its weight's own size; a size equal to the weight's own is its own). A
+    classifier takes `classifier_size` square on those terms (ViT, MaxViT and Swin take only their crop), and its
+    own crop without one."""
     from ..errors import UsageError
 
     w = weights.resolve(weight_name)
     task, model_name = weights.task_class(w), weights.model_name_of(w)
     if task.name == "classification":
         input_size = (classifier_size, classifier_size) if classifier_size else None
-    if input_size is None:
+    if input_size is None or tuple(input_size) == task.input_size_of(w, model_name, None):
         return None
     try:
         task.input_size_of(w, model_name, tuple(input_size))
@@ -214,9 +215,10 @@ def make(weight_name: str, directory: Path, input_size=None) -> dict:
     model_name = weights.model_name_of(w)
     num_classes = len(w.meta.get("categories") or []) or 1000
     seed = seed_for(name)
-    checkpoint = directory / f"{name}.random.pt"
-    info_path = directory / f"{name}.random.json"
-    float_path = directory / f"{name}.random-float.pt" if weights.is_quantized(w) else None
+    stem = f"{name}.random" + (f"-{input_size[0]}x{input_size[1]}" if input_size else "")  # batch norms settled at it
+    checkpoint = directory / f"{stem}.pt"
+    info_path = directory / f"{stem}.json"
+    float_path = directory / f"{stem}-float.pt" if weights.is_quantized(w) else None
     if checkpoint.is_file() and info_path.is_file() and (float_path is None or float_path.is_file()):
         import json
 
@@ -224,10 +226,10 @@ def make(weight_name: str, directory: Path, input_size=None) -> dict:
     if weights.is_quantized(w):
         unquantized = w.meta["unquantized"]
         float_name = weights.model_name_of(unquantized)
-        model, info = _float_model(unquantized, float_name, num_classes, None, seed)
+        model, info = _float_model(unquantized, float_name, num_classes, input_size, seed)
         torch.save(model.state_dict(), _tmp(float_path))
         _tmp(float_path).replace(float_path)
-        task = weights.task_class(unquantized).bind(unquantized, float_name, num_classes, None)
+        task = weights.task_class(unquantized).bind(unquantized, float_name, num_classes, input_size)
         images = _synthetic_images(unquantized, task, SETTLE_IMAGES, (seed + 1) % (2**31))
         state = _quantized_state(w, model, model_name, num_classes, images)
         info["quantized"] = {"backend": w.meta["backend"], "float_model": float_name}

@@ -22,6 +22,7 @@ from . import outcome, rowcache, table, trained
 from .select import Candidate, planned_artifacts
 
 WALL_FACTOR = 3  # the CPU time limit's backstop on the wall clock
+CLASSIFIER_TASKS = ("classification", "quantization")  # the rows --classifier-size applies to
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,14 @@ class Settings:
     def on_aarch64(self) -> bool:
         return bool(self.cpus)
 
-    def key_parts(self) -> dict:
-        """What a row's result depends on (the time limit only decides whether it finished)."""
+    def key_parts(self, task: str | None = None) -> dict:
+        """What a row of `task` depends on (the time limit only decides whether it finished; the classifier size
+        only a classifier's build)."""
         parts = self.describe()
         parts.pop("time_limit")
         parts.pop("targets")
+        if task not in CLASSIFIER_TASKS:
+            parts.pop("classifier_size", None)
         return parts
 
     def describe(self) -> dict:
@@ -167,7 +171,7 @@ class Sweep:
             return dict(row, outcome="refused", reason=candidate.refused, cells=[], seconds=0.0)
         if candidate.skipped:
             return dict(row, outcome="skipped", reason=candidate.skipped, cells=[], seconds=0.0)
-        key = rowcache.key(candidate.weight, target, self.settings.key_parts(), tools)
+        key = rowcache.key(candidate.weight, target, self.settings.key_parts(candidate.task), tools)
         input_size = self._input_size(candidate)
         if self.cache:
             cached = rowcache.fetch(cache_root, key, self.settings.time_limit, input_size)
@@ -198,8 +202,9 @@ class Sweep:
         """{"classifier_size": the size} for a classifier built at a size other than its weight's crop."""
         from . import randomize
 
-        own = randomize.built_input_size(candidate.weight, None)
-        return {"classifier_size": input_size} if self.settings.classifier_size and input_size != own else {}
+        if candidate.task not in CLASSIFIER_TASKS or not self.settings.classifier_size:
+            return {}
+        return {"classifier_size": input_size} if input_size != randomize.built_input_size(candidate.weight, None) else {}
 
     def _spec(self, candidate: Candidate, target: str, weight_dir: Path) -> dict:
         s = self.settings
