@@ -25,6 +25,13 @@ ARM_CACHE = Path(os.environ.get("EXPORTER_TEST_AARCH64_CACHE") or Path.home() / 
 
 # Small but real: every number below is measured, only on fewer images and iterations.
 FAST = ["--calib-size", "64", "--val-size", "120", "--warmup", "2", "--iterations", "10"]
+# For the builds whose subject is not the int8 budget (ONNX files, the device kit, byte-identity, ARM rows): the
+# digits stand-in is trained on the host running the suite, and training differs by CPU. 120 validation digits
+# resolve 0.83 points of acc@1; a stand-in trained on an AMD EPYC without AVX-512 lost 2 of them at int8 (1.67
+# points, onnx and .pte alike) where the budget's 32 check images saw none, so the 1-point default failed there
+# and only there. These builds hold int8 to 5 points (6 digits) and every other int8 threshold as the profile
+# has it; the budget itself is tested by test_quant on what the search guarantees.
+INT8_SLACK = ["--threshold", "int8.accuracy_drop=5"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .calibration import ONNX_CALIBRATIONS
+from .search import CandidateFailed
 from .sensitivity import activation_scales
 
 QUANTIZED_OPS = ("Conv", "Gemm", "MatMul")
@@ -46,7 +47,12 @@ class QdqCandidate:
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.session.run(None, {self.input_name: x.contiguous().numpy()})[0])
+        from onnxruntime.capi.onnxruntime_pybind11_state import Fail, RuntimeException
+
+        try:
+            return torch.from_numpy(self.session.run(None, {self.input_name: x.contiguous().numpy()})[0])
+        except (Fail, RuntimeException) as error:
+            raise CandidateFailed(f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}") from error
 
 
 class OnnxQdqBackend:

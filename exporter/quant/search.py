@@ -27,8 +27,14 @@ PATIENCE, MIN_GAIN_DB = 4, 0.5
 PERTURBATION_SNR_DB = 40.0
 
 
+class CandidateFailed(Exception):
+    """A candidate's runtime could not run it on an input (Faster R-CNN's int8 RPN leaving no proposal: ONNX
+    Runtime cannot reshape the zero rows its box head gets). The search judges it the worst candidate there is
+    and goes on; the artifact chosen is validated as any other."""
+
+
 class Candidate(Protocol):
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...  # may raise CandidateFailed
 
 
 class Backend(Protocol):
@@ -95,7 +101,11 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
 
     def attempt(float_layers: list[str], method: str):
         candidate = backend.quantize(float_layers, range_images, method)
-        metrics = task.quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
+        try:
+            metrics = task.quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
+        except CandidateFailed as error:
+            metrics = {"fidelity": {task.agreement: 0.0, "psnr_db": -math.inf}, "accuracy": None,
+                       "reasons": [f"does not run on every check image: {error}"]}
         in_float = len(backend.float_closure(float_layers))  # with the producers XNNPACK needs float beside them
         steps.append({"float_layers": in_float, "ranges": method, **_summary(task, metrics)})
         log(f"  int8, {method} ranges, {in_float}/{len(layers)} layers float: "
