@@ -353,7 +353,7 @@ def _settings_line(settings: dict, rows: list[dict]) -> str:
             f"{settings['train_max_epochs']})" if settings.get("train_until") else "")),
         f"latency {settings['warmup']} warm-up + {settings['iterations']} timed iterations",
         f"{settings['threads']} thread{'s' if settings['threads'] != 1 else ''}",
-        *([f"classifiers at their weights' crop, or at the size their row names"]
+        *(["classifiers at their weights' crop, or at the size their row names"]
           if any(r.get("classifier_size") for r in rows) else []),
         "segmentation, RetinaNet, FCOS and video-frame input " + (
             "×".join(map(str, settings["input_size"])) + ", or the weight's own where that is smaller or its minimum larger"
