@@ -55,7 +55,10 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
         for cpu, row in rows.items():
             where = (path, cpu)
             assert row["status"] == "passed" and row["latency_ms"] is None, where
-            assert row["fidelity"]["top1_agreement"] == entry["fidelity"]["top1_agreement"], where
+            if "fp32" in path or row["vs_x86"]["bit_identical"]:  # the same numbers: the same top-1
+                assert row["fidelity"]["top1_agreement"] == entry["fidelity"]["top1_agreement"], where
+            # ONNX Runtime's int8 kernels differ between x86 and ARM (1.29 max abs here): a digit at a near-tie of the
+            # stand-in (trained on the host) may flip either way; each row is held to the thresholds, as asserted above
             if path.endswith(".pte"):
                 assert row["runtime"]["delegate"] == "XnnpackBackend", where
                 assert {k: row["bundled_program"][k] for k in ("passed", "cases", "error")} == \
