@@ -818,7 +818,7 @@ def test_a_digits_run_that_did_not_learn_is_run_again_at_a_lower_learning_rate(m
     from exporter.standins import digits
 
     x, y = torch.randn(6, 3, 8, 8), torch.arange(6) % 10
-    monkeypatch.setattr(digits, "_dataset", lambda weight: (x, y, [0, 1, 2], [3, 4, 5], ([], [])))
+    monkeypatch.setattr(digits, "_dataset", lambda weight, size=None: (x, y, [0, 1, 2], [3, 4, 5], ([], [])))
     rates, accuracies = [], iter([0.07, 0.95])
     monkeypatch.setattr(digits, "_fit", lambda model, x, y, idx, epochs, lr, log: rates.append(lr))
     monkeypatch.setattr(digits, "_accuracy", lambda model, x, y, idx: next(accuracies))
@@ -840,7 +840,7 @@ def test_an_undertrained_digits_model_is_trained_on_until_its_training_images_ar
     checkpoint = tmp_path / "start.pth"
     torch.save(digits._model(weight).state_dict(), checkpoint)
     x, y = torch.randn(6, 3, 8, 8), torch.arange(6) % 10
-    monkeypatch.setattr(digits, "_dataset", lambda w: (x, y, [0, 1, 2], [3, 4, 5], ([], [])))
+    monkeypatch.setattr(digits, "_dataset", lambda w, size=None: (x, y, [0, 1, 2], [3, 4, 5], ([], [])))
     fits, seen = [], []
 
     def accuracy(model, x, y, idx):
