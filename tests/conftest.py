@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,11 @@ FAST = ["--calib-size", "64", "--val-size", "120", "--warmup", "2", "--iteration
 # digits stand-in is trained on the host running the suite, and training differs by CPU. 120 validation digits
 # resolve 0.83 points of acc@1; a stand-in trained on an AMD EPYC without AVX-512 lost 2 of them at int8 (1.67
 # points, onnx and .pte alike) where the budget's 32 check images saw none, so the 1-point default failed there
-# and only there. These builds hold int8 to 5 points (6 digits) and every other int8 threshold as the profile
-# has it; the budget itself is tested by test_quant on what the search guarantees.
-INT8_SLACK = ["--threshold", "int8.accuracy_drop=5"]
+# and only there. These builds judge int8 at 5 points (6 digits) and every other int8 threshold as the profile
+# has it; the budget itself is tested by test_quant on what the search guarantees. Their int8 is still built to the
+# profile's 1-point budget, so it is the default build's artifact and comes from the suite's cache.
+_BUDGET = tomllib.loads((ROOT / "targets" / "android.toml").read_text())["thresholds"]["int8"]["accuracy_drop"]
+INT8_SLACK = ["--threshold", "int8.accuracy_drop=5", "--quant-budget", f"accuracy_drop={_BUDGET}"]
 
 
 @pytest.fixture(scope="session", autouse=True)

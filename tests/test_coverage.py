@@ -379,6 +379,11 @@ def test_cells_read_from_a_manifest():
     assert (broke["outcome"], table.cell_text(broke)) == ("failed", "❎ top1_agreement 0.375")
     degenerate = outcome.cell_from_artifact(artifact(path="m.pte", reasons=["degenerate eager reference: constant outputs"]))
     assert (degenerate["outcome"], degenerate["kind"]) == ("failed", "degenerate reference")
+    stops = outcome.cell_from_artifact(artifact(path="m.onnx", reasons=[
+        "does not run on every validation input: RuntimeError: [ONNXRuntimeError] : 1 : FAIL : Reshape"]))
+    assert (stops["outcome"], stops["kind"], table.cell_text(stops)) == ("failed", "runtime error",
+                                                                        "❎ runtime error (RuntimeError)")
+    assert not outcome.floor_wanted({"cells": [stops]})  # no rounding of eager explains a crash
     crashed = outcome.cell_from_artifact(artifact(reasons=["export failed: TypeError: bad thing"]))
     assert (crashed["outcome"], crashed["kind"], table.cell_text(crashed)) == ("export", "converter crash", "❌ converter crash")
     pte = outcome.cell_from_artifact(artifact(format="executorch", status="passed", path="m.pte", details={"delegation": {

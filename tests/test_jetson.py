@@ -281,3 +281,46 @@ def test_onnx_with_external_data_is_one_artifact_everywhere(digits_model, tmp_pa
     data.write_bytes(data.read_bytes()[:-4] + b"\0\0\0\0")
     tampered = run_cli("validate", out)
     assert tampered.exit_code == 2 and "does not match the sha256" in tampered.output
+
+
+def test_an_artifact_its_runtime_fails_on_one_input_is_failed_with_the_error(digits_model, tmp_path, monkeypatch):
+    """A runtime that raises on one validation input (ONNX Runtime on a shape only that image makes) fails that
+    artifact with the runtime's error; the build goes on and exits 1, and the result is not cached (the next
+    build validates again)."""
+    import itertools
+
+    from exporter.formats import onnx as onnx_format
+
+    real = onnx_format.load
+
+    def load(path, threads, **options):
+        run, calls = real(path, threads, **options), itertools.count()
+
+        def fails_on_the_fourth(x):
+            if next(calls) == 3:
+                raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Reshape: input {0,44} to {0,-1}\nsecond line")
+            return run(x)
+        return fails_on_the_fourth
+
+    env = {"EXPORTER_CACHE": str(tmp_path / "cache")}
+    monkeypatch.setattr(onnx_format, "load", load)
+    result = run_cli(*build_args(digits_model, tmp_path / "build", "--target", "jetson", "--format", "onnx:fp32"), env=env)
+    assert result.exit_code == 1 and "Traceback" not in result.output, (result.output, result.exception)
+    (entry,) = [a for a in json.loads((tmp_path / "build" / "manifest.json").read_text())["artifacts"] if a.get("path")]
+    assert entry["status"] == "failed" and entry["reasons"] == [
+        "does not run on every validation input: RuntimeError: [ONNXRuntimeError] : 1 : FAIL : Reshape: input {0,44} "
+        "to {0,-1}"], entry
+    assert (tmp_path / "build" / entry["path"]).exists() and entry["fidelity"] is None
+    monkeypatch.undo()
+    result = run_cli(*build_args(digits_model, tmp_path / "again", "--target", "jetson", "--format", "onnx:fp32"), env=env)
+    (entry,) = [a for a in json.loads((tmp_path / "again" / "manifest.json").read_text())["artifacts"] if a.get("path")]
+    assert result.exit_code == 0 and entry["status"] == "passed" and not entry.get("validation_reused_from_cache"), entry
+    assert entry["artifact_reused_from_cache"] is True
+    # `exporter validate` on that build, its runtime now refusing the file: failed, and none of the earlier numbers
+    monkeypatch.setattr(onnx_format, "load", lambda path, threads, **options: (_ for _ in ()).throw(
+        RuntimeError("[ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed")))
+    result = run_cli("validate", tmp_path / "again", env=env)
+    (entry,) = [a for a in json.loads((tmp_path / "again" / "manifest.json").read_text())["artifacts"] if a.get("path")]
+    assert result.exit_code == 1 and entry["status"] == "failed", (result.output, entry)
+    assert entry["reasons"] == ["does not load: RuntimeError: [ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed"]
+    assert entry["fidelity"] is entry["latency_ms"] is None and "golden_fidelity" not in entry, entry

@@ -106,6 +106,59 @@ def test_faster_rcnn_onnx_matches_eager_and_the_device_kit_agrees(jetson, tmp_pa
     assert_device_reproduces_the_build(copy)
 
 
+def test_the_graphs_rows_are_torchvisions_detections(faster_rcnn):
+    """FinalDetections writes torchvision's box step so that it traces for zero proposals too: on held-out canvases
+    (one at a time and two in one batch), a blank frame and a NaN frame, its rows are exactly torchvision's own
+    detections, padded with zeros."""
+    import torch
+    from PIL import Image
+    from torchvision.models.detection.image_list import ImageList
+
+    from exporter.tasks.detection import _reference_model
+    from exporter.tasks.region_detection import FinalDetections, RegionDetection
+
+    state = torch.load(faster_rcnn.checkpoint, weights_only=True)
+    name = "fasterrcnn_mobilenet_v3_large_320_fpn"
+    model = _reference_model(name, RegionDetection.num_classes_in(state, name, 91))
+    model.load_state_dict(state)
+    graph = FinalDetections(model).eval()
+    mean, std = (torch.tensor(v)[:, None, None] for v in (model.transform.image_mean, model.transform.image_std))
+    files = sorted((faster_rcnn.data_dir / "images").iterdir())[:3]
+    images = [(torch.from_numpy(np.asarray(Image.open(f).convert("RGB").resize((model_size := int(faster_rcnn.size),) * 2),
+                                           dtype=np.float32) / 255).permute(2, 0, 1) - mean) / std for f in files]
+    frames = [*images, torch.zeros_like(images[0]), torch.full_like(images[0], float("nan"))]
+    with torch.no_grad():
+        for x in [*(f[None] for f in frames), torch.stack(images[:2])]:
+            sizes = [(model_size, model_size)] * len(x)
+            features = model.backbone(x)
+            proposals, _ = model.rpn(ImageList(x, sizes), features)
+            own, _ = model.roi_heads(features, proposals, sizes)
+            for rows, d in zip(graph(x), own):
+                expected = torch.cat([d["boxes"], d["scores"][:, None], d["labels"][:, None].float()], 1)
+                assert torch.equal(rows[:len(expected)], expected) and not rows[len(expected):].any()
+    assert sum(int(graph(i[None])[0, :, 5].gt(0).sum()) for i in images) > 0  # real detections were compared
+
+
+def test_a_frame_without_a_proposal_runs_on_every_onnx(jetson):
+    """No proposal reaches the box head (the RPN scores no anchor above its threshold: a blank frame, or an int8 RPN
+    on a hard image): ONNX Runtime failed on the box decoding's reshape of zero rows, {0,44} to {0,-1}. A NaN
+    frame has no proposal on any model (every comparison with NaN is false), so fp32 and fp16 return only padding;
+    a blank frame runs on every ONNX artifact."""
+    import onnxruntime as ort
+
+    out, doc, _ = jetson
+    for artifact in doc["artifacts"]:
+        if artifact["format"] != "onnx":
+            continue
+        session = ort.InferenceSession(str(out / artifact["path"]))
+        (graph_input,) = session.get_inputs()
+        frame = np.zeros(graph_input.shape, dtype=np.float32)
+        assert session.run(None, {graph_input.name: frame})[0].shape == (1, 100, 6), artifact["name"]
+        if artifact["precision"] != "int8":  # int8 quantizes NaN to a number
+            rows = session.run(None, {graph_input.name: np.full_like(frame, np.nan)})[0]
+            assert rows.shape == (1, 100, 6) and not rows.any(), artifact["name"]
+
+
 def test_formats_without_the_route_say_why(faster_rcnn, tmp_path):
     out = tmp_path / "android"
     result = run_cli(*args(faster_rcnn, out, "--target", "android", "--format", "executorch:fp32",

@@ -28,9 +28,17 @@ NOT_RUN = {  # formats whose runtime the aarch64 runner does not have, and why
 }
 
 
+def _not_run(entry: dict) -> str:
+    if entry["format"] in NOT_RUN:
+        return NOT_RUN[entry["format"]]
+    ran_here = not entry.get("path") or entry.get("status") != "failed" or entry.get("fidelity") is not None
+    return "not built" if ran_here else "its runtime fails on it on x86 already"
+
+
 def wanted(entry: dict) -> bool:
     path = entry.get("path")
-    return bool(path) and Path(path).suffix in RUNS_ON_AARCH64 and entry.get("status") in ("passed", "failed")
+    return (bool(path) and Path(path).suffix in RUNS_ON_AARCH64 and entry.get("status") in ("passed", "failed")
+            and entry.get("fidelity") is not None)  # it ran here
 
 
 def versus_x86(outputs: torch.Tensor, x86: torch.Tensor | None) -> dict | None:
@@ -119,7 +127,7 @@ def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Pa
     cpus = list(session.plan.validate.cpus)
     entries = [e for e in doc["artifacts"] if wanted(e)]
     summary = {"cpus": {cpu: aarch64.WHY.get(cpu, "") for cpu in cpus}, "emulated": True,
-               "not_run": {e["name"]: NOT_RUN.get(e["format"], "not built") for e in doc["artifacts"] if not wanted(e)}}
+               "not_run": {e["name"]: _not_run(e) for e in doc["artifacts"] if not wanted(e)}}
     doc["aarch64"] = summary
     if not entries or not cpus:
         return

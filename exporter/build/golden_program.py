@@ -17,7 +17,8 @@ FORMAT = "executorch"
 
 
 def wanted(entry: dict) -> bool:
-    return entry["format"] == FORMAT and bool(entry.get("path")) and entry.get("status") in ("passed", "failed")
+    return (entry["format"] == FORMAT and bool(entry.get("path")) and entry.get("status") in ("passed", "failed")
+            and entry.get("fidelity") is not None)  # it ran on the validation inputs
 
 
 def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:

@@ -33,7 +33,7 @@ def _reason(entry: dict, module) -> str | None:
     """Why this artifact gets no measurement here, or None."""
     if entry["format"] in NOT_MEASURED:
         return NOT_MEASURED[entry["format"]]
-    if not entry.get("path") or entry.get("status") not in ("passed", "failed"):
+    if not entry.get("path") or entry.get("status") not in ("passed", "failed") or entry.get("fidelity") is None:
         return "not run on this host: " + "; ".join(entry.get("reasons") or ["no artifact"])
     if not hasattr(module, "memory"):
         return f"{entry['format']} has no memory measurement"

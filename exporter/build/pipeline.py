@@ -18,7 +18,7 @@ import torch
 
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, report
-from ..release.ship import NOT_MADE
+from ..release.ship import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
 from . import arch_rows, cache, default_out, golden_program, memory_profile, profiles
 from .plan import ArtifactSpec, Plan, make_all, make as make_plan
 from ..tasks import Task
@@ -143,6 +143,7 @@ def _evaluate(session: Session, runner, thresholds: dict, timed: bool = True) ->
 
 VALIDATION_FIELDS = ("status", "reasons", "fidelity", "golden_fidelity", "accuracy", "latency_ms", "eager_latency_ms",
                      "speedup_vs_eager", "proxy", "proxy_unavailable", "preview", "preview_rows")
+NOT_MEASURED = {"fidelity": None, "accuracy": None, "latency_ms": None, "eager_latency_ms": None, "speedup_vs_eager": None}
 GOLDEN_COUNT = 8  # validation inputs written to golden/ for on-device checks
 
 
@@ -180,7 +181,8 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
         session.cache.events.append(f"{entry['name']}: validation results reused from the cache, latency measured "
                                     f"again (the cached one was unreliable: {noisy})")
     else:
-        _run_validation(session, entry, out, progress, prefix)
+        if not _run_validation(session, entry, out, progress, prefix):
+            return  # not kept: what stopped it may be this host's (memory), not the artifact's
         if entry.get("latency_conditions"):  # judged again with this profile's max_spread
             entry["latency_conditions"] = hostload.judged(entry["latency_conditions"], session.latency["threads"],
                                                           session.latency.get("max_spread"))
@@ -190,11 +192,15 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
     session.cache.store_json("validations", digest, record)
 
 
-def _run_validation(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
+def _run_validation(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> bool:
+    """Whether the artifact was run (or, unavailable here, said why); one that loads or runs on no or only some
+    validation inputs has failed, with the runtime's error."""
     module = FORMATS[entry["format"]].load_module()
     with progress.step(f"{prefix}validate {entry['name']}"):
         try:
             runner = module.load(out / entry["path"], session.latency["threads"])
+        except UsageError:
+            raise
         except RuntimeUnavailable as e:
             entry.update(status="unavailable", reasons=[f"not validated: {e}"])
             if hasattr(module, "proxies"):
@@ -205,11 +211,19 @@ def _run_validation(session: Session, entry: dict, out: Path, progress: Progress
                     proxies = module.proxies(out / entry["path"], session.loaded.model)
                 except ValueError as e:  # a stand-in that cannot be made says why; the artifact is not failed
                     entry["proxy_unavailable"] = str(e)
-                    return
+                    return True
                 entry["proxy"] = {label: _proxy_metrics(session, proxy, entry["thresholds"])
                                   for label, proxy in proxies.items()}
-            return
-        metrics, outputs = _evaluate(session, runner, entry["thresholds"])
+            return True
+        except Exception as e:  # made, but its runtime refuses it: a finding about this artifact, as an export's is
+            entry.update(status="failed", reasons=[DOES_NOT_LOAD + _first_line(e)])
+            return False
+        try:
+            metrics, outputs = _evaluate(session, _reporting_failures(runner), entry["thresholds"])
+        except ArtifactRunFailed as e:  # e.g. ONNX Runtime failing on one image's shapes
+            torch.set_num_threads(session.latency["threads"])
+            entry.update(status="failed", reasons=[DOES_NOT_RUN + str(e)])
+            return False
         entry.update(metrics)
         if session.plan.validate.aarch64_cpus:
             session.x86_outputs[entry["name"]] = outputs
@@ -217,6 +231,24 @@ def _run_validation(session: Session, entry: dict, out: Path, progress: Progress
         rows = session.golden_rows
         entry["golden_fidelity"] = session.task.fidelity(session.reference[rows], outputs[rows])
         _write_preview(session, entry, out, outputs)
+        return True
+
+
+class ArtifactRunFailed(Exception):
+    """The artifact's runtime raised (not the exporter's own metrics or eager): its error's first line."""
+
+
+def _reporting_failures(runner):
+    def run(x):
+        try:
+            return runner(x)
+        except Exception as e:
+            raise ArtifactRunFailed(_first_line(e)) from e
+    return run
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
 def _proxy_metrics(session: Session, proxy, thresholds: dict) -> dict:
@@ -267,11 +299,7 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
         "reasons": [],
         "details": {},
         "thresholds": session.plan.thresholds_for(spec.precision),
-        "fidelity": None,
-        "accuracy": None,
-        "latency_ms": None,
-        "eager_latency_ms": None,
-        "speedup_vs_eager": None,
+        **NOT_MEASURED,
     }
     refusal = FORMATS[spec.format].no_quantized_eager if session.loaded.quantized else None
     if refusal:
@@ -314,8 +342,7 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
         memory_profile.add(session, entry, out, progress, prefix)  # not measured either: says why
         return entry
     except Exception as e:  # a conversion failure is a finding about this artifact, not a crash
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        entry["reasons"] = [f"export failed: {type(e).__name__}: {first}"]
+        entry["reasons"] = [f"export failed: {_first_line(e)}"]
         return entry
     entry["export_s"] = progress.timings.get(label)
     entry.update(path=filename, sha256=files.sha256(out / filename), size_bytes=files.size(out / filename))
@@ -537,9 +564,9 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
     for entry in doc["artifacts"]:
         entry["thresholds"] = plan.thresholds_for(entry["precision"])
         if entry.get("path"):
-            entry.update(reasons=[], status="failed")
-            for stale in ("aarch64", "bundled_program"):
+            for stale in (*VALIDATION_FIELDS, "latency_conditions", "aarch64", "bundled_program"):
                 entry.pop(stale, None)
+            entry.update(NOT_MEASURED, reasons=[], status="failed")
             _validate(session, entry, out, progress)
             golden_program.add(session, entry, out, progress)
     arch_rows.add(session, doc, out, progress, None, False)

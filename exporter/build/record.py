@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .. import files
 from ..release import html_report, manifest, report
+from ..release.ship import DOES_NOT_LOAD, DOES_NOT_RUN
 from . import cache, default_out
 from .cache import BuildCache
 from ..formats import FORMATS
@@ -183,8 +184,9 @@ class BuildRecord:
         return docs
 
     def store(self, base: Path, docs: list[dict]) -> None:
-        if any(r.startswith("export failed") for doc in docs for a in doc["artifacts"] for r in a["reasons"]):
-            return  # a crash in a converter may not happen again; only settled outcomes are replayed
+        if any(r.startswith(("export failed", DOES_NOT_LOAD, DOES_NOT_RUN)) for doc in docs for a in doc["artifacts"]
+               for r in a["reasons"]):
+            return  # a crash in a converter or a runtime may not happen again; only settled outcomes are replayed
         if _noisy_latency(docs):
             return  # latency timed on a busy host is not settled: the next run times it again (per-step cache keeps fidelity)
         if self._key() != self.key:

@@ -3,8 +3,9 @@
 A cell is one artifact of one weight on one target. Its `outcome`:
 
     passed       ✅  built and validated within the target's thresholds
-    failed       ❎  built, but broke a threshold (the first reason); `kind` "ill-conditioned reference" when eager
-                     itself, rounded to the artifact's precision, broke the same thresholds (coverage.conditioning);
+    failed       ❎  built, but broke a threshold (the first reason), or its runtime failed on it (`kind` "runtime
+                     error"); `kind` "ill-conditioned reference" when eager itself, rounded to the artifact's
+                     precision, broke the same thresholds (coverage.conditioning);
                      "quantized weight" when a torchvision int8 weight, run as it is in eager PyTorch, broke them
                      against its float model: what the weight loses, not the export
     export       ❌  export failed (the first line of the error), `kind` classified by CLASSIFIERS
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..release.ship import NOT_MADE
+from ..release.ship import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
 
 SYMBOLS = {"passed": "✅", "failed": "❎", "export": "❌", "unavailable": "⚪", "refused": "⛔", "time": "⏱",
            "skipped": "⏭", "not_run": "·"}
@@ -151,7 +152,7 @@ def floor_wanted(row: dict) -> bool:
     if measured is not None and "error" in measured:
         return False
     wanted = set(FLOORS.get("int8")) | ({WEIGHT_FLOOR} if row.get("quantized") else set())
-    return any(c.get("outcome") == "failed" and (measured is None or (
+    return any(c.get("outcome") == "failed" and c.get("kind") != "runtime error" and (measured is None or (
         c.get("kind") == "validation" and (not (wanted if c.get("precision") == "int8" else set()) <= set(measured)
                                            or (broken_keys(c.get("reasons")) & LABELED_KEYS and not measured.get("labeled")))))
         for c in row.get("cells", []))
@@ -203,6 +204,8 @@ def cell_from_artifact(artifact: dict) -> dict:
         cell["kind"] = "by design" if refused else ("built, cannot run here" if built else "cannot build here")
     elif built and reasons and all(_emulator_timeout(r) for r in reasons):
         cell.update(outcome="time", kind="time limit")  # qemu ran out of time: the artifact was not judged there
+    elif built and reason.startswith((DOES_NOT_LOAD, DOES_NOT_RUN)):
+        cell.update(outcome="failed", kind="runtime error")
     elif built:
         cell.update(outcome="failed", kind="validation")
     else:

@@ -270,6 +270,9 @@ def cell_text(cell: dict) -> str:
     if cell["outcome"] == "failed":
         if kind == "degenerate reference":
             return f"{symbol} degenerate"
+        if kind == "runtime error":  # "does not run …: <Error>: <message>": the error's name says most
+            error = (cell.get("reason") or "").partition(": ")[2].partition(":")[0]
+            return f"{symbol} runtime error ({error})" if error else f"{symbol} runtime error"
         suffix = {"ill-conditioned reference": " · ill-conditioned", "quantized weight": " · the int8 weight's own"}.get(kind, "")
         reason, where = cell.get("reason") or "", ""
         if reason.startswith("aarch64 "):  # "aarch64 <cpu> (emulated): <the reason there>"
@@ -538,7 +541,8 @@ def markdown(doc: dict) -> str:
                   "tensors rounded to the artifact's precision, breaks the same thresholds, so the failure is the random "
                   "model's, not the export's; ❎ quantized weight: a torchvision int8 weight, run as it is in eager PyTorch, "
                   "breaks the same thresholds against its float model; ❎ degenerate reference: eager's outputs barely "
-                  "vary across the inputs, so agreement with it proves nothing):", "",
+                  "vary across the inputs, so agreement with it proves nothing; ❎ runtime error: made, but its runtime fails on "
+                  "a validation input):", "",
                   "| target | kind | artifacts |", "|---|---|---:|"]
         for (target, kind), n in sorted(kinds.items(), key=lambda kv: (_order(kv[0][0], TARGET_ORDER), -kv[1], kv[0][1])):
             lines.append(f"| {target} | {kind} | {n} |")

@@ -94,7 +94,7 @@ def run(spec: dict) -> int:
         else:
             (doc,) = build_targets(request, [spec["target"]], Progress())
             result.update(stage="done", status=doc["status"])
-            if any(a["status"] == "failed" and a.get("path") for a in doc["artifacts"]):
+            if any(a["status"] == "failed" and a.get("fidelity") is not None for a in doc["artifacts"]):  # judged, failed
                 _write(result_path, result)  # the build stands if the time limit ends the floor
                 try:  # the build's row stands whatever happens here
                     result["floor"] = floor(request, spec["target"])

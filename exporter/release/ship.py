@@ -6,6 +6,8 @@ can be the smallest but never the fastest; a failed or unvalidated (unavailable)
 from __future__ import annotations
 
 NOT_MADE = "cannot take "  # how a build's reason begins when a format cannot take the model at all (no runtime needed)
+# how it begins when the artifact was made but its runtime fails on it: it loads on none, or runs on only some inputs
+DOES_NOT_LOAD, DOES_NOT_RUN = "does not load: ", "does not run on every validation input: "
 
 
 def _p50(a: dict) -> float:

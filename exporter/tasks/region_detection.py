@@ -25,7 +25,15 @@ TORCH_EXPORT_STOPS = ("torch.export stops in the region proposal step: batched_n
 
 
 class FinalDetections(nn.Module):
-    """Backbone, RPN and box head on an already resized and normalized image: (N, rows, 6)."""
+    """Backbone, RPN and box head on an already resized and normalized image: (N, rows, 6).
+
+    The box step after the box head is torchvision's `RoIHeads.postprocess_detections` (decode, clip, drop the
+    background, score threshold, small boxes, per-class NMS, top rows), written so that its traced graph holds
+    when no proposal reaches it (a blank frame; an int8 RPN that scores no anchor above its threshold).
+    torchvision reshapes to `(proposals, -1)` and clips with `reshape(boxes.shape)`; with zero proposals ONNX
+    Runtime cannot resolve either (its ReshapeFusion pass turns the second into {0, 11, -1}: "Input shape:{0,44},
+    requested shape:{0,-1}"). Here every reshape has a fixed width and the clip none; the numbers are the same
+    (tests/test_region_detection.py compares the rows with torchvision's own detections)."""
 
     # fp16 graphs compute these in half; the proposal and box steps stay float (torchvision's CPU nms, run while
     # the graph is traced, has no Half kernel, and score thresholds and top-k are where rounding reorders boxes)
@@ -35,6 +43,7 @@ class FinalDetections(nn.Module):
         super().__init__()
         self.backbone, self.rpn, self.roi_heads = model.backbone, model.rpn, model.roi_heads
         self.rows = int(model.roi_heads.detections_per_img)
+        self.classes = int(model.roi_heads.box_predictor.cls_score.out_features)
 
     def forward(self, x):
         from torchvision.models.detection.image_list import ImageList
@@ -42,12 +51,37 @@ class FinalDetections(nn.Module):
         images = ImageList(x, [(int(x.shape[-2]), int(x.shape[-1]))] * int(x.shape[0]))
         features = self.backbone(x)
         proposals, _ = self.rpn(images, features)
-        detections, _ = self.roi_heads(features, proposals, images.image_sizes)
+        heads = self.roi_heads
+        logits, codes = heads.box_predictor(heads.box_head(heads.box_roi_pool(features, proposals, images.image_sizes)))
+        if len(proposals) > 1:  # the graph is exported at batch 1: no split of a count the trace would fix
+            counts = [len(p) for p in proposals]
+            logits, codes = logits.split(counts), codes.split(counts)
+        else:
+            logits, codes = [logits], [codes]
         padded = []
-        for d in detections:
-            rows = torch.cat([d["boxes"], d["scores"][:, None], d["labels"][:, None].to(x.dtype)], 1)
+        for image_logits, image_codes, image_proposals, size in zip(logits, codes, proposals, images.image_sizes):
+            boxes, scores, labels = self._detections(image_logits, image_codes, image_proposals, size)
+            rows = torch.cat([boxes, scores[:, None], labels[:, None].to(x.dtype)], 1)
             padded.append(torch.cat([rows, rows.new_zeros(self.rows - rows.shape[0], 6)]))  # label 0: no detection
         return torch.stack(padded)
+
+    def _detections(self, logits, codes, proposals, size):
+        from torchvision.ops import boxes as box_ops
+
+        heads, classes = self.roi_heads, self.classes
+        boxes = heads.box_coder.decode_single(codes.reshape(-1, 4 * classes), proposals).reshape(-1, classes, 4)
+        height, width = size
+        x0, y0, x1, y1 = boxes.unbind(-1)
+        boxes = torch.stack([x0.clamp(0, width), y0.clamp(0, height), x1.clamp(0, width), y1.clamp(0, height)], -1)
+        scores = torch.softmax(logits, -1)
+        labels = torch.arange(classes).view(1, -1).expand_as(scores)
+        boxes, scores, labels = boxes[:, 1:].reshape(-1, 4), scores[:, 1:].reshape(-1), labels[:, 1:].reshape(-1)
+        keep = torch.where(scores > heads.score_thresh)[0]
+        boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
+        keep = box_ops.remove_small_boxes(boxes, min_size=1e-2)
+        boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
+        keep = box_ops.batched_nms(boxes, scores, labels, heads.nms_thresh)[: self.rows]
+        return boxes[keep], scores[keep], labels[keep]
 
 
 class RegionDetection(Detection):
