@@ -33,7 +33,8 @@ FAST = ["--calib-size", "64", "--val-size", "120", "--warmup", "2", "--iteration
 # and only there. These builds judge int8 at 5 points (6 digits) and every other int8 threshold as the profile
 # has it; the budget itself is tested by test_quant on what the search guarantees. Their int8 is still built to the
 # profile's 1-point budget, so it is the default build's artifact and comes from the suite's cache.
-_BUDGET = tomllib.loads((ROOT / "targets" / "android.toml").read_text())["thresholds"]["int8"]["accuracy_drop"]
+(_BUDGET,) = {tomllib.loads((ROOT / "targets" / f"{t}.toml").read_text())["thresholds"]["int8"]["accuracy_drop"]
+              for t in ("android", "jetson")}  # one value, or these builds' int8 would differ from the default's
 INT8_SLACK = ["--threshold", "int8.accuracy_drop=5", "--quant-budget", f"accuracy_drop={_BUDGET}"]
 
 
