@@ -30,10 +30,10 @@ class FinalDetections(nn.Module):
     The box step after the box head is torchvision's `RoIHeads.postprocess_detections` (decode, clip, drop the
     background, score threshold, small boxes, per-class NMS, top rows), written so that its traced graph holds
     when no proposal reaches it (a blank frame; an int8 RPN that scores no anchor above its threshold).
-    torchvision reshapes to `(proposals, -1)` and clips with `reshape(boxes.shape)`; with zero proposals ONNX
-    Runtime cannot resolve either (its ReshapeFusion pass turns the second into {0, 11, -1}: "Input shape:{0,44},
-    requested shape:{0,-1}"). Here every reshape has a fixed width and the clip none; the numbers are the same
-    (tests/test_region_detection.py compares the rows with torchvision's own detections)."""
+    torchvision decodes with a reshape to `(proposals, -1)` and clips with `reshape(boxes.shape)`; with zero
+    proposals ONNX Runtime resolves neither ("Input shape:{0,44}, requested shape:{0,-1}"; the second after its
+    ReshapeFusion pass made it {0,11,-1}, in the int8 graph). Here every reshape has a fixed width and the clip
+    none; the numbers are the same (tests/test_region_detection.py compares the rows with torchvision's own)."""
 
     # fp16 graphs compute these in half; the proposal and box steps stay float (torchvision's CPU nms, run while
     # the graph is traced, has no Half kernel, and score thresholds and top-k are where rounding reorders boxes)
