@@ -107,6 +107,36 @@ def test_device_validate_rejects_golden_outputs_of_the_wrong_shape(jetson_build,
     assert result.stderr.strip().count("\n") == 0 and "shape" in result.stderr
 
 
+def test_device_validate_fails_an_artifact_its_runtime_fails_on_one_golden_input(jetson_build, monkeypatch, capsys):
+    """On the device, as in the build: ONNX Runtime raising on one input fails that artifact with its error (exit 1),
+    the others are still judged."""
+    from exporter.device import device_validate
+
+    out, _ = jetson_build
+    real = device_validate._ort_runner
+
+    def runner(path, output, threads=None):
+        run = real(path, output, threads)
+        if "int8" not in path.name:
+            return run
+        seen = []
+
+        def fails_on_the_third(x):
+            seen.append(x)
+            if len(seen) == 3:
+                raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Reshape")
+            return run(x)
+        return fails_on_the_third
+
+    monkeypatch.setattr(device_validate, "_ort_runner", runner)
+    assert device_validate.main([str(out), "--runtime", "onnxruntime"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert sorted(line.split()[0] + " " + line.split()[1] for line in lines) == [
+        "FAILED onnx_int8", "PASSED onnx_fp16", "PASSED onnx_fp32"], lines
+    assert ("FAILED onnx_int8 (onnxruntime): does not run on golden input 2: RuntimeError: [ONNXRuntimeError] : 1 : "
+            "FAIL : Non-zero status code returned while running Reshape") in lines
+
+
 def test_validate_device_command(jetson_build):
     out, doc = jetson_build
     result = run_cli("validate-device", out, "--runtime", "onnxruntime")

@@ -532,13 +532,20 @@ def validate(directory, runtime: str = "auto", threads: int | None = None) -> li
         else:
             run = _ort_runner(path, golden.output, threads)
         outputs = []
-        for x in golden.inputs:
-            # the engine only takes batches inside its profile: feed MIN copies, keep the first row
-            out = np.asarray(run(np.ascontiguousarray(np.repeat(x[None], batch[0], axis=0))))
+        for i, x in enumerate(golden.inputs):
+            try:  # the engine only takes batches inside its profile: feed MIN copies, keep the first row
+                out = np.asarray(run(np.ascontiguousarray(np.repeat(x[None], batch[0], axis=0))))
+            except Exception as e:  # the runtime fails on this input (as the build's validation reports it)
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                results.append({"name": entry["name"], "path": entry["path"], "runtime": runtime, "fidelity": None,
+                                "reasons": [f"does not run on golden input {i}: {type(e).__name__}: {first}"],
+                                "status": "failed"})
+                break
             if out.shape[1:] != golden.logits.shape[1:]:
                 raise BadInput(f"golden eager_logits.npy has shape {golden.logits.shape} but {entry['path']} outputs {out.shape}")
             outputs.append(out[0])
-        results.append(judge(golden, entry, outputs, runtime))
+        else:
+            results.append(judge(golden, entry, outputs, runtime))
     if not results:
         raise BadInput(f"{directory} lists no ONNX artifact to validate")
     return results
@@ -546,6 +553,8 @@ def validate(directory, runtime: str = "auto", threads: int | None = None) -> li
 
 def summary(result: dict) -> str:
     f = result["fidelity"]
+    if f is None:  # it did not run
+        return f"{result['status'].upper()} {result['name']} ({result['runtime']}): " + "; ".join(result["reasons"])
     if result.get("task") == "segmentation":
         agreement = f"pixel agreement {f['pixel_agreement']:.4f}, mIoU vs eager {f['miou_vs_eager']:.4f}"
     elif result.get("task") == "detection":
