@@ -149,3 +149,35 @@ def test_googlenets_input_transform_is_one_multiply_and_add_delegated_whole_with
     assert set(details["delegation"]["ops_outside_delegate"]) <= {"getitem"}  # before: aten_select_copy_int×3, ...
     with torch.no_grad():
         torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x[:1]), model(x[:1]), rtol=1e-4, atol=1e-5)
+
+
+class DenseStart(nn.Module):
+    """A DenseNet block's first layer: torch.cat over a list holding one tensor, between two convs."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.layer = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        x = self.stem(x)
+        return torch.cat([self.layer(torch.cat([x], 1)), x], 1)  # the second cat has two: it stays
+
+
+def test_a_concatenation_of_one_tensor_is_dropped_and_the_pte_is_one_delegate(tmp_path):
+    """XNNPACK takes concatenations of 2 tensors or more: DenseNet's one-tensor cats (4 in DenseNet-121) were left
+    outside the delegate, splitting the .pte in 5. Dropped, fp32 and int8 lower whole, with eager's output."""
+    from exporter.formats import executorch
+
+    torch.manual_seed(0)
+    model, x = DenseStart().eval(), torch.randn(1, 3, 16, 16)
+    kept = executorch.export(model, x, "fp32", None, tmp_path / "kept.pte", {}, rewrites=False)
+    assert kept["delegation"]["ops_outside_delegate"].get("aten_cat_default") == 1  # what the rewrite is for
+    for precision in ("fp32", "int8"):
+        path = tmp_path / f"{precision}.pte"
+        calibration = [torch.randn(1, 3, 16, 16) for _ in range(8)] if precision == "int8" else None
+        details = executorch.export(model, x, precision, calibration, path, {})
+        assert details["rewrites"]["single_tensor_cats_dropped"] == 1, details
+        assert details["delegation"]["delegated_subgraphs"] == 1 and set(details["delegation"]["ops_outside_delegate"]) <= {"getitem"}
+        if precision == "fp32":
+            with torch.no_grad():
+                torch.testing.assert_close(executorch.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)

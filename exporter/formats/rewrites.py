@@ -19,6 +19,11 @@ concatenate. XNNPACK takes the arithmetic but not the select and unsqueeze (`sel
 left outside the delegate in the `.pte`). The same per-channel scale and shift, as one multiply and one add over
 all channels, is delegated; each element gets the same two float32 roundings, so eager's outputs are unchanged.
 
+`single_tensor_cats`: DenseNet's dense layers concatenate their inputs, and the first layer of each block has one
+(`torch.cat([x], 1)`); XNNPACK takes a concatenation of 2 or more tensors only, so those four were left outside
+the delegate, each splitting the `.pte`'s graph. A concatenation of one tensor is that tensor: the node is dropped
+from the exported graph (its users read its input).
+
 `rel_pos_within_rank5`: Core ML takes tensors of rank 5 at most; MViT-V2's decomposed relative positions
 (torchvision's `mvit._add_rel_pos`) reshape each query to (B, heads, T, H, W, C) and broadcast the three axes'
 terms at rank 8 ("Layer view_8 outputs a rank 6 tensor"). The same sums, with batch and heads folded together
@@ -256,3 +261,20 @@ def rel_pos_within_rank5(model: nn.Module):
         yield True
     finally:
         mvit._add_rel_pos = original
+
+
+def single_tensor_cats(exported):
+    """`exported` (a torch.export ExportedProgram) without its concatenations of one tensor; how many it had."""
+    graph = exported.graph_module.graph
+    outputs = {a for node in graph.nodes if node.op == "output" for a in torch.utils._pytree.tree_leaves(node.args)}
+    dropped = 0
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target == torch.ops.aten.cat.default and len(node.args[0]) == 1
+                and node not in outputs):
+            node.replace_all_uses_with(node.args[0][0])
+            graph.erase_node(node)
+            dropped += 1
+    if dropped:
+        graph.lint()
+        exported.graph_module.recompile()
+    return exported, dropped
