@@ -5,8 +5,9 @@ import random
 import torch
 from torch import nn
 
-from exporter.formats.rewrites import (GlobalMean3d, RegionConv, drop_padding_taps, global_pool3d_as_mean,
-                                      input_transform_as_affine)
+from exporter.formats.rewrites import (DEPTHWISE_TAPS, GlobalMean3d, RegionConv, SplitDepthwise, drop_padding_taps,
+                                      global_pool3d_as_mean, input_transform_as_affine, kernel_parts,
+                                      split_large_depthwise)
 
 
 class Head(nn.Module):
@@ -181,3 +182,88 @@ def test_a_concatenation_of_one_tensor_is_dropped_and_the_pte_is_one_delegate(tm
         if precision == "fp32":
             with torch.no_grad():
                 torch.testing.assert_close(executorch.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_every_kernel_part_is_centred_within_the_tile_and_the_parts_cover_each_tap_once():
+    for height in range(1, 14):
+        for width in range(1, 14):
+            parts = kernel_parts(height, width)
+            if parts is None:
+                assert height < 3 or width < 3 or max(height, width) > 12, (height, width)
+                continue
+            taps = [(r, c) for part in parts for r in part.rows for c in part.cols]
+            assert sorted(taps) == [(r, c) for r in range(height) for c in range(width)], (height, width)
+            for part in parts:
+                assert len(part.rows) * len(part.cols) <= DEPTHWISE_TAPS
+                assert part.rows[0] + part.rows[-1] == height - 1 and part.cols[0] + part.cols[-1] == width - 1
+                assert len({b - a for a, b in zip(part.rows, part.rows[1:])}) <= 1  # evenly spaced: one dilation
+
+
+def test_any_split_depthwise_convolution_gives_the_same_output():
+    """Random depthwise convolutions over XNNPACK's 25-tap tile (kernels up to 11, dilations, strides, paddings,
+    channel multipliers, rectangular inputs): split or not, the output is the original's."""
+    split = 0
+    for seed in range(80):
+        rng = random.Random(seed)
+        kernel = (rng.randint(3, 11), rng.randint(3, 11))
+        dilation = (rng.randint(1, 3), rng.randint(1, 3))
+        same = rng.random() < 0.5  # "same" padding (ConvNeXt's), else any
+        padding = tuple(d * (k - 1) // 2 if same else rng.randint(0, d * (k - 1)) for k, d in zip(kernel, dilation))
+        stride = (rng.randint(1, 3), rng.randint(1, 3))
+        size = tuple(max(d * (k - 1) + 1 - 2 * p, rng.randint(1, 20)) for k, d, p in zip(kernel, dilation, padding))
+        channels = rng.choice([2, 4])
+        torch.manual_seed(seed)
+        conv = nn.Conv2d(channels, channels * rng.choice([1, 2]), kernel, stride=stride, padding=padding,
+                         dilation=dilation, groups=channels, bias=rng.random() < 0.5)
+        model, x = nn.Sequential(conv).eval(), torch.randn(2, channels, *size)
+        rewritten, done = split_large_depthwise(model)
+        with torch.no_grad():
+            expected, got = model(x), rewritten(x)
+        assert got.shape == expected.shape, (seed, conv, size)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{seed} {conv} {size}: {m}")
+        if same and kernel[0] * kernel[1] > DEPTHWISE_TAPS:
+            assert done, (seed, conv)
+        if done:
+            split += 1
+            assert isinstance(rewritten[0], SplitDepthwise) and model[0] is conv  # the caller's model is untouched
+            assert all(p.kernel_size[0] * p.kernel_size[1] <= DEPTHWISE_TAPS for p in rewritten[0].parts)
+        else:
+            assert rewritten is model
+    assert split > 15  # the draw does exercise the rewrite
+
+
+def test_small_and_ordinary_convolutions_are_not_split():
+    model = nn.Sequential(nn.Conv2d(4, 4, 5, padding=2, groups=4), nn.Conv2d(4, 4, 7, padding=3),
+                          nn.Conv2d(4, 4, 7, padding=3, groups=2), nn.Conv2d(4, 4, 7, padding=0, groups=4))
+    assert split_large_depthwise(model) == (model, [])  # the last: no padding to give its centre
+
+
+def test_a_7x7_depthwise_runs_on_xnnpacks_depthwise_kernels_with_eagers_output(tmp_path):
+    """ConvNeXt's 7x7 depthwise convolution: 49 taps, more than XNNPACK's largest depthwise tile, lowered as a
+    grouped GEMM. Split, the .pte runs depthwise kernels only (its own profiler names them), fp32 and int8."""
+    from exporter.formats import executorch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 4, stride=4), nn.Conv2d(16, 16, 7, padding=3, groups=16),
+                          nn.Conv2d(16, 8, 1)).eval()
+    x = torch.randn(1, 3, 32, 32)
+    kept = executorch.export(model, x, "fp32", None, tmp_path / "kept.pte", {}, rewrites=False)
+    assert "large_depthwise_split" not in kept.get("rewrites", {})
+    assert _convolutions(executorch.profile(tmp_path / "kept.pte", x, 1, 1)) == ["IGEMM"]  # both: what the split is for
+    for precision in ("fp32", "int8"):
+        path = tmp_path / f"{precision}.pte"
+        calibration = [torch.randn(1, 3, 32, 32) for _ in range(8)] if precision == "int8" else None
+        details = executorch.export(model, x, precision, calibration, path, {})
+        assert details["rewrites"]["large_depthwise_split"] == [{"module": "1", "kernel": [7, 7],
+                                                                  "parts": [[5, 5], [2, 7], [5, 2]]}]
+        assert details["delegation"]["delegated_subgraphs"] == 1
+        assert _convolutions(executorch.profile(path, x, 1, 1)) == ["IGEMM", "DWConv"], precision  # the stem, the split
+        if precision == "fp32":
+            with torch.no_grad():
+                torch.testing.assert_close(executorch.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def _convolutions(profile: dict) -> list[str]:
+    """The kinds of XNNPACK convolution operators the .pte ran ("Convolution (NHWC, F32) IGEMM" -> "IGEMM")."""
+    return sorted({op["op"].rsplit(" ", 1)[-1] for op in profile["ops"] if op["op"].startswith("Convolution")},
+                  key=["IGEMM", "DWConv"].index) if profile.get("available") else []

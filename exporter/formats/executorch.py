@@ -65,11 +65,12 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
 
     from ..quant import as_calibration, quantize_with_budget
     from ..quant.pt2e import Pt2eBackend
-    from .rewrites import drop_padding_taps, input_transform_as_affine, single_tensor_cats
+    from .rewrites import drop_padding_taps, input_transform_as_affine, single_tensor_cats, split_large_depthwise
 
     details = {}
     model, trimmed = drop_padding_taps(model, example) if rewrites else (model, [])
     model, affine = input_transform_as_affine(model) if rewrites else (model, [])
+    model, split = split_large_depthwise(model) if rewrites else (model, [])
     if precision == "int8":
         backend = Pt2eBackend(model, example)
         quantized, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))
@@ -79,9 +80,10 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
         with torch.no_grad():
             exported = torch.export.export(model, (example,))
     exported, cats = single_tensor_cats(exported) if rewrites else (exported, 0)
-    if trimmed or affine or cats:
-        details["rewrites"] = {k: v for k, v in (("padding_taps_dropped", trimmed), ("input_transform_as_affine", affine),
-                                                 ("single_tensor_cats_dropped", cats)) if v}
+    done = {"padding_taps_dropped": trimmed, "input_transform_as_affine": affine,
+            "large_depthwise_split": split, "single_tensor_cats_dropped": cats}
+    if any(done.values()):
+        details["rewrites"] = {name: what for name, what in done.items() if what}
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
     details["delegation"] = _delegation(edge.exported_program())
     program = edge.to_executorch()

@@ -28,6 +28,15 @@ from the exported graph (its users read its input).
 (torchvision's `mvit._add_rel_pos`) reshape each query to (B, heads, T, H, W, C) and broadcast the three axes'
 terms at rank 8 ("Layer view_8 outputs a rank 6 tensor"). The same sums, with batch and heads folded together
 and each axis' term at rank 4, stay within rank 5.
+
+`split_large_depthwise`: XNNPACK computes a depthwise convolution with its depthwise micro-kernels only up to 25
+taps (its largest unipass tile, on x86 and ARM alike: `src/configs/dwconv-config.c`, multipass kernels are not
+built by default); a larger one, ConvNeXt's 7x7 (49 taps), falls back to a grouped GEMM with one channel per group.
+A 7x7 depthwise convolution over 96 channels at 56x56 took 17 ms in a `.pte` and 0.9 ms in eager PyTorch. The
+kernel is split into centred parts of at most 25 taps, each a depthwise convolution of its own, summed: the 5x5
+centre, the top and bottom rows (a 2x7 kernel dilated to span the 7 rows) and the left and right columns of the
+rows between (a 5x2 kernel dilated to span the 7 columns). A centred part with the padding less its offset reads
+exactly the input positions its taps read in the whole kernel, so the same products are summed, in another order.
 """
 
 from __future__ import annotations
@@ -278,3 +287,88 @@ def single_tensor_cats(exported):
         graph.lint()
         exported.graph_module.recompile()
     return exported, dropped
+
+
+DEPTHWISE_TAPS = 25  # XNNPACK's largest depthwise tile
+
+
+@dataclass(frozen=True)
+class KernelPart:
+    """The taps of a kernel at rows `rows` and columns `cols` (kernel indices, evenly spaced)."""
+
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+
+
+def kernel_parts(height: int, width: int, taps: int = DEPTHWISE_TAPS) -> list[KernelPart] | None:
+    """A height x width kernel as parts of at most `taps` taps, each centred in the kernel (so that it keeps the
+    convolution's output positions) and evenly spaced (so that it is one dilated kernel): the centre, then a
+    ring of two rows and two columns at a time. None when some part would still be larger."""
+    parts, top, left, bottom, right = [], 0, 0, height - 1, width - 1
+    while (bottom - top + 1) * (right - left + 1) > taps:
+        if bottom - top < 2 or right - left < 2 or 2 * (right - left + 1) > taps or 2 * (bottom - top - 1) > taps:
+            return None
+        parts.append(KernelPart((top, bottom), tuple(range(left, right + 1))))
+        parts.append(KernelPart(tuple(range(top + 1, bottom)), (left, right)))
+        top, left, bottom, right = top + 1, left + 1, bottom - 1, right - 1
+    return [KernelPart(tuple(range(top, bottom + 1)), tuple(range(left, right + 1)))] + parts
+
+
+def _spacing(indices: tuple[int, ...]) -> int:
+    return indices[1] - indices[0] if len(indices) > 1 else 1
+
+
+class SplitDepthwise(nn.Module):
+    """A depthwise convolution as the sum of depthwise convolutions over parts of its kernel (kernel_parts)."""
+
+    def __init__(self, conv: nn.Conv2d, parts: list[KernelPart]):
+        super().__init__()
+        self.parts = nn.ModuleList()
+        for i, part in enumerate(parts):
+            dilation = tuple(_spacing(idx) * d for idx, d in zip((part.rows, part.cols), conv.dilation))
+            padding = tuple(p - idx[0] * d for p, idx, d in zip(conv.padding, (part.rows, part.cols), conv.dilation))
+            piece = nn.Conv2d(conv.in_channels, conv.out_channels, (len(part.rows), len(part.cols)), stride=conv.stride,
+                              padding=padding, dilation=dilation, groups=conv.groups,
+                              bias=conv.bias is not None and i == 0)
+            with torch.no_grad():
+                piece.weight.copy_(conv.weight[:, :, list(part.rows)][:, :, :, list(part.cols)])
+                if piece.bias is not None:
+                    piece.bias.copy_(conv.bias)
+            self.parts.append(piece.to(conv.weight.dtype).train(conv.training))
+
+    def forward(self, x):
+        out = self.parts[0](x)
+        for part in self.parts[1:]:
+            out = out + part(x)
+        return out
+
+
+def _split_plan(conv: nn.Module) -> list[KernelPart] | None:
+    if (type(conv) is not nn.Conv2d or conv.groups == 1 or conv.groups != conv.in_channels
+            or conv.padding_mode != "zeros" or isinstance(conv.padding, str)):
+        return None
+    height, width = conv.kernel_size
+    if height * width <= DEPTHWISE_TAPS:
+        return None
+    parts = kernel_parts(height, width)
+    if parts is None or any(p - idx[0] * d < 0 for part in parts
+                            for p, idx, d in zip(conv.padding, (part.rows, part.cols), conv.dilation)):
+        return None  # a part would need negative padding: the padding is smaller than the ring it drops
+    return parts
+
+
+def split_large_depthwise(model: nn.Module) -> tuple[nn.Module, list[dict]]:
+    """`model`, or a copy of it whose depthwise Conv2d larger than XNNPACK's depthwise tile are SplitDepthwise;
+    and what was changed. The model is returned as it is when it has none (no artifact changes)."""
+    plan = {name: parts for name, m in model.named_modules() if (parts := _split_plan(m)) is not None}
+    if not plan:
+        return model, []
+    model = copy.deepcopy(model)
+    done = []
+    for name, parts in plan.items():
+        parent, _, attribute = name.rpartition(".")
+        original = getattr(model.get_submodule(parent), attribute)
+        setattr(model.get_submodule(parent), attribute, SplitDepthwise(original, parts))
+        done.append({"module": name, "kernel": list(original.kernel_size),
+                     "parts": [[len(p.rows), len(p.cols)] for p in parts]})
+    return model, done
