@@ -216,10 +216,19 @@ def ratios(result: dict) -> dict[str, float]:
 
 
 def _rewrites_line(rewrites: dict) -> str:
-    return "; ".join(f"{r['module']} ({'x'.join(map(str, r['kernel']))} dilation {r['dilation'][0]} on "
-                     f"{'x'.join(map(str, r['input']))}) -> {len(r['parts'])} part(s) "
-                     f"{', '.join('x'.join(map(str, k)) for k in r['parts'])}"
-                     for r in rewrites.get("padding_taps_dropped", []))
+    lines = [f"{r['module']} ({'x'.join(map(str, r['kernel']))} dilation {r['dilation'][0]} on "
+             f"{'x'.join(map(str, r['input']))}) -> {len(r['parts'])} part(s) "
+             f"{', '.join('x'.join(map(str, k)) for k in r['parts'])}"
+             for r in rewrites.get("padding_taps_dropped", [])]
+    splits: dict[str, int] = {}
+    for r in rewrites.get("large_depthwise_split", []):
+        how = f"{'x'.join(map(str, r['kernel']))} depthwise -> {' + '.join('x'.join(map(str, k)) for k in r['parts'])}"
+        splits[how] = splits.get(how, 0) + 1
+    lines += [f"{count} {how}" for how, count in splits.items()]
+    lines += [f"{m or 'the model'}: input transform as one multiply-add" for m in rewrites.get("input_transform_as_affine", [])]
+    if rewrites.get("single_tensor_cats_dropped"):
+        lines.append(f"{rewrites['single_tensor_cats_dropped']} one-tensor cat(s) dropped")
+    return "; ".join(lines)
 
 
 def table(results: dict) -> str:
