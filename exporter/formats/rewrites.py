@@ -1,4 +1,5 @@
-"""Graph rewrites a format applies before lowering, each exact by construction (validation checks it as usual).
+"""Graph rewrites a format applies before lowering, each the same arithmetic by construction (where one splits a
+sum, its parts are added in another order; validation checks every artifact as usual).
 
 `drop_padding_taps`: a convolution whose dilation reaches far past its input has kernel taps that read only
 zero padding for many output positions (DeepLabV3's ASPP: dilations 12, 24 and 36 on a 33x33 feature map at
@@ -86,16 +87,26 @@ def regions(size: int, kernel: int, stride: int, padding: int, dilation: int) ->
     return found
 
 
+def _replaced(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
+    """`model` with its submodule `name` set to `module` (`module` itself where the name is "": the model is it)."""
+    if not name:
+        return module
+    parent, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent), attribute, module)
+    return model
+
+
 def _conv(conv: nn.Conv2d, rows: Region, cols: Region, padding=(0, 0)) -> nn.Conv2d:
     kernel = (rows.last - rows.first + 1, cols.last - cols.first + 1)
     dilation = tuple(1 if k == 1 else d for k, d in zip(kernel, conv.dilation))
     part = nn.Conv2d(conv.in_channels, conv.out_channels, kernel, stride=conv.stride, padding=padding,
-                     dilation=dilation, groups=conv.groups, bias=conv.bias is not None)
+                     dilation=dilation, groups=conv.groups, bias=conv.bias is not None,
+                     dtype=conv.weight.dtype, device=conv.weight.device)
     with torch.no_grad():
         part.weight.copy_(conv.weight[:, :, rows.first:rows.last + 1, cols.first:cols.last + 1])
         if conv.bias is not None:
             part.bias.copy_(conv.bias)
-    return part.to(conv.weight.dtype).train(conv.training)
+    return part.train(conv.training)
 
 
 class RegionConv(nn.Module):
@@ -171,9 +182,8 @@ def drop_padding_taps(model: nn.Module, example: torch.Tensor) -> tuple[nn.Modul
     model = copy.deepcopy(model)
     done = []
     for name, (replacement, size) in plan.items():
-        parent, _, attribute = name.rpartition(".")
-        original = getattr(model.get_submodule(parent), attribute)
-        setattr(model.get_submodule(parent), attribute, replacement)
+        original = model.get_submodule(name)
+        model = _replaced(model, name, replacement)
         kernels = ([list(p.kernel_size) for p in replacement.parts] if isinstance(replacement, RegionConv)
                    else [list(replacement.kernel_size)])
         done.append({"module": name, "input": list(size), "kernel": list(original.kernel_size),
@@ -197,8 +207,7 @@ def global_pool3d_as_mean(model: nn.Module) -> tuple[nn.Module, list[str]]:
         return model, []
     model = copy.deepcopy(model)
     for name in names:
-        parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent), attribute, GlobalMean3d())
+        model = _replaced(model, name, GlobalMean3d())
     return model, names
 
 
@@ -329,12 +338,12 @@ class SplitDepthwise(nn.Module):
             padding = tuple(p - idx[0] * d for p, idx, d in zip(conv.padding, (part.rows, part.cols), conv.dilation))
             piece = nn.Conv2d(conv.in_channels, conv.out_channels, (len(part.rows), len(part.cols)), stride=conv.stride,
                               padding=padding, dilation=dilation, groups=conv.groups,
-                              bias=conv.bias is not None and i == 0)
+                              bias=conv.bias is not None and i == 0, dtype=conv.weight.dtype, device=conv.weight.device)
             with torch.no_grad():
                 piece.weight.copy_(conv.weight[:, :, list(part.rows)][:, :, :, list(part.cols)])
                 if piece.bias is not None:
                     piece.bias.copy_(conv.bias)
-            self.parts.append(piece.to(conv.weight.dtype).train(conv.training))
+            self.parts.append(piece.train(conv.training))
 
     def forward(self, x):
         out = self.parts[0](x)
@@ -344,7 +353,9 @@ class SplitDepthwise(nn.Module):
 
 
 def _split_plan(conv: nn.Module) -> list[KernelPart] | None:
-    if (type(conv) is not nn.Conv2d or conv.groups == 1 or conv.groups != conv.in_channels
+    # XNNPACK's depthwise kernels take one input and one output channel per group: with a channel multiplier the
+    # convolution is a grouped GEMM whatever its size, and splitting it would only add GEMMs
+    if (type(conv) is not nn.Conv2d or conv.groups == 1 or not conv.in_channels == conv.out_channels == conv.groups
             or conv.padding_mode != "zeros" or isinstance(conv.padding, str)):
         return None
     height, width = conv.kernel_size
@@ -366,9 +377,8 @@ def split_large_depthwise(model: nn.Module) -> tuple[nn.Module, list[dict]]:
     model = copy.deepcopy(model)
     done = []
     for name, parts in plan.items():
-        parent, _, attribute = name.rpartition(".")
-        original = getattr(model.get_submodule(parent), attribute)
-        setattr(model.get_submodule(parent), attribute, SplitDepthwise(original, parts))
+        original = model.get_submodule(name)
+        model = _replaced(model, name, SplitDepthwise(original, parts))
         done.append({"module": name, "kernel": list(original.kernel_size),
                      "parts": [[len(p.rows), len(p.cols)] for p in parts]})
     return model, done
