@@ -1,4 +1,4 @@
-"""formats.rewrites.drop_padding_taps: trims exactly the taps that read only padding, and nothing else."""
+"""formats.rewrites: each rewrite computes what the original did, and lowers the way it is meant to."""
 
 import random
 
@@ -288,5 +288,6 @@ def _convolutions(path, x) -> dict[str, int]:
     kinds: dict[str, int] = {}
     for op in profile["ops"]:
         if op["op"].startswith("Convolution"):
-            kinds[op["op"].rsplit(" ", 1)[-1]] = kinds.get(op["op"].rsplit(" ", 1)[-1], 0) + op["count"]
+            kind = op["op"].rsplit(" ", 1)[-1]
+            kinds[kind] = kinds.get(kind, 0) + op["count"]
     return kinds
