@@ -835,6 +835,26 @@ def test_a_digits_run_that_did_not_learn_is_run_again_at_a_lower_learning_rate(m
     assert digits.train("SqueezeNet1_1_Weights.IMAGENET1K_V1", 1, log=lambda _m: None)[1] == 0.9 and rates == [2e-3]
 
 
+def test_inception_v3_trains_at_96_px_and_keeps_its_auxiliary_head():
+    """Inception v3's auxiliary head, run by every training-mode forward, cannot take a 96-px input (its 5x5
+    pooling gets a 4x4 map): the trained tier's Inception v3 failed before its first step. Training leaves the
+    head out and the model keeps it, so the checkpoint loads into the model a build makes."""
+    from exporter.standins import digits
+
+    weight = "Inception_V3_Weights.IMAGENET1K_V1"
+    torch.manual_seed(0)
+    model, x, y = digits._model(weight), torch.randn(8, 3, 96, 96), torch.arange(8) % 10
+    with pytest.raises(RuntimeError):
+        model.train()(x)  # what the trained tier hit
+    head = model.AuxLogits
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    digits._fit(model, x, y, list(range(8)), 1, 2e-3, log=lambda _m: None)
+    state = model.state_dict()
+    assert model.AuxLogits is head and set(state) == set(before)
+    assert not torch.equal(state["fc.weight"], before["fc.weight"])  # it did train
+    digits._model(weight).load_state_dict(state)
+
+
 def test_an_undertrained_digits_model_is_trained_on_until_its_training_images_are_learned(monkeypatch, tmp_path):
     """The trained tier's SqueezeNet (51 and 78 % held out after 4 epochs) and EfficientNet-B1 (87 %) gave int8
     verdicts about their training: the model goes on, in warm restarts as long as all training so far, while its

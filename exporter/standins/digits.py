@@ -9,6 +9,7 @@ torchvision expects for the named weight, with a genuine sha256 prefix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ def _recompute_batchnorm_stats(model: nn.Module, batches) -> None:
             m.reset_running_stats()
             m.momentum = None
     model.train()
-    with torch.no_grad():
+    with torch.no_grad(), _auxiliary_heads_off(model):
         for x in batches:
             model(x)
     model.eval()
@@ -166,7 +167,8 @@ def _fit(model: nn.Module, x, y, train_idx, epochs: int, lr: float, log) -> None
         start = time.perf_counter()
         perm = torch.as_tensor(train_idx)[torch.randperm(len(train_idx), generator=gen)]
         for b in perm.split(32):
-            loss = nn.functional.cross_entropy(_logits(model(x[b])), y[b])
+            with _auxiliary_heads_off(model):
+                loss = nn.functional.cross_entropy(_logits(model(x[b])), y[b])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -174,6 +176,25 @@ def _fit(model: nn.Module, x, y, train_idx, epochs: int, lr: float, log) -> None
         log(f"digits epoch {epoch + 1}/{epochs}: loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)")
     train_batches = torch.as_tensor(train_idx).split(64)
     _recompute_batchnorm_stats(model, (x[b] for b in train_batches))
+
+
+AUXILIARY_HEADS = ("AuxLogits", "aux1", "aux2")  # Inception v3's, GoogLeNet's
+
+
+@contextlib.contextmanager
+def _auxiliary_heads_off(model: nn.Module):
+    """Training-mode forwards without GoogLeNet's and Inception v3's auxiliary heads (their forward skips a head
+    that is None). The loss leaves them out and eval mode never runs them, but they would still run, and Inception
+    v3's is made for 299 px: at 96 px its 5x5 pooling gets a 4x4 map, at 200 px its 5x5 convolution a 2x2 one.
+    They stay in the model (its state dict, what a build loads), as initialised."""
+    heads = {name: getattr(model, name) for name in AUXILIARY_HEADS if isinstance(getattr(model, name, None), nn.Module)}
+    for name in heads:
+        setattr(model, name, None)
+    try:
+        yield
+    finally:
+        for name, head in heads.items():
+            setattr(model, name, head)
 
 
 def _logits(output):
