@@ -32,6 +32,7 @@ from .weights import bind_task, builder_kwargs, resolve, task_class
 # model -> the weight whose task, class count, input size and preprocessing it is benchmarked with
 MODELS = {"mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V2", "resnet18": "ResNet18_Weights.IMAGENET1K_V1",
           "resnet50": "ResNet50_Weights.IMAGENET1K_V2", "convnext_tiny": "ConvNeXt_Tiny_Weights.IMAGENET1K_V1",
+          "inception_v3": "Inception_V3_Weights.IMAGENET1K_V1",
           "lraspp_mobilenet_v3_large": "LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
           "deeplabv3_mobilenet_v3_large": "DeepLabV3_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
           "ssdlite320_mobilenet_v3_large": "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1"}

@@ -65,23 +65,24 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
 
     from ..quant import as_calibration, quantize_with_budget
     from ..quant.pt2e import Pt2eBackend
-    from .rewrites import drop_padding_taps, input_transform_as_affine, single_tensor_cats, split_large_depthwise
+    from .rewrites import (drop_padding_taps, input_transform_as_affine, padded_avg_pools_as_pad, single_tensor_cats,
+                           split_large_depthwise)
 
     details = {}
     model, trimmed = drop_padding_taps(model, example) if rewrites else (model, [])
     model, affine = input_transform_as_affine(model) if rewrites else (model, [])
     model, split = split_large_depthwise(model) if rewrites else (model, [])
-    if precision == "int8":
-        backend = Pt2eBackend(model, example)
+    with torch.no_grad():
+        exported = torch.export.export(model, (example,))
+    exported, pools = padded_avg_pools_as_pad(exported) if rewrites else (exported, 0)
+    if precision == "int8":  # quantized from the rewritten graph: a pad before a pool shares its input's int8
+        backend = Pt2eBackend(model, example, exported)
         quantized, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))
         with torch.no_grad():
             exported = torch.export.export(quantized, (example,))
-    else:
-        with torch.no_grad():
-            exported = torch.export.export(model, (example,))
     exported, cats = single_tensor_cats(exported) if rewrites else (exported, 0)
     done = {"padding_taps_dropped": trimmed, "input_transform_as_affine": affine,
-            "large_depthwise_split": split, "single_tensor_cats_dropped": cats}
+            "large_depthwise_split": split, "padded_avg_pools_as_pad": pools, "single_tensor_cats_dropped": cats}
     if any(done.values()):
         details["rewrites"] = {name: what for name, what in done.items() if what}
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])

@@ -38,6 +38,12 @@ kernel is split into centred parts of at most 25 taps, each a depthwise convolut
 centre, the top and bottom rows (a 2x7 kernel dilated to span the 7 rows) and the left and right columns of the
 rows between (a 5x2 kernel dilated to span the 7 columns). A centred part with the padding less its offset reads
 exactly the input positions its taps read in the whole kernel, so the same products are summed, in another order.
+
+`padded_avg_pools_as_pad`: XNNPACK's average pooling divides by the input pixels a window holds, so ExecuTorch
+leaves a padded pool that counts its zero padding (torch's default; Inception v3's branches pool with
+`F.avg_pool2d(x, 3, 1, 1)`, 9 of them) outside the delegate, splitting the `.pte`. A zero pad, then the pool
+without padding, has the same windows holding the same zeros, and XNNPACK takes both. It works on the exported
+graph (the pool is a function call, not a module), before quantization: an int8 pad shares its input's scale.
 """
 
 from __future__ import annotations
@@ -382,3 +388,45 @@ def split_large_depthwise(model: nn.Module) -> tuple[nn.Module, list[dict]]:
         done.append({"module": name, "kernel": list(original.kernel_size),
                      "parts": [[len(p.rows), len(p.cols)] for p in parts]})
     return model, done
+
+
+def _pool_args(node) -> tuple:
+    """avg_pool2d's arguments with their defaults: (input, kernel, stride, padding, ceil_mode, count_include_pad,
+    divisor_override); a one-number kernel, stride or padding stands for both axes, an empty stride is the kernel."""
+    names = ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+    values = [None, None, [], [0], False, True, None]
+    for i, name in enumerate(names):
+        if i < len(node.args):
+            values[i] = node.args[i]
+        elif name in node.kwargs:
+            values[i] = node.kwargs[name]
+    x, kernel, stride, padding, ceil_mode, count_pad, divisor = values
+    pair = lambda v: (list(v) * 2)[:2] if len(v) == 1 else list(v)  # noqa: E731
+    kernel = pair(kernel)
+    return x, kernel, pair(stride) if stride else kernel, pair(padding), ceil_mode, count_pad, divisor
+
+
+def padded_avg_pools_as_pad(exported):
+    """`exported` (an ExportedProgram) with each padded average pool that counts its padding as a zero pad and an
+    unpadded pool; how many. Ceil mode and a divisor override are left alone (XNNPACK takes neither)."""
+    graph = exported.graph_module.graph
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.avg_pool2d.default:
+            continue
+        x, kernel, stride, (ph, pw), ceil_mode, count_pad, divisor = _pool_args(node)
+        if not (ph or pw) or not count_pad or ceil_mode or divisor is not None:
+            continue
+        with graph.inserting_before(node):
+            padded = graph.call_function(torch.ops.aten.constant_pad_nd.default, (x, [pw, pw, ph, ph], 0.0))
+        padded.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
+        val = x.meta.get("val")
+        if val is not None:
+            with val.fake_mode:
+                padded.meta["val"] = torch.ops.aten.constant_pad_nd.default(val, [pw, pw, ph, ph], 0.0)
+        node.args, node.kwargs = (padded, kernel, stride, [0, 0], False, True), {}
+        changed += 1
+    if changed:
+        graph.lint()
+        exported.graph_module.recompile()
+    return exported, changed

@@ -271,10 +271,13 @@ def _unshare_weights(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
 class Pt2eBackend:
     range_methods = ("histogram",)
 
-    def __init__(self, model: torch.nn.Module, example: torch.Tensor):
+    def __init__(self, model: torch.nn.Module, example: torch.Tensor, exported=None):
+        """exported: `model`'s ExportedProgram as the format rewrote it (by default, exported here)."""
         self.model = model
-        with torch.no_grad():
-            self.exported = torch.export.export(model, (example,))
+        if exported is None:
+            with torch.no_grad():
+                exported = torch.export.export(model, (example,))
+        self.exported = exported
         exported_layers = {layer_name(n) for n in self.exported.graph.nodes
                            if n.op == "call_function" and n.target in LAYER_TARGETS}
         self._layers = [name for name in quantizable_layers(model) if name in exported_layers]
