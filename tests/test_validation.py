@@ -202,3 +202,44 @@ def test_a_build_on_a_zero_initialised_head_fails_saying_why(tmp_path):
     (entry,) = json.loads((out / "manifest.json").read_text())["artifacts"]
     assert entry["status"] == "failed" and entry["fidelity"]["psnr_db"] == "inf"  # a perfect match, on nothing
     assert any("degenerate eager reference" in r for r in entry["reasons"]), entry["reasons"]
+
+
+def test_a_few_inputs_past_the_calibration_ranges_are_named_and_the_rest_judged(digits_model):
+    """Inputs made to break a static int8 artifact: three held-out digits at 8x contrast drive the trained model's
+    logits far past those of the calibration digits, and an artifact whose output range was set on those (clipped
+    and rounded to 8 bits, as a static int8 output is) fails PSNR on them alone. The report names those three and
+    says the rest meet the thresholds; the same squared error spread over every input names none."""
+    from exporter import weights
+    from exporter.release.report import outliers_summary
+
+    loaded = weights.load(digits_model.weight, digits_model.checkpoint, verify=False)
+    task = weights.bind_task(loaded.weights, loaded.num_classes)
+    inputs = task.load_data(digits_model.data_dir, task.transform(loaded.weights), 32, 64, 0)
+    images = inputs.validation.clone()
+    bright = [5, 23, 41]
+    images[bright] *= 8
+    reference = validation.run_all(loaded.eager, images)
+    calibrated = validation.run_all(loaded.eager, torch.cat(inputs.calibration))
+    low, high = calibrated.min().item(), calibrated.max().item()
+    assert reference[bright].abs().max() > 2 * max(-low, high)  # the premise: past the calibration's range
+    step = (high - low) / 255
+    outputs = ((reference.clamp(low, high) - low) / step).round() * step + low
+    thresholds = {"top1_agreement": 0.97, "psnr_db": 30.0}
+    judged = validation.judge(task, outputs, reference, None, None, thresholds)
+    assert judged["status"] == "failed" and any(r.startswith("psnr_db") for r in judged["reasons"])
+    outliers, clipped = judged["outlier_inputs"], ((reference < low) | (reference > high)).any(1)
+    assert outliers["rows"][:3] == sorted(bright, key=lambda r: -(outputs[r] - reference[r]).pow(2).sum())
+    assert all(clipped[r] for r in outliers["rows"])  # any other named input was clipped too, a little
+    assert outliers["of"] == 64 and outliers["error_share"] > 0.9 and outliers["thresholds_met_without"]
+    assert outliers["fidelity_without"]["samples"] == 64 - len(outliers["rows"])
+    assert outliers["rms_over_median"]["max"] > validation.OUTLIER_RATIO and outliers["peak_over_median"] > 2
+    line = outliers_summary({"outlier_inputs": outliers, "thresholds": thresholds, "precision": "int8"})
+    count = len(outliers["rows"])
+    assert line.startswith(f"{count} of 64 validation inputs carry") and f"the other {64 - count} meet the" in line
+
+    spread = reference + torch.randn(reference.shape, generator=torch.Generator().manual_seed(0)) * (
+        (outputs - reference).pow(2).mean().sqrt())
+    judged = validation.judge(task, spread, reference, None, None, thresholds)
+    assert judged["status"] == "failed" and "outlier_inputs" not in judged
+    passed = validation.judge(task, reference.clone(), reference, None, None, thresholds)
+    assert passed["status"] == "passed" and "outlier_inputs" not in passed

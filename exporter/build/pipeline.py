@@ -141,8 +141,8 @@ def _evaluate(session: Session, runner, thresholds: dict, timed: bool = True) ->
     return metrics, outputs
 
 
-VALIDATION_FIELDS = ("status", "reasons", "fidelity", "golden_fidelity", "accuracy", "latency_ms", "eager_latency_ms",
-                     "speedup_vs_eager", "proxy", "proxy_unavailable", "preview", "preview_rows")
+VALIDATION_FIELDS = ("status", "reasons", "fidelity", "outlier_inputs", "golden_fidelity", "accuracy", "latency_ms",
+                     "eager_latency_ms", "speedup_vs_eager", "proxy", "proxy_unavailable", "preview", "preview_rows")
 NOT_MEASURED = {"fidelity": None, "accuracy": None, "latency_ms": None, "eager_latency_ms": None, "speedup_vs_eager": None}
 GOLDEN_COUNT = 8  # validation inputs written to golden/ for on-device checks
 
@@ -155,7 +155,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
 
     digest = cache.key(
         kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency, golden=session.golden_rows,
-        preview=previews.VERSION,
+        preview=previews.VERSION, contract=validation.CONTRACT,
         cpu=manifest.host(session.latency["threads"])["cpu"],
         **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")},
     )

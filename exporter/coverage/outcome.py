@@ -183,6 +183,10 @@ def cell_from_artifact(artifact: dict) -> dict:
                if (r.get("departure") or {}).get("top1_flipped")]
     if flipped and artifact["status"] == "failed":  # the images where its top-1 flipped (outcome.near_ties)
         cell["flipped_rows"] = flipped
+    outliers = artifact.get("outlier_inputs")
+    if outliers:  # a few inputs carry the error (validation.outlier_inputs)
+        cell["outlier_inputs"] = {"count": len(outliers["rows"]), "of": outliers["of"],
+                                  "thresholds_met_without": outliers["thresholds_met_without"]}
     if "quantization" in details and isinstance(details["quantization"], dict):
         q = details["quantization"]
         cell["quantization"] = {k: q[k] for k in ("float_layers", "layers", "met_budget", "perturbation") if k in q}

@@ -262,6 +262,11 @@ def _arm(cell: dict) -> str:
     return f" · ✅ on {', '.join(cpus)}" if cpus and all(v == "passed" for v in cpus.values()) else ""
 
 
+def _outliers(cell: dict) -> str:
+    o = cell.get("outlier_inputs")
+    return f" · {o['count']} of {o['of']} inputs" if o and o["thresholds_met_without"] else ""
+
+
 def cell_text(cell: dict) -> str:
     symbol = SYMBOLS[cell["outcome"]]
     kind = cell.get("kind")
@@ -278,7 +283,7 @@ def cell_text(cell: dict) -> str:
         if reason.startswith("aarch64 "):  # "aarch64 <cpu> (emulated): <the reason there>"
             where, _, reason = reason.removeprefix("aarch64 ").partition(" (emulated): ")
             where += ": "
-        return f"{symbol} {where}{_short_reason(reason)}{suffix}{_acc1(cell)}{_arm(cell)}"
+        return f"{symbol} {where}{_short_reason(reason)}{suffix}{_outliers(cell)}{_acc1(cell)}{_arm(cell)}"
     if cell["outcome"] == "export":
         return f"{symbol} {kind}"
     if cell["outcome"] == "time" and cell.get("aarch64"):
@@ -427,6 +432,9 @@ and marked ⏱), offline and without `--data`:
   int8 weight is judged against its float model: when the weight itself, run as it is in eager PyTorch, breaks
   the thresholds its artifact broke (its PSNR within 6 dB), the cell reads "❎ … · the int8 weight's own": what
   the weight's quantization loses, which no export of it wins back. A ❎ without either is ours to explain.
+- **"· k of N inputs"**: the artifact's error sits in k of the N validation inputs (each over 10× the median
+  input's RMS error) and the other inputs meet the thresholds; its report names them (`outlier_inputs` in the
+  manifest). In an int8 artifact these are inputs whose activations go past the ranges the calibration images set.
 - **⛔ is the exporter's own refusal** (Mask and Keypoint R-CNN: the one-line error `exporter build` exits 2
   with), asked without building. A format that cannot take an eager-quantized model, a clip (the `.pte`: no 3-D
   convolution in XNNPACK), a frame pair (RAFT: the `.pte` and Core ML) or a two-stage detector (Android, iOS) is
@@ -461,7 +469,8 @@ but on a trained model:
   top-1: most int8 rows of the random table are "ill-conditioned", no verdict. A trained model's are not, so a
   ❎ here is a real failure of the artifact, unless eager itself, rounded to int8, breaks the same thresholds:
   here the floor is judged on the labels too (acc@1 lost), and "ill-conditioned" means the trained model
-  amplifies small errors (the int8 report's `perturbation` shows how much).
+  amplifies small errors (the int8 report's `perturbation` shows how much). "· k of N inputs": the error sits in
+  k inputs and the rest meet the thresholds (as in the random table).
 - Not covered: segmentation and detection (no digits recipe for most of their builders: ⏭, saying so).
 """
 

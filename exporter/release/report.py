@@ -52,6 +52,24 @@ def quantization_summary(q: dict) -> str:
     return text + f"; {q['calibration_method']}; {q['seconds']} s"
 
 
+def outliers_summary(a: dict) -> str:
+    """One line: the few validation inputs that carry a failed artifact's error, and what the rest measure."""
+    o = a["outlier_inputs"]
+    count, rest = len(o["rows"]), o["of"] - len(o["rows"])
+    without = ", ".join(f"{key} {_num(o['fidelity_without'].get(key), '.4g')}" for key in a.get("thresholds", {})
+                        if key in o["fidelity_without"])
+    peak = f"; eager's outputs on them reach {o['peak_over_median']}× the median input's peak" if o.get("peak_over_median") else ""
+    verdict = "meet" if o["thresholds_met_without"] else "still break"
+    ratio = o["rms_over_median"]
+    text = (f"{count} of {o['of']} validation inputs carry {o['error_share']:.1%} of the error (RMS error over "
+            f"{ratio['over']:g}× the median input's, up to {ratio['max']:g}×{peak}); the other {rest} {verdict} "
+            f"the thresholds ({without}); rows {', '.join(map(str, o['rows'][:10]))}")
+    if a.get("precision") == "int8":
+        text += (" — static int8 ranges clip activations past those the calibration images reached: calibration "
+                 "data with inputs like these (--data) widens them")
+    return text
+
+
 # per task (the manifest's task.name): its fidelity columns and its labeled metric (key, drop key, label);
 # here rather than in exporter.tasks because reports are written without importing torch
 COLUMNS = {
@@ -189,6 +207,8 @@ def markdown(doc: dict) -> str:
     for a in doc["artifacts"]:
         for reason in a.get("reasons", []):
             notes.append(f"- `{a['name']}` {a['status']}: {reason}")
+        if a.get("outlier_inputs"):
+            notes.append(f"- `{a['name']}`: {outliers_summary(a)}")
         details = a.get("details") or {}
         if "delegation" in details:
             d = details["delegation"]
