@@ -94,7 +94,7 @@ def blind_spot(task: Task, reference: torch.Tensor, thresholds: Mapping[str, flo
     mean output is within NEAR_CONSTANT_DB of every row), and an artifact that ignored its input and returned
     that mean for every image would pass them, so a pass would be a verdict on nothing. Thresholds that pass
     anything on a reference that does vary (e.g. set to 0 on purpose) are the user's choice, not flagged."""
-    limits = {k: v for k, v in thresholds.items() if THRESHOLD_KEYS[k][0][0] == "fidelity"}
+    limits = _fidelity_limits(thresholds)
     if not limits:
         return None
     if len(reference) < 2:
@@ -119,31 +119,37 @@ MAX_OUTLIER_SHARE = 0.1  # more inputs than this over the ratio is an error spre
 
 def outlier_inputs(task: Task, outputs: torch.Tensor, reference: torch.Tensor, thresholds: Mapping[str, float]):
     """When a few inputs carry an artifact's error, which ones and what the rest measure, or None: the rows (worst
-    first) whose RMS error is over OUTLIER_RATIO times the median row's, their share of the squared error, how far
-    eager's outputs on them reach past the median row's peak, and the task's fidelity on the other rows, judged
-    with the same fidelity thresholds."""
-    diff = (outputs.double() - reference.double()).reshape(len(reference), -1)
-    squared = diff.pow(2).mean(1)
-    rms = squared.sqrt()
-    median = rms.median()
-    if len(rms) < 2 or median == 0 or not torch.isfinite(squared).all():
+    first) whose error (the task's raw departure: RMS, after a detector's rows are aligned) is over OUTLIER_RATIO
+    times the median row's (any error, where most rows have none), their share of the squared error, how far
+    eager's outputs on them peak past the median row's, and the task's fidelity on the other rows, judged with
+    the same fidelity thresholds."""
+    if len(reference) < 2:
         return None
+    rms = list(task.departure(reference, outputs).values())[-1].double()
+    squared = rms.pow(2)
+    if not torch.isfinite(squared).all() or squared.sum() == 0:
+        return None
+    median = rms.median()
     far = rms > OUTLIER_RATIO * median
     count = int(far.sum())
     if count == 0 or count > MAX_OUTLIER_SHARE * len(rms):
         return None
     peaks = reference.double().reshape(len(reference), -1).abs().amax(1)
     fidelity = _measured(task.fidelity(reference[~far], outputs[~far]), False)
-    limits = {k: v for k, v in thresholds.items() if THRESHOLD_KEYS[k][0][0] == "fidelity"}
     return {
         "rows": [int(i) for i in rms.argsort(descending=True)[:count]],
         "of": len(rms),
         "error_share": round(float(squared[far].sum() / squared.sum()), 4),
-        "rms_over_median": {"over": OUTLIER_RATIO, "max": round(float(rms.max() / median), 1)},
+        "rms_over_median": {"over": OUTLIER_RATIO,
+                            "max": round(float(rms.max() / median), 1) if median > 0 else None},
         "peak_over_median": round(float(peaks[far].max() / peaks.median()), 1) if peaks.median() > 0 else None,
         "fidelity_without": fidelity,
-        "thresholds_met_without": not breaches({"fidelity": fidelity}, limits),
+        "thresholds_met_without": not breaches({"fidelity": fidelity}, _fidelity_limits(thresholds)),
     }
+
+
+def _fidelity_limits(thresholds: Mapping[str, float]) -> dict:
+    return {k: v for k, v in thresholds.items() if THRESHOLD_KEYS[k][0][0] == "fidelity"}
 
 
 def judge(
@@ -164,7 +170,8 @@ def judge(
     if blind:
         metrics["reasons"].append(blind)
     metrics["status"] = "failed" if metrics["reasons"] else "passed"
-    outliers = None if broken or blind or not metrics["reasons"] else outlier_inputs(task, outputs, reference, thresholds)
+    fidelity_broken = breaches({"fidelity": metrics["fidelity"]}, _fidelity_limits(thresholds))
+    outliers = None if broken or blind or not fidelity_broken else outlier_inputs(task, outputs, reference, thresholds)
     if outliers:
         metrics["outlier_inputs"] = outliers
     return metrics

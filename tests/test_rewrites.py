@@ -254,8 +254,11 @@ def test_inceptions_padded_pool_lowers_into_xnnpack_with_the_same_output(tmp_pat
         assert details["rewrites"]["padded_avg_pools_as_pad"] == 1, details
         assert details["delegation"]["delegated_subgraphs"] == 1 and set(details["delegation"]["ops_outside_delegate"]) <= {"getitem"}
         with torch.no_grad():
-            reference = model(x) if precision == "fp32" else kept["int8"]
-            torch.testing.assert_close(executorch.load(path, 1)(x), reference, rtol=1e-4, atol=1e-5)
+            if precision == "fp32":
+                torch.testing.assert_close(executorch.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)
+            else:  # the same int8 graph; the pool's float kernel differs (portable, XNNPACK): one step at most
+                step = (kept["int8"].max() - kept["int8"].min()).item() / 255
+                assert (executorch.load(path, 1)(x) - kept["int8"]).abs().max() <= step * 1.01
 
 
 def test_every_kernel_part_is_centred_within_the_tile_and_the_parts_cover_each_tap_once():

@@ -228,14 +228,14 @@ def test_a_few_inputs_past_the_calibration_ranges_are_named_and_the_rest_judged(
     judged = validation.judge(task, outputs, reference, None, None, thresholds)
     assert judged["status"] == "failed" and any(r.startswith("psnr_db") for r in judged["reasons"])
     outliers, clipped = judged["outlier_inputs"], ((reference < low) | (reference > high)).any(1)
-    assert outliers["rows"][:3] == sorted(bright, key=lambda r: -(outputs[r] - reference[r]).pow(2).sum())
-    assert all(clipped[r] for r in outliers["rows"])  # any other named input was clipped too, a little
+    assert set(bright) <= set(outliers["rows"]) and all(clipped[r] for r in outliers["rows"])  # others: clipped a little
     assert outliers["of"] == 64 and outliers["error_share"] > 0.9 and outliers["thresholds_met_without"]
     assert outliers["fidelity_without"]["samples"] == 64 - len(outliers["rows"])
     assert outliers["rms_over_median"]["max"] > validation.OUTLIER_RATIO and outliers["peak_over_median"] > 2
     line = outliers_summary({"outlier_inputs": outliers, "thresholds": thresholds, "precision": "int8"})
     count = len(outliers["rows"])
     assert line.startswith(f"{count} of 64 validation inputs carry") and f"the other {64 - count} meet the" in line
+    assert "calibration" in line  # eager's outputs on them peak far past the median input's: the likely cause named
 
     spread = reference + torch.randn(reference.shape, generator=torch.Generator().manual_seed(0)) * (
         (outputs - reference).pow(2).mean().sqrt())
@@ -243,3 +243,13 @@ def test_a_few_inputs_past_the_calibration_ranges_are_named_and_the_rest_judged(
     assert judged["status"] == "failed" and "outlier_inputs" not in judged
     passed = validation.judge(task, reference.clone(), reference, None, None, thresholds)
     assert passed["status"] == "passed" and "outlier_inputs" not in passed
+
+    exact_but_two = reference.clone()
+    exact_but_two[[7, 30]] += 5.0  # most inputs exact: the median error is 0, and the two are still named
+    judged = validation.judge(task, exact_but_two, reference, None, None, {"psnr_db": 80.0})
+    assert judged["status"] == "failed" and sorted(judged["outlier_inputs"]["rows"]) == [7, 30] and judged["outlier_inputs"]["thresholds_met_without"]
+    flipped, labels = reference.clone(), reference.argmax(1)
+    for row in (7, 30):
+        flipped[row, (labels[row] + 1) % reference.shape[1]] = reference[row].max() + 1
+    judged = validation.judge(task, flipped, reference, labels, task.labeled(reference, labels), {"accuracy_drop": 0.5})
+    assert judged["status"] == "failed" and "outlier_inputs" not in judged  # only labels judged: not a fidelity failure

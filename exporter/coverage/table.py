@@ -433,8 +433,9 @@ and marked ⏱), offline and without `--data`:
   the thresholds its artifact broke (its PSNR within 6 dB), the cell reads "❎ … · the int8 weight's own": what
   the weight's quantization loses, which no export of it wins back. A ❎ without either is ours to explain.
 - **"· k of N inputs"**: the artifact's error sits in k of the N validation inputs (each over 10× the median
-  input's RMS error) and the other inputs meet the thresholds; its report names them (`outlier_inputs` in the
-  manifest). In an int8 artifact these are inputs whose activations go past the ranges the calibration images set.
+  input's RMS error) and the other inputs meet the fidelity thresholds; its report names them (`outlier_inputs` in
+  the manifest). In an int8 artifact these may be inputs whose activations go past the ranges the calibration
+  images set (measured so on the trained EfficientNet-B2).
 - **⛔ is the exporter's own refusal** (Mask and Keypoint R-CNN: the one-line error `exporter build` exits 2
   with), asked without building. A format that cannot take an eager-quantized model, a clip (the `.pte`: no 3-D
   convolution in XNNPACK), a frame pair (RAFT: the `.pte` and Core ML) or a two-stage detector (Android, iOS) is
@@ -470,7 +471,7 @@ but on a trained model:
   ❎ here is a real failure of the artifact, unless eager itself, rounded to int8, breaks the same thresholds:
   here the floor is judged on the labels too (acc@1 lost), and "ill-conditioned" means the trained model
   amplifies small errors (the int8 report's `perturbation` shows how much). "· k of N inputs": the error sits in
-  k inputs and the rest meet the thresholds (as in the random table).
+  k inputs and the rest meet the fidelity thresholds (as in the random table).
 - Not covered: segmentation and detection (no digits recipe for most of their builders: ⏭, saying so).
 """
 

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from . import arch_report, previews, ship, svg_text
-from .report import COLUMNS, eager_summary, latency_warnings, rows, task_name
+from .report import COLUMNS, eager_summary, latency_warnings, outliers_summary, rows, task_name
 from .svg_text import Box
 
 STATUS_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "unavailable": "#9a6700"}
@@ -187,6 +187,8 @@ def _profiles(docs: list[dict]) -> str:
 def _reasons(docs: list[dict]) -> str:
     items = [f"<li><b>{_esc(name)}</b> {_badge(a['status'])} {_esc(r)}</li>"
              for name, a in _named(docs) for r in a.get("reasons", [])]
+    items += [f"<li><b>{_esc(name)}</b> {_esc(outliers_summary(a))}</li>"
+              for name, a in _named(docs) if a.get("outlier_inputs")]
     return f"<h2>Why not passed</h2><ul>{''.join(items)}</ul>" if items else ""
 
 

@@ -58,15 +58,17 @@ def outliers_summary(a: dict) -> str:
     count, rest = len(o["rows"]), o["of"] - len(o["rows"])
     without = ", ".join(f"{key} {_num(o['fidelity_without'].get(key), '.4g')}" for key in a.get("thresholds", {})
                         if key in o["fidelity_without"])
-    peak = f"; eager's outputs on them reach {o['peak_over_median']}× the median input's peak" if o.get("peak_over_median") else ""
+    ratio, peak = o["rms_over_median"], o.get("peak_over_median")
+    over = f"over {ratio['over']:g}× the median input's, up to {ratio['max']:g}×" if ratio.get("max") else \
+        "where most inputs have none"
+    peaked = f"; eager's outputs on them peak at {peak:g}× the median input's peak" if peak else ""
     verdict = "meet" if o["thresholds_met_without"] else "still break"
-    ratio = o["rms_over_median"]
-    text = (f"{count} of {o['of']} validation inputs carry {o['error_share']:.1%} of the error (RMS error over "
-            f"{ratio['over']:g}× the median input's, up to {ratio['max']:g}×{peak}); the other {rest} {verdict} "
-            f"the thresholds ({without}); rows {', '.join(map(str, o['rows'][:10]))}")
-    if a.get("precision") == "int8":
-        text += (" — static int8 ranges clip activations past those the calibration images reached: calibration "
-                 "data with inputs like these (--data) widens them")
+    text = (f"{count} of {o['of']} validation inputs carry {o['error_share']:.1%} of the error (RMS error {over}"
+            f"{peaked}); the other {rest} {verdict} the fidelity thresholds ({without}); rows "
+            f"{', '.join(map(str, o['rows'][:10]))}")
+    if a.get("precision") == "int8" and peak and peak >= 2:
+        text += (" — likely activations past the ranges the calibration images set, which static int8 clips: "
+                 "calibration data with inputs like these (--data) widens them")
     return text
 
 
