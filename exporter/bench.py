@@ -227,6 +227,8 @@ def _rewrites_line(rewrites: dict) -> str:
         splits[how] = splits.get(how, 0) + 1
     lines += [f"{count} {how}" for how, count in splits.items()]
     lines += [f"{m or 'the model'}: input transform as one multiply-add" for m in rewrites.get("input_transform_as_affine", [])]
+    if rewrites.get("padded_avg_pools_as_pad"):
+        lines.append(f"{rewrites['padded_avg_pools_as_pad']} padded average pool(s) as a zero pad and a pool")
     if rewrites.get("single_tensor_cats_dropped"):
         lines.append(f"{rewrites['single_tensor_cats_dropped']} one-tensor cat(s) dropped")
     return "; ".join(lines)

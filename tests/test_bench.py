@@ -12,7 +12,7 @@ def _run(pte_ms: float) -> dict:
                                                                "kernel": [3, 3], "dilation": [36, 36], "parts": [[1, 1]]}],
                                           "large_depthwise_split": 2 * [{"module": "b", "kernel": [7, 7],
                                                                          "parts": [[5, 5], [2, 7], [5, 2]]}],
-                                          "single_tensor_cats_dropped": 4}}}
+                                          "padded_avg_pools_as_pad": 9, "single_tensor_cats_dropped": 4}}}
 
 
 def test_ratios_are_how_many_times_faster_a_is_than_b():
@@ -25,7 +25,8 @@ def test_the_table_shows_top_operators_and_rewrites():
     text = bench.table({"m": _run(2.5)})
     assert "Fully Connected (NC, F32) GEMM 60% (1.50 ms ×50)" in text
     assert "classifier.0.convs.3.0 (3x3 dilation 36 on 33x33) -> 1 part(s) 1x1" in text
-    assert "2 7x7 depthwise -> 5x5 + 2x7 + 5x2; 4 one-tensor cat(s) dropped" in text
+    assert ("2 7x7 depthwise -> 5x5 + 2x7 + 5x2; 9 padded average pool(s) as a zero pad and a pool; "
+            "4 one-tensor cat(s) dropped") in text
 
 
 def test_a_ratio_that_fell_against_the_baseline_is_flagged():
