@@ -968,6 +968,16 @@ def test_a_merge_keeps_measured_rows_and_says_what_its_files_were_made_with(tmp_
         result = run_cli("coverage", "--merge", whole, tmp_path / bad, "--out", tmp_path / "bad")
         assert result.exit_code == 2 and "is not a coverage JSON file" in result.stderr, result.output
     assert not (tmp_path / "bad").exists() or not list((tmp_path / "bad").iterdir())
+    # a merged table merged again (alone, or with more rows) still names every host its rows were built on
+    for path, cpu in ((whole, "Intel Xeon"), (small, "AMD EPYC")):
+        doc = json.loads(path.read_text())
+        doc["host"] = dict(doc["host"], cpu=cpu)
+        path.write_text(json.dumps(doc))
+    coverage.merge([whole, small], tmp_path / "two", command="test")
+    again = coverage.merge([tmp_path / "two" / "coverage.json"], tmp_path / "again", command="test")
+    assert sorted(h["cpu"] for h in again["hosts"]) == ["AMD EPYC", "Intel Xeon"]
+    host_line = next(line for line in (tmp_path / "again" / "coverage.md").read_text().splitlines() if line.startswith("| host |"))
+    assert "AMD EPYC" in host_line and "Intel Xeon" in host_line
 
 
 def test_rows_built_at_a_classifier_size_merge_with_rows_at_the_crop_and_say_their_size(tmp_path):

@@ -165,7 +165,7 @@ def merge(paths, command: str) -> dict:
     targets = {t for _, d in docs for t in d["settings"].get("targets") or ()}
     settings = dict(first["settings"], targets=sorted(targets, key=lambda t: (_order(t, TARGET_ORDER), t)))
     merged = new_document(command, settings, dict(first.get("selection") or {}, shard=None), _tools(docs))
-    hosts = {json.dumps(d.get("host"), sort_keys=True) for _, d in docs}
+    hosts = {json.dumps(h, sort_keys=True) for _, d in docs for h in d.get("hosts") or [d.get("host")]}
     merged["host"] = first.get("host")
     merged["exporter_commit"] = None  # each file's own, in merged_from: sweeps merged may come from several commits
     if len(hosts) > 1:
