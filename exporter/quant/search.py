@@ -39,6 +39,7 @@ class Candidate(Protocol):
 
 class Backend(Protocol):
     range_methods: tuple[str, ...]  # ways to choose activation ranges; the search keeps the best
+    op_fallbacks: tuple[str, ...]  # kinds of op (not layers) it quantizes and can keep in float, every one of them
 
     def layers(self) -> list[str]:
         """Names (module paths) of the layers this backend quantizes and can leave in float."""
@@ -46,15 +47,18 @@ class Backend(Protocol):
     def describe(self, method: str) -> str:
         """How a range method quantizes, in words, for the manifest."""
 
-    def quantize(self, float_layers: list[str], range_images: list[torch.Tensor], method: str) -> Candidate:
-        """An int8 model with `float_layers` kept in float, calibrated on `range_images`."""
+    def quantize(self, float_layers: list[str], range_images: list[torch.Tensor], method: str,
+                 float_kinds: tuple[str, ...] = ()) -> Candidate:
+        """An int8 model with `float_layers`, and every op of `float_kinds` (of `op_fallbacks`), kept in float,
+        calibrated on `range_images`."""
 
     def float_closure(self, float_layers: list[str]) -> list[str]:
         """The layers that were in float in the last quantize() of `float_layers`: those asked for, plus
         any the backend had to leave in float with them."""
 
-    def float_ops(self, float_layers: list[str]) -> dict[str, int]:
-        """Compute ops, by name, that run in float in the int8 model with `float_layers` in float."""
+    def float_ops(self, float_layers: list[str], float_kinds: tuple[str, ...] = ()) -> dict[str, int]:
+        """Compute ops, by name, that run in float in the int8 model with `float_layers` and `float_kinds` in
+        float."""
 
 
 def _steps(cap: int):
@@ -99,16 +103,17 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     with torch.no_grad():
         eager_accuracy = task.labeled(reference, check_labels) if check_labels is not None else None
 
-    def attempt(float_layers: list[str], method: str):
-        candidate = backend.quantize(float_layers, range_images, method)
+    def attempt(float_layers: list[str], method: str, kinds: tuple[str, ...] = ()):
+        candidate = _quantize(backend, float_layers, range_images, method, kinds)
         try:
             metrics = task.quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
         except CandidateFailed as error:
             metrics = {"fidelity": {task.agreement: 0.0, "psnr_db": -math.inf}, "accuracy": None,
                        "reasons": [f"does not run on every check image: {error}"]}
         in_float = len(backend.float_closure(float_layers))  # with the producers XNNPACK needs float beside them
-        steps.append({"float_layers": in_float, "ranges": method, **_summary(task, metrics)})
-        log(f"  int8, {method} ranges, {in_float}/{len(layers)} layers float: "
+        steps.append({"float_layers": in_float, "ranges": method, **({"float_kinds": list(kinds)} if kinds else {}),
+                      **_summary(task, metrics)})
+        log(f"  int8, {method} ranges, {in_float}/{len(layers)} layers float{_kinds_text(kinds)}: "
             f"{metrics['fidelity']['psnr_db']:.1f} dB, agreement {task.headline(metrics)['agreement']:.3f}"
             + ("" if metrics["reasons"] else ", budget met"))
         return candidate, metrics
@@ -118,7 +123,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     # quantized copy of the model, and every step's used to be kept to the end (MViT-V2-S's Q/DQ search, 16
     # frames at 224²: letting the candidates go took the process from 5.0 to 3.4 GB). One chosen after it
     # was let go is made again (quantization is deterministic; the ONNX backend keeps its files).
-    held: tuple[list[str], Candidate, str] | None = None  # (float layers, candidate, range method)
+    held: tuple[list[str], Candidate, str, tuple] | None = None  # (float layers, candidate, range method, kinds)
     # better ranges first: every range method on plain PTQ, the best on the check images goes on
     trials, unusable = {}, {}
     for i, method in enumerate(backend.range_methods):
@@ -131,7 +136,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
             log(f"  int8, {method} ranges cannot be measured on this model ({unusable[method]}): left out")
             continue
         if max(trials, key=lambda m: _rank(trials[m])) == method:
-            held = ([], candidate, method)
+            held = ([], candidate, method, ())
         del candidate
     if unusable:
         report["range_methods_unusable"] = unusable
@@ -141,6 +146,15 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     report["calibration_method"] = backend.describe(method)
     float_layers: list[str] = []
     chosen = plain
+    kinds: tuple[str, ...] = ()
+    if metrics["reasons"] and calibration.settings["fallback"]:
+        # ops the backend quantizes beyond layers, each kind in float as a whole: an error spread over many
+        # small ops (a residual stream requantized at every block) that no few layers in float recover
+        for kind in getattr(backend, "op_fallbacks", ()):
+            candidate, trial = attempt([], method, kinds + (kind,))
+            if _rank(trial) > _rank(metrics) and (not trial["reasons"] or _gain(trial, metrics) >= MIN_GAIN_DB):
+                kinds, metrics, chosen, held = kinds + (kind,), trial, steps[-1], ([], candidate, method, kinds + (kind,))
+            del candidate
     sensitivity, stopped = None, None
     if metrics["reasons"] and calibration.settings["fallback"] and layers:
         log(f"  int8 misses its budget on {len(check)} held-out images: measuring layer sensitivity")
@@ -148,20 +162,20 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
             sensitivity = layer_sensitivity(model, layers, torch.cat(range_images[:16]), check[:8], reference[:8])
         ranking = sensitivity.ranking()
         cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
-        tried = [([], metrics, plain)]
+        tried = [([], metrics, chosen)]
         best, stale = metrics["fidelity"]["psnr_db"], 0
         floated: list[str] = []
         for count in _steps(cap):
             if set(ranking[:count]) <= set(floated):  # already float beside an earlier layer: the same model
                 continue
             held = None
-            candidate, step_metrics = attempt(ranking[:count], method)
+            candidate, step_metrics = attempt(ranking[:count], method, kinds)
             floated = backend.float_closure(ranking[:count])
             if len(floated) > cap:  # the cap holds for every layer in float, those floated with a layer too
                 steps[-1]["over_cap"] = True
                 stopped = f"the next step keeps {len(floated)} layers in float, over the cap of {cap}"
                 break
-            held = (ranking[:count], candidate, method)
+            held = (ranking[:count], candidate, method, kinds)
             del candidate
             tried.append((ranking[:count], step_metrics, steps[-1]))
             psnr = step_metrics["fidelity"]["psnr_db"]
@@ -176,13 +190,14 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
             top = max(t[1]["fidelity"]["psnr_db"] for t in tried)
             tried = [next(t for t in tried if t[1]["fidelity"]["psnr_db"] >= top - MIN_GAIN_DB)]
         float_layers, metrics, chosen = tried[-1]
-    if held is not None and held[0] == float_layers and held[2] == method:
+    if held is not None and (held[0], held[2], held[3]) == (float_layers, method, kinds):
         candidate = held[1]
     else:
-        candidate = backend.quantize(float_layers, range_images, method)
+        candidate = _quantize(backend, float_layers, range_images, method, kinds)
     kept = backend.float_closure(float_layers)
     report.update(
-        float_ops=backend.float_ops(float_layers),
+        float_ops=backend.float_ops(float_layers, kinds) if kinds else backend.float_ops(float_layers),
+        float_kinds=list(kinds),
         float_layers=[_layer_entry(n, sensitivity, n not in float_layers) for n in kept],
         int8_layers=len(layers) - len(kept),
         before=plain,
@@ -217,6 +232,21 @@ def perturbed_psnr(model: torch.nn.Module, images: torch.Tensor, reference: torc
     noisy = images + noise * images.float().pow(2).mean().sqrt() * 10 ** (-PERTURBATION_SNR_DB / 20)
     with torch.no_grad():
         return task.fidelity(reference, run_all(model, noisy))["psnr_db"]
+
+
+def _quantize(backend: Backend, float_layers: list[str], range_images, method: str, kinds: tuple[str, ...]):
+    """backend.quantize, with `kinds` only when there are some (a backend without op_fallbacks takes none)."""
+    if kinds:
+        return backend.quantize(float_layers, range_images, method, kinds)
+    return backend.quantize(float_layers, range_images, method)
+
+
+def _gain(metrics: dict, than: dict) -> float:
+    return metrics["fidelity"]["psnr_db"] - than["fidelity"]["psnr_db"]
+
+
+def _kinds_text(kinds: tuple[str, ...]) -> str:
+    return f", every {', '.join(kinds)} float" if kinds else ""
 
 
 def _rank(metrics: dict) -> tuple:

@@ -42,6 +42,9 @@ def quantization_summary(q: dict) -> str:
                          f"{f['name']} (output {_num(f['output_psnr_db'], '.1f')} dB when alone int8, "
                          f"own SQNR {_num(f['local_sqnr_db'], '.1f')} dB)" for f in q["float_layers"])
         text += f"; kept in float: {kept}"
+    if q.get("float_kinds"):
+        text += (f"; every {', '.join(q['float_kinds'])} kept in float (their int8 outputs cost "
+                 f"{_num(_kinds_gain(q), '.1f')} dB on plain PTQ)")
     if q.get("float_ops"):
         ops = ", ".join(f"{name}×{n}" for name, n in q["float_ops"].items())
         text += f"; ops computed in float (no int8 pattern in the quantizer, or kept in float): {ops}"
@@ -50,6 +53,13 @@ def quantization_summary(q: dict) -> str:
         text += (f"; one of {q['check_images']} check images is {100 / q['check_images']:.1f} points of acc@1, "
                  f"coarser than the {budget:g}-point budget (a larger --calib-size checks it finer)")
     return text + f"; {q['calibration_method']}; {q['seconds']} s"
+
+
+def _kinds_gain(q: dict):
+    step = next((s for s in q["steps"] if s.get("float_kinds") == q["float_kinds"] and not s["float_layers"]), None)
+    if step is None or step["psnr_db"] is None or q["before"]["psnr_db"] is None:
+        return None
+    return step["psnr_db"] - q["before"]["psnr_db"]
 
 
 def outliers_summary(a: dict) -> str:
