@@ -108,8 +108,9 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
         if "quantization" in details:
             q = details["quantization"]
             quantization[label] = {"float_layers": len(q["float_layers"]), "layers": q["layers"], "seconds": q["seconds"],
-                                   "check_psnr_db": q["after"]["psnr_db"], "ranges": q["after"]["ranges"]}
-            log(f"  {name}: {label}: {len(q['float_layers'])} of {q['layers']} layers in float, "
+                                   "check_psnr_db": q["after"]["psnr_db"], "ranges": q["after"]["ranges"],
+                                   **({"float_kinds": q["float_kinds"]} if q.get("float_kinds") else {})}
+            log(f"  {name}: {label}: {len(q['float_layers'])} of {q['layers']} layers in float{_kinds_line(q)}, "
                 f"check PSNR {q['before']['psnr_db']} -> {q['after']['psnr_db']} dB")
         runners[label] = module.load(path, threads)
         torch.set_num_threads(threads)
@@ -216,6 +217,10 @@ def ratios(result: dict) -> dict[str, float]:
     return {name: round(lat[b] / lat[a], 3) for name, a, b in RATIOS if a in lat and b in lat}
 
 
+def _kinds_line(q: dict) -> str:
+    return f" and every {', '.join(q['float_kinds'])}" if q.get("float_kinds") else ""
+
+
 def _rewrites_line(rewrites: dict) -> str:
     lines = [f"{r['module']} ({'x'.join(map(str, r['kernel']))} dilation {r['dilation'][0]} on "
              f"{'x'.join(map(str, r['input']))}) -> {len(r['parts'])} part(s) "
@@ -259,7 +264,7 @@ def table(results: dict) -> str:
               f"calibration images; layers kept in float, build seconds (quantization seconds):", ""]
     for model, r in results.items():
         for label, q in r.get("quantization", {}).items():
-            lines.append(f"- {model} {label}: {q['float_layers']} of {q['layers']} layers in float, check PSNR "
+            lines.append(f"- {model} {label}: {q['float_layers']} of {q['layers']} layers in float{_kinds_line(q)}, check PSNR "
                          f"{q['check_psnr_db']} dB ({q['ranges']} ranges), build {r['build_s'][label]} s ({q['seconds']} s)")
     if any(r.get("memory_bytes") for r in results.values()):
         lines += ["", "RAM each artifact needs (peak resident memory of a fresh process loading and running it, minus "

@@ -277,7 +277,7 @@ class _KindsBackend(_FakeBackend):
         return candidate
 
 
-def _search_kinds(monkeypatch, add_error, layer_error):
+def _search_kinds(monkeypatch, add_error, layer_error, culprit="layer1"):
     from exporter.quant import search
     from exporter.quant.sensitivity import Sensitivity
 
@@ -288,7 +288,8 @@ def _search_kinds(monkeypatch, add_error, layer_error):
     model = torch.nn.Linear(4, 10)
     calibration = Calibration([torch.randn(1, 4) for _ in range(20)], None, {"psnr_db": 30.0},
                               {**SETTINGS, "max_float_fraction": 1.0})
-    return search.quantize_with_budget(model, _KindsBackend(model, "layer1", add_error, layer_error), calibration)
+    _FakeCandidate.most_alive = _FakeCandidate.alive
+    return search.quantize_with_budget(model, _KindsBackend(model, culprit, add_error, layer_error), calibration)
 
 
 def test_an_error_spread_over_every_add_is_kept_float_by_kind_before_layers_are(monkeypatch):
@@ -301,9 +302,25 @@ def test_an_error_spread_over_every_add_is_kept_float_by_kind_before_layers_are(
     assert kinds_step["float_kinds"] == ["add"] and kinds_step["float_layers"] == 0
     assert kinds_step["psnr_db"] > report["before"]["psnr_db"] + 0.5 and not kinds_step["meets_budget"]
     assert report["meets_budget"] and report["float_kinds"] == ["add"] and report["float_ops"]["add"] == 3
-    assert all(s["float_kinds"] == ["add"] for s in report["steps"][2:])  # every layer step keeps the adds float
+    *layer_steps, without_adds = report["steps"][2:]
+    assert all(s["float_kinds"] == ["add"] for s in layer_steps)  # every layer step keeps the adds float
+    assert "float_kinds" not in without_adds and not without_adds["meets_budget"]  # the layers alone: tried, missed
     assert [f["name"] for f in report["float_layers"]] == ["layer0", "layer1"]
     assert candidate.kinds == ("add",) and candidate.float_layers == ["layer0", "layer1"] and candidate.error == 0
+    assert _FakeCandidate.most_alive <= 2
+    del candidate
+
+    # the layers meet the budget without the adds too: the adds go back to int8 (float adds only cost speed)
+    candidate, report = _search_kinds(monkeypatch, add_error=0.02, layer_error=0.3)
+    assert report["steps"][1]["float_kinds"] == ["add"] and report["meets_budget"], report["steps"]
+    assert "float_kinds" not in report and "float_kinds" not in report["after"]
+    assert candidate.kinds == () and candidate.float_layers == ["layer0", "layer1"]
+    del candidate
+
+    # the budget is missed whatever the search floats: the adds-only step is kept, and made again
+    candidate, report = _search_kinds(monkeypatch, add_error=0.05, layer_error=0.3, culprit=None)
+    assert not report["meets_budget"] and report["float_kinds"] == ["add"] and report["float_layers"] == []
+    assert candidate.kinds == ("add",) and candidate.float_layers == [] and _FakeCandidate.most_alive <= 2
     del candidate
 
     # adds float alone meet the budget: no layer goes float
@@ -312,16 +329,17 @@ def test_an_error_spread_over_every_add_is_kept_float_by_kind_before_layers_are(
     assert len(report["steps"]) == 2 and candidate.kinds == ("add",)
     del candidate
 
-    # adds float gain nothing: they stay int8 (float adds only cost speed), the layers alone fix it
-    candidate, report = _search_kinds(monkeypatch, add_error=0.0, layer_error=0.2)
-    assert report["steps"][1]["float_kinds"] == ["add"] and report["float_kinds"] == []
+    # adds float gain less than 0.5 dB: they stay int8, the layers alone fix it
+    candidate, report = _search_kinds(monkeypatch, add_error=0.01, layer_error=0.2)
+    gain = report["steps"][1]["psnr_db"] - report["before"]["psnr_db"]
+    assert report["steps"][1]["float_kinds"] == ["add"] and 0 < gain < 0.5 and "float_kinds" not in report
     assert all("float_kinds" not in s for s in report["steps"][2:]) and report["meets_budget"]
     assert candidate.kinds == () and "add" not in report["float_ops"]
     del candidate
 
     # plain PTQ meets the budget: nothing else is tried
     candidate, report = _search_kinds(monkeypatch, add_error=0.0, layer_error=0.0)
-    assert len(report["steps"]) == 1 and report["float_kinds"] == [] and candidate.kinds == ()
+    assert len(report["steps"]) == 1 and "float_kinds" not in report and candidate.kinds == ()
 
 
 def _add_to_add_edges(adds, qdq) -> list[bool]:
@@ -377,6 +395,57 @@ def test_every_add_kept_float_leaves_no_add_int8_and_lowers_whole(tmp_path, digi
     expected = validation.run_all(quantized, images)
     assert (out - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
     assert psnr[("add",)] >= psnr[()] - 0.5, psnr
+
+
+class _ResidualBlocks(torch.nn.Module):
+    """Two ResNet basic blocks: each add is followed by a ReLU, which the XNNPACK quantizer fuses with it."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+                                    for _ in range(2))
+
+    def forward(self, x):
+        x = self.stem(x).relu()
+        for block in self.blocks:
+            x = (x + block(x)).relu()
+        return x
+
+
+def test_every_add_kept_float_takes_the_relu_fused_after_it_and_lowers_whole(tmp_path):
+    """add + ReLU is one int8 pattern (inputs on the add, output on the ReLU): kept float, the ReLU's output is not
+    rounded before the next add, and the .pte computes its quantized graph."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    from exporter.formats import executorch
+    from exporter.quant.pt2e import OP_KINDS, Pt2eBackend
+
+    torch.manual_seed(0)
+    model, example = _ResidualBlocks().eval(), torch.randn(1, 3, 12, 12)
+    qdq = {torch.ops.quantized_decomposed.quantize_per_tensor.default,
+           torch.ops.quantized_decomposed.dequantize_per_tensor.default}
+    backend = Pt2eBackend(model, example)
+    for kinds in ((), ("add",)):
+        quantized = backend.quantize([], [torch.randn(1, 3, 12, 12) for _ in range(4)], "histogram", kinds)
+        adds = [n for n in quantized.graph.nodes if n.op == "call_function" and n.target in OP_KINDS["add"]]
+        (first, second) = adds
+        stream = second.args[0]  # the first block's output, through its ReLU
+        rounded = stream.target in qdq
+        while stream.target in qdq:
+            stream = stream.args[0]
+        assert stream.args[0] is first and rounded == (not kinds), (kinds, second.args)
+    edge = to_edge_transform_and_lower(torch.export.export(quantized, (example,)), partitioner=[XnnpackPartitioner()])
+    delegation = executorch._delegation(edge.exported_program())
+    assert delegation["ops_outside_on_tensors"] == {} and delegation["delegated_subgraphs"] == 1, delegation
+    path = tmp_path / "blocks.pte"
+    path.write_bytes(edge.to_executorch().buffer)
+    out = executorch.load(path, threads=1)(example)
+    with torch.no_grad():
+        expected = quantized(example)
+    assert (out - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
 
 
 class _TinyTransformer(torch.nn.Module):

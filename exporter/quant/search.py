@@ -190,6 +190,12 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
             top = max(t[1]["fidelity"]["psnr_db"] for t in tried)
             tried = [next(t for t in tried if t[1]["fidelity"]["psnr_db"] >= top - MIN_GAIN_DB)]
         float_layers, metrics, chosen = tried[-1]
+        if kinds and float_layers and not metrics["reasons"]:
+            # the layers may meet the budget without the adds: they stay int8 then (float adds only cost speed)
+            candidate, trial = attempt(float_layers, method)
+            if not trial["reasons"]:
+                kinds, metrics, chosen, held = (), trial, steps[-1], (float_layers, candidate, method, ())
+            del candidate
     if held is not None and (held[0], held[2], held[3]) == (float_layers, method, kinds):
         candidate = held[1]
     else:
@@ -197,7 +203,6 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     kept = backend.float_closure(float_layers)
     report.update(
         float_ops=backend.float_ops(float_layers, kinds) if kinds else backend.float_ops(float_layers),
-        float_kinds=list(kinds),
         float_layers=[_layer_entry(n, sensitivity, n not in float_layers) for n in kept],
         int8_layers=len(layers) - len(kept),
         before=plain,
@@ -211,6 +216,8 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         },
         seconds=round(time.perf_counter() - start, 1),
     )
+    if kinds:
+        report["float_kinds"] = list(kinds)
     if metrics["reasons"]:
         why = "fallback is off (--no-fallback)" if not calibration.settings["fallback"] else stopped or \
             f"the cap of {math.floor(calibration.settings['max_float_fraction'] * len(layers))} float layers was reached"

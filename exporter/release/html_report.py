@@ -156,7 +156,9 @@ def _quantization(docs: list[dict]) -> str:
     for name, a in _named(docs):
         q = (a.get("details") or {}).get("quantization")
         if q:
-            chart = sensitivity_chart(name, q) or "<p class=meta>Plain PTQ met the budget: no layer sensitivity was needed.</p>"
+            chart = sensitivity_chart(name, q) or ("<p class=meta>Plain PTQ met the budget: no layer sensitivity was "
+                                                   "needed.</p>" if (q.get("before") or {}).get("meets_budget", True)
+                                                   else "<p class=meta>No layer sensitivity was measured.</p>")
             sections.append(f"<h3>{_esc(name)}</h3><p>{_esc(quantization_summary(q).replace('**', ''))}</p>{chart}")
     return "<h2>int8: budget and layer sensitivity</h2>" + "".join(sections) if sections else ""
 

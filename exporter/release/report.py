@@ -43,8 +43,7 @@ def quantization_summary(q: dict) -> str:
                          f"own SQNR {_num(f['local_sqnr_db'], '.1f')} dB)" for f in q["float_layers"])
         text += f"; kept in float: {kept}"
     if q.get("float_kinds"):
-        text += (f"; every {', '.join(q['float_kinds'])} kept in float (their int8 outputs cost "
-                 f"{_num(_kinds_gain(q), '.1f')} dB on plain PTQ)")
+        text += f"; every {', '.join(q['float_kinds'])} kept in float{_kinds_step(q)}"
     if q.get("float_ops"):
         ops = ", ".join(f"{name}×{n}" for name, n in q["float_ops"].items())
         text += f"; ops computed in float (no int8 pattern in the quantizer, or kept in float): {ops}"
@@ -55,11 +54,12 @@ def quantization_summary(q: dict) -> str:
     return text + f"; {q['calibration_method']}; {q['seconds']} s"
 
 
-def _kinds_gain(q: dict):
+def _kinds_step(q: dict) -> str:
     step = next((s for s in q["steps"] if s.get("float_kinds") == q["float_kinds"] and not s["float_layers"]), None)
-    if step is None or step["psnr_db"] is None or q["before"]["psnr_db"] is None:
-        return None
-    return step["psnr_db"] - q["before"]["psnr_db"]
+    if step is None:
+        return ""
+    return (f" (plain PTQ {_num(q['before']['psnr_db'], '.1f')} dB, with them float and every layer int8 "
+            f"{_num(step['psnr_db'], '.1f')} dB)")
 
 
 def outliers_summary(a: dict) -> str:
