@@ -368,3 +368,16 @@ def _convolutions(path, x) -> dict[str, int]:
             kind = op["op"].rsplit(" ", 1)[-1]
             kinds[kind] = kinds.get(kind, 0) + op["count"]
     return kinds
+
+
+def test_a_channels_last_example_exports_a_pte_that_computes_the_model(tmp_path):
+    """The classification task's calibration images are channels-last views; exported from one as the example, the
+    program took its input dim order from it and, fed contiguous inputs as the runner does, gave wrong outputs."""
+    from exporter.formats import executorch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, 2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).eval()
+    x = torch.randn(1, 3, 16, 16)
+    executorch.export(model, x.to(memory_format=torch.channels_last), "fp32", None, tmp_path / "m.pte", {})
+    with torch.no_grad():
+        torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-4, atol=1e-5)
