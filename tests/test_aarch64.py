@@ -214,3 +214,58 @@ def test_importing_the_package_imports_neither_torch_nor_numpy():
     code = "import sys, exporter.aarch64, exporter.aarch64.execute; print(sorted({'torch','numpy'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+_HOST_INSIDE = """import importlib.util, os, signal, sys
+with open(os.environ["PROCESS_LOG"], "a") as log:
+    log.write(sys.argv[1] + "\\n")
+spec = importlib.util.spec_from_file_location("inside", sys.argv[2])
+inside = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(inside)
+real = inside.LOADERS[".ptl"]
+inside.LOADERS[".ptl"] = lambda path, threads: os.kill(os.getpid(), signal.SIGSEGV) if "crash" in path else real(path, threads)
+sys.argv = sys.argv[2:]
+inside.main()
+"""
+
+
+class _HostRunner(aarch64.Runner):
+    """inside.py run by this host's Python (the emulator's part taken away), each process logged with its CPU;
+    a .ptl whose name says "crash" kills its process, as a kernel fault under qemu would."""
+
+    def python(self, cpu, script, *args):
+        return [sys.executable, str(self.path / "host_inside.py"), cpu, script, *args]
+
+
+def test_one_process_per_cpu_runs_every_artifact_and_one_that_kills_it_is_named(tmp_path, monkeypatch):
+    import numpy as np
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
+    model.eval()
+    x = torch.randn(3, 3, 8, 8)
+    torch.onnx.export(model, (x[:1],), tmp_path / "good.onnx", dynamo=False)
+    for name in ("crash.ptl", "good.ptl"):
+        torch.jit.trace(model, x[:1])._save_for_lite_interpreter(str(tmp_path / name))
+    (tmp_path / "bad.pte").write_bytes(b"not a program" * 10)
+    (tmp_path / "host_inside.py").write_text(_HOST_INSIDE)
+    log = tmp_path / "processes.log"
+    monkeypatch.setattr(aarch64.Runner, "environment", staticmethod(lambda: {**os.environ, "PROCESS_LOG": str(log)}))
+    host = _HostRunner(tmp_path, {"cpus": {"cortex-a53": "", "cortex-a76": ""}})
+    artifacts = [tmp_path / n for n in ("good.onnx", "crash.ptl", "bad.pte", "good.ptl")]
+    results = aarch64.run(host, artifacts, x.numpy(), ["cortex-a53", "cortex-a76"])
+
+    assert [(r.artifact.name, r.cpu) for r in results] == [(a.name, c) for a in artifacts for c in ("cortex-a53", "cortex-a76")]
+    with torch.no_grad():
+        expected = model(x).numpy()
+    for r in results:
+        if r.artifact.name.startswith("good"):
+            assert r.ok and np.allclose(r.outputs[0], expected, atol=1e-5), (r.artifact, r.error)
+            assert r.info["images"] == 3
+        else:
+            assert not r.ok and r.error.endswith(f"({r.cpu})"), r
+    crash = [r for r in results if r.artifact.name == "crash.ptl"]
+    assert all(r.error.startswith("killed by SIGSEGV") for r in crash), crash  # the process it killed, named for it
+    assert all(r.error.startswith("RuntimeError") for r in results if r.artifact.name == "bad.pte")
+    # per CPU: one process ran good.onnx and died on crash.ptl; a second ran bad.pte (an error, not a crash) and good.ptl
+    assert log.read_text().split() == ["cortex-a53", "cortex-a53", "cortex-a76", "cortex-a76"]

@@ -7,6 +7,7 @@ tests check the build's judging and reporting; tests/test_aarch64.py runs the re
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -24,7 +25,7 @@ class FakeArm:
     """aarch64.prepare/run stand-ins: each artifact's outputs on this host, changed by `perturb` for one CPU."""
 
     def __init__(self, key: str, perturb: dict | None = None, broken: dict | None = None):
-        self.key, self.perturb, self.broken, self.calls = key, perturb or {}, broken or {}, []
+        self.key, self.perturb, self.broken, self.calls, self.runs = key, perturb or {}, broken or {}, [], []
 
     def prepare(self, cache_dir=None, progress=None, offline=None, root=None):
         return Runner(cache_dir or aarch64.cache_root(), {"key": self.key, "qemu": "fake", "seconds": 0.0,
@@ -36,6 +37,7 @@ class FakeArm:
         from exporter.formats import bundled_program
 
         results = []
+        self.runs.append(({Path(a).name for a in artifacts}, tuple(cpus)))
         for artifact in (a.resolve() for a in artifacts):
             fmt = {".pte": "executorch", ".ptl": "torchscript_lite", ".onnx": "onnx"}[artifact.suffix]
             forward = FORMATS[fmt].load_module().load(artifact, threads)
@@ -76,7 +78,8 @@ def test_every_pte_and_ptl_gets_a_row_per_cpu_judged_like_x86(monkeypatch, tmp_p
     assert doc["target"]["validate"] == {"arch": ["x86_64", "aarch64"], "cpus": ["cortex-a53", "cortex-a76"]}
     run = [a for a in doc["artifacts"] if a.get("path")]
     assert {a["format"] for a in run} == {"executorch", "torchscript_lite"}
-    assert sorted(name for name, _, _ in fake.calls) == sorted(a["path"] for a in run)  # one process per artifact
+    # one emulated process per CPU runs every artifact
+    assert fake.runs == [({a["path"] for a in run}, (cpu,)) for cpu in ("cortex-a53", "cortex-a76")], fake.runs
     assert all(n == doc["data"]["validation"] for _, _, n in fake.calls)
     for entry in run:
         assert [r["cpu"] for r in entry["aarch64"]] == ["cortex-a53", "cortex-a76"]

@@ -972,10 +972,12 @@ def test_a_merge_keeps_measured_rows_and_says_what_its_files_were_made_with(tmp_
     for path, cpu in ((whole, "Intel Xeon"), (small, "AMD EPYC")):
         doc = json.loads(path.read_text())
         doc["host"] = dict(doc["host"], cpu=cpu)
+        doc["run"] = {"wall_s": 10.0 if path == whole else 20.0}
         path.write_text(json.dumps(doc))
     coverage.merge([whole, small], tmp_path / "two", command="test")
     again = coverage.merge([tmp_path / "two" / "coverage.json"], tmp_path / "again", command="test")
     assert sorted(h["cpu"] for h in again["hosts"]) == ["AMD EPYC", "Intel Xeon"]
+    assert again["run"]["shards_wall_s"] == [10.0, 20.0] and again["run"]["wall_s"] == 20.0  # each shard's, still
     host_line = next(line for line in (tmp_path / "again" / "coverage.md").read_text().splitlines() if line.startswith("| host |"))
     assert "AMD EPYC" in host_line and "Intel Xeon" in host_line
 

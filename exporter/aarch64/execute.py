@@ -1,4 +1,4 @@
-"""Run artifacts on emulated aarch64 CPUs: one qemu process per artifact and CPU, running every image.
+"""Run artifacts on emulated aarch64 CPUs: one qemu process per CPU, running every artifact on every image.
 
 `run(runner, artifacts, inputs, cpus)` is what a build calls after its x86 validation: the outputs come
 back as numpy arrays (output k of every image stacked), with the seconds taken; nothing is judged here.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -21,7 +22,7 @@ from .layout import Runner
 
 SUFFIXES = (".pte", ".ptl", ".onnx")
 # The package's inside.py, run by its host path (qemu falls back to host paths outside the -L prefix): the copy
-# in a runner's root dates from its set-up, and may predate a mode (--bundled) this module asks for.
+# in a runner's root dates from its set-up, and may predate a mode (--jobs) this module asks for.
 INSIDE = Path(__file__).with_name("inside.py")
 
 
@@ -30,8 +31,10 @@ class Result:
     artifact: Path
     cpu: str
     outputs: list = field(default_factory=list)  # numpy arrays, output k of every image stacked
-    seconds: float = 0.0  # the whole qemu process: start-up, imports, load, every image (wall clock)
-    cpu_seconds: float = 0.0  # CPU time the qemu process took (wall clock less waiting for a busy host)
+    # this artifact's share of its qemu process (wall clock): its load and every image, and for the first artifact
+    # of a process the start-up and imports as well (starting Python and torch under emulation: 10-30 s)
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0  # CPU time of the whole qemu process that ran it (shared with the artifacts run with it)
     info: dict = field(default_factory=dict)  # what ran it (runtime, backends, delegate), load/run seconds
     error: str | None = None  # the artifact could not be run there (one line)
 
@@ -42,10 +45,11 @@ class Result:
 
 def run(runner: Runner, artifacts: list[Path], inputs, cpus: list[str], threads: int = 1,
         timeout: float = 1800, bundled: dict | None = None) -> list[Result]:
-    """Each artifact on each CPU (artifact-major). `inputs`: an N x C x H x W float32 array or a .npy path.
-    `bundled`: artifact -> (its .bpte, rtol, atol), verified in the same process (`info["bundled"]`, as
-    verify_bundled answers). A failure to run is a Result with `error`, not an exception; a bad request is
-    a UsageError."""
+    """Each artifact on each CPU, returned artifact-major; one process per CPU runs them all. `inputs`: an
+    N x C x H x W float32 array or a .npy path. `bundled`: artifact -> (its .bpte, rtol, atol), verified in the
+    same process (`info["bundled"]`, as verify_bundled answers). `timeout` is per artifact. A failure to run
+    is a Result with `error`, not an exception (an artifact that kills its process is that artifact's error,
+    and the ones after it run again in a new process); a bad request is a UsageError."""
     import numpy as np
 
     cpus = named.check(cpus, runner.cpus)
@@ -63,41 +67,97 @@ def run(runner: Runner, artifacts: list[Path], inputs, cpus: list[str], threads:
                 raise UsageError(f"inputs: expected N x C x H x W, got shape {array.shape}")
             batch = work / "inputs.npy"
             np.save(batch, array)
-        results = []
+        jobs = []
         for i, artifact in enumerate(artifacts):
-            for cpu in cpus:
-                out = work / f"{i}-{cpu}.npz"
-                golden = (bundled or {}).get(artifact) or (bundled or {}).get(Path(artifact).name)
-                results.append(_one(runner, artifact, batch, out, cpu, threads, timeout, golden))
-        return results
+            job = {"artifact": str(artifact)}
+            golden = (bundled or {}).get(artifact) or (bundled or {}).get(Path(artifact).name)
+            if golden is not None:
+                bpte, rtol, atol = golden
+                job.update(bundled=str(Path(bpte).resolve()), rtol=float(rtol), atol=float(atol))
+            jobs.append(job)
+        per_cpu = {cpu: _on_cpu(runner, jobs, batch, work, cpu, threads, timeout) for cpu in cpus}
+        return [per_cpu[cpu][i] for i in range(len(artifacts)) for cpu in cpus]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _one(runner: Runner, artifact: Path, batch: Path, out: Path, cpu: str, threads: int, timeout: float,
-         golden: tuple | None = None) -> Result:
+def _on_cpu(runner: Runner, jobs: list[dict], batch: Path, work: Path, cpu: str, threads: int,
+            timeout: float) -> list[Result]:
+    """Every job on `cpu`, in as few qemu processes as the jobs allow: one, unless one of them ends it."""
     import numpy as np
 
-    # the package's own inside.py (qemu's -L prefix falls back to host paths): a runner's copy predates changes
-    command = runner.python(cpu, str(INSIDE), "--artifact", str(artifact), "--inputs", str(batch),
-                            "--out", str(out), "--threads", str(threads))
-    if golden is not None:
-        bpte, rtol, atol = golden
-        command += ["--bundled", str(Path(bpte).resolve()), "--rtol", repr(float(rtol)), "--atol", repr(float(atol))]
-    started, used = time.perf_counter(), _children_cpu()
+    results: dict[int, Result] = {}
+    pending = list(range(len(jobs)))
+    while pending:
+        spec = work / f"jobs-{cpu}-{pending[0]}.json"
+        spec.write_text(json.dumps([{**jobs[i], "out": str(work / f"{i}-{cpu}.npz")} for i in pending]))
+        command = runner.python(cpu, str(INSIDE), "--jobs", str(spec), "--inputs", str(batch),
+                                "--threads", str(threads))
+        started, used = time.perf_counter(), _children_cpu()
+        limit = timeout * len(pending)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=limit)
+            stdout, stderr, ended = done.stdout, done.stderr, _ended(done.returncode)
+            if done.returncode < 0:  # a fault or kill: whatever it printed last was not the reason
+                stderr = ""
+        except subprocess.TimeoutExpired as e:
+            stdout, stderr = _text(e.stdout), ""
+            ended = f"timed out after {limit:.0f} s under qemu ({len(pending)} artifacts, {timeout:.0f} s each)"
+        wall, cpu_seconds = time.perf_counter() - started, round(_children_cpu() - used, 2)
+        answers = {}
+        for line in stdout.splitlines():
+            answer = _answer(line)
+            if answer is not None and 0 <= answer["job"] < len(pending):
+                answers[pending[answer.pop("job")]] = answer
+        unanswered = [i for i in pending if i not in answers]
+        inside = sum(a.get("load_seconds", 0) + a.get("run_seconds", 0) for a in answers.values())
+        # the rest of the process's time (start-up, imports, a job that ended it) goes to the job that ended it, or
+        # else to the first artifact
+        rest, charged = max(wall - inside, 0.0), unanswered[0] if unanswered else pending[0]
+        for i in (i for i in pending if i in answers):
+            answer, artifact = answers[i], Path(jobs[i]["artifact"])
+            seconds = round(answer.get("load_seconds", 0) + answer.get("run_seconds", 0) + (rest if i == charged else 0), 2)
+            out = work / f"{i}-{cpu}.npz"
+            if answer.get("error") or not out.exists():
+                error = answer.get("error") or "no outputs written"
+                results[i] = Result(artifact, cpu, seconds=seconds, cpu_seconds=cpu_seconds, error=f"{error[:300]} ({cpu})")
+                continue
+            with np.load(out) as saved:
+                outputs = [saved[f"out{k}"] for k in range(len(saved.files))]
+            results[i] = Result(artifact, cpu, outputs=outputs, seconds=seconds, cpu_seconds=cpu_seconds, info=answer)
+        if unanswered:  # the process ended on the first of them: its error; the rest go again in a new process
+            errors = [line for line in stderr.strip().splitlines() if line.strip()]
+            reason = errors[-1] if errors else ended
+            results[charged] = Result(Path(jobs[charged]["artifact"]), cpu, seconds=round(rest, 2),
+                                      cpu_seconds=cpu_seconds, error=f"{reason[:300]} ({cpu})")
+        pending = unanswered[1:]
+    return [results[i] for i in range(len(jobs))]
+
+
+def _ended(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def _answer(line: str) -> dict | None:
+    """inside.py's line for one job, or None for anything else a library printed."""
+    if not line.startswith("{"):
+        return None
     try:
-        done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return Result(artifact, cpu, seconds=timeout, error=f"timed out after {timeout:.0f} s under qemu ({cpu})")
-    seconds, cpu_seconds = round(time.perf_counter() - started, 2), round(_children_cpu() - used, 2)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines or not out.exists():
-        errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        reason = errors[-1] if errors else f"exit code {done.returncode}"
-        return Result(artifact, cpu, seconds=seconds, cpu_seconds=cpu_seconds, error=f"{reason[:300]} ({cpu})")
-    with np.load(out) as saved:
-        outputs = [saved[f"out{k}"] for k in range(len(saved.files))]
-    return Result(artifact, cpu, outputs=outputs, seconds=seconds, cpu_seconds=cpu_seconds, info=json.loads(lines[-1]))
+        answer = json.loads(line)
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) and isinstance(answer.get("job"), int) else None
+
+
+def _text(output) -> str:
+    if output is None:
+        return ""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output
 
 
 def verify_bundled(runner: Runner, bpte: Path, cpus: list[str], rtol: float, atol: float, threads: int = 1,

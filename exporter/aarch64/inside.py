@@ -4,10 +4,14 @@ exporter's, only numpy and the runtime of the artifact.
     inside.py --check
         import torch, ExecuTorch's pybindings and ONNX Runtime; print their versions and the registered
         ExecuTorch backends as one JSON line
-    inside.py --artifact PATH --inputs X.npy --out Y.npz [--threads N]
-        load one artifact (.pte: ExecuTorch, .ptl: the lite interpreter, .onnx: ONNX Runtime CPU), run every
-        image of X (N x C x H x W float32) through it one at a time, save output k of every image stacked as
-        `out{k}` in Y, print one JSON line (load and run seconds, what ran it)
+    inside.py --jobs JOBS.json --inputs X.npy [--threads N]
+        JOBS: a list of {"artifact", "out"[, "bundled", "rtol", "atol"]}, run in order in this one process (so
+        that Python, torch and the runtimes start once per CPU, not once per artifact): load the artifact
+        (.pte: ExecuTorch, .ptl: the lite interpreter, .onnx: ONNX Runtime CPU), run every image of X
+        (N x C x H x W float32) through it one at a time, save output k of every image stacked as `out{k}`
+        in its "out" .npz, verify its .bpte when given, and print one JSON line {"job": k, ...} (load and run
+        seconds, what ran it). A job that raises prints {"job": k, "error": ...} and the next one runs; a job
+        that kills the process leaves the rest unanswered (exporter/aarch64/execute.py runs them again)
     inside.py --bundled PATH --rtol R --atol A [--threads N]
         ExecuTorch's verifier on every test case of a BundledProgram (.bpte); print one JSON line
         {"passed", "cases", "error", ...}: a mismatch is passed false with the first failing case and its
@@ -126,7 +130,7 @@ def run(artifact, inputs, out, threads):
     started = time.time()
     suffix = os.path.splitext(artifact)[1]
     if suffix not in LOADERS:
-        raise SystemExit(f"unknown artifact type {suffix}")
+        raise ValueError(f"unknown artifact type {suffix}")
     x = np.load(inputs)
     forward, info = LOADERS[suffix](artifact, threads)
     loaded = time.time()
@@ -139,6 +143,17 @@ def run(artifact, inputs, out, threads):
     np.savez(out, **stacked)
     info.update(images=int(x.shape[0]), load_seconds=round(loaded - started, 3), run_seconds=round(ran - loaded, 3))
     return info
+
+
+def run_job(job, inputs, threads):
+    try:
+        result = run(job["artifact"], inputs, job["out"], threads)
+        if job.get("bundled"):  # the .pte's golden program, verified in the same emulated process
+            result["bundled"] = bundled(job["bundled"], job["rtol"], job["atol"], threads)
+    except Exception as e:  # noqa: BLE001  (this artifact's failure to run, reported; the next job still runs)
+        line = f"{type(e).__name__}: {e}".strip().splitlines()
+        return {"error": line[0] if line else type(e).__name__}
+    return result
 
 
 # -- .bpte: a reader kept in step with exporter/formats/bundled_program.py (read), which this may not import ----
@@ -231,9 +246,8 @@ def bundled(path, rtol, atol, threads):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
-    parser.add_argument("--artifact")
+    parser.add_argument("--jobs")
     parser.add_argument("--inputs")
-    parser.add_argument("--out")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bundled")
     parser.add_argument("--rtol", type=float)
@@ -243,10 +257,11 @@ def main():
         parser.error("--bundled needs --rtol and --atol")
     if args.check:
         result = check()
-    elif args.artifact:
-        result = run(args.artifact, args.inputs, args.out, args.threads)
-        if args.bundled:  # the .pte's golden program, verified in the same emulated process
-            result["bundled"] = bundled(args.bundled, args.rtol, args.atol, args.threads)
+    elif args.jobs:
+        with open(args.jobs) as f:
+            for k, job in enumerate(json.load(f)):
+                print(json.dumps({"job": k, **run_job(job, args.inputs, args.threads)}), flush=True)
+        return
     else:
         result = bundled(args.bundled, args.rtol, args.atol, args.threads)
     sys.stdout.flush()

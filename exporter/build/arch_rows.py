@@ -136,29 +136,37 @@ def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Pa
         runner = aarch64.prepare(request_cache_dir, progress, offline=offline or None, root=runners)
     summary["runner"] = {k: runner.info.get(k) for k in ("key", "qemu", "packages", "seconds", "size_bytes")}
     inputs = session.inputs.validation.contiguous().numpy()
+    rows: dict[str, dict] = {entry["name"]: {} for entry in entries}
     for entry in entries:
-        rows = {}
         for cpu in cpus:
             cached = session.cache.fetch_json("aarch64", _key(session, entry, cpu, runner))
             if cached is not None:
-                rows[cpu] = {**cached, "reused_from_cache": True}
+                rows[entry["name"]][cpu] = {**cached, "reused_from_cache": True}
                 session.cache.events.append(f"{entry['name']}: aarch64 {cpu} row reused from the cache")
-        missing = [cpu for cpu in cpus if cpu not in rows]
-        if missing:
-            with progress.step(f"{prefix}aarch64 {entry['name']} on {', '.join(missing)} (emulated)"):
-                # the threads of the x86 run: fp32 reductions split by thread, so another count changes the bits
-                results = aarch64.run(runner, [out / entry["path"]], inputs, missing, threads=session.latency["threads"],
-                                      bundled=_golden(entry, out))
-            x86 = x86_outputs(session, entry, out)
-            for result in results:
-                rows[result.cpu] = row(session, entry, result.cpu, result, x86)
-                session.cache.store_json("aarch64", _key(session, entry, result.cpu, runner), rows[result.cpu])
-        entry["aarch64"] = [rows[cpu] for cpu in cpus]
+    x86 = {}
+    for cpu in cpus:  # one emulated process per CPU runs every artifact missing there (Python and torch start once)
+        missing = [entry for entry in entries if cpu not in rows[entry["name"]]]
+        if not missing:
+            continue
+        golden = {}
+        for entry in missing:
+            golden.update(_golden(entry, out) or {})
+        with progress.step(f"{prefix}aarch64 {', '.join(e['name'] for e in missing)} on {cpu} (emulated)"):
+            # the threads of the x86 run: fp32 reductions split by thread, so another count changes the bits
+            results = aarch64.run(runner, [out / e["path"] for e in missing], inputs, [cpu],
+                                  threads=session.latency["threads"], bundled=golden)
+        for entry, result in zip(missing, results):
+            if entry["name"] not in x86:
+                x86[entry["name"]] = x86_outputs(session, entry, out)
+            rows[entry["name"]][cpu] = row(session, entry, cpu, result, x86[entry["name"]])
+            session.cache.store_json("aarch64", _key(session, entry, cpu, runner), rows[entry["name"]][cpu])
+    for entry in entries:
+        entry["aarch64"] = [rows[entry["name"]][cpu] for cpu in cpus]
         if entry.get("bundled_program"):
             entry["bundled_program"]["verified"].update(
-                {cpu: rows[cpu]["bundled_program"] for cpu in cpus if rows[cpu].get("bundled_program")})
+                {r["cpu"]: r["bundled_program"] for r in entry["aarch64"] if r.get("bundled_program")})
         judge_entry(entry)
-        write()
+    write()
     summary["seconds"] = round(time.perf_counter() - started, 1)
 
 

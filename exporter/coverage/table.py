@@ -186,7 +186,9 @@ def merge(paths, command: str) -> dict:
         "exporter_commit": d.get("exporter_commit"), "host": d.get("host"), "selection": d.get("selection"),
         "shard": (d.get("selection") or {}).get("shard"), "rows": len(d["rows"]), "complete": d.get("complete"),
         "run": d.get("run")}])]
-    walls = [(d.get("run") or {}).get("total_wall_s") or (d.get("run") or {}).get("wall_s") or 0 for _, d in docs]
+    # a merged file's own shards stay shards (its wall_s is only their longest)
+    walls = [w for _, d in docs for w in (d.get("run") or {}).get("shards_wall_s")
+             or [(d.get("run") or {}).get("total_wall_s") or (d.get("run") or {}).get("wall_s") or 0]]
     merged["run"] = {"wall_s": max(walls), "shards_wall_s": walls, "started": min(((d.get("run") or {}).get("started") or "")
                                                                                   for _, d in docs) or None}
     return merged
