@@ -381,3 +381,61 @@ def test_a_channels_last_example_exports_a_pte_that_computes_the_model(tmp_path)
     executorch.export(model, x.to(memory_format=torch.channels_last), "fp32", None, tmp_path / "m.pte", {})
     with torch.no_grad():
         torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class ShuffleTail(nn.Module):
+    """ShuffleNetV2's halved channels (chunk), VGG's adaptive pool at a size its input divides (pool=6 on 12x12,
+    or to 12x12: the identity) and MNASNet's mean over height and width, each left outside XNNPACK as exported."""
+
+    def __init__(self, pool: int):
+        super().__init__()
+        self.stem, self.branch = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.pool, self.head = nn.AdaptiveAvgPool2d(pool), nn.Linear(8, 5)
+
+    def forward(self, x):
+        kept, passed = torch.relu(self.stem(x)).chunk(2, dim=1)
+        x = self.pool(torch.cat([kept, torch.relu(self.branch(passed))], 1))
+        return self.head(x.mean([2, 3]))
+
+
+def test_chunks_adaptive_pools_and_means_lower_into_xnnpack_with_the_same_output(tmp_path):
+    from exporter.formats import executorch
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 12, 12)
+    calibration = [torch.randn(1, 3, 12, 12) for _ in range(8)]
+    expected = {"chunks_as_slices": 1, "adaptive_pools_as_pools": 1, "means_keeping_dims": 1}
+    for pool in (6, 12):
+        model = ShuffleTail(pool).eval()
+        kept = {}
+        for precision in ("fp32", "int8"):
+            path = tmp_path / f"kept_{pool}_{precision}.pte"
+            details = executorch.export(model, x, precision, calibration, path, {}, rewrites=False)
+            outside = details["delegation"]["ops_outside_on_tensors"]  # what the rewrites are for
+            assert outside == {"split_with_sizes_copy": 1, "_adaptive_avg_pool2d": 1, "mean": 1}, outside
+            kept[precision] = executorch.load(path, 1)(x)
+        for precision in ("fp32", "int8"):
+            path = tmp_path / f"{pool}_{precision}.pte"
+            details = executorch.export(model, x, precision, calibration, path, {})
+            assert details["rewrites"] == expected, details
+            assert details["delegation"]["delegated_subgraphs"] == 1, details["delegation"]
+            assert set(details["delegation"]["ops_outside_delegate"]) <= {"getitem"}, details["delegation"]
+            out = executorch.load(path, 1)(x)
+            with torch.no_grad():
+                if precision == "fp32":
+                    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+                else:  # the quantizer annotates a plain pool and a slice as it does not an adaptive pool and a
+                    # split (their own output ranges): as close to eager as the int8 left as is, within 2 steps
+                    step = (kept["int8"].max() - kept["int8"].min()).item() / 255
+                    error, kept_error = (out - model(x)).abs().max(), (kept["int8"] - model(x)).abs().max()
+                    assert error <= kept_error + 2 * step, (out, kept["int8"], model(x))
+
+
+def test_an_adaptive_pool_whose_windows_overlap_is_left_as_it_is():
+    from exporter.formats.rewrites import adaptive_pools_as_pools
+
+    model, x = ShuffleTail(5).eval(), torch.randn(1, 3, 12, 12)  # 12 to 5: windows of 3 that overlap
+    exported, done = adaptive_pools_as_pools(torch.export.export(model, (x,)))
+    assert done == 0
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(x), model(x))

@@ -65,8 +65,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
 
     from ..quant import as_calibration, quantize_with_budget
     from ..quant.pt2e import Pt2eBackend
-    from .rewrites import (drop_padding_taps, input_transform_as_affine, padded_avg_pools_as_pad, single_tensor_cats,
-                           split_large_depthwise)
+    from .rewrites import (adaptive_pools_as_pools, chunks_as_slices, drop_padding_taps, input_transform_as_affine,
+                           means_keeping_dims, padded_avg_pools_as_pad, single_tensor_cats, split_large_depthwise)
 
     details = {}
     # torch.export keeps the example's memory format as the program's input dim order: a channels-last example
@@ -78,6 +78,9 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     with torch.no_grad():
         exported = torch.export.export(model, (example,))
     exported, pools = padded_avg_pools_as_pad(exported) if rewrites else (exported, 0)
+    exported, adaptive = adaptive_pools_as_pools(exported) if rewrites else (exported, 0)
+    exported, means = means_keeping_dims(exported) if rewrites else (exported, 0)
+    exported, chunks = chunks_as_slices(exported) if rewrites else (exported, 0)
     if precision == "int8":  # quantized from the rewritten graph: a pad before a pool shares its input's int8
         backend = Pt2eBackend(model, example, exported)
         quantized, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))
@@ -85,7 +88,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
             exported = torch.export.export(quantized, (example,))
     exported, cats = single_tensor_cats(exported) if rewrites else (exported, 0)
     done = {"padding_taps_dropped": trimmed, "input_transform_as_affine": affine,
-            "large_depthwise_split": split, "padded_avg_pools_as_pad": pools, "single_tensor_cats_dropped": cats}
+            "large_depthwise_split": split, "padded_avg_pools_as_pad": pools, "adaptive_pools_as_pools": adaptive,
+            "means_keeping_dims": means, "chunks_as_slices": chunks, "single_tensor_cats_dropped": cats}
     if any(done.values()):
         details["rewrites"] = {name: what for name, what in done.items() if what}
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])

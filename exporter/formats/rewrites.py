@@ -44,6 +44,21 @@ leaves a padded pool that counts its zero padding (torch's default; Inception v3
 `F.avg_pool2d(x, 3, 1, 1)`, 9 of them) outside the delegate, splitting the `.pte`. A zero pad, then the pool
 without padding, has the same windows holding the same zeros, and XNNPACK takes both. It works on the exported
 graph (the pool is a function call, not a module), before quantization: an int8 pad shares its input's scale.
+
+`adaptive_pools_as_pools`: ExecuTorch's XNNPACK partitioner takes an adaptive average pool only to one output per
+channel (as a mean); VGG's and AlexNet's `AdaptiveAvgPool2d((7, 7))` / `((6, 6))` was left outside the delegate,
+splitting the `.pte` in two, although at their 224x224 crop it pools 7x7 to 7x7 (6x6 to 6x6): nothing. Where the
+input's height and width are multiples of the output's, each output reads exactly one k x k window, so the pool is
+`avg_pool2d` with kernel and stride k, which XNNPACK takes; where they are equal it is the identity, dropped.
+Other sizes (VGG at 128x128: 4x4 to 7x7, windows that overlap) are left as they are.
+
+`chunks_as_slices`: XNNPACK has no split; ShuffleNetV2's blocks halve their channels with `x.chunk(2, dim=1)`, and
+the 13 splits were left outside the delegate, cutting the `.pte` into 15 parts. Each piece is a slice of the input
+along that dim (a copy of the same elements), which XNNPACK takes.
+
+`means_keeping_dims`: XNNPACK takes a mean over height and width only with keepdim=True (its global average
+pool); MNASNet and ShuffleNetV2 pool with `x.mean([2, 3])`, which was left outside the delegate. The same mean
+with keepdim=True, then a reshape to N x C, is delegated; the reduction is the same one.
 """
 
 from __future__ import annotations
@@ -430,3 +445,116 @@ def padded_avg_pools_as_pad(exported):
         graph.lint()
         exported.graph_module.recompile()
     return exported, changed
+
+
+def _new_node(graph, before, target, args, like):
+    """A call of `target` inserted before `before`, with its fake value computed from its inputs' (as export
+    would have recorded it) and `like`'s stack trace; not its module (the XNNPACK quantizer finds an adaptive pool
+    by its module, and would take the plain pool that replaced it for one)."""
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args)
+    if "stack_trace" in like.meta:
+        node.meta["stack_trace"] = like.meta["stack_trace"]
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in args]
+    fake = next((v for v in vals if isinstance(v, torch.Tensor)), None)
+    if fake is not None:
+        with fake.fake_mode:
+            node.meta["val"] = target(*vals)
+    return node
+
+
+def _static_shape(node) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+        return None
+    return tuple(val.shape)
+
+
+def _finish(exported, changed: int):
+    if changed:
+        exported.graph_module.graph.lint()
+        exported.graph_module.recompile()
+    return exported, changed
+
+
+def adaptive_pools_as_pools(exported):
+    """`exported` (an ExportedProgram) with each adaptive average pool whose input sizes are multiples of its
+    output's (other than to 1x1, which lowers as a mean) as a plain pool, or dropped where the sizes are equal;
+    how many."""
+    graph = exported.graph_module.graph
+    outputs = {a for node in graph.nodes if node.op == "output" for a in torch.utils._pytree.tree_leaves(node.args)}
+    pools = (torch.ops.aten.adaptive_avg_pool2d.default, torch.ops.aten._adaptive_avg_pool2d.default)
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in pools:
+            continue
+        x, size = node.args[0], list(node.args[1])
+        shape = _static_shape(x)
+        if shape is None or len(shape) != 4 or not all(isinstance(v, int) and v > 0 for v in size):
+            continue
+        (h, w), (oh, ow) = shape[2:], size
+        if (oh, ow) == (1, 1) or h % oh or w % ow:
+            continue
+        if (h, w) == (oh, ow):
+            if node in outputs:
+                continue
+            node.replace_all_uses_with(x)
+        else:
+            kernel = [h // oh, w // ow]
+            pool = _new_node(graph, node, torch.ops.aten.avg_pool2d.default, (x, kernel, kernel), node)
+            node.replace_all_uses_with(pool)
+        graph.erase_node(node)
+        changed += 1
+    return _finish(exported, changed)
+
+
+def means_keeping_dims(exported):
+    """`exported` (an ExportedProgram) with each mean over the height and width of a 4-d tensor that drops those
+    dims as the mean keeping them, reshaped to N x C; how many."""
+    graph = exported.graph_module.graph
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.mean.dim or node.kwargs.get("dtype") is not None:
+            continue
+        x, dims = node.args[0], node.args[1]
+        keepdim = len(node.args) > 2 and bool(node.args[2])
+        shape = _static_shape(x)
+        if keepdim or shape is None or len(shape) != 4 or sorted(d % 4 for d in dims) != [2, 3]:
+            continue
+        mean = _new_node(graph, node, torch.ops.aten.mean.dim, (x, list(dims), True), node)
+        flat = _new_node(graph, node, torch.ops.aten.view.default, (mean, list(shape[:2])), node)
+        node.replace_all_uses_with(flat)
+        graph.erase_node(node)
+        changed += 1
+    return _finish(exported, changed)
+
+
+def chunks_as_slices(exported):
+    """`exported` (an ExportedProgram) with each chunk or split of a tensor of static shape, all of whose users take
+    one piece, as one slice per piece; how many."""
+    import operator
+
+    graph = exported.graph_module.graph
+    splits = (torch.ops.aten.chunk.default, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in splits:
+            continue
+        pieces = node.meta.get("val")
+        x, dim = node.args[0], (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
+        shape = _static_shape(x)
+        if (shape is None or not isinstance(pieces, (list, tuple))
+                or not all(u.op == "call_function" and u.target is operator.getitem for u in node.users)):
+            continue
+        dim %= len(shape)
+        starts = [0]
+        for piece in pieces:
+            starts.append(starts[-1] + int(piece.shape[dim]))
+        for user in list(node.users):
+            i = user.args[1]
+            piece = _new_node(graph, user, torch.ops.aten.slice.Tensor, (x, dim, starts[i], starts[i + 1]), node)
+            user.replace_all_uses_with(piece)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        changed += 1
+    return _finish(exported, changed)
