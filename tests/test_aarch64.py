@@ -216,14 +216,26 @@ def test_importing_the_package_imports_neither_torch_nor_numpy():
     assert out.stdout.strip() == "[]", out.stderr
 
 
-_HOST_INSIDE = """import importlib.util, os, signal, sys
+_HOST_INSIDE = """import importlib.util, os, signal, sys, time
 with open(os.environ["PROCESS_LOG"], "a") as log:
     log.write(sys.argv[1] + "\\n")
 spec = importlib.util.spec_from_file_location("inside", sys.argv[2])
 inside = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(inside)
-real = inside.LOADERS[".ptl"]
-inside.LOADERS[".ptl"] = lambda path, threads: os.kill(os.getpid(), signal.SIGSEGV) if "crash" in path else real(path, threads)
+lite, onnx = inside.LOADERS[".ptl"], inside.LOADERS[".onnx"]
+
+def ptl(path, threads):
+    if "crash" in path:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if "hang" in path:
+        time.sleep(600)
+    return lite(path, threads)
+
+def stray(path, threads):
+    os.write(1, b"a native library's line without its newline ")  # on fd 1, as C code would print
+    return onnx(path, threads)
+
+inside.LOADERS.update({".ptl": ptl, ".onnx": stray})
 sys.argv = sys.argv[2:]
 inside.main()
 """
@@ -231,41 +243,73 @@ inside.main()
 
 class _HostRunner(aarch64.Runner):
     """inside.py run by this host's Python (the emulator's part taken away), each process logged with its CPU;
-    a .ptl whose name says "crash" kills its process, as a kernel fault under qemu would."""
+    a .ptl whose name says "crash" kills its process, as a kernel fault under qemu would, one that says "hang"
+    sleeps past any limit; an ONNX file's loader writes to stdout as native code may."""
 
     def python(self, cpu, script, *args):
         return [sys.executable, str(self.path / "host_inside.py"), cpu, script, *args]
+
+
+def _host_runner(tmp_path, monkeypatch):
+    (tmp_path / "host_inside.py").write_text(_HOST_INSIDE)
+    log = tmp_path / "processes.log"
+    monkeypatch.setattr(aarch64.Runner, "environment", staticmethod(lambda: {**os.environ, "PROCESS_LOG": str(log)}))
+    return _HostRunner(tmp_path, {"cpus": {"cortex-a53": "", "cortex-a76": ""}}), log
+
+
+def _models(tmp_path, x, names):
+    """A different small model per file (5, 6, 7... outputs), so that one artifact's outputs on another's row show."""
+    import torch
+
+    models = {}
+    for n, name in enumerate(names):
+        torch.manual_seed(n)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                    torch.nn.Linear(4 * 6 * 6, 5 + n)).eval()
+        if name.endswith(".onnx"):
+            torch.onnx.export(model, (x[:1],), tmp_path / name, dynamo=False)
+        else:
+            torch.jit.trace(model, x[:1])._save_for_lite_interpreter(str(tmp_path / name))
+        with torch.no_grad():
+            models[name] = model(x).numpy()
+    return models
 
 
 def test_one_process_per_cpu_runs_every_artifact_and_one_that_kills_it_is_named(tmp_path, monkeypatch):
     import numpy as np
     import torch
 
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
-    model.eval()
     x = torch.randn(3, 3, 8, 8)
-    torch.onnx.export(model, (x[:1],), tmp_path / "good.onnx", dynamo=False)
-    for name in ("crash.ptl", "good.ptl"):
-        torch.jit.trace(model, x[:1])._save_for_lite_interpreter(str(tmp_path / name))
+    expected = _models(tmp_path, x, ["good.onnx", "crash.ptl", "good.ptl"])
     (tmp_path / "bad.pte").write_bytes(b"not a program" * 10)
-    (tmp_path / "host_inside.py").write_text(_HOST_INSIDE)
-    log = tmp_path / "processes.log"
-    monkeypatch.setattr(aarch64.Runner, "environment", staticmethod(lambda: {**os.environ, "PROCESS_LOG": str(log)}))
-    host = _HostRunner(tmp_path, {"cpus": {"cortex-a53": "", "cortex-a76": ""}})
+    host, log = _host_runner(tmp_path, monkeypatch)
     artifacts = [tmp_path / n for n in ("good.onnx", "crash.ptl", "bad.pte", "good.ptl")]
     results = aarch64.run(host, artifacts, x.numpy(), ["cortex-a53", "cortex-a76"])
 
     assert [(r.artifact.name, r.cpu) for r in results] == [(a.name, c) for a in artifacts for c in ("cortex-a53", "cortex-a76")]
-    with torch.no_grad():
-        expected = model(x).numpy()
     for r in results:
-        if r.artifact.name.startswith("good"):
-            assert r.ok and np.allclose(r.outputs[0], expected, atol=1e-5), (r.artifact, r.error)
-            assert r.info["images"] == 3
+        if r.artifact.name.startswith("good"):  # its own outputs, the stray print on stdout notwithstanding
+            assert r.ok and np.allclose(r.outputs[0], expected[r.artifact.name], atol=1e-5), (r.artifact, r.error)
+            assert r.info["images"] == 3 and r.seconds > 0
         else:
             assert not r.ok and r.error.endswith(f"({r.cpu})"), r
     crash = [r for r in results if r.artifact.name == "crash.ptl"]
     assert all(r.error.startswith("killed by SIGSEGV") for r in crash), crash  # the process it killed, named for it
     assert all(r.error.startswith("RuntimeError") for r in results if r.artifact.name == "bad.pte")
-    # per CPU: one process ran good.onnx and died on crash.ptl; a second ran bad.pte (an error, not a crash) and good.ptl
-    assert log.read_text().split() == ["cortex-a53", "cortex-a53", "cortex-a76", "cortex-a76"]
+    # per CPU: good.onnx, then crash.ptl ends the process; crash.ptl alone again (a crash may come from what an
+    # earlier job left), ending it again: blamed; then bad.pte (an error, not a crash) and good.ptl in a third
+    assert log.read_text().split() == ["cortex-a53"] * 3 + ["cortex-a76"] * 3
+
+
+def test_an_artifact_past_its_time_limit_is_named_and_the_next_runs(tmp_path, monkeypatch):
+    import numpy as np
+    import torch
+
+    x = torch.randn(2, 3, 8, 8)
+    expected = _models(tmp_path, x, ["hang.ptl", "good.ptl"])
+    host, log = _host_runner(tmp_path, monkeypatch)
+    # the limit covers a job's imports (torch for a .ptl: seconds on a busy host), not the process's start-up
+    hang, good = aarch64.run(host, [tmp_path / "hang.ptl", tmp_path / "good.ptl"], x.numpy(), ["cortex-a53"], timeout=30)
+    assert hang.error == "timed out after 30 s under qemu (cortex-a53)", hang.error
+    assert good.ok and np.allclose(good.outputs[0], expected["good.ptl"], atol=1e-5), good.error
+    assert log.read_text().split() == ["cortex-a53"] * 2  # the hung one first: blamed at once

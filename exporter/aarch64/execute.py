@@ -31,8 +31,8 @@ class Result:
     artifact: Path
     cpu: str
     outputs: list = field(default_factory=list)  # numpy arrays, output k of every image stacked
-    # this artifact's share of its qemu process (wall clock): its load and every image, and for the first artifact
-    # of a process the start-up and imports as well (starting Python and torch under emulation: 10-30 s)
+    # this artifact's share of its qemu process (wall clock): its load, every image and its golden program's check,
+    # and for the first artifact of a process (or one that ended it) the start-up and imports as well (10-30 s)
     seconds: float = 0.0
     cpu_seconds: float = 0.0  # CPU time of the whole qemu process that ran it (shared with the artifacts run with it)
     info: dict = field(default_factory=dict)  # what ran it (runtime, backends, delegate), load/run seconds
@@ -83,40 +83,46 @@ def run(runner: Runner, artifacts: list[Path], inputs, cpus: list[str], threads:
 
 def _on_cpu(runner: Runner, jobs: list[dict], batch: Path, work: Path, cpu: str, threads: int,
             timeout: float) -> list[Result]:
-    """Every job on `cpu`, in as few qemu processes as the jobs allow: one, unless one of them ends it."""
+    """Every job on `cpu`, in as few qemu processes as the jobs allow: one, unless one of them ends it. A job that
+    ends a process it was not the first of is run once more at the head of the next (a crash can come from what
+    an earlier job left behind) before it is blamed."""
     import numpy as np
 
     results: dict[int, Result] = {}
-    pending = list(range(len(jobs)))
+    pending, suspects = list(range(len(jobs))), set()
     while pending:
         spec = work / f"jobs-{cpu}-{pending[0]}.json"
         spec.write_text(json.dumps([{**jobs[i], "out": str(work / f"{i}-{cpu}.npz")} for i in pending]))
         command = runner.python(cpu, str(INSIDE), "--jobs", str(spec), "--inputs", str(batch),
-                                "--threads", str(threads))
+                                "--threads", str(threads), "--timeout", repr(float(timeout)))
         started, used = time.perf_counter(), _children_cpu()
-        limit = timeout * len(pending)
+        limit = timeout * (len(pending) + 1)  # each job has its own limit inside; this one is for the start-up
         try:
             done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=limit)
-            stdout, stderr, ended = done.stdout, done.stderr, _ended(done.returncode)
-            if done.returncode < 0:  # a fault or kill: whatever it printed last was not the reason
-                stderr = ""
+            stdout, stderr, returncode = done.stdout, done.stderr, done.returncode
         except subprocess.TimeoutExpired as e:
-            stdout, stderr = _text(e.stdout), ""
-            ended = f"timed out after {limit:.0f} s under qemu ({len(pending)} artifacts, {timeout:.0f} s each)"
+            stdout, stderr, returncode = _text(e.stdout), "", None
         wall, cpu_seconds = time.perf_counter() - started, round(_children_cpu() - used, 2)
-        answers = {}
+        began, answers = set(), {}
         for line in stdout.splitlines():
             answer = _answer(line)
-            if answer is not None and 0 <= answer["job"] < len(pending):
-                answers[pending[answer.pop("job")]] = answer
+            if answer is None or not 0 <= answer["job"] < len(pending):
+                continue
+            i = pending[answer.pop("job")]
+            if answer.pop("started", False):
+                began.add(i)
+            else:
+                answers[i] = answer
         unanswered = [i for i in pending if i not in answers]
-        inside = sum(a.get("load_seconds", 0) + a.get("run_seconds", 0) for a in answers.values())
-        # the rest of the process's time (start-up, imports, a job that ended it) goes to the job that ended it, or
-        # else to the first artifact
-        rest, charged = max(wall - inside, 0.0), unanswered[0] if unanswered else pending[0]
+        ended = next((i for i in unanswered if i in began), None)  # the job the process ended in
+        if ended is None and answers and unanswered:  # between two jobs: the next one goes first in a new process
+            ended = unanswered[0]
+        # the process's time outside the jobs (start-up, imports) goes to its first job, or to the one that ended it
+        rest = max(wall - sum(a.get("seconds", 0) for a in answers.values()), 0.0)
+        charged = pending[0] if ended is None else ended
         for i in (i for i in pending if i in answers):
             answer, artifact = answers[i], Path(jobs[i]["artifact"])
-            seconds = round(answer.get("load_seconds", 0) + answer.get("run_seconds", 0) + (rest if i == charged else 0), 2)
+            seconds = round(answer.pop("seconds", 0) + (rest if i == charged else 0), 2)
             out = work / f"{i}-{cpu}.npz"
             if answer.get("error") or not out.exists():
                 error = answer.get("error") or "no outputs written"
@@ -125,13 +131,36 @@ def _on_cpu(runner: Runner, jobs: list[dict], batch: Path, work: Path, cpu: str,
             with np.load(out) as saved:
                 outputs = [saved[f"out{k}"] for k in range(len(saved.files))]
             results[i] = Result(artifact, cpu, outputs=outputs, seconds=seconds, cpu_seconds=cpu_seconds, info=answer)
-        if unanswered:  # the process ended on the first of them: its error; the rest go again in a new process
-            errors = [line for line in stderr.strip().splitlines() if line.strip()]
-            reason = errors[-1] if errors else ended
-            results[charged] = Result(Path(jobs[charged]["artifact"]), cpu, seconds=round(rest, 2),
-                                      cpu_seconds=cpu_seconds, error=f"{reason[:300]} ({cpu})")
-        pending = unanswered[1:]
+        if not unanswered:
+            break
+        reason = _reason(returncode, stderr, limit, timeout)
+        if ended is None:  # the process ended before it began any of them: each fails with its reason
+            for i in unanswered:
+                results[i] = Result(Path(jobs[i]["artifact"]), cpu, seconds=round(rest, 2) if i == charged else 0.0,
+                                    cpu_seconds=cpu_seconds, error=f"{reason[:300]} ({cpu})")
+            break
+        after = unanswered[unanswered.index(ended) + 1:]
+        if ended != pending[0] and ended not in suspects:
+            suspects.add(ended)
+            pending = [ended, *after]
+            continue
+        results[ended] = Result(Path(jobs[ended]["artifact"]), cpu, seconds=round(rest, 2), cpu_seconds=cpu_seconds,
+                                error=f"{reason[:300]} ({cpu})")
+        pending = after
     return [results[i] for i in range(len(jobs))]
+
+
+def _reason(returncode: int | None, stderr: str, limit: float, timeout: float) -> str:
+    """Why a process ended in a job: killed by a signal, past the job's time limit (faulthandler's "Timeout" on
+    stderr) or the whole process's, or what it printed last."""
+    if returncode is None:
+        return f"timed out after {limit:.0f} s under qemu (the whole process)"
+    if returncode < 0:  # a fault or kill: whatever it printed last was not the reason
+        return _ended(returncode)
+    if "Timeout (" in stderr:
+        return f"timed out after {timeout:.0f} s under qemu"
+    errors = [line for line in stderr.strip().splitlines() if line.strip()]
+    return errors[-1] if errors else _ended(returncode)
 
 
 def _ended(returncode: int) -> str:

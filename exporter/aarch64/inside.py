@@ -4,14 +4,16 @@ exporter's, only numpy and the runtime of the artifact.
     inside.py --check
         import torch, ExecuTorch's pybindings and ONNX Runtime; print their versions and the registered
         ExecuTorch backends as one JSON line
-    inside.py --jobs JOBS.json --inputs X.npy [--threads N]
+    inside.py --jobs JOBS.json --inputs X.npy [--threads N] [--timeout S]
         JOBS: a list of {"artifact", "out"[, "bundled", "rtol", "atol"]}, run in order in this one process (so
         that Python, torch and the runtimes start once per CPU, not once per artifact): load the artifact
         (.pte: ExecuTorch, .ptl: the lite interpreter, .onnx: ONNX Runtime CPU), run every image of X
         (N x C x H x W float32) through it one at a time, save output k of every image stacked as `out{k}`
-        in its "out" .npz, verify its .bpte when given, and print one JSON line {"job": k, ...} (load and run
-        seconds, what ran it). A job that raises prints {"job": k, "error": ...} and the next one runs; a job
-        that kills the process leaves the rest unanswered (exporter/aarch64/execute.py runs them again)
+        in its "out" .npz, verify its .bpte when given. Per job, two JSON lines on stdout (which nothing else
+        may write to: the libraries' prints go to stderr): {"job": k, "started": true} before, and
+        {"job": k, "seconds": ..., ...} after (load and run seconds, what ran it). A job that raises answers
+        {"job": k, "error": ...} and the next one runs; a job past S seconds ends the process (faulthandler,
+        "Timeout" on stderr), as does one that crashes it: the rest are left to exporter/aarch64/execute.py
     inside.py --bundled PATH --rtol R --atol A [--threads N]
         ExecuTorch's verifier on every test case of a BundledProgram (.bpte); print one JSON line
         {"passed", "cases", "error", ...}: a mismatch is passed false with the first failing case and its
@@ -145,6 +147,26 @@ def run(artifact, inputs, out, threads):
     return info
 
 
+def run_jobs(jobs, inputs, threads, timeout):
+    import faulthandler
+
+    answers = os.fdopen(os.dup(1), "w")  # the answers' own copy of stdout; fd 1 itself becomes stderr, so that
+    os.dup2(2, 1)  # what a native library prints cannot run into an answer line
+    suffixes = {os.path.splitext(job["artifact"])[1] for job in jobs}
+    if ".onnx" in suffixes and suffixes & {".pte", ".ptl"}:
+        import onnxruntime  # noqa: F401  (before torch, the order the runner's set-up checked: --check)
+    for k, job in enumerate(jobs):
+        answers.write(json.dumps({"job": k, "started": True}) + "\n")
+        answers.flush()
+        started = time.time()
+        if timeout:
+            faulthandler.dump_traceback_later(timeout, exit=True)
+        result = run_job(job, inputs, threads)
+        faulthandler.cancel_dump_traceback_later()
+        answers.write(json.dumps({"job": k, **result, "seconds": round(time.time() - started, 3)}) + "\n")
+        answers.flush()
+
+
 def run_job(job, inputs, threads):
     try:
         result = run(job["artifact"], inputs, job["out"], threads)
@@ -247,6 +269,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--jobs")
+    parser.add_argument("--timeout", type=float)
     parser.add_argument("--inputs")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bundled")
@@ -259,8 +282,7 @@ def main():
         result = check()
     elif args.jobs:
         with open(args.jobs) as f:
-            for k, job in enumerate(json.load(f)):
-                print(json.dumps({"job": k, **run_job(job, args.inputs, args.threads)}), flush=True)
+            run_jobs(json.load(f), args.inputs, args.threads, args.timeout)
         return
     else:
         result = bundled(args.bundled, args.rtol, args.atol, args.threads)
