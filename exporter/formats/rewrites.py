@@ -447,20 +447,26 @@ def padded_avg_pools_as_pad(exported):
     return exported, changed
 
 
-def _new_node(graph, before, target, args, like):
-    """A call of `target` inserted before `before`, with its fake value computed from its inputs' (as export
-    would have recorded it) and `like`'s stack trace; not its module (the XNNPACK quantizer finds an adaptive pool
-    by its module, and would take the plain pool that replaced it for one)."""
+def _new_node(graph, before, target, args):
+    """A call of `target` inserted before `before`, with its fake value computed from its inputs' as export would
+    have recorded it."""
     with graph.inserting_before(before):
         node = graph.call_function(target, args)
-    if "stack_trace" in like.meta:
-        node.meta["stack_trace"] = like.meta["stack_trace"]
     vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in args]
     fake = next((v for v in vals if isinstance(v, torch.Tensor)), None)
     if fake is not None:
         with fake.fake_mode:
             node.meta["val"] = target(*vals)
     return node
+
+
+def _become(node, target, args) -> None:
+    """`node` made a call of `target` in place (its name, which the program's output signature may hold, kept),
+    no longer claiming the module it came from: the XNNPACK quantizer finds an adaptive pool by its module, and
+    would take the plain pool that replaced it for one."""
+    node.target, node.args, node.kwargs = target, tuple(args), {}
+    for key in ("nn_module_stack", "source_fn_stack"):
+        node.meta.pop(key, None)
 
 
 def _static_shape(node) -> tuple[int, ...] | None:
@@ -480,7 +486,10 @@ def _finish(exported, changed: int):
 def adaptive_pools_as_pools(exported):
     """`exported` (an ExportedProgram) with each adaptive average pool whose input sizes are multiples of its
     output's (other than to 1x1, which lowers as a mean) as a plain pool, or dropped where the sizes are equal;
-    how many."""
+    how many. The plain pool keeps the adaptive one's int8 treatment (its output shares its input's range,
+    quant.pt2e.SHARES_INPUT_RANGE)."""
+    from ..quant.pt2e import SHARES_INPUT_RANGE
+
     graph = exported.graph_module.graph
     outputs = {a for node in graph.nodes if node.op == "output" for a in torch.utils._pytree.tree_leaves(node.args)}
     pools = (torch.ops.aten.adaptive_avg_pool2d.default, torch.ops.aten._adaptive_avg_pool2d.default)
@@ -499,11 +508,11 @@ def adaptive_pools_as_pools(exported):
             if node in outputs:
                 continue
             node.replace_all_uses_with(x)
+            graph.erase_node(node)
         else:
             kernel = [h // oh, w // ow]
-            pool = _new_node(graph, node, torch.ops.aten.avg_pool2d.default, (x, kernel, kernel), node)
-            node.replace_all_uses_with(pool)
-        graph.erase_node(node)
+            _become(node, torch.ops.aten.avg_pool2d.default, (x, kernel, kernel))
+            node.meta[SHARES_INPUT_RANGE] = True
         changed += 1
     return _finish(exported, changed)
 
@@ -519,19 +528,18 @@ def means_keeping_dims(exported):
         x, dims = node.args[0], node.args[1]
         keepdim = len(node.args) > 2 and bool(node.args[2])
         shape = _static_shape(x)
-        if keepdim or shape is None or len(shape) != 4 or sorted(d % 4 for d in dims) != [2, 3]:
+        if (keepdim or shape is None or len(shape) != 4 or not isinstance(dims, (list, tuple))
+                or sorted(d % 4 for d in dims) != [2, 3]):
             continue
-        mean = _new_node(graph, node, torch.ops.aten.mean.dim, (x, list(dims), True), node)
-        flat = _new_node(graph, node, torch.ops.aten.view.default, (mean, list(shape[:2])), node)
-        node.replace_all_uses_with(flat)
-        graph.erase_node(node)
+        mean = _new_node(graph, node, torch.ops.aten.mean.dim, (x, list(dims), True))
+        _become(node, torch.ops.aten.view.default, (mean, [-1, shape[1]]))
         changed += 1
     return _finish(exported, changed)
 
 
 def chunks_as_slices(exported):
     """`exported` (an ExportedProgram) with each chunk or split of a tensor of static shape, all of whose users take
-    one piece, as one slice per piece; how many."""
+    one piece, as one slice per piece taken; how many."""
     import operator
 
     graph = exported.graph_module.graph
@@ -551,10 +559,11 @@ def chunks_as_slices(exported):
         for piece in pieces:
             starts.append(starts[-1] + int(piece.shape[dim]))
         for user in list(node.users):
+            if not user.users:  # a piece nobody reads
+                graph.erase_node(user)
+                continue
             i = user.args[1]
-            piece = _new_node(graph, user, torch.ops.aten.slice.Tensor, (x, dim, starts[i], starts[i + 1]), node)
-            user.replace_all_uses_with(piece)
-            graph.erase_node(user)
+            _become(user, torch.ops.aten.slice.Tensor, (x, dim, starts[i], starts[i + 1]))
         graph.erase_node(node)
         changed += 1
     return _finish(exported, changed)

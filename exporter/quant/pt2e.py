@@ -33,6 +33,9 @@ DATA_MOVEMENT = {"view", "reshape", "_unsafe_view", "permute", "transpose", "t",
 OP_KINDS = {"add": {torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor}}
 MAX_WALK = 6  # ops between a layer and the producer whose output annotation quantizes its input
 PADS = {torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default}
+# set by a format's rewrite on an op that stands for one the quantizer shares its input's range through (the plain
+# pool that replaced an adaptive one: formats.rewrites.adaptive_pools_as_pools)
+SHARES_INPUT_RANGE = "exporter_shares_input_range"
 BATCH_NORMS = {torch.ops.aten.batch_norm.default, torch.ops.aten._native_batch_norm_legit_no_training.default}
 FOLDED_CONVS = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default,
                 torch.ops.aten.conv_transpose1d.default, torch.ops.aten.conv_transpose2d.input}
@@ -99,7 +102,8 @@ def _float_pattern(node: Node, floated: set[str]) -> None:
 
 
 def _share_through_zero_pads(model) -> None:
-    """A zero pad of an int8 tensor shares its input's quantization, as XNNPACK's quantizer does for views.
+    """A zero pad of an int8 tensor shares its input's quantization, as XNNPACK's quantizer does for views (and so
+    does an op a rewrite marked SHARES_INPUT_RANGE, as the op it replaced did).
     Left unannotated, the XNNPACK delegate still takes the pad with its int8 input but a float output when the
     next op is float (a LayerNorm after Swin's window and patch-merging pads), and the program then fails to
     load (StaticConstantPad: xnn_status_invalid_parameter). Padding with zeros is exact at the input's scale."""
@@ -108,13 +112,16 @@ def _share_through_zero_pads(model) -> None:
 
     shared = False
     for node in model.graph.nodes:
-        if node.op != "call_function" or node.target not in PADS or node.meta.get(KEY) is not None:
+        if (node.op != "call_function" or node.meta.get(KEY) is not None
+                or node.target not in PADS and not node.meta.get(SHARES_INPUT_RANGE)):
             continue
         producer = node.args[0]
         if node.target == torch.ops.aten.pad.default:
             mode, value = _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
-        else:
+        elif node.target in PADS:
             mode, value = "constant", _arg(node, 2, "value", 0)
+        else:
+            mode, value = "constant", None
         annotation = producer.meta.get(KEY) if isinstance(producer, Node) else None
         if mode != "constant" or value not in (None, 0) or annotation is None or annotation.output_qspec is None:
             continue
