@@ -122,7 +122,7 @@ def _on_cpu(runner: Runner, jobs: list[dict], batch: Path, work: Path, cpu: str,
         charged = pending[0] if ended is None else ended
         for i in (i for i in pending if i in answers):
             answer, artifact = answers[i], Path(jobs[i]["artifact"])
-            seconds = round(answer.pop("seconds", 0) + (rest if i == charged else 0), 2)
+            seconds = round(answer.pop("seconds", 0) + (rest if i == charged else 0), 3)
             out = work / f"{i}-{cpu}.npz"
             if answer.get("error") or not out.exists():
                 error = answer.get("error") or "no outputs written"
@@ -136,7 +136,7 @@ def _on_cpu(runner: Runner, jobs: list[dict], batch: Path, work: Path, cpu: str,
         reason = _reason(returncode, stderr, limit, timeout)
         if ended is None:  # the process ended before it began any of them: each fails with its reason
             for i in unanswered:
-                results[i] = Result(Path(jobs[i]["artifact"]), cpu, seconds=round(rest, 2) if i == charged else 0.0,
+                results[i] = Result(Path(jobs[i]["artifact"]), cpu, seconds=round(rest, 3) if i == charged else 0.0,
                                     cpu_seconds=cpu_seconds, error=f"{reason[:300]} ({cpu})")
             break
         after = unanswered[unanswered.index(ended) + 1:]
@@ -144,7 +144,7 @@ def _on_cpu(runner: Runner, jobs: list[dict], batch: Path, work: Path, cpu: str,
             suspects.add(ended)
             pending = [ended, *after]
             continue
-        results[ended] = Result(Path(jobs[ended]["artifact"]), cpu, seconds=round(rest, 2), cpu_seconds=cpu_seconds,
+        results[ended] = Result(Path(jobs[ended]["artifact"]), cpu, seconds=round(rest, 3), cpu_seconds=cpu_seconds,
                                 error=f"{reason[:300]} ({cpu})")
         pending = after
     return [results[i] for i in range(len(jobs))]

@@ -158,12 +158,12 @@ def run_jobs(jobs, inputs, threads, timeout):
     for k, job in enumerate(jobs):
         answers.write(json.dumps({"job": k, "started": True}) + "\n")
         answers.flush()
-        started = time.time()
+        started = time.perf_counter()
         if timeout:
             faulthandler.dump_traceback_later(timeout, exit=True)
         result = run_job(job, inputs, threads)
         faulthandler.cancel_dump_traceback_later()
-        answers.write(json.dumps({"job": k, **result, "seconds": round(time.time() - started, 3)}) + "\n")
+        answers.write(json.dumps({"job": k, **result, "seconds": time.perf_counter() - started}) + "\n")
         answers.flush()
 
 
