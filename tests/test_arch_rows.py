@@ -26,6 +26,7 @@ class FakeArm:
 
     def __init__(self, key: str, perturb: dict | None = None, broken: dict | None = None):
         self.key, self.perturb, self.broken, self.calls, self.runs = key, perturb or {}, broken or {}, [], []
+        self.before_run = lambda: None
 
     def prepare(self, cache_dir=None, progress=None, offline=None, root=None):
         return Runner(cache_dir or aarch64.cache_root(), {"key": self.key, "qemu": "fake", "seconds": 0.0,
@@ -36,6 +37,7 @@ class FakeArm:
 
         from exporter.formats import bundled_program
 
+        self.before_run()
         results = []
         self.runs.append(({Path(a).name for a in artifacts}, tuple(cpus)))
         for artifact in (a.resolve() for a in artifacts):
@@ -71,7 +73,13 @@ def _build(monkeypatch, tmp_path, digits_model, fake, *cpus):
 
 def test_every_pte_and_ptl_gets_a_row_per_cpu_judged_like_x86(monkeypatch, tmp_path, digits_model, android_build):
     fake = FakeArm("fake-identical")
+    written = []  # the manifest on disk as each CPU's process starts
+    fake.before_run = lambda: written.append(json.loads((tmp_path / "build" / "manifest.json").read_text()))
     result, doc, out = _build(monkeypatch, tmp_path, digits_model, fake, "cortex-a53", "cortex-a76")
+    # while the second CPU runs, the manifest already holds the first one's rows and names the CPU still to run
+    assert written[1]["aarch64"]["pending_cpus"] == ["cortex-a76"]
+    assert all([r["cpu"] for r in a["aarch64"]] == ["cortex-a53"] for a in written[1]["artifacts"] if a.get("path"))
+    assert "pending_cpus" not in doc["aarch64"]
     _, baseline = android_build
     assert result.exit_code == baseline.exit_code  # outputs identical to x86: the verdict is x86's
     jsonschema.validate(doc, manifest.schema())

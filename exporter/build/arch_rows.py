@@ -160,14 +160,20 @@ def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Pa
                 x86[entry["name"]] = x86_outputs(session, entry, out)
             rows[entry["name"]][cpu] = row(session, entry, cpu, result, x86[entry["name"]])
             session.cache.store_json("aarch64", _key(session, entry, cpu, runner), rows[entry["name"]][cpu])
+        # an emulated CPU can take many minutes: the manifest shows the rows made so far, and which CPUs are still to run
+        summary["pending_cpus"] = [c for c in cpus if any(c not in rows[e["name"]] for e in entries)]
+        for entry in entries:
+            entry["aarch64"] = [rows[entry["name"]][c] for c in cpus if c in rows[entry["name"]]]
+        write()
+    summary.pop("pending_cpus", None)
     for entry in entries:
         entry["aarch64"] = [rows[entry["name"]][cpu] for cpu in cpus]
         if entry.get("bundled_program"):
             entry["bundled_program"]["verified"].update(
                 {r["cpu"]: r["bundled_program"] for r in entry["aarch64"] if r.get("bundled_program")})
         judge_entry(entry)
-    write()
     summary["seconds"] = round(time.perf_counter() - started, 1)
+    write()
 
 
 def judge_entry(entry: dict) -> None:
