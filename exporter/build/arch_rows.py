@@ -143,6 +143,14 @@ def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Pa
             if cached is not None:
                 rows[entry["name"]][cpu] = {**cached, "reused_from_cache": True}
                 session.cache.events.append(f"{entry['name']}: aarch64 {cpu} row reused from the cache")
+
+    def show_progress():  # an emulated CPU can take many minutes: the manifest holds the rows made so far
+        summary["pending_cpus"] = [c for c in cpus if any(c not in rows[e["name"]] for e in entries)]
+        for entry in entries:
+            entry["aarch64"] = [rows[entry["name"]][c] for c in cpus if c in rows[entry["name"]]]
+        write()
+
+    show_progress()
     x86 = {}
     for cpu in cpus:  # one emulated process per CPU runs every artifact missing there (Python and torch start once)
         missing = [entry for entry in entries if cpu not in rows[entry["name"]]]
@@ -160,12 +168,8 @@ def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Pa
                 x86[entry["name"]] = x86_outputs(session, entry, out)
             rows[entry["name"]][cpu] = row(session, entry, cpu, result, x86[entry["name"]])
             session.cache.store_json("aarch64", _key(session, entry, cpu, runner), rows[entry["name"]][cpu])
-        # an emulated CPU can take many minutes: the manifest shows the rows made so far, and which CPUs are still to run
-        summary["pending_cpus"] = [c for c in cpus if any(c not in rows[e["name"]] for e in entries)]
-        for entry in entries:
-            entry["aarch64"] = [rows[entry["name"]][c] for c in cpus if c in rows[entry["name"]]]
-        write()
-    summary.pop("pending_cpus", None)
+        show_progress()
+    del summary["pending_cpus"]
     for entry in entries:
         entry["aarch64"] = [rows[entry["name"]][cpu] for cpu in cpus]
         if entry.get("bundled_program"):
