@@ -472,3 +472,64 @@ def test_the_rewrites_compute_what_the_graph_did_on_uneven_pieces_and_keep_the_p
             torch.testing.assert_close(got, want)
     views = [n.args[1] for n in exported.graph.nodes if n.target == torch.ops.aten.view.default]
     assert views == [[-1, 3]], views  # not tied to the example's batch (int8 calibrates one image at a time)
+
+
+class Tokens(nn.Module):
+    """A ViT block's attention: patches as tokens through nn.MultiheadAttention (scaled_dot_product_attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patches, self.attention = nn.Conv2d(3, 16, 4, stride=4), nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        tokens = self.patches(x).flatten(2).transpose(1, 2)
+        attended, _ = self.attention(tokens, tokens, tokens, need_weights=False)
+        return self.head((tokens + attended).mean(1))
+
+
+def test_attention_without_a_mask_lowers_into_xnnpack_with_the_same_output(tmp_path):
+    from exporter.formats import executorch
+
+    torch.manual_seed(0)
+    model, x = Tokens().eval(), torch.randn(1, 3, 16, 16)
+    calibration = [torch.randn(1, 3, 16, 16) for _ in range(8)]
+    guard = {"eq", "logical_not", "any", "where"}  # the math path's guard for rows of -inf
+    kept = {}
+    for precision in ("fp32", "int8"):
+        path = tmp_path / f"kept_{precision}.pte"
+        details = executorch.export(model, x, precision, calibration, path, {}, rewrites=False)
+        assert guard <= set(details["delegation"]["ops_outside_on_tensors"]), details["delegation"]
+        kept[precision] = executorch.load(path, 1)(x)
+    for precision in ("fp32", "int8"):
+        path = tmp_path / f"{precision}.pte"
+        details = executorch.export(model, x, precision, calibration, path, {})
+        assert details["rewrites"]["attention_as_matmuls"] == 1, details
+        assert not guard & set(details["delegation"]["ops_outside_on_tensors"]), details["delegation"]
+        out = executorch.load(path, 1)(x)
+        with torch.no_grad():
+            if precision == "fp32":
+                torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+            else:  # the attention is float in both int8 graphs: within a step of the int8 left as is
+                step = (kept["int8"].max() - kept["int8"].min()).item() / 255
+                torch.testing.assert_close(out, kept["int8"], rtol=0, atol=step)
+
+
+def test_attention_with_a_mask_or_causal_is_left_alone_and_a_scale_is_kept():
+    from exporter.formats.rewrites import attention_as_matmuls
+
+    class Variants(nn.Module):
+        def forward(self, q, k, v, mask):
+            sdpa = nn.functional.scaled_dot_product_attention
+            return sdpa(q, k, v, attn_mask=mask), sdpa(q, k, v, is_causal=True), sdpa(q, k, v, scale=0.3), sdpa(q, k, v)
+
+    model = Variants().eval()
+    inputs = (torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 7), torch.randn(6, 6))
+    exported, done = attention_as_matmuls(torch.export.export(model, inputs))
+    assert done == 2, done  # the scaled one and the plain one
+    left = [n for n in exported.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(left) == 2, left  # the masked one and the causal one
+    exported.validate()
+    with torch.no_grad():
+        for got, want in zip(exported.module()(*inputs), model(*inputs)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -65,8 +65,9 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
 
     from ..quant import as_calibration, quantize_with_budget
     from ..quant.pt2e import Pt2eBackend
-    from .rewrites import (adaptive_pools_as_pools, chunks_as_slices, drop_padding_taps, input_transform_as_affine,
-                           means_keeping_dims, padded_avg_pools_as_pad, single_tensor_cats, split_large_depthwise)
+    from .rewrites import (adaptive_pools_as_pools, attention_as_matmuls, chunks_as_slices, drop_padding_taps,
+                           input_transform_as_affine, means_keeping_dims, padded_avg_pools_as_pad, single_tensor_cats,
+                           split_large_depthwise)
 
     details = {}
     # torch.export keeps the example's memory format as the program's input dim order: a channels-last example
@@ -87,9 +88,12 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
         with torch.no_grad():
             exported = torch.export.export(quantized, (example,))
     exported, cats = single_tensor_cats(exported) if rewrites else (exported, 0)
+    # after quantization: the attention computes in float either way, and the quantizer has no pattern for it
+    exported, attention = attention_as_matmuls(exported) if rewrites else (exported, 0)
     done = {"padding_taps_dropped": trimmed, "input_transform_as_affine": affine,
             "large_depthwise_split": split, "padded_avg_pools_as_pad": pools, "adaptive_pools_as_pools": adaptive,
-            "means_keeping_dims": means, "chunks_as_slices": chunks, "single_tensor_cats_dropped": cats}
+            "means_keeping_dims": means, "chunks_as_slices": chunks, "single_tensor_cats_dropped": cats,
+            "attention_as_matmuls": attention}
     if any(done.values()):
         details["rewrites"] = {name: what for name, what in done.items() if what}
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
