@@ -499,13 +499,14 @@ def test_attention_without_a_mask_lowers_into_xnnpack_with_the_same_output(tmp_p
     for precision in ("fp32", "int8"):
         path = tmp_path / f"kept_{precision}.pte"
         details = executorch.export(model, x, precision, calibration, path, {}, rewrites=False)
-        assert guard <= set(details["delegation"]["ops_outside_on_tensors"]), details["delegation"]
+        assert guard | {"expand_copy"} <= set(details["delegation"]["ops_outside_on_tensors"]), details["delegation"]
         kept[precision] = executorch.load(path, 1)(x)
     for precision in ("fp32", "int8"):
         path = tmp_path / f"{precision}.pte"
         details = executorch.export(model, x, precision, calibration, path, {})
-        assert details["rewrites"]["attention_as_matmuls"] == 1, details
-        assert not guard & set(details["delegation"]["ops_outside_on_tensors"]), details["delegation"]
+        assert details["rewrites"]["attention_as_matmuls"] == 1 and details["rewrites"]["matmuls_as_bmm"] == 2, details
+        outside = set(details["delegation"]["ops_outside_on_tensors"])
+        assert not outside & (guard | {"expand_copy"}), details["delegation"]  # matmuls lowered as one bmm each
         out = executorch.load(path, 1)(x)
         with torch.no_grad():
             if precision == "fp32":
@@ -533,3 +534,62 @@ def test_attention_with_a_mask_or_causal_is_left_alone_and_a_scale_is_kept():
     with torch.no_grad():
         for got, want in zip(exported.module()(*inputs), model(*inputs)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class Masked(nn.Module):
+    """Swin's shifted-window mask: built from the input's shape alone (new_zeros, filled slice by slice), read before
+    and after a later in-place change; and a tensor whose fill value is the input's (not a constant)."""
+
+    def forward(self, x):
+        mask = x.new_zeros((x.shape[-2], x.shape[-1]))
+        mask[:2] = 1.0
+        mask[2:, :3] = 2.0
+        before = (x + mask) * mask.masked_fill(mask != 0, -3.0)
+        mask[0, 0] = 7.0  # a later in-place change: `before` read the mask without it
+        scaled = x.new_full((x.shape[-1],), 0.5) * torch.arange(x.shape[-1])
+        return before * mask + scaled + x.new_full((1,), 1.0) * x.amax()
+
+
+def test_what_depends_on_constants_and_shapes_alone_is_computed_once_with_the_same_output():
+    from exporter.quant.pt2e import fold_constants
+
+    model, x = Masked().eval(), torch.randn(2, 3, 5, 4)
+    module, folded = fold_constants(torch.export.export(model, (x,)).module())
+    assert folded >= 4, folded  # the mask as `before` reads it and as the product does, the filled mask, the range
+    targets = {n.target for n in module.graph.nodes if n.op == "call_function"}
+    assert not targets & {torch.ops.aten.new_zeros.default, torch.ops.aten.arange.default,
+                          torch.ops.aten.masked_fill.Scalar}, targets
+    assert torch.ops.aten.amax.default in targets  # what reads the input's values stays
+    for _ in range(2):  # the folded mask is not changed by running the graph
+        y = torch.randn(2, 3, 5, 4)
+        torch.testing.assert_close(module(y), model(y))
+
+
+def test_folded_constants_lower_into_xnnpack_with_the_same_output(tmp_path):
+    from exporter.formats import executorch
+
+    model, x = Masked().eval(), torch.randn(1, 3, 5, 4)
+    details = executorch.export(model, x, "fp32", None, tmp_path / "m.pte", {})
+    assert details["rewrites"]["constants_folded"] >= 4, details
+    assert not {"slice_scatter", "fill", "where", "arange"} & set(details["delegation"]["ops_outside_on_tensors"])
+    with torch.no_grad():
+        torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_graph_that_changes_its_own_buffer_is_left_as_it_is():
+    from exporter.quant.pt2e import fold_constants
+
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(1))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return x + self.calls
+
+    module = torch.export.export(Counter().eval(), (torch.zeros(2),)).module()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    module, folded = fold_constants(module)
+    assert folded == 0
+    torch.testing.assert_close(module.state_dict(), before)  # folding did not run the buffer's update

@@ -64,10 +64,10 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     from executorch.exir import to_edge_transform_and_lower
 
     from ..quant import as_calibration, quantize_with_budget
-    from ..quant.pt2e import Pt2eBackend
+    from ..quant.pt2e import Pt2eBackend, fold_constants
     from .rewrites import (adaptive_pools_as_pools, attention_as_matmuls, chunks_as_slices, drop_padding_taps,
-                           input_transform_as_affine, means_keeping_dims, padded_avg_pools_as_pad, single_tensor_cats,
-                           split_large_depthwise)
+                           input_transform_as_affine, matmuls_as_bmm, means_keeping_dims, padded_avg_pools_as_pad,
+                           single_tensor_cats, split_large_depthwise)
 
     details = {}
     # torch.export keeps the example's memory format as the program's input dim order: a channels-last example
@@ -78,6 +78,10 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     model, split = split_large_depthwise(model) if rewrites else (model, [])
     with torch.no_grad():
         exported = torch.export.export(model, (example,))
+        folded = 0
+        if rewrites:  # computed once, not on every call (Swin's attention masks): exported again when any is
+            module, folded = fold_constants(exported.module())
+            exported = torch.export.export(module, (example,)) if folded else exported
     exported, pools = padded_avg_pools_as_pad(exported) if rewrites else (exported, 0)
     exported, adaptive = adaptive_pools_as_pools(exported) if rewrites else (exported, 0)
     exported, means = means_keeping_dims(exported) if rewrites else (exported, 0)
@@ -90,10 +94,11 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     exported, cats = single_tensor_cats(exported) if rewrites else (exported, 0)
     # after quantization: the attention computes in float either way, and the quantizer has no pattern for it
     exported, attention = attention_as_matmuls(exported) if rewrites else (exported, 0)
+    exported, matmuls = matmuls_as_bmm(exported) if rewrites else (exported, 0)
     done = {"padding_taps_dropped": trimmed, "input_transform_as_affine": affine,
             "large_depthwise_split": split, "padded_avg_pools_as_pad": pools, "adaptive_pools_as_pools": adaptive,
             "means_keeping_dims": means, "chunks_as_slices": chunks, "single_tensor_cats_dropped": cats,
-            "attention_as_matmuls": attention}
+            "attention_as_matmuls": attention, "matmuls_as_bmm": matmuls, "constants_folded": folded}
     if any(done.values()):
         details["rewrites"] = {name: what for name, what in done.items() if what}
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
