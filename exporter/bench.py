@@ -221,6 +221,18 @@ def _kinds_line(q: dict) -> str:
     return f" and every {', '.join(q['float_kinds'])}" if q.get("float_kinds") else ""
 
 
+COUNTED_REWRITES = {  # formats.rewrites that report how many times they applied
+    "padded_avg_pools_as_pad": "padded average pool(s) as a zero pad and a pool",
+    "single_tensor_cats_dropped": "one-tensor cat(s) dropped",
+    "adaptive_pools_as_pools": "adaptive pool(s) as plain pools",
+    "means_keeping_dims": "spatial mean(s) keeping their dims",
+    "chunks_as_slices": "chunk(s) or split(s) as slices",
+    "attention_as_matmuls": "attention(s) as matmuls and a softmax",
+    "matmuls_as_bmm": "batched matmul(s) as one bmm",
+    "constants_folded": "tensor(s) computed once at export",
+}
+
+
 def _rewrites_line(rewrites: dict) -> str:
     lines = [f"{r['module']} ({'x'.join(map(str, r['kernel']))} dilation {r['dilation'][0]} on "
              f"{'x'.join(map(str, r['input']))}) -> {len(r['parts'])} part(s) "
@@ -232,10 +244,7 @@ def _rewrites_line(rewrites: dict) -> str:
         splits[how] = splits.get(how, 0) + 1
     lines += [f"{count} {how}" for how, count in splits.items()]
     lines += [f"{m or 'the model'}: input transform as one multiply-add" for m in rewrites.get("input_transform_as_affine", [])]
-    if rewrites.get("padded_avg_pools_as_pad"):
-        lines.append(f"{rewrites['padded_avg_pools_as_pad']} padded average pool(s) as a zero pad and a pool")
-    if rewrites.get("single_tensor_cats_dropped"):
-        lines.append(f"{rewrites['single_tensor_cats_dropped']} one-tensor cat(s) dropped")
+    lines += [f"{rewrites[name]} {what}" for name, what in COUNTED_REWRITES.items() if rewrites.get(name)]
     return "; ".join(lines)
 
 
