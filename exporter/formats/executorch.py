@@ -64,7 +64,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     from executorch.exir import to_edge_transform_and_lower
 
     from ..quant import as_calibration, quantize_with_budget
-    from ..quant.pt2e import Pt2eBackend, fold_constants
+    from ..quant.fold import fold_constants
+    from ..quant.pt2e import Pt2eBackend
     from .rewrites import (adaptive_pools_as_pools, attention_as_matmuls, chunks_as_slices, drop_padding_taps,
                            input_transform_as_affine, matmuls_as_bmm, means_keeping_dims, padded_avg_pools_as_pad,
                            single_tensor_cats, split_large_depthwise)

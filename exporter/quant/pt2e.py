@@ -14,6 +14,7 @@ from collections import Counter
 import torch
 from torch.fx import Node
 
+from .fold import fold_constants
 from .sensitivity import quantizable_layers
 from .threads import one_thread
 
@@ -130,95 +131,6 @@ def _share_through_zero_pads(model) -> None:
         shared = True
     if shared:
         propagate_annotation(model)  # the views after a pad (Swin's patch-merging slices) share it in turn
-
-
-# ops that read a tensor for its shape, dtype and device only (Swin builds its shifted-window mask with x.new_zeros)
-SHAPE_ONLY = {torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default,
-              torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default}
-
-
-def _reads_values(node, live: set) -> bool:
-    """Whether `node` depends on a live tensor's values (not only on the static shape of one)."""
-    if node.op == "call_function" and node.target in SHAPE_ONLY:
-        val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-        static = isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in val.shape)
-        rest = [a for a in node.all_input_nodes if a is not node.args[0]]
-        return not static or any(a in live for a in rest)
-    return any(a in live for a in node.all_input_nodes)
-
-
-def _schema(node):
-    return node.target._schema if isinstance(node.target, torch._ops.OpOverload) else None
-
-
-def fold_constants(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
-    """Compute once what depends on constants alone (and on inputs' static shapes) and feeds the rest of the
-    graph; how many tensors were folded. Swin builds its shifted-window attention mask on every call, 100-odd ops
-    left outside XNNPACK; Swin V2 also clones each qkv bias and zeroes its key third on every call, and quantized, a
-    Linear whose bias is computed at run time is not delegated whole: its per-channel weight dequantize falls
-    outside XNNPACK, where ExecuTorch has no kernel for it ("Missing out variants:
-    quantized_decomposed::dequantize_per_channel").
-
-    In-place ops (Swin fills its mask slice by slice) are run in graph order: each read of a folded tensor gets
-    its value as it is where that read is. One that would change the module's own parameters or buffers leaves the
-    graph as it is."""
-    graph, live, values = module.graph, set(), {}
-    for node in graph.nodes:
-        if node.op == "placeholder" or (node.op != "get_attr" and _reads_values(node, live)):
-            live.add(node)
-    root, changes, reads, snapshots = {}, 0, [], {}  # root: the tensor whose storage a view shares
-    for node in graph.nodes:
-        if node in live:
-            for arg in node.all_input_nodes:
-                if arg.op == "call_function" and isinstance(values.get(arg), torch.Tensor):
-                    key = (arg, changes)
-                    if key not in snapshots:
-                        snapshots[key] = values[arg].detach().clone()
-                    reads.append((node, arg, key))
-            continue
-        if node.op == "get_attr":
-            values[node], root[node] = _attr(module, node.target), node
-        elif node.op == "call_function":
-            schema = _schema(node)
-            if schema is not None and torch.Tag.nondeterministic_seeded in node.target.tags:
-                return module, 0  # a random draw is not a constant
-            first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
-            aliases = schema is not None and first is not None and any(r.alias_info for r in schema.returns)
-            root[node] = root.get(first, first) if aliases else node
-            if schema is not None and schema.is_mutable:
-                if root[node] is None or root[node].op == "get_attr":
-                    return module, 0  # it would change the model's own tensors
-                changes += 1
-
-            def value(n):  # noqa: E306 - a live tensor here is read for its shape alone
-                return values[n] if n in values else torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype)
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
-            try:
-                with torch.no_grad():
-                    values[node] = node.target(*args, **kwargs)
-            except (RuntimeError, TypeError, NotImplementedError):
-                return module, 0  # not evaluable outside the graph (a higher-order op): left as it is, unfolded
-    constants = {}
-    for user, arg, key in reads:
-        if key not in constants:
-            name = f"_folded_constant_{len(constants)}"
-            module.register_buffer(name, snapshots[key])
-            with graph.inserting_before(user):
-                constants[key] = graph.get_attr(name)
-            constants[key].meta = dict(arg.meta)
-        user.replace_input_with(arg, constants[key])
-    for node in reversed(list(graph.nodes)):
-        if node.op == "call_function" and node in values and not node.users:
-            graph.erase_node(node)
-    graph.lint()
-    module.recompile()
-    return module, len(constants)
-
-
-def _attr(module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def _arg(node: Node, index: int, name: str, default):
