@@ -109,6 +109,37 @@ def test_a_pte_of_a_tensor_the_input_is_written_into_is_eager(tmp_path):
         torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-5, atol=1e-5)
 
 
+class CatChannels(nn.Module):
+    """WrittenChannels' function, built by concatenation: no tensor written after it is made."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x):
+        n, _, h, w = x.shape
+        return self.conv(torch.cat([x, x.new_zeros((n, 2, h, w)), x.new_ones((n, 3, h, w))], 1))
+
+
+def test_an_int8_pte_of_a_tensor_the_input_is_written_into_is_the_int8_of_the_same_function_without_writes(tmp_path):
+    """PT2E observes a tensor where it is made: without the graph made functional, the write was not observed and
+    the int8 .pte was off by about its whole output range."""
+    from exporter.formats import executorch
+
+    torch.manual_seed(0)
+    written = WrittenChannels().eval()
+    x, calibration = torch.randn(4, 3, 5, 4), [torch.randn(1, 3, 5, 4) for _ in range(8)]
+    outputs = []
+    for model in (written, CatChannels(written.conv).eval()):
+        executorch.export(model, x[:1], "int8", calibration, tmp_path / "m.pte", {})
+        runner = executorch.load(tmp_path / "m.pte", 1)
+        with torch.no_grad():
+            outputs.append(torch.cat([runner(x[i:i + 1]) for i in range(len(x))]))
+    with torch.no_grad():
+        scale = written(x).abs().max()
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0.05 * scale)
+
+
 class UnbindCounter(nn.Module):
     def __init__(self, split):
         super().__init__()

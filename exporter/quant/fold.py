@@ -74,6 +74,12 @@ def fold_constants(module: GraphModule) -> tuple[GraphModule, int]:
     return module, len(constants)
 
 
+def unread_writes(module: GraphModule) -> list[Node]:
+    """In-place ops whose own result nobody reads: what they write is read through another node."""
+    return [node for node in module.graph.nodes
+            if node.op == "call_function" and _written(node) and not node.users]
+
+
 def _roots(nodes: list[Node]) -> dict[Node, Node]:
     """The node whose storage each node's value shares: itself, or through views (and getitem of an unbind or
     split, which are views too) the tensor they view."""

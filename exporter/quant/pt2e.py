@@ -14,7 +14,7 @@ from collections import Counter
 import torch
 from torch.fx import Node
 
-from .fold import fold_constants
+from .fold import fold_constants, unread_writes
 from .sensitivity import quantizable_layers
 from .threads import one_thread
 
@@ -251,6 +251,18 @@ def _unshare_weights(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return module
 
 
+def _functional_if_written(exported):
+    """PT2E observes a tensor where it is made: a write into it afterwards (`out = x.new_zeros(...); out[:, :3] = x`,
+    the copy's own result read by nobody) reaches no observer, and the int8 model quantized the tensor as it was
+    before the write (a toy: its zeros' range, the written channels lost, 1.25 off eager). Such a graph, once its
+    constants are folded, is made functional: each write becomes an op whose result is read. Graphs without one
+    (every torchvision classifier: in-place ReLUs and adds are read through their own results) are left as they are."""
+    if not unread_writes(fold_constants(exported.module())[0]):
+        return exported
+    with torch.no_grad():
+        return exported.run_decompositions({})
+
+
 class Pt2eBackend:
     range_methods = ("histogram",)
     op_fallbacks = tuple(OP_KINDS)
@@ -261,7 +273,7 @@ class Pt2eBackend:
         if exported is None:
             with torch.no_grad():
                 exported = torch.export.export(model, (example,))
-        self.exported = exported
+        self.exported = _functional_if_written(exported)
         exported_layers = {layer_name(n) for n in self.exported.graph.nodes
                            if n.op == "call_function" and n.target in LAYER_TARGETS}
         self._layers = [name for name in quantizable_layers(model) if name in exported_layers]
