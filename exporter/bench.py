@@ -230,6 +230,7 @@ COUNTED_REWRITES = {  # formats.rewrites that report how many times they applied
     "attention_as_matmuls": "attention(s) as matmuls and a softmax",
     "matmuls_as_bmm": "batched matmul(s) as one bmm",
     "constants_folded": "tensor(s) computed once at export",
+    "nearest_upsamples_as_deconvs": "nearest upsampling(s) as depthwise transposed convolutions",
 }
 
 

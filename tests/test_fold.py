@@ -204,9 +204,9 @@ def test_a_broadcast_parameter_is_not_stored_broadcast_and_eval_dropout_folds():
     torch.manual_seed(0)
     model, x = Broadcast().eval(), torch.randn(1, 3, 16, 8)
     module, count = folded(model, x)
-    assert count == 2  # the mask and the table through dropout (the identity in eval); a random draw stops all folds
+    assert count == 1  # the mask: eval dropout (the identity) does not stop the fold as a random draw would
     stored = [b.numel() for name, b in module.named_buffers() if name.startswith("_folded_constant")]
-    assert sorted(stored) == [24, 128]  # not the (1, 3, 16, 8) broadcast of the bias
+    assert stored == [128]  # not the (1, 3, 16, 8) broadcast of the bias, nor a copy of the table
     assert torch.ops.aten.expand.default in {n.target for n in module.graph.nodes}
     assert_same_as_eager(module, model, (1, 3, 16, 8))
 
@@ -233,3 +233,82 @@ def test_a_tensor_read_around_another_ones_change_is_stored_once():
     module, count = folded(model, torch.randn(1, 2, 4, 4))
     assert count == 2  # the bias once, the filled mask
     assert_same_as_eager(module, model, (1, 2, 4, 4))
+
+
+class WrittenThroughDropout(nn.Module):
+    def forward(self, x):  # eval dropout hands back its input: the add lands in `m`, made anew on every call
+        m = x.new_ones(4)
+        d = nn.functional.dropout(m, 0.1, training=False)
+        d.add_(x)
+        return d * 1.0
+
+
+class FilledThroughTypeAs(nn.Module):
+    def forward(self, x):  # type_as to the same dtype is `m`: `m` read before and after the fill
+        m = x.new_zeros(4)
+        before = x + m
+        m.type_as(x).fill_(2.0)
+        return before + x * m
+
+
+class WrittenThroughOut(nn.Module):
+    def forward(self, x):  # add(out=t) returns t, not its first argument
+        t, ones = x.new_zeros(4), x.new_ones(4)
+        view = t[:]
+        r = torch.add(ones, ones, out=t)
+        before = x + r
+        view.mul_(3.0)
+        return before + x * r
+
+
+class Grid(nn.Module):
+    def forward(self, x):  # meshgrid's outputs are views of its inputs, whatever its schema says
+        a = torch.arange(4.0)
+        rows, _ = torch.meshgrid(a, a, indexing="ij")
+        before = x + rows
+        a.mul_(10.0)
+        return before + x * rows
+
+
+class CountedInNoGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x):  # a call of a subgraph (higher-order op): what it writes is not looked into
+        with torch.no_grad():
+            self.calls.add_(1)
+        m = x.new_zeros(4)
+        with torch.no_grad():
+            m[:2] = x[:2]
+        return x + self.calls + m
+
+
+@pytest.mark.parametrize("model, shape", [(WrittenThroughDropout(), (4,)), (FilledThroughTypeAs(), (4,)),
+                                          (WrittenThroughOut(), (4,)), (Grid(), (4, 4)), (CountedInNoGrad(), (4,))],
+                         ids=["dropout", "type_as", "out", "meshgrid", "no_grad"])
+def test_writes_through_ops_that_hand_back_their_input_are_seen(model, shape):
+    import copy
+
+    reference = copy.deepcopy(model.eval())
+    module = torch.export.export(model, (torch.randn(shape),)).module()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    module, _ = fold_constants(module)
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in before.items())  # folding ran no update
+    for _ in range(3):  # the buffer counts calls: eager and the folded module see the same ones
+        y = torch.randn(shape)
+        torch.testing.assert_close(module(y), reference(y))
+
+
+def test_a_returned_constant_is_a_copy():
+    class ReturnsMask(nn.Module):
+        def forward(self, x):
+            mask = x.new_zeros(4)
+            mask[:2] = 1.0
+            return x * mask, mask
+
+    module, count = folded(ReturnsMask(), torch.randn(4))
+    assert count >= 1
+    _, mask = module(torch.randn(4))
+    mask.add_(100)  # a caller post-processing its outputs in place
+    assert module(torch.randn(4))[1].tolist() == [1.0, 1.0, 0.0, 0.0]

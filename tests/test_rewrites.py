@@ -534,3 +534,59 @@ def test_attention_with_a_mask_or_causal_is_left_alone_and_a_scale_is_kept():
     with torch.no_grad():
         for got, want in zip(exported.module()(*inputs), model(*inputs)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class Pyramid(nn.Module):
+    """An FPN's top-down step: the coarser level upsampled (nearest) to the finer one's size and added."""
+
+    def __init__(self, size=None, scale=None):
+        super().__init__()
+        self.size, self.scale = size, scale
+        self.fine, self.coarse = nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.out = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        fine = self.fine(x).relu()
+        coarse = self.coarse(fine).relu()
+        if self.scale is not None:
+            up = nn.functional.interpolate(coarse, scale_factor=self.scale, mode="nearest")
+        else:
+            up = nn.functional.interpolate(coarse, size=self.size or fine.shape[-2:], mode="nearest")
+        return self.out(nn.functional.interpolate(up, size=fine.shape[-2:], mode="bilinear") + fine)
+
+
+def test_nearest_upsampling_by_whole_factors_lowers_into_xnnpack_with_the_same_output(tmp_path):
+    from exporter.formats import executorch
+
+    torch.manual_seed(0)
+    model, x = Pyramid().eval(), torch.randn(3, 3, 32, 24)
+    calibration = [torch.randn(1, 3, 32, 24) for _ in range(16)]
+    outputs = {}
+    for precision in ("fp32", "int8"):
+        for rewrites in (False, True):
+            details = executorch.export(model, x[:1], precision, calibration, tmp_path / "m.pte", {}, rewrites=rewrites)
+            outside = details["delegation"]["ops_outside_on_tensors"]
+            assert ("upsample_nearest2d" in outside) != rewrites, outside
+            runner = executorch.load(tmp_path / "m.pte", 1)
+            with torch.no_grad():
+                outputs[precision, rewrites] = torch.cat([runner(x[i:i + 1]) for i in range(len(x))])
+        assert details["rewrites"]["nearest_upsamples_as_deconvs"] == 1
+    with torch.no_grad():
+        eager = model(x)
+    torch.testing.assert_close(outputs["fp32", True], eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs["int8", True], outputs["int8", False], rtol=0, atol=0.02 * eager.abs().max())
+
+
+def test_nearest_upsampling_by_other_factors_is_left_as_it_is():
+    from exporter.formats.rewrites import nearest_upsamples_as_deconvs
+
+    torch.manual_seed(0)
+    # (whole factors, 2x3) counts; 4 -> 7 is not whole; a scale of 2.05 makes 10 -> 20 but picks pixels by 1/2.05
+    for model, shape, count in ((Pyramid(size=(8, 9)), (1, 3, 16, 12), 1), (Pyramid(size=(7, 7)), (1, 3, 16, 16), 0),
+                                (Pyramid(scale=2.05), (1, 3, 40, 40), 0), (Pyramid(scale=2.0), (1, 3, 40, 40), 1)):
+        model.eval()
+        x = torch.randn(shape)
+        module, changed = nearest_upsamples_as_deconvs(torch.export.export(model, (x,)).module())
+        assert changed == count, (model.size, model.scale)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-5)

@@ -67,8 +67,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     from ..quant.fold import fold_constants
     from ..quant.pt2e import Pt2eBackend
     from .rewrites import (adaptive_pools_as_pools, attention_as_matmuls, chunks_as_slices, drop_padding_taps,
-                           input_transform_as_affine, matmuls_as_bmm, means_keeping_dims, padded_avg_pools_as_pad,
-                           single_tensor_cats, split_large_depthwise)
+                           input_transform_as_affine, matmuls_as_bmm, means_keeping_dims, nearest_upsamples_as_deconvs,
+                           padded_avg_pools_as_pad, single_tensor_cats, split_large_depthwise)
 
     details = {}
     # torch.export keeps the example's memory format as the program's input dim order: a channels-last example
@@ -79,10 +79,11 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     model, split = split_large_depthwise(model) if rewrites else (model, [])
     with torch.no_grad():
         exported = torch.export.export(model, (example,))
-        folded = 0
+        folded = upsamples = 0
         if rewrites:  # computed once, not on every call (Swin's attention masks): exported again when any is
             module, folded = fold_constants(exported.module())
-            exported = torch.export.export(module, (example,)) if folded else exported
+            module, upsamples = nearest_upsamples_as_deconvs(module)
+            exported = torch.export.export(module, (example,)) if folded or upsamples else exported
     exported, pools = padded_avg_pools_as_pad(exported) if rewrites else (exported, 0)
     exported, adaptive = adaptive_pools_as_pools(exported) if rewrites else (exported, 0)
     exported, means = means_keeping_dims(exported) if rewrites else (exported, 0)
@@ -99,7 +100,8 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     done = {"padding_taps_dropped": trimmed, "input_transform_as_affine": affine,
             "large_depthwise_split": split, "padded_avg_pools_as_pad": pools, "adaptive_pools_as_pools": adaptive,
             "means_keeping_dims": means, "chunks_as_slices": chunks, "single_tensor_cats_dropped": cats,
-            "attention_as_matmuls": attention, "matmuls_as_bmm": matmuls, "constants_folded": folded}
+            "attention_as_matmuls": attention, "matmuls_as_bmm": matmuls, "constants_folded": folded,
+            "nearest_upsamples_as_deconvs": upsamples}
     if any(done.values()):
         details["rewrites"] = {name: what for name, what in done.items() if what}
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])

@@ -632,3 +632,39 @@ def matmuls_as_bmm(exported):
         _become(node, torch.ops.aten.reshape.default, (product, [*sa[:-1], sb[-1]]))
         changed += 1
     return _finish(exported, changed)
+
+
+NEAREST_UPSAMPLES = {torch.ops.aten.upsample_nearest2d.vec, torch.ops.aten.upsample_nearest2d.default}
+
+
+def nearest_upsamples_as_deconvs(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
+    """`module` (an exported graph's module, changed in place) with each nearest upsampling by whole factors as a
+    depthwise transposed convolution whose kernel is the factor and whose weights are ones (it writes each pixel
+    into its factor's block, exactly what nearest does); how many. XNNPACK has no nearest resize in ExecuTorch's
+    partitioner: the FPN of RetinaNet and FCOS left its two upsamplings outside, each splitting the delegate."""
+    graph, changed = module.graph, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in NEAREST_UPSAMPLES:
+            continue
+        source, shape = _static_shape(node.args[0]), _static_shape(node)
+        if source is None or shape is None or len(source) != 4 or any(o % i for o, i in zip(shape[2:], source[2:])):
+            continue
+        factors = [o // i for o, i in zip(shape[2:], source[2:])]
+        scales = node.args[2] if node.target == torch.ops.aten.upsample_nearest2d.vec else node.args[2:4]
+        # given scales pick source pixels by 1/scale, not by the sizes' ratio: they must be the factors themselves
+        if scales is not None and any(s is not None and s != f for s, f in zip(scales, factors)):
+            continue
+        name = f"_nearest_upsample_{changed}"
+        module.register_buffer(name, torch.ones(source[1], 1, *factors, dtype=node.meta["val"].dtype))
+        with graph.inserting_before(node):
+            weight = graph.get_attr(name)
+            deconv = graph.call_function(torch.ops.aten.conv_transpose2d.input,
+                                         (node.args[0], weight, None, factors, [0, 0], [0, 0], source[1], [1, 1]))
+        deconv.meta = dict(node.meta)
+        node.replace_all_uses_with(deconv)
+        graph.erase_node(node)
+        changed += 1
+    if changed:
+        graph.lint()
+        module.recompile()
+    return module, changed

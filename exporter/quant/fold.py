@@ -17,6 +17,13 @@ from torch.fx import GraphModule, Node
 SHAPE_ONLY = {torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default,
               torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default}
 SCALARS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+# ops whose schema promises a new tensor but that return their input itself when there is nothing to do
+MAY_RETURN_INPUT = {torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
+                    torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default,
+                    torch.ops.aten.type_as.default, torch.ops.aten.atleast_1d.default, torch.ops.aten.atleast_2d.default,
+                    torch.ops.aten.atleast_3d.default, torch.ops.aten._unsafe_view.default,
+                    torch.ops.aten.unsafe_split.Tensor, torch.ops.aten.unsafe_chunk.default,
+                    torch.ops.aten.contiguous.default}
 
 
 def fold_constants(module: GraphModule) -> tuple[GraphModule, int]:
@@ -54,24 +61,35 @@ def fold_constants(module: GraphModule) -> tuple[GraphModule, int]:
                 with torch.no_grad():
                     values[node] = node.target(*args, **kwargs)
             except (RuntimeError, TypeError, NotImplementedError):
-                return module, 0  # not evaluable outside the graph (a higher-order op): left as it is, unfolded
+                return module, 0  # not evaluable outside the graph: left as it is, unfolded
+            if _unexpected_alias(node, values, root):
+                return module, 0  # the roots above are wrong about this op: nothing they say can be trusted
     if not reads:
         return module, 0
-    graph, constants = module.graph, {}
+    graph, constants, stored = module.graph, {}, []
     for user, arg, key in reads:
-        if key not in constants:
-            name = f"_folded_constant_{len(constants)}"
+        if key not in constants:  # equal tensors stored once (Swin's shifted blocks of a stage build equal masks)
+            constants[key] = next((node for node, value in stored if _equal(value, snapshots[key])), None)
+        if constants[key] is None:
+            name = f"_folded_constant_{len(stored)}"
             module.register_buffer(name, snapshots[key])
             with graph.inserting_before(user):
                 constants[key] = graph.get_attr(name)
             constants[key].meta = dict(arg.meta)
-        user.replace_input_with(arg, constants[key])
+            stored.append((constants[key], snapshots[key]))
+        if user.op == "output":  # returned as a copy: a caller changing its output must not change the constant
+            with graph.inserting_before(user):
+                copy = graph.call_function(torch.ops.aten.clone.default, (constants[key],))
+            copy.meta = dict(arg.meta)
+            user.replace_input_with(arg, copy)
+        else:
+            user.replace_input_with(arg, constants[key])
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and node in values and not node.users:
             graph.erase_node(node)
     graph.lint()
     module.recompile()
-    return module, len(constants)
+    return module, len(stored)
 
 
 def unread_writes(module: GraphModule) -> list[Node]:
@@ -82,15 +100,30 @@ def unread_writes(module: GraphModule) -> list[Node]:
 
 def _roots(nodes: list[Node]) -> dict[Node, Node]:
     """The node whose storage each node's value shares: itself, or through views (and getitem of an unbind or
-    split, which are views too) the tensor they view."""
+    split, which are views too) the tensor they view. An op that may hand back its input as it is, though its
+    schema promises a new tensor (eval-mode dropout, type_as), counts as a view of it."""
     root = {}
     for node in nodes:
-        first = node.args[0] if node.args and isinstance(node.args[0], Node) else None
-        schema = _schema(node)
-        aliases = first is not None and (node.target is operator.getitem
-                                         or schema is not None and any(r.alias_info for r in schema.returns))
-        root[node] = root.get(first, first) if aliases else node
+        source = _aliased_input(node)
+        root[node] = root.get(source, source) if source is not None else node
     return root
+
+
+def _aliased_input(node: Node) -> Node | None:
+    if node.op != "call_function" or not node.args:
+        return None
+    first = node.args[0] if isinstance(node.args[0], Node) else None
+    if node.target is operator.getitem or node.target in MAY_RETURN_INPUT:
+        return first
+    schema = _schema(node)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    returned = schema.returns[0].alias_info.before_set
+    for i, argument in enumerate(schema.arguments):  # `out=` ops return their `out`, not their first argument
+        if argument.alias_info is not None and argument.alias_info.before_set == returned:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            return value if isinstance(value, Node) else None
+    return first
 
 
 def _live(nodes: list[Node], root: dict) -> set[Node]:
@@ -100,7 +133,7 @@ def _live(nodes: list[Node], root: dict) -> set[Node]:
     while True:
         live = set()
         for node in nodes:
-            if (node.op in ("placeholder", "output") or root[node] in written
+            if (node.op in ("placeholder", "output") or root[node] in written or _higher_order(node)
                     or node.op == "call_function" and isinstance(node.meta.get("val"), SCALARS)
                     or node.op != "get_attr" and _reads_values(node, live)):
                 live.add(node)
@@ -126,7 +159,9 @@ def _reads_values(node: Node, live: set) -> bool:
 
 
 def _written(node: Node) -> list[Node]:
-    """The tensors an in-place op writes into."""
+    """The tensors an in-place op writes into; every tensor a higher-order op takes (its body is not looked into)."""
+    if _higher_order(node):
+        return list(node.all_input_nodes)
     schema = _schema(node)
     if schema is None or not schema.is_mutable:
         return []
@@ -138,11 +173,28 @@ def _written(node: Node) -> list[Node]:
     return out
 
 
+def _unexpected_alias(node: Node, values: dict, root: dict) -> bool:
+    """Whether `node`'s value shares memory with an input it is not known to view (meshgrid hands back its inputs)."""
+    outputs = [t for t in torch.utils._pytree.tree_leaves(values[node]) if isinstance(t, torch.Tensor)]
+    storages = {_storage(t) for t in outputs if t.untyped_storage().nbytes()}
+    return any(isinstance(values.get(arg), torch.Tensor) and root[arg] is not root[node]
+               and _storage(values[arg]) in storages for arg in node.all_input_nodes)
+
+
+def _higher_order(node: Node) -> bool:
+    """`torch.no_grad()`, `autocast` or `cond` inside forward: a call of a subgraph."""
+    return node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+
+
 def _is_random(node: Node) -> bool:
     if _schema(node) is None or torch.Tag.nondeterministic_seeded not in node.target.tags:
         return False
     # eval-mode dropout is tagged random like any dropout, and is the identity
     return not (node.target is torch.ops.aten.dropout.default and _arg(node, 2, "train", True) is False)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
 
 
 def _storage(tensor: torch.Tensor) -> int:
