@@ -590,3 +590,12 @@ def test_nearest_upsampling_by_other_factors_is_left_as_it_is():
         assert changed == count, (model.size, model.scale)
         with torch.no_grad():
             torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-5)
+
+    class Mask(nn.Module):
+        def forward(self, x):  # an integer tensor: there is no integer convolution to write it with
+            return nn.functional.interpolate((x > 0).to(torch.uint8), scale_factor=2).float()
+
+    x = torch.randn(1, 3, 4, 4)
+    module, changed = nearest_upsamples_as_deconvs(torch.export.export(Mask(), (x,)).module())
+    assert changed == 0
+    torch.testing.assert_close(module(x), Mask()(x))

@@ -647,7 +647,8 @@ def nearest_upsamples_as_deconvs(module: torch.fx.GraphModule) -> tuple[torch.fx
         if node.op != "call_function" or node.target not in NEAREST_UPSAMPLES:
             continue
         source, shape = _static_shape(node.args[0]), _static_shape(node)
-        if source is None or shape is None or len(source) != 4 or any(o % i for o, i in zip(shape[2:], source[2:])):
+        if (source is None or shape is None or len(source) != 4 or any(o % i for o, i in zip(shape[2:], source[2:]))
+                or not node.meta["val"].dtype.is_floating_point):  # no integer convolutions (a uint8 mask)
             continue
         factors = [o // i for o, i in zip(shape[2:], source[2:])]
         scales = node.args[2] if node.target == torch.ops.aten.upsample_nearest2d.vec else node.args[2:4]
