@@ -479,6 +479,10 @@ def _become(node, target, args) -> None:
         node.meta.pop(key, None)
 
 
+def _arg(node, index: int, name: str):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
+
+
 def _static_shape(node) -> tuple[int, ...] | None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
@@ -651,7 +655,10 @@ def nearest_upsamples_as_deconvs(module: torch.fx.GraphModule) -> tuple[torch.fx
                 or not node.meta["val"].dtype.is_floating_point):  # no integer convolutions (a uint8 mask)
             continue
         factors = [o // i for o, i in zip(shape[2:], source[2:])]
-        scales = node.args[2] if node.target == torch.ops.aten.upsample_nearest2d.vec else node.args[2:4]
+        if node.target == torch.ops.aten.upsample_nearest2d.vec:
+            scales = _arg(node, 2, "scale_factors")
+        else:
+            scales = [_arg(node, 2, "scales_h"), _arg(node, 3, "scales_w")]
         # given scales pick source pixels by 1/scale, not by the sizes' ratio: they must be the factors themselves
         if scales is not None and any(s is not None and s != f for s, f in zip(scales, factors)):
             continue
