@@ -312,3 +312,23 @@ def test_a_returned_constant_is_a_copy():
     _, mask = module(torch.randn(4))
     mask.add_(100)  # a caller post-processing its outputs in place
     assert module(torch.randn(4))[1].tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+class WrittenThroughBroadcast(nn.Module):
+    def forward(self, x):  # a live op handing back a constant it takes: the add lands in the constant
+        c = x.new_zeros(4)
+        view, _ = torch.broadcast_tensors(c, x)
+        view.add_(x)
+        return c * 1.0
+
+
+class SignedZeros(nn.Module):
+    def forward(self, x):  # 0.0 and -0.0 are equal but not the same constant
+        zero, negative = x.new_zeros(4), -x.new_zeros(4)
+        return torch.atan2(negative, x - 10) - torch.atan2(zero, x - 10)
+
+
+@pytest.mark.parametrize("model", [WrittenThroughBroadcast(), SignedZeros()], ids=["broadcast", "signed_zero"])
+def test_constants_a_live_op_may_hand_back_or_that_differ_in_sign_alone_stay_apart(model):
+    module, _ = folded(model, torch.randn(4))
+    assert_same_as_eager(module, model, (4,), calls=3)

@@ -137,7 +137,12 @@ def _live(nodes: list[Node], root: dict) -> set[Node]:
                     or node.op == "call_function" and isinstance(node.meta.get("val"), SCALARS)
                     or node.op != "get_attr" and _reads_values(node, live)):
                 live.add(node)
-        more = {root[target] for node in live for target in _written(node)} - written
+        more = {root[target] for node in live for target in _written(node)}
+        # a live op may hand back a constant it takes without saying so (broadcast_tensors, einsum): what is
+        # written through its output may be that constant
+        more |= {root[arg] for written_root in more if written_root in live and written_root.op == "call_function"
+                 for arg in written_root.all_input_nodes if root[arg].op == "call_function"}
+        more -= written
         if not more:
             return live
         written |= more
@@ -194,7 +199,11 @@ def _is_random(node: Node) -> bool:
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+    """Bit for bit: torch.equal takes -0.0 for 0.0 (atan2 tells them apart)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.stride() != b.stride():
+        return False
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    return torch.equal(a.view(bits), b.view(bits)) if bits is not None and a.is_contiguous() else torch.equal(a, b)
 
 
 def _storage(tensor: torch.Tensor) -> int:
