@@ -39,6 +39,8 @@ class Candidate(Protocol):
 
 class Backend(Protocol):
     range_methods: tuple[str, ...]  # ways to choose activation ranges; the search keeps the best
+    # optional: ways tried only when every range method misses the budget (PT2E: ranges chosen per inference)
+    fallback_range_methods: tuple[str, ...]
     op_fallbacks: tuple[str, ...]  # kinds of op (not layers) it quantizes and can keep in float, every one of them
 
     def layers(self) -> list[str]:
@@ -56,9 +58,10 @@ class Backend(Protocol):
         """The layers that were in float in the last quantize() of `float_layers`: those asked for, plus
         any the backend had to leave in float with them."""
 
-    def float_ops(self, float_layers: list[str], float_kinds: tuple[str, ...] = ()) -> dict[str, int]:
+    def float_ops(self, float_layers: list[str], float_kinds: tuple[str, ...] = (), method: str | None = None
+                  ) -> dict[str, int]:
         """Compute ops, by name, that run in float in the int8 model with `float_layers` and `float_kinds` in
-        float."""
+        float (and `method`, when it is one of the fallback_range_methods)."""
 
 
 def _steps(cap: int):
@@ -148,6 +151,14 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     chosen = plain
     kinds: tuple[str, ...] = ()
     if metrics["reasons"] and calibration.settings["fallback"]:
+        # ranges a backend chooses only when its static ones miss: every layer stays int8, at some speed
+        for extra in getattr(backend, "fallback_range_methods", ()):
+            candidate, trial = attempt([], extra)
+            if _rank(trial) > _rank(metrics) and (not trial["reasons"] or _gain(trial, metrics) >= MIN_GAIN_DB):
+                method, metrics, chosen, held = extra, trial, steps[-1], ([], candidate, extra, ())
+                report["calibration_method"] = backend.describe(extra)
+            del candidate
+    if metrics["reasons"] and calibration.settings["fallback"] and method in backend.range_methods:
         # ops the backend quantizes beyond layers, each kind in float as a whole: an error spread over many
         # small ops (a residual stream requantized at every block) that no few layers in float recover
         for kind in getattr(backend, "op_fallbacks", ()):
@@ -202,7 +213,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         candidate = _quantize(backend, float_layers, range_images, method, kinds)
     kept = backend.float_closure(float_layers)
     report.update(
-        float_ops=backend.float_ops(float_layers, kinds) if kinds else backend.float_ops(float_layers),
+        float_ops=_float_ops(backend, float_layers, kinds, method),
         float_layers=[_layer_entry(n, sensitivity, n not in float_layers) for n in kept],
         int8_layers=len(layers) - len(kept),
         before=plain,
@@ -246,6 +257,13 @@ def _quantize(backend: Backend, float_layers: list[str], range_images, method: s
     if kinds:
         return backend.quantize(float_layers, range_images, method, kinds)
     return backend.quantize(float_layers, range_images, method)
+
+
+def _float_ops(backend: Backend, float_layers: list[str], kinds: tuple[str, ...], method: str) -> dict[str, int]:
+    """backend.float_ops, told the range method only when it is a fallback one (the others leave the same ops float)."""
+    if method in getattr(backend, "fallback_range_methods", ()):
+        return backend.float_ops(float_layers, kinds, method)
+    return backend.float_ops(float_layers, kinds) if kinds else backend.float_ops(float_layers)
 
 
 def _gain(metrics: dict, than: dict) -> float:
