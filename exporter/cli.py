@@ -199,8 +199,8 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
               help="Emulated aarch64 CPU (repeatable), replacing the profile's [validate] cpus (implies --arch aarch64), e.g. cortex-a53.")
 @click.option("--quant-budget", "quant_budget", multiple=True,
               help="int8 budget KEY=VALUE (repeatable): a threshold key (default: the int8 thresholds) or "
-                   "max_float_fraction, psnr_margin_db, check_fraction, onnx_calibration.")
-@click.option("--no-fallback", is_flag=True, help="Plain PTQ: keep no layer in float, whatever the budget says.")
+                   "max_float_fraction, psnr_margin_db, check_fraction, onnx_calibration, dynamic_ranges (true|false).")
+@click.option("--no-fallback", is_flag=True, help="Plain PTQ: static ranges, no layer in float, whatever the budget says.")
 @click.option("--format", "formats", multiple=True, help="Only these formats, e.g. executorch or executorch:int8 (repeatable).")
 @click.option("--option", "raw_options", multiple=True, help="Format option KEY=VALUE for every artifact that takes it (repeatable).")
 @click.option("--batch", default=None, help="Batch profile MIN:OPT:MAX of the ONNX files and their TensorRT engines.")

@@ -65,11 +65,14 @@ def test_fallback_steps_grow_and_stop_at_the_cap():
 
 def test_budget_follows_int8_thresholds_unless_overridden():
     profile = profiles.with_overrides(profiles.load("jetson"), thresholds=["int8.psnr_db=33"],
-                                      quant_budget=["top1_agreement=0.995", "max_float_fraction=0.1"], fallback=False)
+                                      quant_budget=["top1_agreement=0.995", "max_float_fraction=0.1",
+                                                    "dynamic_ranges=False"], fallback=False)
     plan = make_plan(profile, "classification")
     budget, settings = plan.quant_budget, plan.quant_settings
     assert budget["psnr_db"] == 33 and budget["top1_agreement"] == 0.995
     assert settings["max_float_fraction"] == 0.1 and settings["fallback"] is False
+    assert settings["dynamic_ranges"] is False and make_plan(profiles.load("android"), "classification").quant_settings[
+        "dynamic_ranges"] is True
     with pytest.raises(UsageError, match="unknown key"):
         profiles.check({**profile, "quantization": {"bogus": 1}}, "test")
     with pytest.raises(UsageError, match="onnx_calibration"):
@@ -77,7 +80,8 @@ def test_budget_follows_int8_thresholds_unless_overridden():
 
 
 @pytest.mark.parametrize("budget, message", [("psnr=30", "unknown key 'psnr'"), ("psnr_db=high", "not a number"),
-                                             ("max_float_fraction=2", "fraction"), ("fallback=1", "unknown key")])
+                                             ("max_float_fraction=2", "fraction"), ("fallback=1", "unknown key"),
+                                             ("dynamic_ranges=maybe", "true or false")])
 def test_bad_quant_budget_exits_2_and_writes_nothing(digits_model, tmp_path, budget, message):
     out = tmp_path / "out"
     assert_clean_refusal(run_cli(*build_args(digits_model, out, "--quant-budget", budget)), out, message)
@@ -651,13 +655,18 @@ def test_digits_int8_meets_the_strict_budget_on_its_check_images_and_is_judged_o
 def fragile_builds(tmp_path_factory, digits_model, fragile_checkpoint):
     root = tmp_path_factory.mktemp("fragile_builds")
     plain = run_cli(*_fragile_args(digits_model, fragile_checkpoint, root / "plain", "--no-fallback"))
-    budgeted = run_cli(*_fragile_args(digits_model, fragile_checkpoint, root / "budgeted"))
-    return (root / "plain", plain), (root / "budgeted", budgeted)
+    # static ranges only: the layer search is what this build tests (ranges chosen per inference: the next one)
+    budgeted = run_cli(*_fragile_args(digits_model, fragile_checkpoint, root / "budgeted",
+                                      "--quant-budget", "dynamic_ranges=false"))
+    args = build_args(digits_model, root / "dynamic", "--target", "android", "--format", "executorch:int8")
+    args[args.index("--checkpoint") + 1] = fragile_checkpoint
+    dynamic = run_cli(*args)
+    return (root / "plain", plain), (root / "budgeted", budgeted), (root / "dynamic", dynamic)
 
 
 @pytest.mark.slow
 def test_plain_ptq_breaks_on_the_fragile_layer(fragile_builds):
-    (out, result), _ = fragile_builds
+    (out, result), *_ = fragile_builds
     assert result.exit_code == 1, result.output
     for name, a in _int8_artifacts(out).items():
         assert a["status"] == "failed" and any(r.startswith("psnr_db") for r in a["reasons"]), name
@@ -669,7 +678,7 @@ def test_plain_ptq_breaks_on_the_fragile_layer(fragile_builds):
 def test_budgeted_build_keeps_the_fragile_layer_in_float_and_recovers(fragile_builds):
     """The fragile layer (plain PTQ: under 10 dB, about chance) is found and kept float, and the artifact is back
     near eager; its last point of accuracy on 120 digits is the host-trained stand-in's (see the test above)."""
-    _, (out, result) = fragile_builds
+    _, (out, result), _ = fragile_builds
     artifacts = _int8_artifacts(out)
     failed = [name for name, a in artifacts.items() if a["status"] == "failed"]
     assert result.exit_code == (1 if failed else 0), result.output
@@ -689,6 +698,23 @@ def test_budgeted_build_keeps_the_fragile_layer_in_float_and_recovers(fragile_bu
     kept_line = next(line for line in notes.splitlines() if line.startswith("- `executorch_int8`: int8 budget met"))
     assert digits.FRAGILE_LAYER in kept_line.split("kept in float: ")[1]
     assert (out / "report.html").read_text().count('aria-label="int8 layer sensitivity') == 2
+
+
+@pytest.mark.slow
+def test_ranges_chosen_per_inference_recover_the_fragile_layer_with_every_layer_int8(fragile_builds):
+    """The same fragile model, .pte, default settings: static ranges miss (one channel 1000x the others sets the
+    tensor's range), and ranges chosen per inference are tried before any layer goes float. What must hold is
+    the verdict, not which fallback won on this host: if they meet the budget, no layer is float."""
+    *_, (out, result) = fragile_builds
+    a = json.loads((out / "manifest.json").read_text())["artifacts"][0]
+    assert a["name"] == "executorch_int8" and result.exit_code == (1 if a["status"] == "failed" else 0), result.output
+    assert all(r.startswith("accuracy_drop") for r in a["reasons"]), a["reasons"]
+    q = a["details"]["quantization"]
+    assert not q["before"]["meets_budget"] and q["before"]["ranges"] == "histogram"
+    assert q["steps"][1]["ranges"] == "dynamic" and q["steps"][1]["float_layers"] == 0, q["steps"]
+    if q["after"]["ranges"] == "dynamic" and q["after"]["meets_budget"]:
+        assert q["float_layers"] == [] and q["int8_layers"] == q["layers"] and "dynamic" in q["calibration_method"]
+    assert a["fidelity"]["psnr_db"] >= 30 and a["details"]["delegation"]["ops_outside_on_tensors"] == {}
 
 
 @pytest.mark.slow

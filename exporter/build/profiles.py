@@ -82,10 +82,13 @@ def _check_threshold(key: str, value, where: str) -> float:
     return float(value)
 
 
+BOOLEAN_SETTINGS = ("fallback", "dynamic_ranges")
+
+
 def _check_quant_setting(key: str, value, where: str):
     if key not in QUANT_SETTINGS:
         raise UsageError(f"{where}: unknown key '{key}'; allowed: budget, {', '.join(QUANT_SETTINGS)}")
-    if key == "fallback":
+    if key in BOOLEAN_SETTINGS:
         ok = isinstance(value, bool)
     elif key == "onnx_calibration":
         ok = value in ONNX_CALIBRATIONS
@@ -93,7 +96,7 @@ def _check_quant_setting(key: str, value, where: str):
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value) and value >= 0
         ok = ok and (key == "psnr_margin_db" or value <= 1) and (key != "check_fraction" or 0 < value < 1)
     if not ok:
-        expected = {"fallback": "true or false", "onnx_calibration": " or ".join(ONNX_CALIBRATIONS),
+        expected = {**dict.fromkeys(BOOLEAN_SETTINGS, "true or false"), "onnx_calibration": " or ".join(ONNX_CALIBRATIONS),
                     "psnr_margin_db": "a number of dB >= 0", "check_fraction": "a fraction strictly between 0 and 1"}
         raise UsageError(f"{where}: {key} must be {expected.get(key, 'a fraction in [0, 1]')}, got {value!r}")
     return value
@@ -225,7 +228,9 @@ def parse_quant_budget(text: str) -> tuple[str, object]:
             raise UsageError(f"--quant-budget {text!r}: {raw!r} is not a number") from None
     if key in QUANT_SETTINGS and key != "fallback":
         value = raw.strip()
-        if key != "onnx_calibration":
+        if key in BOOLEAN_SETTINGS:
+            value = {"true": True, "false": False}.get(value.lower(), value)
+        elif key != "onnx_calibration":
             try:
                 value = float(value)
             except ValueError:

@@ -14,6 +14,7 @@ SETTINGS = {
     "check_fraction": 0.5,  # share of the calibration images held out to check the budget
     "psnr_margin_db": 2.0,  # the budget's PSNR is the threshold plus this: the check set is small
     "onnx_calibration": "auto",  # auto (the best of the others on the check images) | mse | minmax | percentile
+    "dynamic_ranges": True,  # .pte: when static ranges miss the budget, try ranges chosen per inference (dynamic int8)
 }
 ONNX_CALIBRATIONS = ("auto", "mse", "minmax", "percentile")
 

@@ -150,8 +150,8 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     float_layers: list[str] = []
     chosen = plain
     kinds: tuple[str, ...] = ()
-    if metrics["reasons"] and calibration.settings["fallback"]:
-        # ranges a backend chooses only when its static ones miss: every layer stays int8, at some speed
+    if metrics["reasons"] and calibration.settings["fallback"] and calibration.settings.get("dynamic_ranges", True):
+        # ranges a backend chooses only when its static ones miss: every layer stays int8
         for extra in getattr(backend, "fallback_range_methods", ()):
             candidate, trial = attempt([], extra)
             if _rank(trial) > _rank(metrics) and (not trial["reasons"] or _gain(trial, metrics) >= MIN_GAIN_DB):
