@@ -353,9 +353,13 @@ class _DynamicBackend(_FakeBackend):
     range_methods = ("histogram",)
     fallback_range_methods = ("dynamic",)
 
-    def __init__(self, model, culprit, static_error, dynamic_error, layer_error=0.0):
+    def __init__(self, model, culprit, static_error, dynamic_error, layer_error=0.0, unquantized=()):
         super().__init__(model, culprit)
         self.errors, self.layer_error = {"histogram": static_error, "dynamic": dynamic_error}, layer_error
+        self.unquantized = list(unquantized)  # layers the dynamic method leaves float whatever is asked
+
+    def float_closure(self, float_layers, method="histogram"):
+        return list(dict.fromkeys([*float_layers, *(self.unquantized if method == "dynamic" else [])]))
 
     def float_ops(self, float_layers, float_kinds=(), method=None):
         return {"linear": len(float_layers), **({"add": 3} if method == "dynamic" else {})}
@@ -365,7 +369,7 @@ class _DynamicBackend(_FakeBackend):
         return _FakeCandidate(self.model, error, list(float_layers), method)
 
 
-def _search_dynamic(monkeypatch, static_error, dynamic_error, layer_error=0.0):
+def _search_dynamic(monkeypatch, static_error, dynamic_error, layer_error=0.0, unquantized=(), fraction=1.0):
     from exporter.quant import search
     from exporter.quant.sensitivity import Sensitivity
 
@@ -375,8 +379,8 @@ def _search_dynamic(monkeypatch, static_error, dynamic_error, layer_error=0.0):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 10)
     calibration = Calibration([torch.randn(1, 4) for _ in range(20)], None, {"psnr_db": 30.0},
-                              {**SETTINGS, "max_float_fraction": 1.0})
-    backend = _DynamicBackend(model, "layer1", static_error, dynamic_error, layer_error)
+                              {**SETTINGS, "max_float_fraction": fraction})
+    backend = _DynamicBackend(model, "layer1", static_error, dynamic_error, layer_error, unquantized)
     return search.quantize_with_budget(model, backend, calibration)
 
 
@@ -405,6 +409,17 @@ def test_ranges_chosen_per_inference_are_tried_only_when_static_ranges_miss_and_
     candidate, report = _search_dynamic(monkeypatch, static_error=0.2, dynamic_error=0.25, layer_error=0.0)
     assert report["steps"][1]["ranges"] == "dynamic" and report["after"]["ranges"] == "histogram"
     assert candidate.method == "histogram" and report["calibration_method"] == "histogram"
+    del candidate
+
+    # layers it cannot quantize (a conv before a ReLU) are float layers: reported, and counted against the cap
+    candidate, report = _search_dynamic(monkeypatch, static_error=0.2, dynamic_error=0.0, unquantized=["layer5"])
+    assert report["after"]["ranges"] == "dynamic" and report["int8_layers"] == 7 and report["steps"][1]["float_layers"] == 1
+    assert [(f["name"], "why" in f) for f in report["float_layers"]] == [("layer5", True)]
+    del candidate
+    candidate, report = _search_dynamic(monkeypatch, static_error=0.2, dynamic_error=0.0, layer_error=0.0,
+                                        unquantized=["layer3", "layer4", "layer5"], fraction=0.25)
+    assert report["steps"][1]["ranges"] == "dynamic" and report["steps"][1]["over_cap"]
+    assert report["after"]["ranges"] == "histogram" and candidate.method == "histogram"
     del candidate
 
 

@@ -179,8 +179,9 @@ def _float_kinds(model, float_kinds) -> None:
 
 
 def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynamic: bool = False):
-    """dynamic: activations quantized per inference from their own range (XNNPACK's qd8 kernels), convolutions and
-    linear layers only; every other op computes in float."""
+    """dynamic: activations quantized per inference from their own range (XNNPACK's qd8 kernels), for the convolutions
+    and linear layers its dynamic patterns take (not a conv whose output goes to a ReLU once BatchNorm is folded, nor
+    a depthwise one: those stay float, and count as float layers); every other op computes in float."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
@@ -202,6 +203,9 @@ def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynami
                     _float_output(node)
             _float_kinds(model, float_kinds)
             _drop_dangling_shares(model.graph)
+            if dynamic:  # layers its dynamic patterns skip stay float: a conv before a ReLU, depthwise convs
+                self.floated |= {layer_name(n) for n in model.graph.nodes if n.op == "call_function"
+                                 and n.target in LAYER_TARGETS and not getattr(n.meta.get(KEY), "input_qspec_map", None)}
             return model
 
     return FloatFallbackQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=dynamic))
@@ -298,9 +302,9 @@ class Pt2eBackend:
     @staticmethod
     def describe(method: str) -> str:
         if method == DYNAMIC:
-            return ("dynamic activation ranges (each convolution's and linear layer's input quantized per inference "
-                    "from its own range; every other op in float), per-channel symmetric weights (PT2E, "
-                    "XNNPACKQuantizer is_dynamic)")
+            return ("dynamic activation ranges (the input of each convolution and linear layer XNNPACK has a dynamic "
+                    "int8 kernel for quantized per inference from its own range; other layers and every other op in "
+                    "float), per-channel symmetric weights (PT2E, XNNPACKQuantizer is_dynamic)")
         return "histogram activation ranges (HistogramObserver), per-channel symmetric weights (PT2E, XNNPACKQuantizer)"
 
     def quantize(self, float_layers: list[str], range_images: list[torch.Tensor], method: str,
@@ -309,20 +313,25 @@ class Pt2eBackend:
 
         quantizer = _quantizer(set(float_layers), float_kinds, dynamic=method == DYNAMIC)
         prepared = prepare_pt2e(self._graph_module(), quantizer)
-        self._floated[tuple(float_layers)] = [name for name in self._layers if name in quantizer.floated]
+        self._floated[(tuple(float_layers), method)] = [name for name in self._layers if name in quantizer.floated]
         with torch.no_grad(), one_thread():
             for x in range_images[:1] if method == DYNAMIC else range_images:  # nothing to observe but the graph
                 prepared(x)
         return convert_pt2e(prepared)
 
-    def float_closure(self, float_layers: list[str]) -> list[str]:
-        return self._floated.get(tuple(float_layers), list(float_layers))
+    def float_closure(self, float_layers: list[str], method: str = "histogram") -> list[str]:
+        return self._floated.get((tuple(float_layers), method), list(float_layers))
 
     def float_ops(self, float_layers: list[str], float_kinds: tuple[str, ...] = (), method: str | None = None
                   ) -> dict[str, int]:
         """Compute ops, by aten name, that the quantizer leaves in float when `float_layers` and `float_kinds` are
         float: those it has no int8 pattern for (LayerNorm, softmax, GELU, …) and those kept in float."""
-        annotated = _quantizer(set(float_layers), float_kinds, dynamic=method == DYNAMIC).annotate(self._graph_module())
+        from torchao.quantization.pt2e.utils import _fuse_conv_bn_
+
+        module = self._graph_module()
+        if method == DYNAMIC:  # as prepare_pt2e does before annotating: which convs the dynamic patterns take depends on it
+            _fuse_conv_bn_(module)
+        annotated = _quantizer(set(float_layers), float_kinds, dynamic=method == DYNAMIC).annotate(module)
         counts = Counter()
         for node in annotated.graph.nodes:
             if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):

@@ -54,7 +54,7 @@ class Backend(Protocol):
         """An int8 model with `float_layers`, and every op of `float_kinds` (of `op_fallbacks`), kept in float,
         calibrated on `range_images`."""
 
-    def float_closure(self, float_layers: list[str]) -> list[str]:
+    def float_closure(self, float_layers: list[str], method: str | None = None) -> list[str]:
         """The layers that were in float in the last quantize() of `float_layers`: those asked for, plus
         any the backend had to leave in float with them."""
 
@@ -113,7 +113,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         except CandidateFailed as error:
             metrics = {"fidelity": {task.agreement: 0.0, "psnr_db": -math.inf}, "accuracy": None,
                        "reasons": [f"does not run on every check image: {error}"]}
-        in_float = len(backend.float_closure(float_layers))  # with the producers XNNPACK needs float beside them
+        in_float = len(_closure(backend, float_layers, method))  # with the producers XNNPACK needs float beside them
         steps.append({"float_layers": in_float, "ranges": method, **({"float_kinds": list(kinds)} if kinds else {}),
                       **_summary(task, metrics)})
         log(f"  int8, {method} ranges, {in_float}/{len(layers)} layers float{_kinds_text(kinds)}: "
@@ -152,9 +152,12 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     kinds: tuple[str, ...] = ()
     if metrics["reasons"] and calibration.settings["fallback"] and calibration.settings.get("dynamic_ranges", True):
         # ranges a backend chooses only when its static ones miss: every layer stays int8
+        cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
         for extra in getattr(backend, "fallback_range_methods", ()):
             candidate, trial = attempt([], extra)
-            if _rank(trial) > _rank(metrics) and (not trial["reasons"] or _gain(trial, metrics) >= MIN_GAIN_DB):
+            if len(_closure(backend, [], extra)) > cap:  # layers the method cannot quantize count against the cap
+                steps[-1]["over_cap"] = True
+            elif _rank(trial) > _rank(metrics) and (not trial["reasons"] or _gain(trial, metrics) >= MIN_GAIN_DB):
                 method, metrics, chosen, held = extra, trial, steps[-1], ([], candidate, extra, ())
                 report["calibration_method"] = backend.describe(extra)
             del candidate
@@ -181,7 +184,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
                 continue
             held = None
             candidate, step_metrics = attempt(ranking[:count], method, kinds)
-            floated = backend.float_closure(ranking[:count])
+            floated = _closure(backend, ranking[:count], method)
             if len(floated) > cap:  # the cap holds for every layer in float, those floated with a layer too
                 steps[-1]["over_cap"] = True
                 stopped = f"the next step keeps {len(floated)} layers in float, over the cap of {cap}"
@@ -211,10 +214,10 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         candidate = held[1]
     else:
         candidate = _quantize(backend, float_layers, range_images, method, kinds)
-    kept = backend.float_closure(float_layers)
+    kept = _closure(backend, float_layers, method)
     report.update(
         float_ops=_float_ops(backend, float_layers, kinds, method),
-        float_layers=[_layer_entry(n, sensitivity, n not in float_layers) for n in kept],
+        float_layers=[_layer_entry(n, sensitivity, n not in float_layers, _is_fallback(backend, method)) for n in kept],
         int8_layers=len(layers) - len(kept),
         before=plain,
         after=chosen,
@@ -259,9 +262,20 @@ def _quantize(backend: Backend, float_layers: list[str], range_images, method: s
     return backend.quantize(float_layers, range_images, method)
 
 
+def _is_fallback(backend: Backend, method: str) -> bool:
+    return method in getattr(backend, "fallback_range_methods", ())
+
+
+def _closure(backend: Backend, float_layers: list[str], method: str) -> list[str]:
+    """backend.float_closure, told the range method only when it is a fallback one (it may leave other layers float)."""
+    if _is_fallback(backend, method):
+        return backend.float_closure(float_layers, method)
+    return backend.float_closure(float_layers)
+
+
 def _float_ops(backend: Backend, float_layers: list[str], kinds: tuple[str, ...], method: str) -> dict[str, int]:
     """backend.float_ops, told the range method only when it is a fallback one (the others leave the same ops float)."""
-    if method in getattr(backend, "fallback_range_methods", ()):
+    if _is_fallback(backend, method):
         return backend.float_ops(float_layers, kinds, method)
     return backend.float_ops(float_layers, kinds) if kinds else backend.float_ops(float_layers)
 
@@ -279,11 +293,13 @@ def _rank(metrics: dict) -> tuple:
     return not metrics["reasons"], metrics["fidelity"]["psnr_db"]
 
 
-def _layer_entry(name: str, sensitivity, with_neighbour: bool) -> dict:
-    entry = {"name": name, "output_psnr_db": _rounded(sensitivity.output_psnr_db.get(name)),
-             "local_sqnr_db": _rounded(sensitivity.local_sqnr_db.get(name))}
-    if with_neighbour:
-        entry["why"] = "feeds a float layer: the backend quantizes an op only together with its output"
+def _layer_entry(name: str, sensitivity, not_asked: bool, fallback_ranges: bool = False) -> dict:
+    entry = {"name": name, "output_psnr_db": _rounded(sensitivity.output_psnr_db.get(name) if sensitivity else None),
+             "local_sqnr_db": _rounded(sensitivity.local_sqnr_db.get(name) if sensitivity else None)}
+    if not_asked:
+        entry["why"] = ("no int8 pattern for it with ranges chosen per inference (a depthwise conv, a conv before a "
+                        "ReLU), or it feeds a float layer" if fallback_ranges else
+                        "feeds a float layer: the backend quantizes an op only together with its output")
     return entry
 
 

@@ -31,7 +31,8 @@ def quantization_summary(q: dict) -> str:
     verdict = "met" if q["meets_budget"] else "**not met**"
     text = (f"int8 budget {verdict} on {q['check_images']} held-out calibration images; "
             f"{q['int8_layers']} of {q['layers']} layers int8; ")
-    if len(q["steps"]) > len({s["ranges"] for s in q["steps"]}):  # fallback steps were taken
+    # fallback steps were taken (ranges tried only when the first miss count as one)
+    if len(q["steps"]) > len({s["ranges"] for s in q["steps"]}) or q["after"] != q["before"]:
         text += (f"PSNR {_num(before['psnr_db'], '.1f')} → {_num(after['psnr_db'], '.1f')} dB, agreement "
                  f"{_num(before['agreement'], '.1%')} → {_num(after['agreement'], '.1%')} (plain PTQ → chosen)")
     else:
