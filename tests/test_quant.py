@@ -365,6 +365,8 @@ class _DynamicBackend(_FakeBackend):
         return {"linear": len(float_layers), **({"add": 3} if method == "dynamic" else {})}
 
     def quantize(self, float_layers, range_images, method):
+        if self.errors[method] is None:
+            raise RuntimeError("no dynamic kernel for this graph\nsecond line")
         error = self.errors[method] + (0.0 if self.culprit in float_layers else self.layer_error)
         return _FakeCandidate(self.model, error, list(float_layers), method)
 
@@ -420,6 +422,12 @@ def test_ranges_chosen_per_inference_are_tried_only_when_static_ranges_miss_and_
                                         unquantized=["layer3", "layer4", "layer5"], fraction=0.25)
     assert report["steps"][1]["ranges"] == "dynamic" and report["steps"][1]["over_cap"]
     assert report["after"]["ranges"] == "histogram" and candidate.method == "histogram"
+    del candidate
+
+    # it cannot quantize the graph at all: left out and said, the static search goes on
+    candidate, report = _search_dynamic(monkeypatch, static_error=0.2, dynamic_error=None)
+    assert report["range_methods_unusable"] == {"dynamic": "RuntimeError: no dynamic kernel for this graph"}
+    assert candidate.method == "histogram" and all(s["ranges"] == "histogram" for s in report["steps"])
     del candidate
 
 

@@ -154,7 +154,13 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         # ranges a backend chooses only when its static ones miss: every layer stays int8
         cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
         for extra in getattr(backend, "fallback_range_methods", ()):
-            candidate, trial = attempt([], extra)
+            try:
+                candidate, trial = attempt([], extra)
+            except Exception as error:  # a fallback that cannot quantize this graph must not fail a build that has one
+                unusable[extra] = f"{type(error).__name__}: {error}".splitlines()[0]
+                report["range_methods_unusable"] = unusable
+                log(f"  int8, {extra} ranges cannot be used on this model ({unusable[extra]}): left out")
+                continue
             if len(_closure(backend, [], extra)) > cap:  # layers the method cannot quantize count against the cap
                 steps[-1]["over_cap"] = True
             elif _rank(trial) > _rank(metrics) and (not trial["reasons"] or _gain(trial, metrics) >= MIN_GAIN_DB):
