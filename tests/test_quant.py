@@ -281,7 +281,8 @@ class _KindsBackend(_FakeBackend):
         return candidate
 
 
-def _search_kinds(monkeypatch, add_error, layer_error, culprit="layer1"):
+def _search_fake(monkeypatch, make_backend, max_float_fraction=1.0):
+    """quantize_with_budget on make_backend(model), layers ranked in their order, a 30 dB budget."""
     from exporter.quant import search
     from exporter.quant.sensitivity import Sensitivity
 
@@ -291,9 +292,13 @@ def _search_kinds(monkeypatch, add_error, layer_error, culprit="layer1"):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 10)
     calibration = Calibration([torch.randn(1, 4) for _ in range(20)], None, {"psnr_db": 30.0},
-                              {**SETTINGS, "max_float_fraction": 1.0})
+                              {**SETTINGS, "max_float_fraction": max_float_fraction})
     _FakeCandidate.most_alive = _FakeCandidate.alive
-    return search.quantize_with_budget(model, _KindsBackend(model, culprit, add_error, layer_error), calibration)
+    return search.quantize_with_budget(model, make_backend(model), calibration)
+
+
+def _search_kinds(monkeypatch, add_error, layer_error, culprit="layer1"):
+    return _search_fake(monkeypatch, lambda model: _KindsBackend(model, culprit, add_error, layer_error))
 
 
 def test_an_error_spread_over_every_add_is_kept_float_by_kind_before_layers_are(monkeypatch):
@@ -372,18 +377,8 @@ class _DynamicBackend(_FakeBackend):
 
 
 def _search_dynamic(monkeypatch, static_error, dynamic_error, layer_error=0.0, unquantized=(), fraction=1.0):
-    from exporter.quant import search
-    from exporter.quant.sensitivity import Sensitivity
-
-    ranking = list(_FakeBackend.LAYERS)
-    monkeypatch.setattr(search, "layer_sensitivity", lambda *a, **k: Sensitivity(
-        {n: 10.0 + i for i, n in enumerate(ranking)}, {n: 5.0 + i for i, n in enumerate(ranking)}))
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 10)
-    calibration = Calibration([torch.randn(1, 4) for _ in range(20)], None, {"psnr_db": 30.0},
-                              {**SETTINGS, "max_float_fraction": fraction})
-    backend = _DynamicBackend(model, "layer1", static_error, dynamic_error, layer_error, unquantized)
-    return search.quantize_with_budget(model, backend, calibration)
+    return _search_fake(monkeypatch, lambda model: _DynamicBackend(
+        model, "layer1", static_error, dynamic_error, layer_error, unquantized), fraction)
 
 
 def test_ranges_chosen_per_inference_are_tried_only_when_static_ranges_miss_and_kept_when_they_gain(monkeypatch):
