@@ -77,7 +77,8 @@ def outliers_summary(a: dict) -> str:
     text = (f"{count} of {o['of']} validation inputs carry {o['error_share']:.1%} of the error (RMS error {over}"
             f"{peaked}); the other {rest} {verdict} the fidelity thresholds ({without}); rows "
             f"{', '.join(map(str, o['rows'][:10]))}")
-    if a.get("precision") == "int8" and peak and peak >= 2:
+    static = "dynamic" not in (((a.get("details") or {}).get("quantization") or {}).get("after") or {}).get("ranges", "")
+    if a.get("precision") == "int8" and peak and peak >= 2 and static:  # ranges chosen per inference clip nothing
         text += (" — likely activations past the ranges the calibration images set, which static int8 clips: "
                  "calibration data with inputs like these (--data) widens them")
     return text
