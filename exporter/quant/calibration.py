@@ -17,6 +17,8 @@ SETTINGS = {
     "dynamic_ranges": True,  # .pte: when static ranges miss the budget, try ranges chosen per inference (dynamic int8)
 }
 ONNX_CALIBRATIONS = ("auto", "mse", "minmax", "percentile")
+# settings only one kind of quantizer reads: a manifest lists them only for the backends that name them (`settings`)
+BACKEND_SETTINGS = ("onnx_calibration", "dynamic_ranges")
 
 
 @dataclass
@@ -54,12 +56,13 @@ class Calibration:
             budget["psnr_db"] = budget["psnr_db"] + self.settings["psnr_margin_db"]
         return budget
 
-    def describe(self) -> dict:
+    def describe(self, backend_settings: tuple[str, ...] = ()) -> dict:
         ranges, check, labels = self.split()
+        settings = {k: v for k, v in self.settings.items() if k not in BACKEND_SETTINGS or k in backend_settings}
         return {
             "range_images": len(ranges),
             "check_images": len(check),
             "check_labeled": labels is not None,
             "budget": self.budget_thresholds(),
-            **self.settings,
+            **settings,
         }

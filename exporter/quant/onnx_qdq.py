@@ -57,6 +57,7 @@ class QdqCandidate:
 
 class OnnxQdqBackend:
     op_fallbacks = ()  # Q/DQ goes on layer inputs only: adds and the other elementwise ops are float already
+    settings = ("onnx_calibration",)
 
     def __init__(self, model: torch.nn.Module, fp32_path: Path, input_name: str, method: str = "auto",
                  workdir: Path | None = None, external_data: bool = False):

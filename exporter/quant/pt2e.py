@@ -178,10 +178,42 @@ def _float_kinds(model, float_kinds) -> None:
             _float_output(node)
 
 
+def _dynamic_convs_before_relu(model, config) -> None:
+    """Annotate a conv whose only user is a ReLU as XNNPACK's dynamic conv pattern annotates the others: its input
+    quantized per inference, per-channel int8 weights, its output (and the ReLU) float. The quantizer leaves such a
+    conv to its conv+ReLU pattern, which is static only, so in dynamic mode every conv of a ReLU network (once
+    BatchNorm is folded) stayed float. Depthwise convs stay float: XNNPACK has no dynamic depthwise kernel."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer_utils import is_relu_node
+    from executorch.backends.xnnpack.utils.utils import is_depthwise_conv
+    from torchao.quantization.pt2e.quantizer import (
+        QuantizationAnnotation,
+        get_bias_qspec,
+        get_input_act_qspec,
+        get_weight_qspec,
+    )
+
+    for node in model.graph.nodes:
+        if node.op != "call_function" or node.target != torch.ops.aten.conv2d.default or KEY in node.meta:
+            continue
+        users, weight = list(node.users), node.args[1]
+        bias = _arg(node, 2, "bias", None)
+        shape = getattr(weight.meta.get("val"), "shape", None)
+        if (len(users) != 1 or not is_relu_node(users[0]) or shape is None or len(shape) != 4
+                or is_depthwise_conv(shape, 1, False) or KEY in weight.meta):
+            continue
+        qspecs = {node.args[0]: get_input_act_qspec(config), weight: get_weight_qspec(config)}
+        if isinstance(bias, Node):
+            qspecs[bias] = get_bias_qspec(config)
+        node.meta[KEY] = QuantizationAnnotation(input_qspec_map=qspecs, output_qspec=None, _annotated=True)
+        for constant in (weight, bias):
+            if isinstance(constant, Node):
+                constant.meta[KEY] = QuantizationAnnotation(_annotated=True)
+
+
 def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynamic: bool = False):
     """dynamic: activations quantized per inference from their own range (XNNPACK's qd8 kernels), for the convolutions
-    and linear layers its dynamic patterns take (not a conv whose output goes to a ReLU once BatchNorm is folded, nor
-    a depthwise one: those stay float, and count as float layers); every other op computes in float."""
+    and linear layers it has a dynamic kernel for (not depthwise convs: those stay float, and count as float layers);
+    every other op computes in float."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
@@ -192,6 +224,8 @@ def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynami
 
         def annotate(self, model):
             model = super().annotate(model)
+            if dynamic:
+                _dynamic_convs_before_relu(model, self.global_config)
             _share_through_zero_pads(model)
             self.floated = set(float_layers)
             for node in list(model.graph.nodes):
@@ -203,7 +237,7 @@ def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynami
                     _float_output(node)
             _float_kinds(model, float_kinds)
             _drop_dangling_shares(model.graph)
-            if dynamic:  # layers its dynamic patterns skip stay float: a conv before a ReLU, depthwise convs
+            if dynamic:  # layers with no dynamic kernel stay float: depthwise convs
                 self.floated |= {layer_name(n) for n in model.graph.nodes if n.op == "call_function"
                                  and n.target in LAYER_TARGETS and not getattr(n.meta.get(KEY), "input_qspec_map", None)}
             return model
@@ -279,6 +313,7 @@ DYNAMIC = "dynamic"
 class Pt2eBackend:
     range_methods = ("histogram",)
     fallback_range_methods = (DYNAMIC,)
+    settings = ("dynamic_ranges",)
     op_fallbacks = tuple(OP_KINDS)
 
     def __init__(self, model: torch.nn.Module, example: torch.Tensor, exported=None):

@@ -42,6 +42,7 @@ class Backend(Protocol):
     # optional: ways tried only when every range method misses the budget (PT2E: ranges chosen per inference)
     fallback_range_methods: tuple[str, ...]
     op_fallbacks: tuple[str, ...]  # kinds of op (not layers) it quantizes and can keep in float, every one of them
+    settings: tuple[str, ...]  # optional: the calibration.BACKEND_SETTINGS that mean something for it
 
     def layers(self) -> list[str]:
         """Names (module paths) of the layers this backend quantizes and can leave in float."""
@@ -89,7 +90,7 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     budget = calibration.budget_thresholds()
     layers = backend.layers()
     check = torch.cat(check_images) if check_images else None
-    report = {**calibration.describe(), "layers": len(layers)}
+    report = {**calibration.describe(getattr(backend, "settings", ())), "layers": len(layers)}
     if check is None:
         method = backend.range_methods[0]
         candidate = backend.quantize([], range_images, method)
