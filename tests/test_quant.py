@@ -859,6 +859,42 @@ def test_ranges_chosen_per_inference_quantize_a_conv_before_a_relu(tmp_path):
     assert (out - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
 
 
+class _SharedInput(torch.nn.Module):
+    """A ReLU's output read by a 3x3 and a 1x1 conv, as ResNet50's blocks and SqueezeNet's fire modules read theirs;
+    or (shuffle) read by a 1x1 conv through ShuffleNetV2's channel shuffle."""
+
+    def __init__(self, shuffle: bool):
+        super().__init__()
+        nn = torch.nn
+        self.shuffle = shuffle
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU())
+        self.wide, self.narrow = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 1)
+
+    def forward(self, x):
+        y = self.stem(x)
+        if self.shuffle:
+            b, c, h, w = y.shape
+            return self.narrow(y.view(b, 2, c // 2, h, w).transpose(1, 2).reshape(b, c, h, w))
+        return self.wide(y) + self.narrow(y)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_per_inference_int8_pte_computes_what_its_graph_does(tmp_path, shuffle):
+    """Two inputs XNNPACK lowers wrong with ranges chosen per inference: one dynamic quantize read by a 3x3 and a 1x1
+    conv (ResNet50's .pte was 6.7 dB from its own int8 graph), and a conv reading a channel shuffle (a toy's .pte
+    was garbage, ShuffleNetV2's failed to run). Each layer gets a quantize of its own; the conv after the shuffle
+    stays float."""
+    from exporter.quant.pt2e import Pt2eBackend
+
+    torch.manual_seed(0)
+    model, example = _SharedInput(shuffle).eval(), torch.randn(1, 3, 16, 16)
+    backend = Pt2eBackend(model, example)
+    backend.quantize([], [example], "dynamic")
+    assert backend.float_closure([], "dynamic") == (["narrow"] if shuffle else [])
+    out, expected, _ = _int8_pte_against_its_quantized_graph(model, example, tmp_path, "dynamic")
+    assert (out - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
+
+
 class _SharedHead(torch.nn.Module):
     """One head (conv tower and output conv) applied to two feature levels, as RetinaNet and FCOS apply theirs."""
 

@@ -23,6 +23,7 @@ from . import arch_rows, cache, default_out, golden_program, memory_profile, pro
 from .plan import ArtifactSpec, Plan, make_all, make as make_plan
 from ..tasks import Task
 from ..quant import Calibration
+from ..quant.calibration import BACKEND_SETTINGS
 from .request import BuildRequest
 from .cache import BuildCache
 from ..errors import UsageError
@@ -316,7 +317,10 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
     calibration = session.calibration(spec.precision, progress.note)
     digest = cache.key(kind="artifact", format=spec.format, precision=spec.precision, options=dict(spec.options),
                        example=list(session.inputs.example.shape),
-                       quantization=calibration.describe() if isinstance(calibration, Calibration) else None,
+                       # every setting, whichever format reads it (without dynamic_ranges, a static .pte was
+                       # reused for a build that asked for dynamic ranges)
+                       quantization=(calibration.describe(BACKEND_SETTINGS) if isinstance(calibration, Calibration)
+                                     else None),
                        **session.digests)
     try:
         with progress.step(label), files.atomic_path(out / filename) as tmp:

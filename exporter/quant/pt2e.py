@@ -33,6 +33,7 @@ DATA_MOVEMENT = {"view", "reshape", "_unsafe_view", "permute", "transpose", "t",
 # no layer the search could float recovers it. ONNX Q/DQ leaves adds float already (Q/DQ on layer inputs only).
 OP_KINDS = {"add": {torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor}}
 MAX_WALK = 6  # ops between a layer and the producer whose output annotation quantizes its input
+TRANSPOSES = {"transpose", "permute", "t"}
 PADS = {torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default}
 # set by a format's rewrite on an op that stands for one the quantizer shares its input's range through (the plain
 # pool that replaced an adaptive one: formats.rewrites.adaptive_pools_as_pools)
@@ -210,10 +211,56 @@ def _dynamic_convs_before_relu(model, config) -> None:
                 constant.meta[KEY] = QuantizationAnnotation(_annotated=True)
 
 
+def _float_dynamic_after_transpose(model) -> None:
+    """Leave float a dynamically quantized conv whose input comes through a transpose (ShuffleNetV2's channel
+    shuffle: view, transpose, view). XNNPACK's lowering gets that input wrong: a toy's .pte was garbage against its
+    own int8 graph, ShuffleNetV2's failed at run time (Propagating input shapes failed). Static int8 is not affected."""
+    for node in model.graph.nodes:
+        annotation = node.meta.get(KEY)
+        if (node.op != "call_function" or node.target not in (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default)
+                or not getattr(annotation, "input_qspec_map", None)):
+            continue
+        producer = node.args[0]
+        for _ in range(MAX_WALK):
+            if not isinstance(producer, Node) or producer.op != "call_function" or not producer.args:
+                break
+            kind = getattr(producer.target, "_schema", None) and producer.target._schema.name.split("::")[-1]
+            if kind in TRANSPOSES:
+                annotation.input_qspec_map = {}
+                break
+            if kind not in DATA_MOVEMENT:
+                break
+            producer = producer.args[0]
+
+
+def _own_dynamic_quantize(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Give each layer reading a dynamically quantized tensor a quantize chain of its own (choose_qparams, quantize,
+    dequantize). convert_pt2e makes one per tensor, and XNNPACK lowers a chain shared by a 3x3 and a 1x1 conv wrong:
+    random ResNet50 and SqueezeNet 1.1 .pte files 6-7 dB from their own int8 graphs (a toy: the 3x3's output 6 dB,
+    the 1x1's 40), and it cuts the delegate at each one."""
+    graph = module.graph
+    for dequantize in list(graph.nodes):
+        if dequantize.target != torch.ops.quantized_decomposed.dequantize_per_tensor.tensor or len(dequantize.users) < 2:
+            continue
+        quantize = dequantize.args[0]
+        scale, zero_point = quantize.args[1:3]
+        choose = scale.args[0]
+        if choose.target != torch.ops.quantized_decomposed.choose_qparams.tensor or zero_point.args[0] is not choose:
+            continue
+        for user in list(dequantize.users)[1:]:
+            copies = {}
+            with graph.inserting_before(user):
+                for node in (choose, scale, zero_point, quantize, dequantize):
+                    copies[node] = graph.node_copy(node, lambda n: copies.get(n, n))
+            user.replace_input_with(dequantize, copies[dequantize])
+    module.recompile()
+    return module
+
+
 def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynamic: bool = False):
     """dynamic: activations quantized per inference from their own range (XNNPACK's qd8 kernels), for the convolutions
-    and linear layers it has a dynamic kernel for (not depthwise convs: those stay float, and count as float layers);
-    every other op computes in float."""
+    and linear layers XNNPACK lowers correctly so (not depthwise convs, nor a conv reading a transpose: those stay
+    float, and count as float layers); every other op computes in float."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
@@ -226,6 +273,7 @@ def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynami
             model = super().annotate(model)
             if dynamic:
                 _dynamic_convs_before_relu(model, self.global_config)
+                _float_dynamic_after_transpose(model)
             _share_through_zero_pads(model)
             self.floated = set(float_layers)
             for node in list(model.graph.nodes):
@@ -237,7 +285,7 @@ def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynami
                     _float_output(node)
             _float_kinds(model, float_kinds)
             _drop_dangling_shares(model.graph)
-            if dynamic:  # layers with no dynamic kernel stay float: depthwise convs
+            if dynamic:  # layers left float: depthwise convs, convs reading a transpose
                 self.floated |= {layer_name(n) for n in model.graph.nodes if n.op == "call_function"
                                  and n.target in LAYER_TARGETS and not getattr(n.meta.get(KEY), "input_qspec_map", None)}
             return model
@@ -352,7 +400,7 @@ class Pt2eBackend:
         with torch.no_grad(), one_thread():
             for x in range_images[:1] if method == DYNAMIC else range_images:  # nothing to observe but the graph
                 prepared(x)
-        return convert_pt2e(prepared)
+        return _own_dynamic_quantize(convert_pt2e(prepared)) if method == DYNAMIC else convert_pt2e(prepared)
 
     def float_closure(self, float_layers: list[str], method: str = "histogram") -> list[str]:
         return self._floated.get((tuple(float_layers), method), list(float_layers))

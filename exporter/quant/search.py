@@ -304,8 +304,8 @@ def _layer_entry(name: str, sensitivity, not_asked: bool, fallback_ranges: bool 
     entry = {"name": name, "output_psnr_db": _rounded(sensitivity.output_psnr_db.get(name) if sensitivity else None),
              "local_sqnr_db": _rounded(sensitivity.local_sqnr_db.get(name) if sensitivity else None)}
     if not_asked:
-        entry["why"] = ("no int8 pattern for it with ranges chosen per inference (a depthwise conv, a conv before a "
-                        "ReLU), or it feeds a float layer" if fallback_ranges else
+        entry["why"] = ("no int8 kernel for it with ranges chosen per inference (a depthwise conv, a conv reading a "
+                        "channel shuffle), or it feeds a float layer" if fallback_ranges else
                         "feeds a float layer: the backend quantizes an op only together with its output")
     return entry
 
