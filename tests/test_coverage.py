@@ -304,6 +304,9 @@ def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_pa
     (cell,) = row["cells"]
     accuracy = cell["accuracy"]
     assert accuracy["eager_acc1"] > 90, accuracy  # a trained reference, judged on real labels
+    # which range method won and whether the budget held on the check images: what a row is read for later
+    q = cell["quantization"]
+    assert q["ranges"] in ("histogram", "dynamic") and isinstance(q["meets_budget"], bool), q
     # judged on the labels, the verdict follows them: a pass within the budget, or a failure whose kind says whose it
     # is (the stand-in is trained on the host: one trained on an AMD EPYC without AVX-512 lost 3 of 172 digits at
     # int8, and eager rounded to int8 lost as much: "ill-conditioned reference")

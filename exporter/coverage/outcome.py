@@ -189,7 +189,9 @@ def cell_from_artifact(artifact: dict) -> dict:
                                   "thresholds_met_without": outliers["thresholds_met_without"]}
     if "quantization" in details and isinstance(details["quantization"], dict):
         q = details["quantization"]
-        cell["quantization"] = {k: q[k] for k in ("float_layers", "layers", "met_budget", "perturbation") if k in q}
+        cell["quantization"] = {k: q[k] for k in ("float_layers", "layers", "meets_budget", "perturbation") if k in q}
+        if isinstance(q.get("after"), dict) and q["after"].get("ranges"):  # which range method won (static, dynamic)
+            cell["quantization"]["ranges"] = q["after"]["ranges"]
     if artifact.get("aarch64"):  # its verdict on each emulated ARM CPU (the status above already holds them)
         cell["aarch64"] = {r["cpu"]: r["status"] for r in artifact["aarch64"]}
     psnr = (artifact.get("fidelity") or {}).get("psnr_db")
