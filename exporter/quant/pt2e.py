@@ -244,8 +244,9 @@ def _own_dynamic_quantize(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         quantize = dequantize.args[0]
         scale, zero_point = quantize.args[1:3]
-        choose = scale.args[0]
-        if choose.target != torch.ops.quantized_decomposed.choose_qparams.tensor or zero_point.args[0] is not choose:
+        choose = scale.args[0] if isinstance(scale, Node) and isinstance(zero_point, Node) else None
+        if getattr(choose, "target", None) != torch.ops.quantized_decomposed.choose_qparams.tensor \
+                or zero_point.args[0] is not choose:
             continue
         for user in list(dequantize.users)[1:]:
             copies = {}
