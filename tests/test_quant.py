@@ -895,6 +895,49 @@ def test_a_per_inference_int8_pte_computes_what_its_graph_does(tmp_path, shuffle
     assert (out - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
 
 
+def test_a_lowering_that_breaks_the_budget_its_graph_met_is_made_again_with_static_ranges(tmp_path, monkeypatch):
+    """The search scores graphs; ExecuTorch lowers them. With its workaround off, the shared dynamic quantize that
+    XNNPACK lowers wrong is back: the graph with ranges chosen per inference meets the budget, its program does not.
+    The export scores the program on the check images, says so, and makes the program again with static ranges."""
+    from exporter.formats import executorch
+    from exporter.quant import Calibration, pt2e
+    from exporter.validation import run_all
+
+    torch.manual_seed(0)
+    model, example = _SharedInput(False).eval(), torch.randn(1, 3, 16, 16)
+    images = [torch.randn(1, 3, 16, 16) for _ in range(16)]
+    check = torch.cat(images[1::2])  # the check images Calibration.split holds out at check_fraction 0.5
+
+    def graph_psnr(method):
+        from exporter.tasks import Classification
+
+        reference = run_all(model, check)
+        out = run_all(pt2e.Pt2eBackend(model, example).quantize([], images[::2], method), check)
+        return Classification(reference.shape[1], (16, 16)).fidelity(reference, out)["psnr_db"]
+
+    static, dynamic = graph_psnr("histogram"), graph_psnr("dynamic")
+    assert dynamic > static + 2, (static, dynamic)
+    # a PSNR budget (with the search's 2 dB margin) between the two: static ranges miss it, dynamic ones meet it
+    calibration = Calibration(images, budget={"psnr_db": (static + dynamic) / 2 - 2})
+
+    quantization = executorch.export(model, example, "int8", calibration, tmp_path / "ok.pte", {})["quantization"]
+    assert quantization["after"]["ranges"] == "dynamic" and "lowering_fault" not in quantization
+    assert quantization["program"]["meets_budget"]
+
+    monkeypatch.setattr(pt2e, "_own_dynamic_quantize", lambda module: module)
+    quantization = executorch.export(model, example, "int8", calibration, tmp_path / "x.pte", {})["quantization"]
+    fault = quantization["lowering_fault"]
+    assert fault["ranges"] == "dynamic" and fault["graph"]["meets_budget"] and not fault["program"]["meets_budget"]
+    assert quantization["after"]["ranges"] == "histogram" and quantization["dynamic_ranges"] is False
+    # what was shipped is the static program, scored as such: within a rounding step of its own graph
+    assert abs(quantization["program"]["psnr_db"] - quantization["after"]["psnr_db"]) < 1
+    import jsonschema
+
+    from exporter.release import manifest
+
+    jsonschema.validate(quantization, {"$defs": manifest.schema()["$defs"], "$ref": "#/$defs/quantization"})
+
+
 class _SharedHead(torch.nn.Module):
     """One head (conv tower and output conv) applied to two feature levels, as RetinaNet and FCOS apply theirs."""
 

@@ -192,6 +192,8 @@ def cell_from_artifact(artifact: dict) -> dict:
         cell["quantization"] = {k: q[k] for k in ("float_layers", "layers", "meets_budget", "perturbation") if k in q}
         if isinstance(q.get("after"), dict) and q["after"].get("ranges"):  # which range method won (static, dynamic)
             cell["quantization"]["ranges"] = q["after"]["ranges"]
+        if isinstance(q.get("lowering_fault"), dict):  # the ranges whose lowered program missed what its graph met
+            cell["quantization"]["lowering_fault"] = q["lowering_fault"]["ranges"]
     if artifact.get("aarch64"):  # its verdict on each emulated ARM CPU (the status above already holds them)
         cell["aarch64"] = {r["cpu"]: r["status"] for r in artifact["aarch64"]}
     psnr = (artifact.get("fidelity") or {}).get("psnr_db")

@@ -59,7 +59,39 @@ def _outside_on_tensors(graph_module) -> dict:
 
 
 def export(model, example, precision, calib, path: Path, meta: dict, rewrites: bool = True) -> dict:
-    """rewrites=False lowers the graph as it is (make bench times both, to show what formats.rewrites buys)."""
+    """rewrites=False lowers the graph as it is (make bench times both, to show what formats.rewrites buys).
+    An int8 program is scored on the search's check images once lowered (details.quantization.program). When
+    ranges chosen per inference met the budget in the graph and the program misses it, ExecuTorch's lowering
+    changed the numerics: the program is made again with static ranges (and the search's float layers)."""
+    import dataclasses
+
+    from ..quant import as_calibration
+    from ..quant.pt2e import Pt2eBackend
+    from ..quant.search import lowered_quality
+
+    details = _lower(model, example, precision, calib, path, rewrites)
+    report = details.get("quantization")
+    if report is None:
+        return details
+    calibration = as_calibration(calib)
+    report["program"] = lowered_quality(model, load(path), calibration)
+    graph, program = report.get("after") or {}, report["program"]
+    if (program is None or program["meets_budget"] or not report.get("meets_budget")
+            or graph.get("ranges") not in Pt2eBackend.fallback_range_methods):
+        return details
+    calibration.log(f"  int8 .pte: its graph met the budget ({graph['psnr_db']} dB) and the lowered program missed "
+                    f"it ({program['psnr_db']} dB): made again with static ranges")
+    static = dataclasses.replace(calibration, settings={**calibration.settings, "dynamic_ranges": False})
+    details = _lower(model, example, precision, static, path, rewrites)
+    details["quantization"]["program"] = lowered_quality(model, load(path), calibration)
+    details["quantization"]["lowering_fault"] = {
+        "ranges": graph["ranges"], "graph": graph, "program": program,
+        "note": "ExecuTorch lowered the int8 graph with these ranges to a program that missed the budget its graph "
+                "met; this program has static ranges"}
+    return details
+
+
+def _lower(model, example, precision, calib, path: Path, rewrites: bool) -> dict:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
@@ -117,7 +149,8 @@ def runtime_version() -> str:
     return version("executorch")
 
 
-def load(path: Path, threads: int):
+def load(path: Path, threads: int | None = None):
+    """threads=None: the runtime's pool as it is (scoring, not timing)."""
     from executorch.extension.pybindings import portable_lib
     from executorch.runtime import Runtime
 
@@ -125,7 +158,7 @@ def load(path: Path, threads: int):
         # ExecuTorch sizes its pool from cpuinfo, which can disagree with torch's thread count
         # (NOTES' ResNet18 .pte "slower than eager" matches a 1-thread pool against 2-thread eager).
         # Resizing frees the pool under methods already loaded (they crash), so resize only on change.
-        if portable_lib._threadpool_get_thread_count() != threads:
+        if threads is not None and portable_lib._threadpool_get_thread_count() != threads:
             portable_lib._unsafe_reset_threadpool(threads)
         method = Runtime.get().load_program(Path(path)).load_method("forward")
     return lambda x: method.execute([x.contiguous()])[0]

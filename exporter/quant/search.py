@@ -100,20 +100,11 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
                       note="too few calibration images to hold any out: plain PTQ, budget not checked")
         return candidate, report
 
-    with torch.no_grad():
-        reference = run_all(model, check)
-    if task is None:  # callers from before tasks existed gave class logits
-        task = Classification(reference.shape[1], tuple(check.shape[-2:]))
-    with torch.no_grad():
-        eager_accuracy = task.labeled(reference, check_labels) if check_labels is not None else None
+    reference, task, judge = _judge(model, check, check_labels, task, budget)
 
     def attempt(float_layers: list[str], method: str, kinds: tuple[str, ...] = ()):
         candidate = _quantize(backend, float_layers, range_images, method, kinds)
-        try:
-            metrics = task.quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
-        except CandidateFailed as error:
-            metrics = {"fidelity": {task.agreement: 0.0, "psnr_db": -math.inf}, "accuracy": None,
-                       "reasons": [f"does not run on every check image: {error}"]}
+        metrics = judge(candidate)
         in_float = len(_closure(backend, float_layers, method))  # with the producers XNNPACK needs float beside them
         steps.append({"float_layers": in_float, "ranges": method, **({"float_kinds": list(kinds)} if kinds else {}),
                       **_summary(task, metrics)})
@@ -252,6 +243,37 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
                                f"{moved:.1f} dB from its own outputs, under the budget's {budget['psnr_db']:g} dB: "
                                "the model amplifies small errors")
     return candidate, report
+
+
+def _judge(model: torch.nn.Module, check: torch.Tensor, check_labels, task, budget: dict):
+    """Eager's outputs on the check images, the task, and a function scoring a candidate against them."""
+    with torch.no_grad():
+        reference = run_all(model, check)
+    if task is None:  # callers from before tasks existed gave class logits
+        task = Classification(reference.shape[1], tuple(check.shape[-2:]))
+    with torch.no_grad():
+        eager_accuracy = task.labeled(reference, check_labels) if check_labels is not None else None
+
+    def judge(candidate: Candidate) -> dict:
+        try:
+            return task.quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
+        except CandidateFailed as error:
+            return {"fidelity": {task.agreement: 0.0, "psnr_db": -math.inf}, "accuracy": None,
+                    "reasons": [f"does not run on every check image: {error}"]}
+
+    return reference, task, judge
+
+
+def lowered_quality(model: torch.nn.Module, program: Candidate, calibration: Calibration) -> dict | None:
+    """The lowered program scored on the check images as the search scored its graph (None: no check images).
+    A lowering that changes the int8 model's numerics shows as a program missing a budget its graph met:
+    ExecuTorch 1.5.1 lowered two dynamic int8 patterns wrong (docs/int8.md), and the search sees only graphs."""
+    _, check_images, check_labels = calibration.split()
+    if not check_images:
+        return None
+    _, task, judge = _judge(model, torch.cat(check_images), check_labels, calibration.task,
+                            calibration.budget_thresholds())
+    return _summary(task, judge(program))
 
 
 def perturbed_psnr(model: torch.nn.Module, images: torch.Tensor, reference: torch.Tensor, task) -> float:

@@ -48,6 +48,14 @@ def quantization_summary(q: dict) -> str:
     if q.get("float_ops"):
         ops = ", ".join(f"{name}×{n}" for name, n in q["float_ops"].items())
         text += f"; ops computed in float (no int8 pattern in the quantizer, or kept in float): {ops}"
+    if q.get("program"):
+        program = q["program"]
+        text += (f"; the lowered program on the same images: PSNR {_num(program['psnr_db'], '.1f')} dB, budget "
+                 + ("met" if program["meets_budget"] else "**not met**"))
+    if q.get("lowering_fault"):
+        fault = q["lowering_fault"]
+        text += (f"; with {fault['ranges']} ranges the lowered program was at {_num(fault['program']['psnr_db'], '.1f')}"
+                 f" dB where its graph was at {_num(fault['graph']['psnr_db'], '.1f')}: made again with static ranges")
     budget = (q.get("budget") or {}).get("accuracy_drop")
     if q.get("check_labeled") and budget is not None and 100 / q["check_images"] > budget:
         text += (f"; one of {q['check_images']} check images is {100 / q['check_images']:.1f} points of acc@1, "
