@@ -928,7 +928,8 @@ def test_a_lowering_that_breaks_the_budget_its_graph_met_is_made_again_with_stat
     quantization = executorch.export(model, example, "int8", calibration, tmp_path / "x.pte", {})["quantization"]
     fault = quantization["lowering_fault"]
     assert fault["ranges"] == "dynamic" and fault["graph"]["meets_budget"] and not fault["program"]["meets_budget"]
-    assert quantization["after"]["ranges"] == "histogram" and quantization["dynamic_ranges"] is False
+    assert fault["kept"] == "static" and fault["static_program"] == quantization["program"]
+    assert quantization["after"]["ranges"] == "histogram" and quantization["dynamic_ranges"] is True  # as asked
     # what was shipped is the static program, scored as such: within a rounding step of its own graph
     assert abs(quantization["program"]["psnr_db"] - quantization["after"]["psnr_db"]) < 1
     import jsonschema
@@ -936,6 +937,36 @@ def test_a_lowering_that_breaks_the_budget_its_graph_met_is_made_again_with_stat
     from exporter.release import manifest
 
     jsonschema.validate(quantization, {"$defs": manifest.schema()["$defs"], "$ref": "#/$defs/quantization"})
+    from exporter.release.report import quantization_summary
+
+    assert "made again with static ranges" in quantization_summary(quantization)
+
+
+def test_a_program_that_does_not_load_or_run_scores_as_the_worst_candidate():
+    """ShuffleNetV2's dynamic .pte failed to run (`Propagating input shapes failed`): a program that raises is
+    scored as failing the budget, not an export that fails, so a program without the fault can be made instead."""
+    from exporter.quant import Calibration
+    from exporter.quant.search import lowered_quality, lowering_broke
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 10)).eval()
+    calibration = Calibration([torch.randn(1, 3, 2, 2) for _ in range(8)], budget={"psnr_db": 30.0})
+
+    def fails(_x):
+        raise RuntimeError("method->execute() failed with error 0x1")
+
+    def no_load():
+        raise RuntimeError("XNNPACK: invalid parameter")
+
+    graph = {"meets_budget": True, "psnr_db": 40.0}
+    for load in (lambda: fails, no_load):
+        score = lowered_quality(model, load, calibration)
+        assert not score["meets_budget"] and score["psnr_db"] is None and "does not run" in score["reasons"][0]
+        assert lowering_broke(graph, score)
+    itself = lowered_quality(model, lambda: model, calibration)
+    assert itself["meets_budget"] and not lowering_broke(graph, itself)
+    # under the budget by a rounding of its graph: not a lowering fault
+    assert not lowering_broke({"meets_budget": True, "psnr_db": 32.3}, {"meets_budget": False, "psnr_db": 31.9})
 
 
 class _SharedHead(torch.nn.Module):

@@ -264,16 +264,47 @@ def _judge(model: torch.nn.Module, check: torch.Tensor, check_labels, task, budg
     return reference, task, judge
 
 
-def lowered_quality(model: torch.nn.Module, program: Candidate, calibration: Calibration) -> dict | None:
-    """The lowered program scored on the check images as the search scored its graph (None: no check images).
-    A lowering that changes the int8 model's numerics shows as a program missing a budget its graph met:
+def lowered_quality(model: torch.nn.Module, load, calibration: Calibration) -> dict | None:
+    """The lowered program (`load()` gives its runner) scored on the check images as the search scored its graph
+    (None: no check images). A program that fails to load or run scores as the worst candidate.
+    A lowering that changes the int8 model's numbers shows as a program missing a budget its graph met:
     ExecuTorch 1.5.1 lowered two dynamic int8 patterns wrong (docs/int8.md), and the search sees only graphs."""
     _, check_images, check_labels = calibration.split()
     if not check_images:
         return None
     _, task, judge = _judge(model, torch.cat(check_images), check_labels, calibration.task,
                             calibration.budget_thresholds())
+
+    def program(x: torch.Tensor) -> torch.Tensor:
+        try:
+            return runner(x)
+        except Exception as error:
+            raise CandidateFailed(f"{type(error).__name__}: {error}".splitlines()[0]) from error
+
+    try:
+        runner = load()
+    except Exception as error:
+        runner = _raises(error)
     return _summary(task, judge(program))
+
+
+def _raises(error: Exception):
+    def run(_x):
+        raise error
+    return run
+
+
+def lowering_broke(graph: dict, program: dict | None) -> bool:
+    """The program misses the budget its graph met, and not by a rounding: it does not run, or it is more than
+    MIN_GAIN_DB under its graph (a dynamic 1x1 conv's program differs from its graph by up to 0.7 dB either way)."""
+    if program is None or program["meets_budget"] or not graph.get("meets_budget"):
+        return False
+    return program["psnr_db"] is None or graph["psnr_db"] is None or program["psnr_db"] < graph["psnr_db"] - MIN_GAIN_DB
+
+
+def better(a: dict, b: dict) -> bool:
+    """Whether score a ranks above score b: meeting the budget first, then PSNR."""
+    return _rank(a) > _rank(b)
 
 
 def perturbed_psnr(model: torch.nn.Module, images: torch.Tensor, reference: torch.Tensor, task) -> float:
@@ -318,7 +349,9 @@ def _kinds_text(kinds: tuple[str, ...]) -> str:
 
 
 def _rank(metrics: dict) -> tuple:
-    """Which candidate is better: meeting the budget first, then PSNR against eager."""
+    """Which candidate is better: meeting the budget first, then PSNR against eager (metrics or their summary)."""
+    if "fidelity" not in metrics:
+        return metrics["meets_budget"], -math.inf if metrics["psnr_db"] is None else metrics["psnr_db"]
     return not metrics["reasons"], metrics["fidelity"]["psnr_db"]
 
 

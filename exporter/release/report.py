@@ -54,8 +54,10 @@ def quantization_summary(q: dict) -> str:
                  + ("met" if program["meets_budget"] else "**not met**"))
     if q.get("lowering_fault"):
         fault = q["lowering_fault"]
+        static = (fault.get("static_program") or {}).get("psnr_db")
         text += (f"; with {fault['ranges']} ranges the lowered program was at {_num(fault['program']['psnr_db'], '.1f')}"
-                 f" dB where its graph was at {_num(fault['graph']['psnr_db'], '.1f')}: made again with static ranges")
+                 f" dB where its graph was at {_num(fault['graph']['psnr_db'], '.1f')}: made again with static ranges "
+                 f"({_num(static, '.1f')} dB), the {fault['kept']} program kept")
     budget = (q.get("budget") or {}).get("accuracy_drop")
     if q.get("check_labeled") and budget is not None and 100 / q["check_images"] > budget:
         text += (f"; one of {q['check_images']} check images is {100 / q['check_images']:.1f} points of acc@1, "
