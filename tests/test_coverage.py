@@ -6,6 +6,7 @@ and randomises with. About a minute on 2 shared cores."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -836,6 +837,61 @@ def test_a_digits_run_that_did_not_learn_is_run_again_at_a_lower_learning_rate(m
     accuracies = iter([0.9])
     monkeypatch.setattr(digits, "_accuracy", lambda model, x, y, idx: next(accuracies))
     assert digits.train("SqueezeNet1_1_Weights.IMAGENET1K_V1", 1, log=lambda _m: None)[1] == 0.9 and rates == [2e-3]
+
+
+def test_a_digits_run_that_did_not_learn_at_either_rate_is_run_again_with_its_classifier_shrunk(monkeypatch):
+    """EfficientNet-B6 (27 % held out) and V2-M (13 and 11 %) learned at neither learning rate: their heads start
+    10x ImageNet's scale at 10 classes. The last try shrinks the classifier; the first two keep their start."""
+    from exporter.standins import digits
+
+    weight = "EfficientNet_B0_Weights.IMAGENET1K_V1"
+    torch.manual_seed(digits.SEED)
+    initial = digits._model(weight).classifier[1].weight.abs().max().item()
+    x, y = torch.randn(6, 3, 32, 32), torch.arange(6) % 10
+    monkeypatch.setattr(digits, "_dataset", lambda w, size=None: (x, y, [0, 1, 2], [3, 4, 5], ([], [])))
+    tries, accuracies = [], iter([0.27, 0.11, 0.92])
+
+    def fit(model, x, y, idx, epochs, lr, log):
+        tries.append((lr, round(model.classifier[1].weight.abs().max().item() / initial, 4)))
+
+    monkeypatch.setattr(digits, "_fit", fit)
+    monkeypatch.setattr(digits, "_accuracy", lambda model, x, y, idx: next(accuracies))
+    assert digits.train(weight, 1, log=lambda _m: None)[1] == 0.92
+    assert tries == [(2e-3, 1.0), (2e-3 * digits.RETRY_LR_FACTOR, 1.0), (2e-3, 0.1)]
+
+
+@pytest.mark.parametrize("weight", ["EfficientNet_B4_Weights.IMAGENET1K_V1", "SqueezeNet1_1_Weights.IMAGENET1K_V1"])
+def test_a_shrunk_classifier_starts_near_chance_and_can_still_learn(weight):
+    """EfficientNet-B4's head (a Linear) starts far from chance at 10 classes; shrunk, the first loss is near
+    chance's, ln 10. SqueezeNet's is a convolution under a ReLU: shrunk, not zeroed, its output still moves."""
+    from exporter.standins import digits
+
+    torch.manual_seed(0)
+    model, x, y = digits._model(weight).train(), torch.randn(8, 3, 64, 64), torch.arange(8)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        start = nn.functional.cross_entropy(model(x), y).item()
+    digits.shrink_classifier(model)
+    torch.manual_seed(1)
+    loss = nn.functional.cross_entropy(model(x), y)
+    assert start > 2 * math.log(10) or weight.startswith("Squeeze")
+    assert abs(loss.item() - math.log(10)) < 0.5
+    loss.backward()
+    head = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))][-1]
+    assert head.weight.grad.abs().sum() > 0
+
+
+def test_a_cached_digits_model_that_did_not_learn_before_the_last_try_existed_is_trained_again(tmp_path):
+    from exporter.standins import digits
+
+    info_file = tmp_path / "digits_efficientnet_v2_m_64px.json"
+    info = {"recipe": digits.RECIPE_VERSION, "epochs": 4, "checkpoint": str(info_file), "accuracy": 0.11}
+    info_file.write_text(json.dumps(info))
+    assert digits._cached_info(info_file, 4, "checkpoint") is None
+    info_file.write_text(json.dumps(dict(info, attempts=len(digits.ATTEMPTS))))
+    assert digits._cached_info(info_file, 4, "checkpoint") is not None  # every try made: do not train it again
+    info_file.write_text(json.dumps(dict(info, accuracy=0.97)))
+    assert digits._cached_info(info_file, 4, "checkpoint") is not None  # learned before: keeps its checkpoint
 
 
 def test_inception_v3_trains_at_96_px_and_keeps_its_auxiliary_head():
