@@ -462,9 +462,10 @@ but on a trained model:
 - **Trained, nothing downloaded.** The weight's architecture (10 classes) is trained from scratch on scikit-learn's
   8×8 digits, preprocessed by the weight's own transforms (so at its own crop, or at the size its row names: a
   classifier trained and built at N×N by `--classifier-size N`, the resize scaled with it), by the recipe of the digits
-  stand-ins the tests use (`exporter/standins/digits.py`: AdamW, one-cycle, batch-norm statistics recomputed),
-  and cached in `$EXPORTER_CACHE/digits`. A quantized weight's float model is trained and then quantized as
-  torchvision made its int8 weights.
+  stand-ins the tests use (`exporter/standins/digits.py`: AdamW, one-cycle, batch-norm statistics recomputed; a run
+  that did not learn is made again from the same start at a tenth of the learning rate, then with its classifier
+  scaled by √(10/1000), EfficientNet's initial scale at ImageNet's 1000 classes), and cached in `$EXPORTER_CACHE/digits`. A quantized
+  weight's float model is trained and then quantized as torchvision made its int8 weights.
 - **Judged on labels.** The build gets the 300 held-out digits (never trained on) as `--data`: the target's own
   calibration and validation sizes, the int8 budget (`accuracy_drop`) checked as in a user's build. "eager acc@1"
   is eager's on the validation digits; each cell shows the artifact's.
