@@ -143,3 +143,24 @@ def test_an_artifact_not_built_here_says_why_it_is_not_measured(tmp_path, digits
         assert a["memory"] == a["profile"] == {"available": False, "reason": a["memory"]["reason"]}
         assert "TensorRT" in a["memory"]["reason"]
     assert "memory not measured (" in (out / "report.md").read_text()
+
+
+def test_the_lite_interpreter_profile_stops_adding_runs_once_its_trace_is_large(tmp_path, monkeypatch):
+    """EfficientNet-B6's .ptl made 30,000 operator calls a run, and torch's profiler kept ~2.7 GB of trace per
+    run: ten profiled runs filled the build host's 22 GB. Each run has its own profiler and, once the calls
+    recorded reach PROFILE_CALLS, no further run is profiled; the record says how many runs it holds."""
+    from exporter.formats import torchscript_lite
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, groups=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten(), torch.nn.Linear(8, 10)).eval()
+    example = torch.randn(1, 3, 16, 16)
+    path = tmp_path / "tiny.ptl"
+    torchscript_lite.export(model, example, "fp32", None, path, {})
+    whole = torchscript_lite.profile(path, example, 5, 1)
+    assert whole["runs"] == 5 and {o["op"] for o in whole["ops"]} >= {"aten::addmm"}
+    monkeypatch.setattr(torchscript_lite, "PROFILE_CALLS", 1)  # the first run is over it: no second
+    capped = torchscript_lite.profile(path, example, 5, 1)
+    assert capped["runs"] == 1 and "aten::addmm" in {o["op"] for o in capped["ops"]}
+    counts = {o["op"]: o["count"] for o in whole["ops"]}
+    assert all(o["count"] == counts[o["op"]] for o in capped["ops"] if o["op"] in counts)  # per run, either way

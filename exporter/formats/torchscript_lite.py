@@ -76,9 +76,15 @@ def memory(path: Path, input_shape, threads: int) -> dict:
     return shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, "module(tensor)", path, input_shape, threads)
 
 
+# torch's profiler keeps every operator call it records: EfficientNet-B6's .ptl makes 30,000 calls a run (its
+# depthwise convolutions run channel by channel), about 2.7 GB of trace per run; 10 runs filled 22 GB here.
+PROFILE_CALLS = 20_000  # no further run is profiled once the runs so far made this many calls
+
+
 def profile(path: Path, example, runs: int, threads: int) -> dict:
     """Operators by self time from torch's profiler around the lite interpreter (a module of its own; one
-    warm-up run left out)."""
+    warm-up run left out). Each run has a profiler of its own, so memory holds one run's trace; after
+    PROFILE_CALLS operator calls no further run is profiled, and the record's `runs` says how many were."""
     import time
 
     from torch.jit.mobile import _load_for_lite_interpreter
@@ -88,11 +94,16 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     module = _load_for_lite_interpreter(str(path))
     module(example)
-    with shared.native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
-        start = time.perf_counter()
-        for _ in range(runs):
+    totals, wall, profiled, calls = {}, 0.0, 0, 0
+    while profiled < runs and calls < PROFILE_CALLS:
+        with shared.native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+            start = time.perf_counter()
             module(example)
-        wall = (time.perf_counter() - start) * 1000
-    totals = {event.key: (event.self_cpu_time_total / 1000, event.count) for event in trace.key_averages()
-              if event.self_cpu_time_total > 0}
-    return shared.top_ops(totals, wall, runs, "torch.profiler (self time per aten operator)")
+            wall += (time.perf_counter() - start) * 1000
+        for event in trace.key_averages():
+            calls += event.count
+            if event.self_cpu_time_total > 0:
+                ms, count = totals.get(event.key, (0.0, 0))
+                totals[event.key] = (ms + event.self_cpu_time_total / 1000, count + event.count)
+        profiled += 1
+    return shared.top_ops(totals, wall, profiled, "torch.profiler (self time per aten operator)")
