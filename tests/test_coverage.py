@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -281,6 +282,21 @@ def test_a_worker_stays_in_the_sweeps_session_and_its_kill_takes_what_it_started
             and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(f"/proc/{grandchild}").exists() or Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z"
+
+
+def test_a_build_killed_from_outside_the_sweep_is_not_kept_as_the_weights_verdict(tmp_path):
+    """EfficientNet-B6's row was ended by a `kill` (its .ptl profile was filling memory): the row said
+    "converter crash" and the row cache served it ever after. A build ended by SIGTERM, SIGINT or SIGHUP the
+    sweep did not send is "killed" and built again next time; a crash (SIGSEGV) and the OOM killer's SIGKILL
+    stay verdicts."""
+    planned = [{"name": "executorch_fp32", "format": "executorch", "precision": "fp32"}]
+    for code, kind, kept in ((-signal.SIGTERM, "killed", False), (-signal.SIGHUP, "killed", False),
+                             (-signal.SIGSEGV, "converter crash", True), (-signal.SIGKILL, "out of memory", True)):
+        (cell,) = outcome.stopped_cells(planned, [], code, False, None, None)
+        row = {"outcome": "stopped", "returncode": code, "cells": [cell]}
+        assert (cell["kind"], sweep._cacheable(row)) == (kind, kept), code
+    rowcache.store(tmp_path, {"key": "b6", "outcome": "stopped", "returncode": -signal.SIGTERM, "cells": []})
+    assert rowcache.fetch(tmp_path, "b6", None) is None  # one stored before this rule: built again too
 
 
 def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_path):

@@ -238,7 +238,17 @@ def kill_kind(returncode: int | None, timed_out: bool, error: str | None) -> tup
         return "export", classify(error)
     if returncode == -9:
         return "export", "out of memory"  # SIGKILL we did not send: the kernel's OOM killer
+    if killed_from_outside(returncode):
+        return "export", "killed"
     return "export", "converter crash"
+
+
+def killed_from_outside(returncode: int | None) -> bool:
+    """A build process ended by SIGTERM, SIGINT or SIGHUP that the sweep did not send (`kill`, a logout): it
+    says nothing about the weight, unlike a crash (SIGSEGV, SIGABRT) or the kernel's OOM kill."""
+    import signal
+
+    return returncode in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)
 
 
 def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: bool, error: str | None,
@@ -254,7 +264,8 @@ def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: 
         why = error
     else:
         why = f"the build process died (exit code {returncode})" + (
-            ": out of memory (killed by the kernel)" if returncode == -9 else "")
+            ": out of memory (killed by the kernel)" if returncode == -9 else
+            ": killed from outside the sweep, built again next time" if killed_from_outside(returncode) else "")
     whole = error is not None and not done  # stopped before any artifact: the error is every artifact's
     first = True
     for spec in planned:

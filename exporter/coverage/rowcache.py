@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from .. import __version__, files
+from . import outcome
 
 ROW_VERSION = 1  # bump when a row's meaning changes
 
@@ -41,8 +42,8 @@ def fetch(directory: Path, row_key: str, time_limit: float | None, input_size: l
         row = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if row.get("key") != row_key:
-        return None
+    if row.get("key") != row_key or outcome.killed_from_outside(row.get("returncode")):
+        return None  # another row's, or stored before such rows were refused
     if input_size is not None and row.get("input_size") not in (None, list(input_size)):
         return None
     if row.get("timed_out"):

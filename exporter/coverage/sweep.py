@@ -326,7 +326,10 @@ def _earlier_runs(json_path: Path, doc: dict) -> list[dict]:
 def _cacheable(row: dict) -> bool:
     """Whether a row says something lasting about the weight. Not a build that stopped on a Python error before
     any artifact (an ImportError, a broken checkout, a full disk: the environment, not the weight); the
-    exporter's own one-line refusals (UsageError) are about the weight and are kept."""
+    exporter's own one-line refusals (UsageError) are about the weight and are kept. Nor a build killed from
+    outside the sweep (outcome.killed_from_outside)."""
+    if outcome.killed_from_outside(row.get("returncode")):
+        return False
     if row.get("outcome") != "stopped" or row.get("timed_out") or row.get("usage_error") or row.get("returncode", 0) < 0:
         return True
     return any(c.get("status") for c in row.get("cells", []))  # an artifact was done: the error came from the build
