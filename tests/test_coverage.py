@@ -293,10 +293,13 @@ def test_a_build_killed_from_outside_the_sweep_is_not_kept_as_the_weights_verdic
     for code, kind, kept in ((-signal.SIGTERM, "killed", False), (-signal.SIGHUP, "killed", False),
                              (-signal.SIGSEGV, "converter crash", True), (-signal.SIGKILL, "out of memory", True)):
         (cell,) = outcome.stopped_cells(planned, [], code, False, None, None)
-        row = {"outcome": "stopped", "returncode": code, "cells": [cell]}
+        row = outcome.reclassify({"outcome": "stopped", "returncode": code, "cells": [cell]})
         assert (cell["kind"], sweep._cacheable(row)) == (kind, kept), code
     rowcache.store(tmp_path, {"key": "b6", "outcome": "stopped", "returncode": -signal.SIGTERM, "cells": []})
     assert rowcache.fetch(tmp_path, "b6", None) is None  # one stored before this rule: built again too
+    built = {"weight": "W", "target": "android", "outcome": "built", "returncode": 0}
+    killed = dict(built, outcome="stopped", returncode=-signal.SIGTERM)
+    assert not table._kept(built, killed) and table._kept(killed, built)  # a merge keeps the built row
 
 
 def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_path):

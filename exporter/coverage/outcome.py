@@ -290,7 +290,7 @@ def reclassify(row: dict) -> dict:
     for cell in row.get("cells", []):
         if cell.get("outcome") == "failed" and cell.get("reasons") and all(map(_emulator_timeout, cell["reasons"])):
             cell.update(outcome="time", kind="time limit")
-        elif cell.get("outcome") == "export" and cell.get("reason") and cell.get("kind") not in ("out of memory", "time limit"):
+        elif cell.get("outcome") == "export" and cell.get("reason") and cell.get("kind") not in ("out of memory", "time limit", "killed"):
             cell["kind"] = classify(cell["reason"].removeprefix("export failed: "))
         elif cell.get("outcome") == "failed" and cell.get("kind") in JUDGED_KINDS:
             reasons = cell.get("reasons") or [cell.get("reason")]

@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import files
 from ..errors import UsageError
 from ..thresholds import THRESHOLD_KEYS
-from .outcome import FLOORS, ORDER, SYMBOLS, WEIGHT_FLOOR, broken_keys, reclassify
+from .outcome import FLOORS, ORDER, SYMBOLS, WEIGHT_FLOOR, broken_keys, killed_from_outside, reclassify
 from .select import TASK_ORDER
 
 COVERAGE_VERSION = 1
@@ -121,8 +121,11 @@ def _coverage_doc(path: Path) -> dict | None:
 
 def _kept(old: dict | None, new: dict) -> bool:
     """Whether `new` replaces `old` for one weight x target: the later file's, except that a row skipped for
-    size never hides one that was built."""
-    return old is None or new.get("outcome") != "skipped" or old.get("outcome") == "skipped"
+    size, or killed from outside its sweep, never hides one that was built."""
+    def stands_in(row: dict) -> bool:
+        return row.get("outcome") == "skipped" or killed_from_outside(row.get("returncode"))
+
+    return old is None or not stands_in(new) or stands_in(old)
 
 
 def _tools(docs) -> dict:
@@ -393,7 +396,7 @@ def _selection_line(selection: dict) -> str:
 
 
 LEGEND = ("✅ passed · ❎ built, failed validation (first reason) · ❌ export failed (kind: unsupported op, delegate "
-          "fallback, converter crash, out of memory, degenerate reference, …) · ⚪ unavailable on this host (Core ML "
+          "fallback, converter crash, out of memory, degenerate reference, killed from outside the sweep, …) · ⚪ unavailable on this host (Core ML "
           "predicts only on macOS, TensorRT needs a CUDA GPU; the size when it was built) · ⛔ refused by design · "
           "⏱ time limit · · not reached (the build stopped earlier) · ⏭ skipped for size")
 

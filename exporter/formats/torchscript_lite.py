@@ -85,6 +85,7 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
     """Operators by self time from torch's profiler around the lite interpreter (a module of its own; one
     warm-up run left out). Each run has a profiler of its own, so memory holds one run's trace; after
     PROFILE_CALLS operator calls no further run is profiled, and the record's `runs` says how many were."""
+    import gc
     import time
 
     from torch.jit.mobile import _load_for_lite_interpreter
@@ -106,4 +107,6 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
                 ms, count = totals.get(event.key, (0.0, 0))
                 totals[event.key] = (ms + event.self_cpu_time_total / 1000, count + event.count)
         profiled += 1
+        del trace
+        gc.collect()  # a profiler refers to itself: only the cycle collector frees its trace
     return shared.top_ops(totals, wall, profiled, "torch.profiler (self time per aten operator)")

@@ -178,7 +178,7 @@ def _profiles(docs: list[dict]) -> str:
                           f"<td>{o['share']:.0%}</td></tr>" for o in profile["ops"])
             body += (f"<table><thead><tr><th>operator</th><th>ms/run</th><th>calls</th><th>share</th></tr></thead>"
                      f"<tbody>{ops}</tbody></table><p class=meta>{profile['ops_ms']:.2f} ms in operators of "
-                     f"{profile['wall_ms']:.2f} ms a run, {profile['runs']} profiled runs apart from the timed ones; "
+                     f"{profile['wall_ms']:.2f} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''} apart from the timed ones; "
                      f"{_esc(profile['source'])}</p>")
         elif profile and profile != memory:
             body += f"<p class=meta>{_esc(profile_line(profile))}</p>"

@@ -191,7 +191,7 @@ def profile_line(profile: dict, top: int = 4) -> str:
         return f"no operator profile ({profile.get('reason', 'not measured')})"
     ops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in profile["ops"][:top])
     return (f"top ops by time: {ops} (of {_num(profile['ops_ms'], '.2f')} ms in operators, "
-            f"{_num(profile['wall_ms'], '.2f')} ms a run, {profile['runs']} profiled runs; {profile['source']})")
+            f"{_num(profile['wall_ms'], '.2f')} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''}; {profile['source']})")
 
 
 def memory_profile_notes(a: dict) -> list[str]:
