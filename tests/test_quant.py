@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from exporter import files
 from exporter.build import profiles
 from exporter.build.plan import make as make_plan
 from exporter.standins import digits
@@ -16,7 +17,7 @@ from exporter.errors import UsageError
 from exporter.quant import SETTINGS, Calibration
 from exporter.quant.search import _steps
 
-from .conftest import FAST, assert_clean_refusal, build_args, run_cli
+from .conftest import FAST, INT8_SLACK, assert_clean_refusal, build_args, run_cli
 
 INT8 = ["--target", "android", "--target", "jetson", "--format", "executorch:int8", "--format", "onnx:int8"]
 STRICT = ["--threshold", "int8.top1_agreement=0.99", "--threshold", "int8.psnr_db=30", "--threshold", "int8.accuracy_drop=0.5"]
@@ -281,7 +282,7 @@ class _KindsBackend(_FakeBackend):
         return candidate
 
 
-def _search_fake(monkeypatch, make_backend, max_float_fraction=1.0):
+def _search_fake(monkeypatch, make_backend, max_float_fraction=1.0, **settings):
     """quantize_with_budget on make_backend(model), layers ranked in their order, a 30 dB budget."""
     from exporter.quant import search
     from exporter.quant.sensitivity import Sensitivity
@@ -292,7 +293,7 @@ def _search_fake(monkeypatch, make_backend, max_float_fraction=1.0):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 10)
     calibration = Calibration([torch.randn(1, 4) for _ in range(20)], None, {"psnr_db": 30.0},
-                              {**SETTINGS, "max_float_fraction": max_float_fraction})
+                              {**SETTINGS, "max_float_fraction": max_float_fraction, **settings})
     _FakeCandidate.most_alive = _FakeCandidate.alive
     return search.quantize_with_budget(model, make_backend(model), calibration)
 
@@ -358,7 +359,7 @@ class _DynamicBackend(_FakeBackend):
 
     range_methods = ("histogram",)
     fallback_range_methods = ("dynamic",)
-    settings = ("dynamic_ranges",)
+    settings = ("dynamic_ranges", "static_ranges")
 
     def __init__(self, model, culprit, static_error, dynamic_error, layer_error=0.0, unquantized=()):
         super().__init__(model, culprit)
@@ -378,9 +379,9 @@ class _DynamicBackend(_FakeBackend):
         return _FakeCandidate(self.model, error, list(float_layers), method)
 
 
-def _search_dynamic(monkeypatch, static_error, dynamic_error, layer_error=0.0, unquantized=(), fraction=1.0):
+def _search_dynamic(monkeypatch, static_error, dynamic_error, layer_error=0.0, unquantized=(), fraction=1.0, **settings):
     return _search_fake(monkeypatch, lambda model: _DynamicBackend(
-        model, "layer1", static_error, dynamic_error, layer_error, unquantized), fraction)
+        model, "layer1", static_error, dynamic_error, layer_error, unquantized), fraction, **settings)
 
 
 def test_ranges_chosen_per_inference_are_tried_only_when_static_ranges_miss_and_kept_when_they_gain(monkeypatch):
@@ -426,6 +427,32 @@ def test_ranges_chosen_per_inference_are_tried_only_when_static_ranges_miss_and_
     candidate, report = _search_dynamic(monkeypatch, static_error=0.2, dynamic_error=None)
     assert report["range_methods_unusable"] == {"dynamic": "RuntimeError: no dynamic kernel for this graph"}
     assert candidate.method == "histogram" and all(s["ranges"] == "histogram" for s in report["steps"])
+    del candidate
+
+
+def test_a_build_whose_calibrated_ranges_failed_validation_starts_from_ranges_chosen_per_inference(monkeypatch):
+    """static_ranges=False (set by a build, exporter.build.pipeline._made_again): the search starts from the fallback
+    range method even where static ranges would meet the budget, and never tries those; without a fallback method,
+    or with dynamic ranges turned off, it is the static search as before."""
+    candidate, report = _search_dynamic(monkeypatch, static_error=0.0, dynamic_error=0.001, static_ranges=False)
+    assert [s["ranges"] for s in report["steps"]] == ["dynamic"] and candidate.method == "dynamic"
+    assert report["after"]["ranges"] == "dynamic" and report["meets_budget"] and report["static_ranges"] is False
+    del candidate
+    # missing the budget with them goes on to layers in float, with the same ranges
+    candidate, report = _search_dynamic(monkeypatch, static_error=0.0, dynamic_error=0.0, layer_error=0.2,
+                                        static_ranges=False)
+    assert {s["ranges"] for s in report["steps"]} == {"dynamic"} and candidate.float_layers == ["layer0", "layer1"]
+    del candidate
+    candidate, report = _search_dynamic(monkeypatch, static_error=0.0, dynamic_error=0.001, static_ranges=False,
+                                        dynamic_ranges=False)
+    assert [s["ranges"] for s in report["steps"]] == ["histogram"] and candidate.method == "histogram"
+    del candidate
+    # a per-inference candidate over the cap on float layers is not made (the build keeps its first artifact)
+    with pytest.raises(ValueError, match="over the cap of 2"):
+        _search_dynamic(monkeypatch, static_error=0.0, dynamic_error=0.0, unquantized=["layer3", "layer4", "layer5"],
+                        fraction=0.25, static_ranges=False)
+    candidate, report = _search_fake(monkeypatch, lambda model: _FakeBackend(model, "layer1"), static_ranges=False)
+    assert report["steps"][0]["ranges"] == "coarse" and "static_ranges" not in report  # a backend without them
     del candidate
 
 
@@ -1211,3 +1238,50 @@ def test_a_layer_kept_float_reads_a_float_input_even_where_a_quantized_layer_sha
     assert all(n.output[0] in read for n in graph.node)
     int32 = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.INT32}
     assert not [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in int32]
+
+
+@pytest.mark.slow
+def test_calibrated_ranges_that_fail_validation_are_made_again_per_inference(tmp_path, monkeypatch, digits_model):
+    """Validation inputs the calibration images did not cover (here the validation digits at 4x contrast; found on
+    EfficientNet-V2-M trained on the digits, where 6 of 172 validation digits drove squeeze-and-excitation gates 150x
+    past their calibrated ranges): the static .pte meets its budget on the check images and fails validation, so the
+    build makes it again with ranges chosen per inference, judges it on the same inputs, and keeps it if it passes;
+    when the remade one fails too, the first is put back. The manifest keeps both verdicts either way."""
+    import dataclasses
+
+    from exporter.build import pipeline
+    from exporter.formats import executorch
+
+    load = pipeline._load_inputs
+    monkeypatch.setattr(pipeline, "_load_inputs", lambda *args: (lambda inputs: dataclasses.replace(
+        inputs, validation=inputs.validation * 4))(load(*args)))
+    args = ("--target", "android", "--format", "executorch:int8", "--val-size", "40", *INT8_SLACK)
+
+    out = tmp_path / "kept"
+    result = run_cli(*build_args(digits_model, out, *args))
+    assert result.exit_code == 0, result.output
+    [a] = json.loads((out / "manifest.json").read_text())["artifacts"]
+    first = a["details"]["validation_retry"]["first"]
+    assert first["ranges"] == "histogram" and first["status"] == "failed", first
+    assert any(r.startswith("psnr_db") for r in first["reasons"]), first["reasons"]
+    q = a["details"]["quantization"]
+    assert a["status"] == "passed" and q["after"]["ranges"] == "dynamic" and q["static_ranges"] is False
+    assert {s["ranges"] for s in q["steps"]} == {"dynamic"}  # started from them: static ranges not searched again
+    assert files.sha256(out / a["path"]) == a["sha256"]  # the file on disk is the one judged
+    assert sorted(p.name for p in out.glob("*.pte")) == [a["path"]]  # no staged copy left
+    assert "made again with ranges chosen per inference" in (out / "report.md").read_text()
+
+    # the remade artifact fails too (plain static PTQ, no margin: the same clipping): the first is put back
+    hook = executorch.per_inference_ranges
+    monkeypatch.setattr(executorch, "per_inference_ranges", lambda calib, details: dataclasses.replace(
+        hook(calib, details), settings={**calib.settings, "dynamic_ranges": False, "fallback": False, "psnr_margin_db": 0.0}))
+    out = tmp_path / "restored"
+    result = run_cli(*build_args(digits_model, out, *args, "--iterations", "9"))  # not the first build's replay
+    assert result.exit_code == 1, result.output
+    [b] = json.loads((out / "manifest.json").read_text())["artifacts"]
+    retry = b["details"]["validation_retry"]
+    assert retry["kept"] == "calibrated ranges" and retry["per_inference"]["status"] == "failed"
+    assert b["status"] == "failed" and b["reasons"] == first["reasons"] and b["fidelity"] == first["fidelity"]
+    assert b["details"]["quantization"]["meets_budget"] and b["details"]["quantization"]["after"]["ranges"] == "histogram"
+    assert files.sha256(out / b["path"]) == b["sha256"] and sorted(p.name for p in out.glob("*.pte")) == [b["path"]]
+    assert (out / b["preview"]).is_file()

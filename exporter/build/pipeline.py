@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import os
 import sys
 from dataclasses import field, dataclass
 from pathlib import Path
@@ -148,7 +149,7 @@ NOT_MEASURED = {"fidelity": None, "accuracy": None, "latency_ms": None, "eager_l
 GOLDEN_COUNT = 8  # validation inputs written to golden/ for on-device checks
 
 
-def _validate(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
+def _validate(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "", step: str = "") -> None:
     """Validation, reusing an earlier identical one (same artifact bytes, inputs, thresholds, host
     and thread settings) from the cache; the manifest says when it did. A cached latency judged unreliable
     (hostload: a busy host) is never served: its fidelity is, and the latency is timed again."""
@@ -173,7 +174,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
             session.cache.events.append(f"{entry['name']}: validation results reused from the cache")
             return
         # fidelity is settled; a latency taken on a busy host is not: timed again, and the record replaced
-        with progress.step(f"{prefix}time {entry['name']} again"):
+        with progress.step(f"{prefix}time {entry['name']}{step} again"):
             runner = FORMATS[entry["format"]].load_module().load(out / entry["path"], session.latency["threads"])
             entry.update(validation.latency_against_eager(
                 runner, session.eager, session.inputs.validation[:1], session.latency["warmup"],
@@ -182,7 +183,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
         session.cache.events.append(f"{entry['name']}: validation results reused from the cache, latency measured "
                                     f"again (the cached one was unreliable: {noisy})")
     else:
-        if not _run_validation(session, entry, out, progress, prefix):
+        if not _run_validation(session, entry, out, progress, prefix, step):
             return  # not kept: what stopped it may be this host's (memory), not the artifact's
         if entry.get("latency_conditions"):  # judged again with this profile's max_spread
             entry["latency_conditions"] = hostload.judged(entry["latency_conditions"], session.latency["threads"],
@@ -193,11 +194,11 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
     session.cache.store_json("validations", digest, record)
 
 
-def _run_validation(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> bool:
+def _run_validation(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "", step: str = "") -> bool:
     """Whether the artifact was run (or, unavailable here, said why); one that loads or runs on no or only some
     validation inputs has failed, with the runtime's error."""
     module = FORMATS[entry["format"]].load_module()
-    with progress.step(f"{prefix}validate {entry['name']}"):
+    with progress.step(f"{prefix}validate {entry['name']}{step}"):
         try:
             runner = module.load(out / entry["path"], session.latency["threads"])
         except UsageError:
@@ -284,13 +285,9 @@ def _write_preview(session: Session, entry: dict, out: Path, outputs: torch.Tens
     entry["preview"] = path.as_posix()
 
 
-def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress, prefix: str = "") -> dict:
-    module = FORMATS[spec.format].load_module()
-    model_name = session.loaded.model_name
-    name = spec.label
-    filename = f"{model_name}_{name}{module.SUFFIX}"
-    entry = {
-        "name": name,
+def _new_entry(session: Session, spec: ArtifactSpec) -> dict:
+    return {
+        "name": spec.label,
         "format": spec.format,
         "precision": spec.precision,
         "path": None,
@@ -302,6 +299,14 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
         "thresholds": session.plan.thresholds_for(spec.precision),
         **NOT_MEASURED,
     }
+
+
+def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress, prefix: str = "") -> dict:
+    module = FORMATS[spec.format].load_module()
+    model_name = session.loaded.model_name
+    name = spec.label
+    filename = f"{model_name}_{name}{module.SUFFIX}"
+    entry = _new_entry(session, spec)
     refusal = FORMATS[spec.format].no_quantized_eager if session.loaded.quantized else None
     if refusal:
         entry.update(status="unavailable", reasons=[f"{NOT_MADE}an eager-quantized model: {refusal}"])
@@ -313,8 +318,23 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
     if spec.precision not in module.PRECISIONS:
         entry["reasons"] = [f"{spec.format} does not offer {spec.precision} (it offers {', '.join(module.PRECISIONS)})"]
         return entry
-    label = f"{prefix}export {name}"
     calibration = session.calibration(spec.precision, progress.note)
+    if not _made(session, spec, module, entry, calibration, out / filename, progress, prefix):
+        return entry
+    _validate(session, entry, out, progress, prefix)
+    remade = getattr(module, "per_inference_ranges", None)
+    calibration = remade(calibration, entry["details"]) if remade and _ranges_did_not_hold(entry) else None
+    if calibration is not None:
+        entry = _made_again(session, spec, module, entry, calibration, out, progress, prefix)
+    golden_program.add(session, entry, out, progress, prefix)
+    memory_profile.add(session, entry, out, progress, prefix)
+    return entry
+
+
+def _made(session: Session, spec: ArtifactSpec, module, entry: dict, calibration, path: Path, progress: Progress,
+          prefix: str, step: str = "") -> bool:
+    """Export (or fetch from the cache) the artifact into `path`; whether it was made (if not, `entry` says why)."""
+    label = f"{prefix}export {entry['name']}{step}"
     digest = cache.key(kind="artifact", format=spec.format, precision=spec.precision, options=dict(spec.options),
                        example=list(session.inputs.example.shape),
                        # every setting, whichever format reads it (without dynamic_ranges, a static .pte was
@@ -323,11 +343,11 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
                                      else None),
                        **session.digests)
     try:
-        with progress.step(label), files.atomic_path(out / filename) as tmp:
+        with progress.step(label), files.atomic_path(path) as tmp:
             details = session.cache.fetch_artifact(digest, tmp)
             if details is not None:
                 entry["details"], entry["artifact_reused_from_cache"] = details, True
-                session.cache.events.append(f"{name}: artifact reused from the cache")
+                session.cache.events.append(f"{entry['name']}: artifact reused from the cache")
             else:
                 entry["details"] = module.export(
                     session.loaded.model,
@@ -343,17 +363,77 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
         raise
     except RuntimeUnavailable as e:
         entry.update(status="unavailable", reasons=[f"not built on this host: {e}"])
-        memory_profile.add(session, entry, out, progress, prefix)  # not measured either: says why
-        return entry
+        memory_profile.add(session, entry, path.parent, progress, prefix)  # not measured either: says why
+        return False
     except Exception as e:  # a conversion failure is a finding about this artifact, not a crash
         entry["reasons"] = [f"export failed: {_first_line(e)}"]
-        return entry
+        return False
     entry["export_s"] = progress.timings.get(label)
-    entry.update(path=filename, sha256=files.sha256(out / filename), size_bytes=files.size(out / filename))
-    _validate(session, entry, out, progress, prefix)
-    golden_program.add(session, entry, out, progress, prefix)
-    memory_profile.add(session, entry, out, progress, prefix)
-    return entry
+    entry.update(path=path.name, sha256=files.sha256(path), size_bytes=files.size(path))
+    return True
+
+
+def _ranges_did_not_hold(entry: dict) -> bool:
+    """An int8 artifact whose search met its budget on the check images broke only thresholds on the validation
+    inputs (not a degenerate reference, too few inputs or non-finite outputs, which no ranges change)."""
+    quantization = entry["details"].get("quantization") or {}
+    return (entry["precision"] == "int8" and entry["status"] == "failed" and entry.get("fidelity") is not None
+            and bool(quantization.get("meets_budget")) and bool(entry["reasons"])
+            and all(reason.split()[0] in entry["thresholds"] for reason in entry["reasons"]))
+
+
+REMADE = " (ranges per inference)"  # the remade artifact's steps in the progress and timings
+
+
+def _made_again(session: Session, spec: ArtifactSpec, module, first: dict, calibration, out: Path,
+                progress: Progress, prefix: str) -> dict:
+    """The artifact made again with ranges chosen per inference (beside the first, under a staging name), validated
+    on the same inputs and moved over the first only if it passes. Either way the manifest has both verdicts
+    (details.validation_retry)."""
+    progress.note(f"  {first['name']}: calibrated int8 ranges met the budget on the check images and failed on the "
+                  f"validation inputs ({'; '.join(first['reasons'])}): made again with ranges chosen per inference")
+    final, staged = out / first["path"], out / f".per-inference-{first['path']}"
+    preview = out / "previews" / f"{first['name']}.png"
+    kept_preview = preview.read_bytes() if preview.is_file() else None
+    kept_outputs = session.x86_outputs.pop(first["name"], None)  # a cached validation of the remade stores none
+    entry = _new_entry(session, spec)
+    try:
+        made = _made(session, spec, module, entry, calibration, staged, progress, prefix, REMADE)
+        quantization = entry["details"].get("quantization") or {}
+        if made and quantization.get("lowering_fault"):  # its per-inference program was lowered wrong: not one
+            entry.update(status="failed", reasons=["its program with ranges chosen per inference was lowered wrong "
+                                                   "(details.quantization.lowering_fault)"], fidelity=None)
+        elif made:
+            _validate(session, entry, out, progress, prefix, REMADE)
+        first_summary = {"ranges": (first["details"]["quantization"].get("after") or {}).get("ranges"),
+                         "status": first["status"], "reasons": first["reasons"], "fidelity": first["fidelity"],
+                         "export_s": first.get("export_s"),
+                         **({"outlier_inputs": first["outlier_inputs"]} if first.get("outlier_inputs") else {})}
+        if entry["status"] == "passed":
+            os.replace(staged, final)
+            entry.update(path=first["path"])
+            entry["details"]["validation_retry"] = {
+                "kept": "per-inference ranges", "first": first_summary,
+                "note": "the calibrated ranges met the budget on the search's check images and not on the validation "
+                        "inputs (inputs the calibration images did not cover); the artifact was made again with ranges "
+                        "chosen per inference and judged on the same inputs"}
+            return entry
+    finally:
+        staged.unlink(missing_ok=True)
+    if kept_preview is not None:
+        with files.atomic_path(preview) as tmp:
+            tmp.write_bytes(kept_preview)
+    elif first.get("preview") is None:
+        preview.unlink(missing_ok=True)
+    session.x86_outputs.pop(first["name"], None)
+    if kept_outputs is not None:
+        session.x86_outputs[first["name"]] = kept_outputs
+    first["details"]["validation_retry"] = {
+        "kept": "calibrated ranges",
+        "per_inference": {"status": entry["status"], "reasons": entry["reasons"], "fidelity": entry.get("fidelity")},
+        "note": "made again with ranges chosen per inference after the calibrated ranges failed validation; that "
+                "artifact did not pass either, so the first is kept"}
+    return first
 
 
 def _preflight(plan: Plan) -> None:

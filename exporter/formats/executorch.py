@@ -101,6 +101,24 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     return remade
 
 
+def per_inference_ranges(calib, details: dict):
+    """The calibration that makes this int8 program again with ranges chosen per inference, or None: when its ranges
+    were calibrated on images and ranges per inference are allowed (not when they were lowered wrong). For inputs the calibration images did not cover (EfficientNet-V2-M trained on the
+    digits: squeeze-and-excitation gates that 6 validation digits drive 150x past their calibrated range)."""
+    import dataclasses
+
+    from ..quant import as_calibration
+    from ..quant.calibration import STATIC_RANGES
+    from ..quant.pt2e import Pt2eBackend
+
+    report = details.get("quantization") or {}
+    ranges = (report.get("after") or {}).get("ranges")
+    if (not report.get("fallback") or not report.get("dynamic_ranges") or ranges in Pt2eBackend.fallback_range_methods or report.get("lowering_fault")):
+        return None
+    calibration = as_calibration(calib)
+    return dataclasses.replace(calibration, settings={**calibration.settings, STATIC_RANGES: False})
+
+
 def _db(value) -> str:
     return "no score" if value is None else f"{value} dB"
 

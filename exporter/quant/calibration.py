@@ -17,8 +17,12 @@ SETTINGS = {
     "dynamic_ranges": True,  # .pte: when static ranges miss the budget, try ranges chosen per inference (dynamic int8)
 }
 ONNX_CALIBRATIONS = ("auto", "mse", "minmax", "percentile")
+# Set only by a build, never by a profile: False makes a backend with ranges chosen per inference start from them
+# (the artifact's calibrated ranges did not hold on the validation inputs). Absent from every other build's settings,
+# so their cache keys and manifests are as before.
+STATIC_RANGES = "static_ranges"
 # settings only one kind of quantizer reads: a manifest lists them only for the backends that name them (`settings`)
-BACKEND_SETTINGS = ("onnx_calibration", "dynamic_ranges")
+BACKEND_SETTINGS = ("onnx_calibration", "dynamic_ranges", STATIC_RANGES)
 
 
 @dataclass

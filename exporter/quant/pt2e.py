@@ -14,6 +14,7 @@ from collections import Counter
 import torch
 from torch.fx import Node
 
+from .calibration import STATIC_RANGES
 from .fold import fold_constants, unread_writes
 from .sensitivity import quantizable_layers
 from .threads import one_thread
@@ -362,7 +363,7 @@ DYNAMIC = "dynamic"
 class Pt2eBackend:
     range_methods = ("histogram",)
     fallback_range_methods = (DYNAMIC,)
-    settings = ("dynamic_ranges",)
+    settings = ("dynamic_ranges", STATIC_RANGES)
     op_fallbacks = tuple(OP_KINDS)
 
     def __init__(self, model: torch.nn.Module, example: torch.Tensor, exported=None):

@@ -13,7 +13,7 @@ import torch
 
 from ..tasks import Classification
 from ..validation import run_all
-from .calibration import Calibration
+from .calibration import STATIC_RANGES, Calibration
 from .sensitivity import layer_sensitivity
 
 
@@ -121,11 +121,14 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     held: tuple[list[str], Candidate, str, tuple] | None = None  # (float layers, candidate, range method, kinds)
     # better ranges first: every range method on plain PTQ, the best on the check images goes on
     trials, unusable = {}, {}
-    for i, method in enumerate(backend.range_methods):
+    fallback_ranges = getattr(backend, "fallback_range_methods", ()) if calibration.settings.get("dynamic_ranges", True) else ()
+    static = calibration.settings.get(STATIC_RANGES, True) or not fallback_ranges
+    methods = backend.range_methods if static else fallback_ranges
+    for i, method in enumerate(methods):
         try:
             candidate, trials[method] = attempt([], method)
         except ValueError as error:  # e.g. ONNX Runtime's percentile histogram of a tensor with no range
-            if not trials and i == len(backend.range_methods) - 1:
+            if not trials and i == len(methods) - 1:
                 raise
             unusable[method] = f"{type(error).__name__}: {error}"
             log(f"  int8, {method} ranges cannot be measured on this model ({unusable[method]}): left out")
@@ -136,16 +139,19 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     if unusable:
         report["range_methods_unusable"] = unusable
     method = max(trials, key=lambda m: _rank(trials[m]))
+    cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
+    if not static and len(_closure(backend, [], method)) > cap:  # as a fallback over the cap is never chosen
+        raise ValueError(f"{method} ranges leave {len(_closure(backend, [], method))} layers in float, over the cap "
+                         f"of {cap}")
     metrics = trials[method]
     plain = steps[list(trials).index(method)]
     report["calibration_method"] = backend.describe(method)
     float_layers: list[str] = []
     chosen = plain
     kinds: tuple[str, ...] = ()
-    if metrics["reasons"] and calibration.settings["fallback"] and calibration.settings.get("dynamic_ranges", True):
+    if metrics["reasons"] and calibration.settings["fallback"] and static:
         # ranges a backend chooses only when its static ones miss: every layer stays int8
-        cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
-        for extra in getattr(backend, "fallback_range_methods", ()):
+        for extra in fallback_ranges:
             try:
                 candidate, trial = attempt([], extra)
             except Exception as error:  # a fallback that cannot quantize this graph must not fail a build that has one
@@ -173,7 +179,6 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         with torch.no_grad():
             sensitivity = layer_sensitivity(model, layers, torch.cat(range_images[:16]), check[:8], reference[:8])
         ranking = sensitivity.ranking()
-        cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
         tried = [([], metrics, chosen)]
         best, stale = metrics["fidelity"]["psnr_db"], 0
         floated: list[str] = []

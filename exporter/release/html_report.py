@@ -150,7 +150,7 @@ def sensitivity_chart(name: str, q: dict, width: int = 620, most: int = 24) -> s
 
 
 def _quantization(docs: list[dict]) -> str:
-    from .report import quantization_summary
+    from .report import quantization_summary, retry_summary
 
     sections = []
     for name, a in _named(docs):
@@ -159,7 +159,8 @@ def _quantization(docs: list[dict]) -> str:
             chart = sensitivity_chart(name, q) or ("<p class=meta>Plain PTQ met the budget: no layer sensitivity was "
                                                    "needed.</p>" if (q.get("before") or {}).get("meets_budget", True)
                                                    else "<p class=meta>No layer sensitivity was measured.</p>")
-            sections.append(f"<h3>{_esc(name)}</h3><p>{_esc(quantization_summary(q).replace('**', ''))}</p>{chart}")
+            retry = f"<p>{_esc(retry_summary(a['details']))}</p>" if a["details"].get("validation_retry") else ""
+            sections.append(f"<h3>{_esc(name)}</h3><p>{_esc(quantization_summary(q).replace('**', ''))}</p>{retry}{chart}")
     return "<h2>int8: budget and layer sensitivity</h2>" + "".join(sections) if sections else ""
 
 

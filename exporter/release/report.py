@@ -73,6 +73,18 @@ def _kinds_step(q: dict) -> str:
             f"{_num(step['psnr_db'], '.1f')} dB)")
 
 
+def retry_summary(details: dict) -> str:
+    """One line: an int8 artifact made again after its calibrated ranges failed validation (details.validation_retry)."""
+    retry = details["validation_retry"]
+    if "first" in retry:
+        first = retry["first"]
+        return (f"made again with ranges chosen per inference: with {first['ranges']} ranges it had failed validation "
+                f"({'; '.join(first['reasons'])}) after meeting its budget on the check images")
+    other = retry["per_inference"]
+    return (f"made again with ranges chosen per inference after failing validation; that one did not pass either "
+            f"({'; '.join(other['reasons'])}), so this (calibrated ranges) is kept")
+
+
 def outliers_summary(a: dict) -> str:
     """One line: the few validation inputs that carry a failed artifact's error, and what the rest measure."""
     o = a["outlier_inputs"]
@@ -245,6 +257,8 @@ def markdown(doc: dict) -> str:
             )
         if details.get("quantization"):
             notes.append(f"- `{a['name']}`: {quantization_summary(details['quantization'])}")
+        if details.get("validation_retry"):
+            notes.append(f"- `{a['name']}`: {retry_summary(details)}")
         notes += memory_profile_notes(a)
         if details.get("xnnpack_rewrite") == "unavailable":
             notes.append(f"- `{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})")
