@@ -379,7 +379,8 @@ class _DynamicBackend(_FakeBackend):
         return _FakeCandidate(self.model, error, list(float_layers), method)
 
 
-def _search_dynamic(monkeypatch, static_error, dynamic_error, layer_error=0.0, unquantized=(), fraction=1.0, **settings):
+def _search_dynamic(monkeypatch, static_error, dynamic_error, layer_error=0.0, unquantized=(), fraction=1.0,
+                    **settings):
     return _search_fake(monkeypatch, lambda model: _DynamicBackend(
         model, "layer1", static_error, dynamic_error, layer_error, unquantized), fraction, **settings)
 
@@ -1274,7 +1275,8 @@ def test_calibrated_ranges_that_fail_validation_are_made_again_per_inference(tmp
     # the remade artifact fails too (plain static PTQ, no margin: the same clipping): the first is put back
     hook = executorch.per_inference_ranges
     monkeypatch.setattr(executorch, "per_inference_ranges", lambda calib, details: dataclasses.replace(
-        hook(calib, details), settings={**calib.settings, "dynamic_ranges": False, "fallback": False, "psnr_margin_db": 0.0}))
+        hook(calib, details),
+        settings={**calib.settings, "dynamic_ranges": False, "fallback": False, "psnr_margin_db": 0.0}))
     out = tmp_path / "restored"
     result = run_cli(*build_args(digits_model, out, *args, "--iterations", "9"))  # not the first build's replay
     assert result.exit_code == 1, result.output
@@ -1282,6 +1284,7 @@ def test_calibrated_ranges_that_fail_validation_are_made_again_per_inference(tmp
     retry = b["details"]["validation_retry"]
     assert retry["kept"] == "calibrated ranges" and retry["per_inference"]["status"] == "failed"
     assert b["status"] == "failed" and b["reasons"] == first["reasons"] and b["fidelity"] == first["fidelity"]
-    assert b["details"]["quantization"]["meets_budget"] and b["details"]["quantization"]["after"]["ranges"] == "histogram"
+    q = b["details"]["quantization"]
+    assert q["meets_budget"] and q["after"]["ranges"] == "histogram"
     assert files.sha256(out / b["path"]) == b["sha256"] and sorted(p.name for p in out.glob("*.pte")) == [b["path"]]
     assert (out / b["preview"]).is_file()

@@ -194,7 +194,8 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
     session.cache.store_json("validations", digest, record)
 
 
-def _run_validation(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "", step: str = "") -> bool:
+def _run_validation(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "",
+                    step: str = "") -> bool:
     """Whether the artifact was run (or, unavailable here, said why); one that loads or runs on no or only some
     validation inputs has failed, with the runtime's error."""
     module = FORMATS[entry["format"]].load_module()

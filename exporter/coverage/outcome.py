@@ -194,7 +194,7 @@ def cell_from_artifact(artifact: dict) -> dict:
             cell["quantization"]["ranges"] = q["after"]["ranges"]
         if isinstance(q.get("lowering_fault"), dict):  # the ranges whose lowered program missed what its graph met
             cell["quantization"]["lowering_fault"] = q["lowering_fault"]["ranges"]
-        if isinstance(details.get("validation_retry"), dict):  # made again after its calibrated ranges failed validation
+        if isinstance(details.get("validation_retry"), dict):  # made again: its calibrated ranges failed validation
             cell["quantization"]["validation_retry"] = details["validation_retry"]["kept"]
     if artifact.get("aarch64"):  # its verdict on each emulated ARM CPU (the status above already holds them)
         cell["aarch64"] = {r["cpu"]: r["status"] for r in artifact["aarch64"]}

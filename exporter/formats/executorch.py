@@ -103,8 +103,9 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
 
 def per_inference_ranges(calib, details: dict):
     """The calibration that makes this int8 program again with ranges chosen per inference, or None: when its ranges
-    were calibrated on images and ranges per inference are allowed (not when they were lowered wrong). For inputs the calibration images did not cover (EfficientNet-V2-M trained on the
-    digits: squeeze-and-excitation gates that 6 validation digits drive 150x past their calibrated range)."""
+    were calibrated on images and ranges per inference are allowed (not when they were lowered wrong). For inputs
+    the calibration images did not cover (EfficientNet-V2-M trained on the digits: squeeze-and-excitation gates
+    that 6 validation digits drive 150x past their calibrated ranges)."""
     import dataclasses
 
     from ..quant import as_calibration
@@ -113,7 +114,8 @@ def per_inference_ranges(calib, details: dict):
 
     report = details.get("quantization") or {}
     ranges = (report.get("after") or {}).get("ranges")
-    if (not report.get("fallback") or not report.get("dynamic_ranges") or ranges in Pt2eBackend.fallback_range_methods or report.get("lowering_fault")):
+    if (not report.get("fallback") or not report.get("dynamic_ranges") or report.get("lowering_fault")
+            or ranges in Pt2eBackend.fallback_range_methods):
         return None
     calibration = as_calibration(calib)
     return dataclasses.replace(calibration, settings={**calibration.settings, STATIC_RANGES: False})

@@ -121,7 +121,8 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     held: tuple[list[str], Candidate, str, tuple] | None = None  # (float layers, candidate, range method, kinds)
     # better ranges first: every range method on plain PTQ, the best on the check images goes on
     trials, unusable = {}, {}
-    fallback_ranges = getattr(backend, "fallback_range_methods", ()) if calibration.settings.get("dynamic_ranges", True) else ()
+    allowed = calibration.settings.get("dynamic_ranges", True)
+    fallback_ranges = getattr(backend, "fallback_range_methods", ()) if allowed else ()
     static = calibration.settings.get(STATIC_RANGES, True) or not fallback_ranges
     methods = backend.range_methods if static else fallback_ranges
     for i, method in enumerate(methods):

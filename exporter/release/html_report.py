@@ -160,7 +160,8 @@ def _quantization(docs: list[dict]) -> str:
                                                    "needed.</p>" if (q.get("before") or {}).get("meets_budget", True)
                                                    else "<p class=meta>No layer sensitivity was measured.</p>")
             retry = f"<p>{_esc(retry_summary(a['details']))}</p>" if a["details"].get("validation_retry") else ""
-            sections.append(f"<h3>{_esc(name)}</h3><p>{_esc(quantization_summary(q).replace('**', ''))}</p>{retry}{chart}")
+            summary = _esc(quantization_summary(q).replace('**', ''))
+            sections.append(f"<h3>{_esc(name)}</h3><p>{summary}</p>{retry}{chart}")
     return "<h2>int8: budget and layer sensitivity</h2>" + "".join(sections) if sections else ""
 
 

@@ -74,7 +74,7 @@ def _kinds_step(q: dict) -> str:
 
 
 def retry_summary(details: dict) -> str:
-    """One line: an int8 artifact made again after its calibrated ranges failed validation (details.validation_retry)."""
+    """One line: an int8 artifact made again after its calibrated ranges failed validation (validation_retry)."""
     retry = details["validation_retry"]
     if "first" in retry:
         first = retry["first"]
