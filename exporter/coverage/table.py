@@ -440,7 +440,9 @@ and marked ⏱), offline and without `--data`:
 - **"· k of N inputs"**: the artifact's error sits in k of the N validation inputs (each over 10× the median
   input's RMS error) and the other inputs meet the fidelity thresholds; its report names them (`outlier_inputs` in
   the manifest). In an int8 artifact these may be inputs whose activations go past the ranges the calibration
-  images set (measured so on the trained EfficientNet-B2).
+  images set (measured so on the trained EfficientNet-B2). Where the search had met its budget on the check
+  images, the build makes such a `.pte` again with ranges chosen per inference and keeps it if it passes on the
+  same inputs (`validation_retry` in the manifest and in the row's JSON; docs/int8.md).
 - **⛔ is the exporter's own refusal** (Mask and Keypoint R-CNN: the one-line error `exporter build` exits 2
   with), asked without building. A format that cannot take an eager-quantized model, a clip (the `.pte`: no 3-D
   convolution in XNNPACK), a frame pair (RAFT: the `.pte` and Core ML) or a two-stage detector (Android, iOS) is
