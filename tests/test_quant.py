@@ -17,7 +17,7 @@ from exporter.errors import UsageError
 from exporter.quant import SETTINGS, Calibration
 from exporter.quant.search import _steps
 
-from .conftest import FAST, INT8_SLACK, assert_clean_refusal, build_args, run_cli
+from .conftest import FAST, assert_clean_refusal, build_args, run_cli
 
 INT8 = ["--target", "android", "--target", "jetson", "--format", "executorch:int8", "--format", "onnx:int8"]
 STRICT = ["--threshold", "int8.top1_agreement=0.99", "--threshold", "int8.psnr_db=30", "--threshold", "int8.accuracy_drop=0.5"]
@@ -1254,7 +1254,10 @@ def test_calibrated_ranges_that_fail_validation_are_made_again_per_inference(tmp
     load = pipeline._load_inputs
     monkeypatch.setattr(pipeline, "_load_inputs", lambda *args: (lambda inputs: dataclasses.replace(
         inputs, validation=inputs.validation * 4))(load(*args)))
-    args = ("--target", "android", "--format", "executorch:int8", "--val-size", "40", *INT8_SLACK)
+    # judged on PSNR only: at 4x contrast the stand-in's top-1 is near chance (a fresh clone's: eager acc@1 12.5 %),
+    # so its logits are near ties and top-1 agreement says little; the clipping shows in PSNR (9-12 dB static)
+    args = ("--target", "android", "--format", "executorch:int8", "--val-size", "40",
+            "--threshold", "int8.top1_agreement=0", "--threshold", "int8.accuracy_drop=100")
 
     out = tmp_path / "kept"
     result = run_cli(*build_args(digits_model, out, *args))
