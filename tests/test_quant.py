@@ -1255,8 +1255,9 @@ def test_calibrated_ranges_that_fail_validation_are_made_again_per_inference(tmp
     monkeypatch.setattr(pipeline, "_load_inputs", lambda *args: (lambda inputs: dataclasses.replace(
         inputs, validation=inputs.validation * 4))(load(*args)))
     # judged on PSNR only: at 4x contrast the stand-in's top-1 is near chance (a fresh clone's: eager acc@1 12.5 %),
-    # so its logits are near ties and top-1 agreement says little; the clipping shows in PSNR (9-12 dB static)
-    args = ("--target", "android", "--format", "executorch:int8", "--val-size", "40",
+    # so its logits are near ties and top-1 agreement says little. The clipping shows in PSNR: 9-12 dB with static
+    # ranges, about 40 dB per inference; 20 dB sits far from both, so neither verdict hangs on the host's training
+    args = ("--target", "android", "--format", "executorch:int8", "--val-size", "40", "--threshold", "int8.psnr_db=20",
             "--threshold", "int8.top1_agreement=0", "--threshold", "int8.accuracy_drop=100")
 
     out = tmp_path / "kept"
