@@ -22,7 +22,7 @@ import exporter
 from exporter import coverage
 from exporter.coverage import outcome, randomize, rowcache, sweep, table
 
-from .conftest import CACHE, QUANTIZED_WEIGHT, run_cli
+from .conftest import CACHE, QUANTIZED_WEIGHT, assert_clean_refusal, run_cli
 
 DOCS = Path(__file__).parents[1] / "docs"
 SMALL = ["mobilenet_v3_small", "squeezenet1_1"]
@@ -368,6 +368,7 @@ def test_the_trained_tier_trains_and_builds_a_classifier_at_the_size_asked(tmp_p
     (["--cpu", "cortex-a99"], "unknown aarch64 CPU 'cortex-a99'"),
     (["--arch", "riscv64"], "--arch"),
     (["--target", "jetson", "--target", "jetsn"], "unknown target 'jetsn'"),  # refused before jetson's build
+    (["--matrix", "2", "--merge", "shards"], "give one of them"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle, tmp_path):
     result = run_cli("coverage", "--out", tmp_path, *args)
@@ -1074,6 +1075,83 @@ def test_rows_built_at_a_classifier_size_merge_with_rows_at_the_crop_and_say_the
     assert {r["weight"]: r.get("classifier_size") for r in doc["rows"]} == {"W.V1": None, "X.V1": [96, 96]}
     text = (tmp_path / "m" / "coverage.md").read_text()
     assert "| X.V1 (96×96) |" in text and "| W.V1 |" in text and "or at the size their row names" in text
+
+
+MERGE_ROW = {"weight": "W.V1", "model": "w", "task": "classification", "params": 4e6, "target": "android",
+             "outcome": "built", "reason": None, "seconds": 3.0, "time_limit_s": 900, "cells": []}
+
+
+@pytest.mark.parametrize("rows,needle", [
+    ([{"foo": 1}], "row 1 has no 'weight'"),
+    ([1], "row 1 is a number, not an object"),
+    ([MERGE_ROW, dict(MERGE_ROW, weight="X.V1", outcome="finished")], "row 2 (X.V1 × android) outcome 'finished'"),
+    ([dict(MERGE_ROW, cells=[{"name": "onnx_fp32", "outcome": "passed"}, "passed"])], "cell 2 is a string"),
+    ([dict(MERGE_ROW, params="4M")], "'params', not a number"),
+    # past the shape checks: a cell reclassify cannot read
+    ([dict(MERGE_ROW, cells=[{"name": "onnx_fp32", "outcome": "failed", "kind": "validation", "reasons": 5}])],
+     "row 1 (W.V1 × android) cannot be read"),
+])
+def test_a_coverage_file_with_a_bad_row_is_refused_in_one_line_naming_it(rows, needle, tmp_path):
+    good = _merge_doc(tmp_path, "good.json", [dict(MERGE_ROW, weight="Y.V1")], 900)
+    (tmp_path / "shards").mkdir()
+    bad = _merge_doc(tmp_path / "shards", "bad.json", rows, 900)
+    # named on the command line, or found in a directory: a table with bad rows is refused either way
+    for i, paths in enumerate(([good, bad], [good, tmp_path / "shards"])):
+        out = tmp_path / f"out{i}"
+        result = run_cli("coverage", "--merge", *paths, "--out", out)
+        assert_clean_refusal(result, out, str(bad), "is not a valid coverage table", needle)
+        assert not out.exists()
+
+
+def test_a_refused_merge_leaves_no_output_directory(tmp_path):
+    good = _merge_doc(tmp_path, "good.json", [MERGE_ROW], 900)
+    bad = _merge_doc(tmp_path, "bad.json", [{"foo": 1}], 900)
+    (tmp_path / "garbage.json").write_text("{not json")
+    (tmp_path / "nan.json").write_text(good.read_text().replace('"seconds": 3.0', '"seconds": NaN'))
+    (tmp_path / "empty").mkdir()
+    for i, (paths, needle) in enumerate([
+        ([good, tmp_path / "missing.json"], "does not exist"),
+        ([good, tmp_path / "garbage.json"], "is not a coverage JSON file"),
+        ([tmp_path / "nan.json"], "is not a coverage JSON file"),  # json.loads reads NaN; the table never has it
+        ([tmp_path / "empty"], "no coverage JSON files"),
+        ([bad, good], "row 1 has no 'weight'"),
+    ]):
+        out = tmp_path / f"out{i}" / "table"
+        result = run_cli("coverage", "--merge", *paths, "--out", out)
+        assert_clean_refusal(result, out, needle)
+        assert not out.parent.exists(), (needle, list(out.parent.rglob("*")))
+
+
+def test_a_merge_that_fails_while_writing_leaves_the_previous_table_whole(tmp_path, monkeypatch):
+    first = _merge_doc(tmp_path, "first.json", [MERGE_ROW], 900)
+    second = _merge_doc(tmp_path, "second.json", [dict(MERGE_ROW, weight="X.V1", model="x")], 900)
+    out = tmp_path / "out"
+    assert run_cli("coverage", "--merge", first, "--out", out).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["coverage.json", "coverage.md"]
+
+    # the Markdown fails after the JSON could have been written: neither file changes, no staging file is left
+    def broken(doc):
+        raise RuntimeError("the table cannot be rendered")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(table, "markdown", broken)
+        result = run_cli("coverage", "--merge", first, second, "--out", out)
+    assert result.exit_code == 3 and "RuntimeError: the table cannot be rendered" in result.stderr, result.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    # the Markdown's place is taken (a directory): refused in one line, and the JSON is not written without it
+    other = tmp_path / "other"
+    (other / "coverage.md").mkdir(parents=True)
+    result = run_cli("coverage", "--merge", first, second, "--out", other)
+    assert result.exit_code == 2 and "Traceback" not in result.output, (result.output, result.exception)
+    assert "cannot write coverage.json and coverage.md" in result.stderr.strip().splitlines()[-1], result.stderr
+    assert [p.name for p in other.iterdir()] == ["coverage.md"] and not any((other / "coverage.md").iterdir())
+
+    # and a good merge replaces both
+    assert run_cli("coverage", "--merge", first, second, "--out", out).exit_code == 0
+    assert {r["weight"] for r in json.loads((out / "coverage.json").read_text())["rows"]} == {"W.V1", "X.V1"}
+    assert "| X.V1 |" in (out / "coverage.md").read_text() and sorted(p.name for p in out.iterdir()) == sorted(before)
 
 
 def test_a_model_with_auxiliary_heads_trains_on_its_main_logits():

@@ -76,13 +76,19 @@ def run(settings: Settings, models=(), tasks=(), one_per_builder: bool = False, 
 
 def merge(paths, out: Path = Path("docs"), command: str | None = None) -> dict:
     """Merge coverage JSON files (or directories of them, e.g. downloaded CI shard artifacts) into
-    OUT/coverage.json and OUT/coverage.md; returns the merged document."""
+    OUT/coverage.json and OUT/coverage.md; returns the merged document. Every file is read and checked, and both
+    texts made, before OUT is made or a file written: a refused merge leaves nothing behind, and the two files are
+    renamed into place together, never half-written."""
+    from ..errors import UsageError
     from . import table
 
-    _directory(out, "--out")
-    doc = table.merge(paths, command or _command())
+    doc, texts = table.merged(paths, command or _command())
     json_path, md_path = output_paths(out, None, doc["settings"].get("weights", "random"), bool(doc["settings"].get("cpus")))
-    table.write(doc, json_path, md_path)
+    _directory(out, "--out")
+    try:
+        table.write_texts(zip((json_path, md_path), texts))
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot write {json_path.name} and {md_path.name} there ({e.strerror or e})") from None
     return doc
 
 

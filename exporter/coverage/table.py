@@ -3,6 +3,7 @@ several row files (CI shards) into one. Torch-free."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import re
@@ -82,14 +83,28 @@ def summary(rows: list[dict]) -> list[dict]:
     return [groups[k] for k in sorted(groups, key=lambda k: (_order(k[0], TARGET_ORDER), k[0], _order(k[1], TASK_ORDER)))]
 
 
-def write(doc: dict, json_path: Path, md_path: Path | None) -> None:
+def render(doc: dict, md: bool = True) -> tuple[str, str | None]:
+    """The document's JSON text and (with `md`) its Markdown, made in memory: a document that cannot be rendered
+    fails here, before a file is touched."""
     doc["summary"] = summary(doc["rows"])
-    for path in (json_path, md_path):
-        if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-    files.write_text(Path(json_path), json.dumps(doc, indent=2, allow_nan=False, default=str) + "\n")
-    if md_path is not None:
-        files.write_text(Path(md_path), markdown(doc))
+    return json.dumps(doc, indent=2, allow_nan=False, default=str) + "\n", markdown(doc) if md else None
+
+
+def write(doc: dict, json_path: Path, md_path: Path | None) -> None:
+    """Both files rendered first, then written together: each is staged beside its place and renamed into it only
+    once both are written, so a failure leaves the previous pair whole, never a new JSON beside an old table."""
+    write_texts(zip((json_path, md_path), render(doc, md_path is not None)))
+
+
+def write_texts(pairs) -> None:
+    """(path, text) pairs (a None path is left out), staged together and renamed into place only when all are
+    written."""
+    pairs = [(Path(path), text) for path, text in pairs if path is not None]
+    for path, _ in pairs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        for path, text in pairs:
+            stack.enter_context(files.atomic_path(path)).write_text(text, encoding="utf-8")
 
 
 # --- merge ---------------------------------------------------------------------------------------------------
@@ -107,16 +122,76 @@ def _row_files(paths) -> list[tuple[Path, bool]]:
     return found
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: a table is written without them (allow_nan=False)
+
+
 def _coverage_doc(path: Path) -> dict | None:
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+        doc = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(doc, dict) or doc.get("coverage_version") != COVERAGE_VERSION:
         return None
     if not isinstance(doc.get("settings"), dict) or not isinstance(doc.get("rows"), list):
         return None
     return doc
+
+
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def _json_type(value) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _row_problem(row) -> str | None:
+    """What makes a row of a coverage file unfit for the merge and the table (the keys they read without a
+    default), or None."""
+    if not isinstance(row, dict):
+        return f"is {_json_type(row)}, not an object"
+    for key in ("weight", "target", "model", "task"):
+        if key not in row:
+            return f"has no {key!r}"
+        if not isinstance(row[key], str):
+            return f"has {_json_type(row[key])} for {key!r}, not a string"
+    problem = None
+    if row.get("outcome") not in ROW_OUTCOMES:
+        problem = f"outcome {row.get('outcome')!r} is not one of {', '.join(ROW_OUTCOMES)}"
+    elif not isinstance(row.get("cells"), list):
+        problem = f"has {_json_type(row.get('cells'))} for 'cells', not a list"
+    else:
+        for key in ("params", "seconds", "time_limit_s"):
+            if row.get(key) is not None and not _is_number(row[key]):
+                problem = f"has {_json_type(row[key])} for {key!r}, not a number"
+                break
+        for j, cell in enumerate(row["cells"], 1):
+            if problem:
+                break
+            if not isinstance(cell, dict):
+                problem = f"cell {j} is {_json_type(cell)}, not an object"
+            elif not isinstance(cell.get("name"), str):
+                problem = f"cell {j} has no 'name' string"
+            elif cell.get("outcome") not in ORDER:
+                problem = f"cell {j} ({cell['name']}): outcome {cell.get('outcome')!r} is not one of {', '.join(ORDER)}"
+    return f"({row['weight']} × {row['target']}) {problem}" if problem else None
+
+
+def _doc_problem(doc: dict) -> str | None:
+    """What makes a coverage file (one _coverage_doc read) unfit for the merge: its targets or a row; or None."""
+    targets = doc["settings"].get("targets")
+    if targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        return "settings 'targets' is not a list of target names"
+    for i, row in enumerate(doc["rows"], 1):
+        problem = _row_problem(row)
+        if problem:
+            return f"row {i} {problem}"
+    return None
 
 
 def _kept(old: dict | None, new: dict) -> bool:
@@ -145,6 +220,9 @@ def merge(paths, command: str) -> dict:
     for path, named in _row_files(paths):
         doc = _coverage_doc(path)
         if doc is not None:
+            problem = _doc_problem(doc)  # a table's own rows are checked wherever it was found
+            if problem:
+                raise UsageError(f"--merge: {path} is not a valid coverage table: {problem}")
             docs.append((path, doc))
         elif named:  # a directory may hold other JSON; a file named on the command line must be a table
             raise UsageError(f"--merge: {path} is not a coverage JSON file (from `exporter coverage`)")
@@ -161,10 +239,14 @@ def merge(paths, command: str) -> dict:
             raise UsageError(f"--merge: {path} was made with other settings than {docs[0][0]}; "
                              f"merge rows of one sweep (same targets, formats, sizes)")
     rows = {}
-    for _, doc in docs:
-        for row in doc["rows"]:
+    for path, doc in docs:
+        for i, row in enumerate(doc["rows"], 1):
             if _kept(rows.get((row["weight"], row["target"])), row):
-                rows[(row["weight"], row["target"])] = reclassify(row)  # by today's rules
+                try:
+                    rows[(row["weight"], row["target"])] = reclassify(row)  # by today's rules
+                except _MALFORMED as e:
+                    raise UsageError(f"--merge: {path} is not a valid coverage table: row {i} ({row['weight']} × "
+                                     f"{row['target']}) cannot be read ({_what(e)})") from None
     targets = {t for _, d in docs for t in d["settings"].get("targets") or ()}
     settings = dict(first["settings"], targets=sorted(targets, key=lambda t: (_order(t, TARGET_ORDER), t)))
     merged = new_document(command, settings, dict(first.get("selection") or {}, shard=None), _tools(docs))
@@ -195,6 +277,20 @@ def merge(paths, command: str) -> dict:
     merged["run"] = {"wall_s": max(walls), "shards_wall_s": walls, "started": min(((d.get("run") or {}).get("started") or "")
                                                                                   for _, d in docs) or None}
     return merged
+
+
+_MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError)  # what a value of the wrong shape raises
+
+
+def _what(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def merged(paths, command: str) -> tuple[dict, tuple[str, str]]:
+    """The merged document and its JSON and Markdown texts, every file read and checked and both texts made before
+    anything is written."""
+    doc = merge(paths, command)
+    return doc, render(doc)
 
 
 def _planned(doc: dict) -> set | None:
