@@ -7,15 +7,21 @@ import json
 import logging
 import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
 import click
 
 from .errors import UsageError
+from .thresholds import MIN_INPUTS
 
+# 4096 px a side: past any torchvision weight's size (at most 1333), and 24 synthetic inputs already take 4.8 GB
+INPUT_SIDE = click.IntRange(min=1, max=4096)
 EXIT_CODES = """Exit codes: 0 every artifact passed; 1 an artifact broke its thresholds
-(everything is still written); 2 bad input or environment (nothing is written)."""
+(everything is still written); 2 bad input or environment (nothing is written); 3 the exporter itself
+failed (a bug: its traceback is printed)."""
+INTERNAL_ERROR = 3
 
 
 def _quiet_libraries() -> None:
@@ -32,6 +38,12 @@ def one_line_errors(fn):
         except UsageError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
+        except Exception as e:  # not exit 1, which a CI job reads as "an artifact broke its thresholds"
+            traceback.print_exc()
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            click.echo(f"error: the exporter failed (a bug; the traceback above is for its report): "
+                       f"{type(e).__name__}: {first}", err=True)
+            sys.exit(INTERNAL_ERROR)
 
     return wrapper
 
@@ -45,7 +57,7 @@ def main():
 
 @main.command("list")
 @click.option("--task", default="classification", show_default=True, help="classification, segmentation, detection, quantization, video, optical_flow")
-@click.option("--max-params", type=int, default=None, help="Only weights with at most this many parameters.")
+@click.option("--max-params", type=click.IntRange(min=1), default=None, help="Only weights with at most this many parameters.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @one_line_errors
 def list_cmd(task, max_params, as_json):
@@ -180,15 +192,16 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
               help="Calibration and labeled validation data: an ImageFolder (classification), or DIR/images + DIR/masks "
                    "(segmentation, VOC-style: class index per pixel, 255 = ignore), DIR/annotations.json (detection, COCO), "
                    "or DIR/<class>/<clip>/<frame image> (video).")
-@click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=None, metavar="H W",
+@click.option("--input-size", type=(INPUT_SIDE, INPUT_SIDE), default=None, metavar="H W",
               help="Fixed input size of a segmentation graph (the weight's resize size, square), of a RetinaNet, "
                    "FCOS or Faster R-CNN graph (multiples of 32; by default the weight's min_size square: 800 800, "
                    "320 320) or of a video graph's frames (the weight's crop), or a classifier's square crop (at least the "
                    "weight's min_size; the resize scaled with it; ViT, MaxViT and Swin take only their crop); SSD "
                    "takes its own.")
 @click.option("--calib-size", type=click.IntRange(min=0), default=None)
-@click.option("--val-size", type=click.IntRange(min=2), default=None)
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for eager and every runtime alike.")
+@click.option("--val-size", type=click.IntRange(min=MIN_INPUTS), default=None)
+@click.option("--threads", type=click.IntRange(min=0), default=None,
+              help="Threads for eager and every runtime alike (0: every core this process may use).")
 @click.option("--warmup", type=click.IntRange(min=0), default=None)
 @click.option("--iterations", type=click.IntRange(min=1), default=None, help="Timed iterations per runner.")
 @click.option("--threshold", "thresholds", multiple=True, help=_threshold_help())
@@ -261,19 +274,26 @@ def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint
 
 @main.command()
 @click.option("--weight", "weight_names", multiple=True, required=True, help="A weight name (repeatable).")
-@click.option("--target", "targets", multiple=True, help="A target (repeatable); default: every target.")
+@click.option("--target", "targets", multiple=True,
+              help="A target, `all` or a .toml profile (repeatable); default: every target.")
 @one_line_errors
 def matrix(weight_names, targets):
-    """Print a JSON build matrix (weights x targets) for a CI system's matrix feature."""
+    """Print a JSON build matrix (weights x targets) for a CI system's matrix feature. A pair that `build` would
+    refuse (the target makes none of its artifacts from the weight) is left out, saying why on stderr."""
     from . import weights
-    from .build import profiles
+    from .build import expand_targets, target_refusal
 
-    known = profiles.available_targets()
-    for target in targets:
-        if target not in known:
-            raise UsageError(f"unknown target '{target}'; choose from {', '.join(known)}")
-    names = [weights.canonical_name(weights.resolve(w)) for w in weight_names]
-    include = [{"weight": w, "target": t} for w in names for t in (targets or known)]
+    names = list(dict.fromkeys(weights.canonical_name(weights.resolve(w)) for w in weight_names))
+    include = []
+    for name in names:
+        for target in expand_targets(targets or ["all"]):
+            why = target_refusal(name, target)
+            if why:
+                click.echo(f"left out: {name} on {target}: {why}", err=True)
+            else:
+                include.append({"weight": name, "target": target})
+    if not include:
+        raise UsageError("no weight in the matrix makes an artifact on any of its targets")
     click.echo(json.dumps({"include": include}))
 
 
@@ -393,11 +413,11 @@ def _command_line(ctx: click.Context) -> str:
                    "(cached), validated on held-out labeled digits.")
 @click.option("--train-epochs", type=click.IntRange(min=1), default=None, help="Epochs of the digits training [default: 4].")
 @click.option("--calib-size", type=click.IntRange(min=0), default=None, help="[default: 16 (random); the target's own (digits)]")
-@click.option("--val-size", type=click.IntRange(min=2), default=None, help="[default: 8 (random); the target's own (digits)]")
+@click.option("--val-size", type=click.IntRange(min=MIN_INPUTS), default=None, help="[default: 8 (random); the target's own (digits)]")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--iterations", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Threads per build.")
-@click.option("--input-size", type=(click.IntRange(min=1), click.IntRange(min=1)), default=(128, 128), show_default=True,
+@click.option("--input-size", type=(INPUT_SIDE, INPUT_SIDE), default=(128, 128), show_default=True,
               metavar="H W", help="Input size of the graphs that take one: segmentation, RetinaNet, FCOS, video frames.")
 @click.option("--classifier-size", type=click.IntRange(min=1), default=None, metavar="N",
               help="Build classifiers at N×N (with --weights digits, trained at it too) where their graph takes it "
@@ -424,6 +444,8 @@ def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_
 
     command = _command_line(click.get_current_context())
     if matrix_shards is not None:
+        if merge or merge_paths:
+            raise UsageError("--matrix prints the shards of a sweep; --merge joins their tables: give one of them")
         click.echo(json.dumps(sweep.matrix(matrix_shards)))
         return
     if merge:

@@ -68,7 +68,10 @@ def locked(lock_file: Path):
     work waits here, then finds it done, instead of repeating or racing it. Released when the process dies."""
     import fcntl
 
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a cache path through a file, or a read-only place
+        raise UsageError(f"cannot make {lock_file.parent}: {e.strerror or e}") from None
     with open(lock_file, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:

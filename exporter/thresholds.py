@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
+MIN_INPUTS = 2  # validation inputs: whether eager's outputs vary, and so whether agreement means anything, takes two
+
 # threshold key -> (metric path, "min" or "max")
 THRESHOLD_KEYS = {
     "top1_agreement": (("fidelity", "top1_agreement"), "min"),

@@ -15,7 +15,7 @@ import torch
 
 from . import hostload
 from .tasks import Task
-from .thresholds import THRESHOLD_KEYS, breaches
+from .thresholds import MIN_INPUTS, THRESHOLD_KEYS, breaches
 
 Runner = Callable[[torch.Tensor], torch.Tensor]
 CONTRACT = 2  # what a cached validation holds (2: outlier_inputs); a new one is not served an older record
@@ -97,7 +97,7 @@ def blind_spot(task: Task, reference: torch.Tensor, thresholds: Mapping[str, flo
     limits = _fidelity_limits(thresholds)
     if not limits:
         return None
-    if len(reference) < 2:
+    if len(reference) < MIN_INPUTS:
         return (f"fidelity not measurable on {len(reference)} validation input: whether eager's outputs vary "
                 f"across inputs, and so whether agreement with them means anything, takes two or more")
     constant = reference.double().mean(0, keepdim=True).expand_as(reference).float()

@@ -187,3 +187,85 @@ def _profile(tmp_path, name: str, extra: str = "", stem: str = "android") -> str
 def test_a_build_that_cannot_finish_is_refused_before_it_writes(build, tmp_path, args, needle):
     result, out = build(*args(tmp_path))
     assert_clean_refusal(result, out, needle)
+
+
+def _few_images(tmp_path, digits_model, count: int):
+    data = tmp_path / f"data{count}"
+    images = sorted(p for p in digits_model.data_dir.rglob("*") if p.is_file())[:count]
+    for image in images:
+        (data / image.parent.name).mkdir(parents=True, exist_ok=True)
+        (data / image.parent.name / image.name).write_bytes(image.read_bytes())
+    return data
+
+
+@pytest.mark.parametrize("count, args, needle", [
+    (1, ["--format", "executorch:fp32"], "has 1 usable item(s); this build needs at least 2 to validate on"),
+    (2, ["--format", "executorch:int8"], "this build needs at least 3 (2 to validate on, 1 to calibrate executorch_int8)"),
+])
+def test_data_too_small_to_split_is_refused_before_it_writes(build, tmp_path, digits_model, count, args, needle):
+    """Not judged on one input, nor calibrated on none (which crashed in the quantizer)."""
+    result, out = build("--data", _few_images(tmp_path, digits_model, count), "--target", "android", *args)
+    assert_clean_refusal(result, out, needle)
+
+
+@pytest.mark.parametrize("toml, needle", [
+    ("[tasks]\nsegmentation = 1\n", "[tasks.segmentation]: must be a table, got 1"),
+    ("[tasks.segmentation]\nthresholds = 5\n", "[tasks.segmentation.thresholds] must be a table, got 5"),
+    ("[tasks.segmentation]\ndata = 5\n", "[tasks.segmentation.data]: must be a table, got 5"),
+    ("quantization = 3\n", "'quantization' must be a dict"),
+])
+def test_profile_tables_of_the_wrong_type(build, tmp_path, toml, needle):
+    result, out = build("--target", _profile(tmp_path, "t", toml))
+    assert_clean_refusal(result, out, needle)
+
+
+def test_profile_artifact_that_is_not_a_table(build, tmp_path):
+    path = tmp_path / "odd.toml"
+    path.write_text("artifacts = [3]\n")
+    result, out = build("--target", path)
+    assert_clean_refusal(result, out, "[[artifacts]]: must be a table, got 3")
+
+
+def test_cache_path_through_a_file(build, tmp_path):
+    blocker = tmp_path / "cache-file"
+    blocker.write_text("")
+    result, out = build(env={"EXPORTER_CACHE": str(blocker)})
+    assert_clean_refusal(result, out, f"cache {blocker}", "is a file, not a directory")
+
+
+def test_target_typo_suggests_the_name(build):
+    result, out = build("--target", "andriod")
+    assert_clean_refusal(result, out, "unknown target 'andriod'; did you mean 'android'?", "all, or a .toml profile")
+
+
+def test_input_size_past_any_weight_is_refused(build):
+    result, out = build("--input-size", "30000", "30000")
+    assert result.exit_code == 2 and "30000 is not in the range 1<=x<=4096" in result.stderr and not out.exists()
+
+
+def test_checkpoint_that_is_a_directory(build, tmp_path):
+    result, out = build(checkpoint=tmp_path)
+    assert_clean_refusal(result, out, f"checkpoint {tmp_path} is a directory, not a file")
+
+
+def test_checkpoint_that_is_a_torchscript_program(build, tmp_path):
+    path = tmp_path / "model.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(path))
+    result, out = build(checkpoint=path)
+    assert_clean_refusal(result, out, "is a TorchScript program, not a state dict", "model.state_dict()")
+
+
+def test_a_bug_exits_3_with_its_traceback_not_1(build, monkeypatch):
+    """Exit 1 means an artifact broke its thresholds: a CI job must not read a crash as that."""
+    from exporter.build import pipeline
+
+    def broken(*args):
+        raise RuntimeError("something the exporter did not expect")
+
+    monkeypatch.setattr(pipeline, "_load_inputs", broken)
+    result, _ = build("--format", "executorch:fp32")
+    assert result.exit_code == 3, result.output
+    assert "Traceback" in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: the exporter failed (a bug; the traceback above is for its report): "
+        "RuntimeError: something the exporter did not expect")

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from exporter.release import manifest
 from exporter.release.bundle import extract_bundle, make_bundle
 from exporter.errors import UsageError
 
 from .conftest import ROOT, build_args, run_cli, run_without_torch
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # the tests on real builds; those on fake manifests (below the fixtures) are fast
 
 APPS = ROOT / "apps"
 
@@ -103,6 +104,7 @@ def ios(tmp_path_factory, digits_model):
     return out, directory
 
 
+@slow
 def test_bundle_holds_the_files_bundle_json_lists(android):
     out, directory, _, info = android
     doc = json.loads((out / "manifest.json").read_text())
@@ -117,6 +119,7 @@ def test_bundle_holds_the_files_bundle_json_lists(android):
     assert (directory / "preprocessing.json").read_bytes() == (out / "preprocessing.json").read_bytes()
 
 
+@slow
 def test_android_selection_validation_results_and_runtime(android):
     out, directory, _, info = android
     doc = json.loads((out / "manifest.json").read_text())
@@ -132,6 +135,7 @@ def test_android_selection_validation_results_and_runtime(android):
     assert info["eager"] == doc["eager"] and info["eager"]["accuracy"] is not None
 
 
+@slow
 def test_zip_holds_exactly_the_directory(android):
     _, directory, archive, _ = android
     with zipfile.ZipFile(archive) as zf:
@@ -140,6 +144,7 @@ def test_zip_holds_exactly_the_directory(android):
         assert {info.date_time for info in zf.infolist()} == {(1980, 1, 1, 0, 0, 0)}
 
 
+@slow
 def test_bundling_twice_gives_byte_identical_zips(android, tmp_path):
     out, directory, archive, _ = android
     again = make_bundle(out, dest=tmp_path / "again")
@@ -150,6 +155,7 @@ def test_bundling_twice_gives_byte_identical_zips(android, tmp_path):
     assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["android", "android.zip"]
 
 
+@slow
 def test_failed_build_is_refused_unless_allowed(android, tmp_path):
     out = tmp_path / "build"
     shutil.copytree(android[0], out, ignore=shutil.ignore_patterns("bundle"))
@@ -162,6 +168,7 @@ def test_failed_build_is_refused_unless_allowed(android, tmp_path):
     assert statuses["executorch_fp32"] == "failed" and statuses["executorch_int8"] == "passed"
 
 
+@slow
 def test_several_target_build_gets_one_bundle_per_target(android, jetson, tmp_path):
     base = tmp_path / "several"  # the layout of `exporter build --target android --target jetson --out base`
     shutil.copytree(android[0], base / "android", ignore=shutil.ignore_patterns("bundle"))
@@ -179,6 +186,7 @@ def test_several_target_build_gets_one_bundle_per_target(android, jetson, tmp_pa
     assert not (base / "bundle").exists()
 
 
+@slow
 @pytest.mark.parametrize("damage", ["append", "truncate"])
 def test_tampered_artifact_is_refused(android, tmp_path, damage):
     out, _, _, info = android
@@ -191,6 +199,7 @@ def test_tampered_artifact_is_refused(android, tmp_path, damage):
     assert not (copy / "bundle").exists()
 
 
+@slow
 def test_extract_round_trips_and_refuses_escaping_entries(android, tmp_path):
     _, directory, archive, _ = android
     assert _files(extract_bundle(archive, tmp_path / "unpacked")) == _files(directory)
@@ -214,6 +223,7 @@ def _has(doc, path: str) -> bool:
     return not rest or _has(doc[head], rest)
 
 
+@slow
 @pytest.mark.parametrize("app", sorted(APP_READS))
 def test_every_file_and_key_an_app_reads_is_in_a_fresh_bundle(app, request):
     reads = APP_READS[app]
@@ -233,6 +243,7 @@ def test_every_file_and_key_an_app_reads_is_in_a_fresh_bundle(app, request):
     assert quoted <= {"bundle.json"}, f"{app} hard-codes {quoted - {'bundle.json'}}; it should take names from bundle.json"
 
 
+@slow
 def test_jetson_bundle_carries_the_device_kit(jetson):
     out, directory = jetson
     info = json.loads((directory / "bundle.json").read_text())
@@ -254,6 +265,7 @@ def _app(*args):
     return run_without_torch(APPS / "jetson" / "app.py", *args)
 
 
+@slow
 def test_jetson_app_reproduces_golden_top1(jetson):
     _, directory = jetson
     result = _app(directory, "--golden")
@@ -264,6 +276,7 @@ def test_jetson_app_reproduces_golden_top1(jetson):
     assert line.startswith(f"PASSED onnx_fp32 (onnxruntime, {count} golden inputs): top1 1.000"), line
 
 
+@slow
 def test_jetson_app_classifies_an_image(jetson, digits_model, tmp_path):
     _, directory = jetson
     image = next(p for p in sorted(digits_model.data_dir.rglob("*")) if p.is_file())
@@ -275,6 +288,7 @@ def test_jetson_app_classifies_an_image(jetson, digits_model, tmp_path):
     assert all(line.split(maxsplit=1)[1] in labels for line in lines[2:])
 
 
+@slow
 def test_jetson_app_preprocessing_is_the_weights_transforms(digits_model):
     from torchvision.models import get_weight
 
@@ -291,3 +305,127 @@ def test_jetson_app_preprocessing_is_the_weights_transforms(digits_model):
         image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
         expected = weights.transforms()(image).numpy()[None]
         np.testing.assert_array_equal(app.preprocess(image, spec), expected)
+
+
+# --- fast: fake manifests, no model built ---
+
+
+def _entry(fmt, precision, status="passed", reasons=(), path=None, data=b""):
+    return {"name": f"{fmt}_{precision}", "format": fmt, "precision": precision, "path": path,
+            "sha256": hashlib.sha256(data).hexdigest() if path else None, "size_bytes": len(data) if path else None,
+            "status": status, "reasons": list(reasons), "details": {}, "thresholds": {"top1_agreement": 1.0},
+            "fidelity": None, "accuracy": None, "latency_ms": None, "eager_latency_ms": None, "speedup_vs_eager": None}
+
+
+def _fake_build(out, artifacts=(), target="android", **files_):
+    """A build directory with a schema-valid manifest (and `files_`, name -> bytes, beside it)."""
+    doc = {
+        "schema_version": manifest.SCHEMA_VERSION, "exporter_version": "0.0.test", "created": "2026-01-01T00:00:00+00:00",
+        "status": "failed" if any(a["status"] == "failed" for a in artifacts) else "passed",
+        "weight": {"name": "Tiny_Weights.TEST", "model": "tiny", "num_classes": 2, "meta": {}},
+        "task": {"name": "classification", "input_size": [8, 8], "num_classes": 2,
+                 "output": {"name": "logits", "layout": "NC", "shape": [1, 2]}},
+        "checkpoint": {"path": "/nowhere/tiny.pth", "sha256": "0" * 64, "source": "checkpoint", "verified": False},
+        "preprocessing": {"task": "classification", "input_size": [8, 8], "resize_size": [8], "crop_size": [8],
+                          "mean": [0.5] * 3, "std": [0.5] * 3},
+        "labels": {"file": "labels.txt", "count": 2},
+        "target": {"name": target, "profile": f"targets/{target}.toml",
+                   "artifacts": [{"format": a["format"], "precision": a["precision"]} for a in artifacts],
+                   "thresholds": {"fp32": {"top1_agreement": 1.0}, "int8": {"top1_agreement": 0.97}},
+                   "data": {"calib_size": 8, "val_size": 8, "seed": 0},
+                   "latency": {"threads": 1, "warmup": 1, "iterations": 1, "max_spread": 2.0},
+                   "validate": {"arch": ["x86_64"], "cpus": []}},
+        "tools": {"torch": "2.0.0", "torchvision": "0.20.0", "executorch": "1.0.0"},
+        "host": {"platform": "Linux", "cpu": "Test CPU", "cores": 2, "threads": 1},
+        "data": {"source": "synthetic", "labeled": False, "calibration": 8, "validation": 8},
+        "eager": {"accuracy": None}, "artifacts": list(artifacts), "timings_s": {},
+    }
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(doc, manifest.schema())
+    out.mkdir(parents=True)
+    (out / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
+    for name, data in files_.items():
+        (out / name).write_bytes(data)
+    return out
+
+
+def _manifest_refused(result, path, *needles):
+    """Refused in one line naming the manifest, which is left as it was, with no bundle written."""
+    before = path.read_bytes()
+    _refused(result, str(path), *needles)
+    assert path.read_bytes() == before and not (path.parent / "bundle").exists()
+
+
+WRONG_SHAPES = {  # what is done to a good manifest -> what the one line says
+    "a list": (lambda doc: [1, 2], "is not a build manifest: it holds list, not an object"),
+    "schema version only": (lambda doc: {"schema_version": manifest.SCHEMA_VERSION}, "is a required property"),
+    "schema version 2": (lambda doc: dict(doc, schema_version=2), "schema_version 2 (this exporter reads 3"),
+    "no target": (lambda doc: {k: v for k, v in doc.items() if k != "target"}, "top level: 'target' is a required property"),
+    "target not an object": (lambda doc: dict(doc, target="android"), "target: 'android' is not of type 'object'"),
+    "artifacts not a list": (lambda doc: dict(doc, artifacts={"executorch_fp32": {}}), "artifacts: {'executorch_fp32': {}} is not of type 'array'"),
+    "artifact without format": (lambda doc: dict(doc, artifacts=[{k: v for k, v in doc["artifacts"][0].items() if k != "format"}]),
+                                "artifacts[0]: 'format' is a required property"),
+    "null task": (lambda doc: dict(doc, task=None), "task: None is not of type 'object'"),
+}
+
+
+@pytest.mark.parametrize("command", ["validate", "bundle"])
+@pytest.mark.parametrize("shape", sorted(WRONG_SHAPES))
+def test_wrong_shape_manifest_is_refused_in_one_line(tmp_path, command, shape):
+    out = _fake_build(tmp_path / "build", [_entry("executorch", "fp32", path="tiny.pte", data=b"pte")], **{"tiny.pte": b"pte"})
+    path = out / "manifest.json"
+    good = json.loads(path.read_text())
+    manifest.read_build(out)  # the fake itself is one the commands read
+    damage, needle = WRONG_SHAPES[shape]
+    path.write_text(json.dumps(damage(good)))
+    _manifest_refused(run_cli(command, out, *(["--quiet"] if command == "validate" else [])), path, needle)
+
+
+def test_broken_missing_and_unfinished_manifests_keep_their_messages(tmp_path):
+    out = _fake_build(tmp_path / "build", [_entry("executorch", "fp32", path="tiny.pte", data=b"pte")], **{"tiny.pte": b"pte"})
+    path = out / "manifest.json"
+    good = path.read_text()
+    for command in ("validate", "bundle"):
+        path.write_text(json.dumps(dict(json.loads(good), status="building", target=None)))
+        _refused(run_cli(command, out), f"{out} is an unfinished build (status 'building'); run the build again")
+        path.write_text('{"schema_version": 3,')
+        _refused(run_cli(command, out), f"cannot read {path}: ")
+        path.unlink()
+        _refused(run_cli(command, out), f"{out} has no manifest.json; is it an exporter build directory?")
+        path.mkdir()  # a folder where the manifest should be (bundle ended in IsADirectoryError)
+        _refused(run_cli(command, out), f"{out} has no manifest.json; is it an exporter build directory?")
+        path.rmdir()
+        assert not (out / "bundle").exists()
+
+
+def test_validate_on_a_several_target_folder_names_its_targets(tmp_path):
+    base = tmp_path / "several"  # the layout of `exporter build --target android --target ios --out base`
+    for target in ("android", "ios"):
+        _fake_build(base / target, target=target)
+    _refused(run_cli("validate", base), f"{base} is a several-target build: give one target's folder "
+                                        f"({base / 'android'}, {base / 'ios'})")
+    assert sorted(p.name for p in base.iterdir()) == ["android", "ios"]
+    # a folder with no build in it, nor below, is told so as before
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    _refused(run_cli("validate", tmp_path / "empty"), "has no manifest.json; is it an exporter build directory?")
+
+
+def test_bundle_with_no_selected_file_says_why_each_is_missing(tmp_path):
+    failed = _entry("executorch", "int8", "failed", ["export failed: RuntimeError: quantize\n  at op 3"])
+    unavailable = _entry("torchscript_lite", "fp32", "unavailable", ["not built on this host: no lite interpreter"])
+    out = _fake_build(tmp_path / "build", [failed, unavailable, _entry("onnx", "fp32", path="tiny.onnx", data=b"onnx")],
+                      **{"tiny.onnx": b"onnx"})  # onnx is no android bundle's
+    _refused(run_cli("bundle", out), "executorch_int8 (export failed: RuntimeError: quantize at op 3)", "--allow-failed")
+    _refused(run_cli("bundle", out, "--allow-failed"), "android build has none of the artifacts a bundle carries: ",
+             "executorch_int8 failed, no file (export failed: RuntimeError: quantize at op 3)",
+             "executorch:fp32 is not in the build",
+             "torchscript_lite_fp32 unavailable, no file (not built on this host: no lite interpreter)")
+    assert not (out / "bundle").exists()
+    # with one selected file there, the shape check lets the rest of bundle through
+    good = _fake_build(tmp_path / "good", [failed, _entry("executorch", "fp32", path="tiny.pte", data=b"pte")],
+                       **{"tiny.pte": b"pte", "labels.txt": b"zero\none\n", "preprocessing.json": b"{}\n"})
+    (good / "golden").mkdir()
+    for name in ("inputs.npy", "eager_logits.npy"):
+        np.save(good / "golden" / name, np.zeros((1, 2), np.float32))
+    directory, _ = _bundled(run_cli("bundle", good, "--allow-failed"), good, "android")
+    assert [a["name"] for a in json.loads((directory / "bundle.json").read_text())["artifacts"]] == ["executorch_fp32"]

@@ -31,3 +31,30 @@ def test_all_expands_to_every_target(tmp_path, digits_model):
     result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--out", tmp_path / "o",
                      "--target", "all", "--format", "executorch:int4")
     assert result.exit_code == 2 and "matches nothing in target" in result.stderr
+
+
+def _matrix(*args):
+    result = run_cli("matrix", *args)
+    return result, (json.loads(result.stdout)["include"] if result.exit_code == 0 else None)
+
+
+def test_matrix_lists_each_pair_once_and_takes_all():
+    result, include = _matrix("--weight", "resnet18", "--weight", "ResNet18_Weights.IMAGENET1K_V1",
+                              "--target", "android", "--target", "android")
+    assert include == [{"weight": "ResNet18_Weights.IMAGENET1K_V1", "target": "android"}], result.output
+    _, include = _matrix("--weight", "resnet18", "--target", "all")
+    assert [job["target"] for job in include] == ["android", "ios", "jetson"]
+
+
+def test_matrix_leaves_out_what_build_refuses_saying_why():
+    """The jobs build would refuse with exit 2: a two-stage detector off Jetson, a torchvision int8 weight off
+    Android; a weight no target takes (Mask R-CNN) refuses the matrix as it refuses a build."""
+    result, include = _matrix("--weight", "fasterrcnn_mobilenet_v3_large_320_fpn")
+    assert [job["target"] for job in include] == ["jetson"], result.output
+    assert "left out: FasterRCNN_MobileNet_V3_Large_320_FPN_Weights.COCO_V1 on android: executorch:" in result.stderr
+    result, include = _matrix("--weight", "quantized_mobilenet_v3_large")
+    assert [job["target"] for job in include] == ["android"], result.output
+    result, _ = _matrix("--weight", "maskrcnn_resnet50_fpn", "--target", "jetson")
+    assert result.exit_code == 2 and "maskrcnn_resnet50_fpn cannot be exported yet" in result.stderr
+    result, _ = _matrix("--weight", "raft_small", "--target", "ios")
+    assert result.exit_code == 2 and "no weight in the matrix makes an artifact" in result.stderr

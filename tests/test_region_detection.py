@@ -159,16 +159,14 @@ def test_a_frame_without_a_proposal_runs_on_every_onnx(jetson):
             assert rows.shape == (1, 100, 6) and not rows.any(), artifact["name"]
 
 
-def test_formats_without_the_route_say_why(faster_rcnn, tmp_path):
+def test_a_target_without_the_route_is_refused_saying_why(tmp_path):
+    """Android makes nothing from a two-stage detector: refused before any file (or download), each format's reason
+    in the line, rather than a build that passes with nothing to ship."""
     out = tmp_path / "android"
-    result = run_cli(*args(faster_rcnn, out, "--target", "android", "--format", "executorch:fp32",
-                           "--format", "torchscript_lite:fp32"))
-    doc = json.loads((out / "manifest.json").read_text())
-    reasons = {a["format"]: a["reasons"][0] for a in doc["artifacts"]}
-    assert all(a["status"] == "unavailable" for a in doc["artifacts"]), doc["artifacts"]
-    assert "torch.export stops in the region proposal step" in reasons["executorch"]
-    assert "nms and roi_align" in reasons["torchscript_lite"]
-    assert result.exit_code == 0, result.output
+    result = run_cli("build", "FasterRCNN_MobileNet_V3_Large_320_FPN_Weights.COCO_V1", "--offline", "--out", out,
+                     "--target", "android", "--format", "executorch:fp32", "--format", "torchscript_lite:fp32")
+    assert_clean_refusal(result, out, "makes no artifact for target android",
+                         "torch.export stops in the region proposal step", "nms and roi_align")
 
 
 def test_options_the_route_cannot_take_are_refused(faster_rcnn, tmp_path):

@@ -167,3 +167,17 @@ def test_a_classifier_input_size_its_graph_cannot_take_is_refused(weight, size, 
     with pytest.raises(UsageError, match=needle):
         weights.bind_task(weights.resolve(weight), 10, size)
     assert weights.bind_task(weights.resolve(weight), 10, (299, 299) if "Inception" in weight else (224, 224))
+
+
+def test_a_name_tail_too_short_for_a_hash_is_not_checked_and_a_digits_one_says_it_may_be_a_date(tmp_path):
+    """torchvision's prefixes are 8 or 10 hex digits: "-100000" is a training step; an 8-digit tail is checked (it
+    may be a real prefix: vgg13-19584684), and its mismatch says what to do if it is a date."""
+    from exporter.weights import _checked_digest
+
+    step = tmp_path / "finetune-100000.pth"
+    step.write_bytes(b"weights")
+    assert _checked_digest(step, verify=True)[1] is False
+    dated = tmp_path / "finetune-20261129.pth"
+    dated.write_bytes(b"weights")
+    with pytest.raises(UsageError, match="if 20261129 is a step or a date, not a hash, pass --no-verify"):
+        _checked_digest(dated, verify=True)

@@ -53,6 +53,19 @@ def target_profile(request: BuildRequest, target: str) -> dict:
     )
 
 
+def target_refusal(weight: str, target: str) -> str | None:
+    """Why `build` would refuse this weight on this target (it makes none of the target's artifacts), or None.
+    A weight no target can take is refused here as in `build`."""
+    from .. import weights
+    from . import pipeline
+    from .plan import make_all
+
+    resolved = weights.resolve(weight)
+    task_class = weights.task_class(resolved)
+    (plan,) = make_all([profiles.load(target)], task_class.name, required=task_class.format_options())
+    return pipeline.refusal(resolved, task_class, plan)
+
+
 def build(request: BuildRequest, progress: Progress | None = None) -> dict:
     """Build one target (request.target); returns its manifest."""
     (doc,) = build_targets(request, [request.target], progress)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import files
+from ..errors import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -24,7 +25,10 @@ PACKAGE = Path(__file__).resolve().parents[1]  # the whole exporter package
 
 
 def default_root() -> Path:
-    return Path(os.environ.get("EXPORTER_CACHE") or Path.home() / ".cache" / "exporter")
+    root = Path(os.environ.get("EXPORTER_CACHE") or Path.home() / ".cache" / "exporter")
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"the exporter's cache {root} ($EXPORTER_CACHE or ~/.cache/exporter) is a file, not a directory")
+    return root
 
 
 def source_digest() -> str:

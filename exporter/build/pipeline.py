@@ -28,6 +28,7 @@ from ..quant.calibration import BACKEND_SETTINGS
 from .request import BuildRequest
 from .cache import BuildCache
 from ..errors import UsageError
+from ..thresholds import MIN_INPUTS
 from ..formats import FORMATS, RuntimeUnavailable
 from ..progress import Progress
 
@@ -106,6 +107,17 @@ def _load_inputs(path: Path | None, loaded: weights.LoadedModel, task: Task, set
     if path is None:
         return data.synthetic(transform, *size)
     return task.load_data(Path(path), transform, *size)
+
+
+def _check_enough(inputs: data.Inputs, path: Path | None, calibrated: list[str]) -> None:
+    """A --data folder too small to split into validation inputs (and calibration ones, for int8) is refused
+    before anything is written, rather than judged on one input or calibrated on none."""
+    validation_inputs, calibration_inputs = len(inputs.validation), len(inputs.calibration)
+    needed = MIN_INPUTS + (1 if calibrated else 0)
+    if validation_inputs < MIN_INPUTS or (calibrated and calibration_inputs == 0):
+        purpose = f" ({MIN_INPUTS} to validate on, 1 to calibrate {', '.join(calibrated)})" if calibrated else " to validate on"
+        raise UsageError(f"--data {path} has {validation_inputs + calibration_inputs} usable item(s); "
+                         f"this build needs at least {needed}{purpose}")
 
 
 def _start_session(loaded, task, inputs, plan: Plan, progress: Progress, build_cache: BuildCache | None = None) -> Session:
@@ -437,6 +449,19 @@ def _made_again(session: Session, spec: ArtifactSpec, module, first: dict, calib
     return first
 
 
+def refusal(resolved, task_class: type[Task], plan: Plan) -> str | None:
+    """Why the target would make none of its artifacts from this weight (every one refused by design), or None:
+    such a build would pass with nothing to ship."""
+    quantized = weights.is_quantized(resolved)
+    reasons = []
+    for spec in plan.artifacts:
+        why = (FORMATS[spec.format].no_quantized_eager if quantized else None) or task_class.refuses(spec.format, spec.precision)
+        if not why:
+            return None
+        reasons.append(f"{spec.format}: {why}")
+    return "; ".join(dict.fromkeys(reasons))
+
+
 def _preflight(plan: Plan) -> None:
     """Missing extras and impossible options fail here, before anything is written."""
     if plan.post_build:
@@ -523,12 +548,18 @@ def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, pro
     resolved = weights.resolve(request.weight)
     task_class = weights.task_class(resolved)
     plans = make_all(targets, task_class.name, request.options, task_class.format_options())
+    refusals = [refusal(resolved, task_class, plan) for plan in plans]
+    if all(refusals):  # a target that makes nothing beside one that does says why in its manifest
+        raise UsageError(f"{weights.canonical_name(resolved)} makes no artifact for target "
+                         f"{', '.join(p.target for p in plans)}: {'; '.join(dict.fromkeys(refusals))}")
+    calibrated = []  # the artifacts calibrated on the --data images, on any target
     for plan in plans:
         _preflight(plan)
-        calibrated = [a.label for a in plan.artifacts if a.precision == "int8"] if not weights.is_quantized(resolved) else []
-        if calibrated and plan.data.calib_size == 0:
-            raise UsageError(f"target {plan.target}: {', '.join(calibrated)} need calibration images; "
+        labels = [a.label for a in plan.artifacts if a.precision == "int8"] if not weights.is_quantized(resolved) else []
+        if labels and plan.data.calib_size == 0:
+            raise UsageError(f"target {plan.target}: {', '.join(labels)} need calibration images; "
                              f"--calib-size 0 gives none")
+        calibrated += [label for label in labels if label not in calibrated]
     task_class.input_size_of(resolved, weights.model_name_of(resolved), request.input_size)
     if request.data is not None and not Path(request.data).is_dir():
         raise UsageError(f"--data {request.data} is not a directory")
@@ -548,6 +579,7 @@ def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, pro
     task = task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
     with progress.step("load data"):
         inputs = _load_inputs(request.data, loaded, task, plans[0].data)
+    _check_enough(inputs, request.data, calibrated)
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
             loaded.labels = list(inputs.classes)
@@ -610,14 +642,7 @@ def _build_one(request: BuildRequest, session: Session, out: Path, progress: Pro
 
 def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: Progress, checkpoint: Path | None) -> dict:
     """See build.validate_build."""
-    if not (out / "manifest.json").is_file():
-        raise UsageError(f"{out} has no manifest.json; is it an exporter build directory?")
-    try:
-        doc = manifest.read(out)
-    except (ValueError, json.JSONDecodeError) as e:
-        raise UsageError(f"cannot read {out / 'manifest.json'}: {e}") from None
-    if doc.get("status") == "building":  # killed part way: its manifest lists only the artifacts done by then
-        raise UsageError(f"{out} is an unfinished build (status 'building'); run the build again")
+    doc = manifest.read_build(out)
     for entry in doc["artifacts"]:
         if entry.get("path"):
             path = out / entry["path"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import math
 import re
 import tomllib
@@ -11,7 +12,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..formats import FORMATS
 from ..quant import ONNX_CALIBRATIONS, SETTINGS as QUANT_SETTINGS
-from ..thresholds import FRACTIONS, TASK_KEYS, THRESHOLD_KEYS
+from ..thresholds import FRACTIONS, MIN_INPUTS, TASK_KEYS, THRESHOLD_KEYS
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "targets"
 SECTIONS = {
@@ -32,7 +33,6 @@ SECTIONS = {
 }
 TASK_SECTIONS = {"thresholds": dict, "data": dict}
 DATA_KEYS = {"calib_size": int, "val_size": int, "seed": int}
-MIN_VAL_SIZE = 2
 LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
 ARTIFACT_KEYS = {"name", "format", "precision", "options"}
 ARCHES = ("x86_64", "aarch64")  # x86_64: this host (always); aarch64: the emulated runner (exporter.aarch64)
@@ -50,7 +50,10 @@ def load(target: str) -> dict:
     if path.suffix != ".toml":
         path = PROFILE_DIR / f"{target}.toml"
         if not path.is_file():
-            raise UsageError(f"unknown target '{target}'; choose from {', '.join(available_targets())}")
+            known = available_targets()
+            close = difflib.get_close_matches(target.lower(), known, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise UsageError(f"unknown target '{target}'; {hint}choose from {', '.join(known)}, all, or a .toml profile")
     elif not path.is_file():
         raise UsageError(f"target profile {path} does not exist")
     try:
@@ -64,6 +67,8 @@ def load(target: str) -> dict:
 
 
 def _check_keys(table: dict, allowed: dict | set, where: str) -> None:
+    if not isinstance(table, dict):
+        raise UsageError(f"{where}: must be a table, got {table!r}")
     unknown = sorted(set(table) - set(allowed))
     if unknown:
         raise UsageError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
@@ -103,6 +108,8 @@ def _check_quant_setting(key: str, value, where: str):
 
 
 def _check_quantization(table: dict, where: str) -> None:
+    if not isinstance(table, dict):
+        raise UsageError(f"{where}: [quantization] must be a table, got {table!r}")
     for key, value in table.items():
         if key == "budget":
             if not isinstance(value, dict):
@@ -114,6 +121,8 @@ def _check_quantization(table: dict, where: str) -> None:
 
 
 def _check_thresholds(tables: dict, where: str, section: str, task: str | None = None) -> None:
+    if not isinstance(tables, dict):
+        raise UsageError(f"{where}: [{section}] must be a table, got {tables!r}")
     for precision, table in tables.items():
         if not isinstance(table, dict):
             raise UsageError(f"{where}: [{section}.{precision}] must be a table")
@@ -137,8 +146,8 @@ def _check_name(name, where: str) -> None:
 
 
 def _check_val_size(table: dict, where: str) -> None:
-    if table.get("val_size", MIN_VAL_SIZE) < MIN_VAL_SIZE:
-        raise UsageError(f"{where}: val_size must be >= {MIN_VAL_SIZE} (whether eager's outputs vary, and so whether "
+    if table.get("val_size", MIN_INPUTS) < MIN_INPUTS:
+        raise UsageError(f"{where}: val_size must be >= {MIN_INPUTS} (whether eager's outputs vary, and so whether "
                          f"agreement with them means anything, takes two inputs), got {table['val_size']}")
 
 

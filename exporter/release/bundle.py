@@ -78,14 +78,7 @@ FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip can store: entries carr
 
 
 def _read_build(out: Path) -> dict:
-    try:
-        doc = manifest.read(out)
-    except FileNotFoundError:
-        raise UsageError(f"{out} has no manifest.json; is it an exporter build directory?") from None
-    except (ValueError, json.JSONDecodeError) as e:
-        raise UsageError(f"cannot read {out / 'manifest.json'}: {e}") from None
-    if doc.get("status") == "building":
-        raise UsageError(f"{out} is an unfinished build (status 'building'); run the build again")
+    doc = manifest.read_build(out)  # every key read below is there, of its type
     check_target(doc["target"]["name"])
     return doc
 
@@ -101,13 +94,26 @@ def _selected(doc: dict, allow_failed: bool) -> list[tuple[str, dict]]:
     matching = [(roles[key], a) for key in roles for a in doc["artifacts"] if (a["format"], a["precision"]) == key]
     failed = [a for _, a in matching if a["status"] == "failed"]
     if failed and not allow_failed:
-        names = "; ".join(f"{a['name']} ({', '.join(a['reasons']) or 'no reason recorded'})" for a in failed)
+        names = "; ".join(f"{a['name']} ({_reasons(a)})" for a in failed)
         raise UsageError(f"artifacts failed: {names}; pass --allow-failed to bundle the rest anyway")
     chosen = [(role, a) for role, a in matching if a.get("path")]  # a failed export has no file
     if not chosen:
-        raise UsageError(f"{doc['target']['name']} build has none of the artifacts a bundle carries "
-                         f"({', '.join(f'{f}:{p}' for f, p in roles)})")
+        raise UsageError(f"{doc['target']['name']} build has none of the artifacts a bundle carries: "
+                         f"{'; '.join(_why_missing(doc, key) for key in roles)}")
     return chosen
+
+
+def _why_missing(doc: dict, key: tuple[str, str]) -> str:
+    """Why the build has no file for the (format, precision) a bundle wants: not built, or its status and reasons."""
+    entries = [a for a in doc["artifacts"] if (a["format"], a["precision"]) == key]
+    if not entries:
+        return f"{key[0]}:{key[1]} is not in the build"
+    return "; ".join(f"{a['name']} {a['status']}, no file ({_reasons(a)})" for a in entries)
+
+
+def _reasons(entry: dict) -> str:
+    """An artifact's reasons on one line (an exception's message may run over several)."""
+    return " ".join(", ".join(str(r) for r in entry["reasons"]).split()) or "no reason recorded"
 
 
 def _inside(root: Path, relative: str) -> Path:

@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .. import files
+from ..errors import UsageError
 
 SCHEMA_VERSION = 3
 SCHEMA_FILE = Path(__file__).parent / "schema" / "manifest.schema.json"
@@ -104,6 +105,47 @@ def read(out_dir: Path) -> dict:
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise ValueError(f"{path}: schema_version {manifest.get('schema_version')} (this exporter reads {SCHEMA_VERSION}: build it again)")
     return manifest
+
+
+def read_build(out_dir) -> dict:
+    """The manifest of the build directory `out_dir`, for `exporter validate` and `exporter bundle`: refused with
+    one UsageError line unless it is there, is JSON, is this exporter's schema version, is finished and matches
+    the schema (every key they read, of its type). A several-target build's OUT (a folder per target, no
+    OUT/manifest.json) is told apart from a folder that is no build at all."""
+    out = Path(out_dir)
+    path = out / "manifest.json"
+    if not path.is_file():
+        targets = sorted(p.parent for p in out.glob("*/manifest.json") if p.is_file()) if out.is_dir() else []
+        if targets:
+            raise UsageError(f"{out} is a several-target build: give one target's folder "
+                             f"({', '.join(str(t) for t in targets)})")
+        raise UsageError(f"{out} has no manifest.json; is it an exporter build directory?")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: broken JSON or not UTF-8
+        raise UsageError(f"cannot read {path}: {e}") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path} is not a build manifest: it holds {type(doc).__name__}, not an object")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise UsageError(f"{path}: schema_version {doc.get('schema_version')} (this exporter reads {SCHEMA_VERSION}: "
+                         f"build it again)")
+    if doc.get("status") == "building":  # killed part way: it lists the artifacts done by then
+        raise UsageError(f"{out} is an unfinished build (status 'building'); run the build again")
+    problem = schema_problem(doc)
+    if problem:
+        raise UsageError(f"{path} does not match the manifest schema: {problem}")
+    return doc
+
+
+def schema_problem(doc: dict) -> str | None:
+    """Where and how `doc` departs from the manifest schema (the most relevant departure), or None."""
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema()).iter_errors(doc))
+    if error is None:
+        return None
+    where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in error.absolute_path).lstrip(".") or "top level"
+    return f"{where}: {error.message[:200]}"
 
 
 def schema() -> dict:

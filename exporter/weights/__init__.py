@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import pickle
+import zipfile
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -240,6 +241,20 @@ def _is_state_value(value) -> bool:
     return isinstance(value, (torch.Tensor, torch.dtype))
 
 
+def _is_torchscript(path: Path) -> bool:
+    """torch.jit.save's archive: a zip whose folder holds the program's code/ (a state dict's holds none)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any("/code/" in name for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def _require_file(path: Path, what: str) -> None:
+    if not path.is_file():
+        raise UsageError(f"{what} {path} is a directory, not a file" if path.is_dir() else f"{what} {path} does not exist")
+
+
 def _read_state_dict(path: Path) -> dict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -253,6 +268,9 @@ def _read_state_dict(path: Path) -> dict:
         raise UsageError(f"checkpoint {path} was rejected by torch.load(weights_only=True): {reason} "
                          f"(it holds objects other than tensors, or is not a torch file)") from None
     except Exception as e:  # a file that is not a checkpoint fails in the unpickler in many ways (KeyError, IndexError, …)
+        if _is_torchscript(path):
+            raise UsageError(f"checkpoint {path} is a TorchScript program, not a state dict: pass the weights "
+                             f"torch.save(model.state_dict(), PATH) writes") from None
         raise UsageError(f"checkpoint {path} is truncated or not a torch file ({type(e).__name__})") from None
     if isinstance(obj, dict):
         for key in ("state_dict", "model", "model_state_dict"):
@@ -271,10 +289,10 @@ def _checked_digest(path: Path, verify: bool) -> tuple[str, bool]:
     match = HASH_IN_NAME.search(path.name)
     if match and verify:
         if not digest.startswith(match.group(1)):
-            raise UsageError(
-                f"checkpoint {path} fails its hash check: name says {match.group(1)}, file is {digest[: len(match.group(1))]} "
-                f"(pass --no-verify to skip)"
-            )
+            skip = (f"if {match.group(1)} is a step or a date, not a hash, pass --no-verify" if match.group(1).isdigit()
+                    else "pass --no-verify to skip")
+            raise UsageError(f"checkpoint {path} fails its hash check: name says {match.group(1)}, "
+                             f"file is {digest[: len(match.group(1))]} ({skip})")
         return digest, True
     return digest, False
 
@@ -323,7 +341,7 @@ def _float_reference(weights: WeightsEnum, num_classes: int, path: Path | None, 
     path = Path(path) if path is not None else hub_checkpoint_path(unquantized)
     if not path.is_file():
         if source == "checkpoint":
-            raise UsageError(f"float checkpoint {path} does not exist")
+            _require_file(path, "float checkpoint")
         note = (f"no checkpoint of {canonical_name(unquantized)} at {path}: validated against the quantized "
                 f"eager model (pass --float-checkpoint PATH to validate against the float model)")
         return None, {"kind": "quantized eager", "weight": canonical_name(weights), "checkpoint": None,
@@ -367,8 +385,7 @@ def load(
             source = "download"
     else:
         path, source = Path(checkpoint), "checkpoint"
-        if not path.is_file():
-            raise UsageError(f"checkpoint {path} does not exist")
+        _require_file(path, "checkpoint")
 
     digest, verified = _checked_digest(path, verify or source == "download")
     state = _read_state_dict(path)
@@ -401,8 +418,7 @@ def load(
 
 def read_labels(path: str | Path, num_classes: int) -> list[str]:
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"labels file {path} does not exist")
+    _require_file(path, "labels file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from ..errors import UsageError
 
-# torch.hub's convention: "<name>-<sha256 prefix>.<ext>"
-HASH_IN_NAME = re.compile(r"-([a-f0-9]{6,64})\.")
+# torch.hub's convention: "<name>-<sha256 prefix>.<ext>"; torchvision's prefixes are 8 or 10 hex digits, so a
+# shorter tail ("-100000.pth", a training step) is not taken for one
+HASH_IN_NAME = re.compile(r"-([a-f0-9]{8,64})\.")
 OFFLINE_ENV = "EXPORTER_OFFLINE"
 CHUNK = 1 << 16
 TIMEOUT_S = 30
