@@ -38,6 +38,8 @@ def one_line_errors(fn):
         except UsageError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
+        except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit, BrokenPipeError):
+            raise  # click's own: usage errors, Ctrl-C, a closed pipe
         except Exception as e:  # not exit 1, which a CI job reads as "an artifact broke its thresholds"
             traceback.print_exc()
             first = (str(e).strip().splitlines() or [""])[0][:200]

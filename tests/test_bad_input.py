@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from exporter.errors import UsageError
+
 from .conftest import assert_clean_refusal, hide_module, run_cli
 
 
@@ -199,7 +201,8 @@ def _few_images(tmp_path, digits_model, count: int):
 
 
 @pytest.mark.parametrize("count, args, needle", [
-    (1, ["--format", "executorch:fp32"], "has 1 usable item(s); this build needs at least 2 to validate on"),
+    (1, ["--format", "executorch:fp32"], "has 1 usable item(s); this build needs at least 3 (2 to validate on; "
+                                         "--calib-size 0 sets none aside to calibrate)"),
     (2, ["--format", "executorch:int8"], "this build needs at least 3 (2 to validate on, 1 to calibrate executorch_int8)"),
 ])
 def test_data_too_small_to_split_is_refused_before_it_writes(build, tmp_path, digits_model, count, args, needle):
@@ -208,11 +211,24 @@ def test_data_too_small_to_split_is_refused_before_it_writes(build, tmp_path, di
     assert_clean_refusal(result, out, needle)
 
 
+def test_two_images_are_enough_for_a_float_build_that_sets_none_aside(build, tmp_path, digits_model, monkeypatch):
+    """The check counts what the split gives: with --calib-size 0 both images validate (the build goes on: it is
+    stopped at the eager reference, past the check)."""
+    from exporter.build import pipeline
+
+    def stop(*args):
+        raise UsageError("stopped after the data check")
+
+    monkeypatch.setattr(pipeline, "_start_session", stop)
+    result, out = build("--data", _few_images(tmp_path, digits_model, 2), "--target", "android",
+                        "--format", "executorch:fp32", "--calib-size", "0")
+    assert_clean_refusal(result, out, "stopped after the data check")
+
+
 @pytest.mark.parametrize("toml, needle", [
     ("[tasks]\nsegmentation = 1\n", "[tasks.segmentation]: must be a table, got 1"),
     ("[tasks.segmentation]\nthresholds = 5\n", "[tasks.segmentation.thresholds] must be a table, got 5"),
     ("[tasks.segmentation]\ndata = 5\n", "[tasks.segmentation.data]: must be a table, got 5"),
-    ("quantization = 3\n", "'quantization' must be a dict"),
 ])
 def test_profile_tables_of_the_wrong_type(build, tmp_path, toml, needle):
     result, out = build("--target", _profile(tmp_path, "t", toml))
@@ -269,3 +285,11 @@ def test_a_bug_exits_3_with_its_traceback_not_1(build, monkeypatch):
     assert result.stderr.strip().splitlines()[-1] == (
         "error: the exporter failed (a bug; the traceback above is for its report): "
         "RuntimeError: something the exporter did not expect")
+
+
+def test_int8_artifacts_a_task_refuses_need_no_calibration(tmp_path):
+    """RAFT's .pte is refused by design, so --calib-size 0 asks nothing of it: the build goes on to its checkpoint."""
+    missing = tmp_path / "raft.pth"
+    out = tmp_path / "out"
+    result = run_cli("build", "raft_small", "--target", "android", "--calib-size", "0", "--checkpoint", missing, "--out", out)
+    assert_clean_refusal(result, out, f"checkpoint {missing} does not exist")

@@ -1087,9 +1087,8 @@ MERGE_ROW = {"weight": "W.V1", "model": "w", "task": "classification", "params":
     ([MERGE_ROW, dict(MERGE_ROW, weight="X.V1", outcome="finished")], "row 2 (X.V1 × android) outcome 'finished'"),
     ([dict(MERGE_ROW, cells=[{"name": "onnx_fp32", "outcome": "passed"}, "passed"])], "cell 2 is a string"),
     ([dict(MERGE_ROW, params="4M")], "'params', not a number"),
-    # past the shape checks: a cell reclassify cannot read
     ([dict(MERGE_ROW, cells=[{"name": "onnx_fp32", "outcome": "failed", "kind": "validation", "reasons": 5}])],
-     "row 1 (W.V1 × android) cannot be read"),
+     "row 1 (W.V1 × android) cell 1 (onnx_fp32): 'reasons' is not a list of strings"),
 ])
 def test_a_coverage_file_with_a_bad_row_is_refused_in_one_line_naming_it(rows, needle, tmp_path):
     good = _merge_doc(tmp_path, "good.json", [dict(MERGE_ROW, weight="Y.V1")], 900)

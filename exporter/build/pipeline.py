@@ -109,15 +109,18 @@ def _load_inputs(path: Path | None, loaded: weights.LoadedModel, task: Task, set
     return task.load_data(Path(path), transform, *size)
 
 
-def _check_enough(inputs: data.Inputs, path: Path | None, calibrated: list[str]) -> None:
+def _check_enough(inputs: data.Inputs, path: Path | None, calibrated: list[str], calib_size: int) -> None:
     """A --data folder too small to split into validation inputs (and calibration ones, for int8) is refused
     before anything is written, rather than judged on one input or calibrated on none."""
     validation_inputs, calibration_inputs = len(inputs.validation), len(inputs.calibration)
-    needed = MIN_INPUTS + (1 if calibrated else 0)
-    if validation_inputs < MIN_INPUTS or (calibrated and calibration_inputs == 0):
-        purpose = f" ({MIN_INPUTS} to validate on, 1 to calibrate {', '.join(calibrated)})" if calibrated else " to validate on"
-        raise UsageError(f"--data {path} has {validation_inputs + calibration_inputs} usable item(s); "
-                         f"this build needs at least {needed}{purpose}")
+    if validation_inputs >= MIN_INPUTS and (calibration_inputs or not calibrated):
+        return
+    needed, why = MIN_INPUTS, f"{MIN_INPUTS} to validate on"
+    if calib_size:  # the split sets one aside for calibration whenever calibration images are asked for
+        needed += 1
+        why += f", 1 to calibrate {', '.join(calibrated)}" if calibrated else "; --calib-size 0 sets none aside to calibrate"
+    raise UsageError(f"--data {path} has {validation_inputs + calibration_inputs} usable item(s); "
+                     f"this build needs at least {needed} ({why})")
 
 
 def _start_session(loaded, task, inputs, plan: Plan, progress: Progress, build_cache: BuildCache | None = None) -> Session:
@@ -320,13 +323,9 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
     name = spec.label
     filename = f"{model_name}_{name}{module.SUFFIX}"
     entry = _new_entry(session, spec)
-    refusal = FORMATS[spec.format].no_quantized_eager if session.loaded.quantized else None
+    refusal = _not_made(spec, session.loaded.quantized, type(session.task))
     if refusal:
-        entry.update(status="unavailable", reasons=[f"{NOT_MADE}an eager-quantized model: {refusal}"])
-        return entry
-    refusal = session.task.refuses(spec.format, spec.precision)
-    if refusal:
-        entry.update(status="unavailable", reasons=[f"{NOT_MADE}{_a(session.task.name)} graph: {refusal}"])
+        entry.update(status="unavailable", reasons=[refusal])
         return entry
     if spec.precision not in module.PRECISIONS:
         entry["reasons"] = [f"{spec.format} does not offer {spec.precision} (it offers {', '.join(module.PRECISIONS)})"]
@@ -449,17 +448,31 @@ def _made_again(session: Session, spec: ArtifactSpec, module, first: dict, calib
     return first
 
 
+def _not_made(spec: ArtifactSpec, quantized: bool, task_class: type[Task]) -> str | None:
+    """Why this artifact is not made from the weight, by design (its format cannot take an eager-quantized model,
+    or the task's graph), or None."""
+    why = FORMATS[spec.format].no_quantized_eager if quantized else None
+    if why:
+        return f"{NOT_MADE}an eager-quantized model: {why}"
+    why = task_class.refuses(spec.format, spec.precision)
+    return f"{NOT_MADE}{_a(task_class.name)} graph: {why}" if why else None
+
+
+def _artifacts(plan: Plan, quantized: bool) -> tuple[ArtifactSpec, ...]:
+    return (plan.for_eager_quantized() if quantized else plan).artifacts
+
+
 def refusal(resolved, task_class: type[Task], plan: Plan) -> str | None:
     """Why the target would make none of its artifacts from this weight (every one refused by design), or None:
     such a build would pass with nothing to ship."""
     quantized = weights.is_quantized(resolved)
-    reasons = []
-    for spec in plan.artifacts:
-        why = (FORMATS[spec.format].no_quantized_eager if quantized else None) or task_class.refuses(spec.format, spec.precision)
+    reasons = {}
+    for spec in _artifacts(plan, quantized):
+        why = _not_made(spec, quantized, task_class)
         if not why:
             return None
-        reasons.append(f"{spec.format}: {why}")
-    return "; ".join(dict.fromkeys(reasons))
+        reasons.setdefault(f"{spec.format}: {why}")
+    return "; ".join(reasons)
 
 
 def _preflight(plan: Plan) -> None:
@@ -548,14 +561,18 @@ def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, pro
     resolved = weights.resolve(request.weight)
     task_class = weights.task_class(resolved)
     plans = make_all(targets, task_class.name, request.options, task_class.format_options())
+    single = len(plans) == 1
     refusals = [refusal(resolved, task_class, plan) for plan in plans]
     if all(refusals):  # a target that makes nothing beside one that does says why in its manifest
+        why = refusals[0] if single else "; ".join(f"{p.target}: {r}" for p, r in zip(plans, refusals))
         raise UsageError(f"{weights.canonical_name(resolved)} makes no artifact for target "
-                         f"{', '.join(p.target for p in plans)}: {'; '.join(dict.fromkeys(refusals))}")
+                         f"{', '.join(p.target for p in plans)}: {why}")
     calibrated = []  # the artifacts calibrated on the --data images, on any target
+    quantized = weights.is_quantized(resolved)
     for plan in plans:
         _preflight(plan)
-        labels = [a.label for a in plan.artifacts if a.precision == "int8"] if not weights.is_quantized(resolved) else []
+        labels = [] if quantized else [a.label for a in plan.artifacts
+                                       if a.precision == "int8" and not _not_made(a, quantized, task_class)]
         if labels and plan.data.calib_size == 0:
             raise UsageError(f"target {plan.target}: {', '.join(labels)} need calibration images; "
                              f"--calib-size 0 gives none")
@@ -563,7 +580,6 @@ def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, pro
     task_class.input_size_of(resolved, weights.model_name_of(resolved), request.input_size)
     if request.data is not None and not Path(request.data).is_dir():
         raise UsageError(f"--data {request.data} is not a directory")
-    single = len(plans) == 1
     base = Path(request.out or default_out(weights.canonical_name(resolved), [p.target for p in plans]))
     outs = [base] if single else [base / p.target for p in plans]
     for out in ([base] if single else [base, *outs]):
@@ -579,7 +595,7 @@ def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, pro
     task = task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
     with progress.step("load data"):
         inputs = _load_inputs(request.data, loaded, task, plans[0].data)
-    _check_enough(inputs, request.data, calibrated)
+    _check_enough(inputs, request.data, calibrated, plans[0].data.calib_size)
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
             loaded.labels = list(inputs.classes)
@@ -629,7 +645,7 @@ def _build_one(request: BuildRequest, session: Session, out: Path, progress: Pro
     manifest.write(out, doc)
     _write_golden(out, session)
     _write_device_files(out, session.task)
-    for spec in (plan.for_eager_quantized() if loaded.quantized else plan).artifacts:
+    for spec in _artifacts(plan, loaded.quantized):
         doc["artifacts"].append(_export(session, spec, out, progress, prefix))
         doc["timings_s"] = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed

@@ -108,8 +108,6 @@ def _check_quant_setting(key: str, value, where: str):
 
 
 def _check_quantization(table: dict, where: str) -> None:
-    if not isinstance(table, dict):
-        raise UsageError(f"{where}: [quantization] must be a table, got {table!r}")
     for key, value in table.items():
         if key == "budget":
             if not isinstance(value, dict):

@@ -92,7 +92,8 @@ def render(doc: dict, md: bool = True) -> tuple[str, str | None]:
 
 def write(doc: dict, json_path: Path, md_path: Path | None) -> None:
     """Both files rendered first, then written together: each is staged beside its place and renamed into it only
-    once both are written, so a failure leaves the previous pair whole, never a new JSON beside an old table."""
+    once both are written, so a failure to render or write leaves the previous pair (only a failed second rename
+    could leave them out of step, each file still whole)."""
     write_texts(zip((json_path, md_path), render(doc, md_path is not None)))
 
 
@@ -179,6 +180,8 @@ def _row_problem(row) -> str | None:
                 problem = f"cell {j} has no 'name' string"
             elif cell.get("outcome") not in ORDER:
                 problem = f"cell {j} ({cell['name']}): outcome {cell.get('outcome')!r} is not one of {', '.join(ORDER)}"
+            elif not (isinstance(cell.get("reasons", []), list) and all(isinstance(r, str) for r in cell.get("reasons", []))):
+                problem = f"cell {j} ({cell['name']}): 'reasons' is not a list of strings"
     return f"({row['weight']} × {row['target']}) {problem}" if problem else None
 
 
@@ -239,14 +242,10 @@ def merge(paths, command: str) -> dict:
             raise UsageError(f"--merge: {path} was made with other settings than {docs[0][0]}; "
                              f"merge rows of one sweep (same targets, formats, sizes)")
     rows = {}
-    for path, doc in docs:
-        for i, row in enumerate(doc["rows"], 1):
+    for _, doc in docs:
+        for row in doc["rows"]:
             if _kept(rows.get((row["weight"], row["target"])), row):
-                try:
-                    rows[(row["weight"], row["target"])] = reclassify(row)  # by today's rules
-                except _MALFORMED as e:
-                    raise UsageError(f"--merge: {path} is not a valid coverage table: row {i} ({row['weight']} × "
-                                     f"{row['target']}) cannot be read ({_what(e)})") from None
+                rows[(row["weight"], row["target"])] = reclassify(row)  # by today's rules
     targets = {t for _, d in docs for t in d["settings"].get("targets") or ()}
     settings = dict(first["settings"], targets=sorted(targets, key=lambda t: (_order(t, TARGET_ORDER), t)))
     merged = new_document(command, settings, dict(first.get("selection") or {}, shard=None), _tools(docs))
@@ -277,13 +276,6 @@ def merge(paths, command: str) -> dict:
     merged["run"] = {"wall_s": max(walls), "shards_wall_s": walls, "started": min(((d.get("run") or {}).get("started") or "")
                                                                                   for _, d in docs) or None}
     return merged
-
-
-_MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError)  # what a value of the wrong shape raises
-
-
-def _what(error: Exception) -> str:
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def merged(paths, command: str) -> tuple[dict, tuple[str, str]]:

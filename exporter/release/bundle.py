@@ -276,7 +276,7 @@ def make_bundles(out_dir, allow_failed: bool = False) -> list[Path]:
     OUT/bundle/. All targets are checked before any is written; each bundle is written whole or not
     at all (a file that fails its sha256 while being copied stops at that target)."""
     out = Path(out_dir)
-    builds = sorted(p.parent for p in out.glob("*/manifest.json"))
+    builds = manifest.target_folders(out)
     if (out / "manifest.json").is_file() or not builds:
         return [make_bundle(out, allow_failed)]
     for build in builds:

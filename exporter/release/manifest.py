@@ -99,23 +99,21 @@ def write(out_dir: Path, manifest: dict) -> Path:
     return path
 
 
-def read(out_dir: Path) -> dict:
-    path = Path(out_dir) / "manifest.json"
-    manifest = json.loads(path.read_text())
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version {manifest.get('schema_version')} (this exporter reads {SCHEMA_VERSION}: build it again)")
-    return manifest
+def target_folders(out_dir) -> list[Path]:
+    """A several-target build's folders (OUT/<target>/manifest.json); none for one target's own folder."""
+    out = Path(out_dir)
+    return sorted(p.parent for p in out.glob("*/manifest.json") if p.is_file()) if out.is_dir() else []
 
 
 def read_build(out_dir) -> dict:
     """The manifest of the build directory `out_dir`, for `exporter validate` and `exporter bundle`: refused with
     one UsageError line unless it is there, is JSON, is this exporter's schema version, is finished and matches
-    the schema (every key they read, of its type). A several-target build's OUT (a folder per target, no
-    OUT/manifest.json) is told apart from a folder that is no build at all."""
+    the schema. A several-target build's OUT (a folder per target, no OUT/manifest.json) is told apart from a
+    folder that is no build at all."""
     out = Path(out_dir)
     path = out / "manifest.json"
     if not path.is_file():
-        targets = sorted(p.parent for p in out.glob("*/manifest.json") if p.is_file()) if out.is_dir() else []
+        targets = target_folders(out)
         if targets:
             raise UsageError(f"{out} is a several-target build: give one target's folder "
                              f"({', '.join(str(t) for t in targets)})")
