@@ -123,13 +123,6 @@ def test_bad_threshold(build, override, needle):
     assert_clean_refusal(result, out, needle)
 
 
-def test_profile_with_unknown_keys(build, tmp_path):
-    profile = tmp_path / "custom.toml"
-    profile.write_text('[[artifacts]]\nformat = "executorch"\nprecision = "fp32"\n[latency]\nturbo = true\n')
-    result, out = build("--target", profile)
-    assert_clean_refusal(result, out, "unknown key(s) turbo")
-
-
 def test_one_validation_input_is_refused(build, tmp_path):
     """Whether eager's outputs vary across inputs (and so whether agreement means anything) takes two."""
     result, out = build("--val-size", "1")  # click's own usage error
@@ -225,21 +218,21 @@ def test_two_images_are_enough_for_a_float_build_that_sets_none_aside(build, tmp
     assert_clean_refusal(result, out, "stopped after the data check")
 
 
+FP32_PTE = '[[artifacts]]\nformat = "executorch"\nprecision = "fp32"\n'
+
+
 @pytest.mark.parametrize("toml, needle", [
-    ("[tasks]\nsegmentation = 1\n", "[tasks.segmentation]: must be a table, got 1"),
-    ("[tasks.segmentation]\nthresholds = 5\n", "[tasks.segmentation.thresholds] must be a table, got 5"),
-    ("[tasks.segmentation]\ndata = 5\n", "[tasks.segmentation.data]: must be a table, got 5"),
+    (FP32_PTE + "[tasks]\nsegmentation = 1\n", "[tasks.segmentation]: must be a table, got 1"),
+    (FP32_PTE + "[tasks.segmentation]\nthresholds = 5\n", "[tasks.segmentation.thresholds] must be a table, got 5"),
+    (FP32_PTE + "[tasks.segmentation]\ndata = 5\n", "[tasks.segmentation.data]: must be a table, got 5"),
+    ("artifacts = [3]\n", "[[artifacts]]: must be a table, got 3"),
+    (FP32_PTE + "[latency]\nturbo = true\n", "unknown key(s) turbo"),
 ])
-def test_profile_tables_of_the_wrong_type(build, tmp_path, toml, needle):
-    result, out = build("--target", _profile(tmp_path, "t", toml))
-    assert_clean_refusal(result, out, needle)
-
-
-def test_profile_artifact_that_is_not_a_table(build, tmp_path):
+def test_profile_with_unknown_keys_or_tables_of_the_wrong_type(build, tmp_path, toml, needle):
     path = tmp_path / "odd.toml"
-    path.write_text("artifacts = [3]\n")
+    path.write_text(toml)
     result, out = build("--target", path)
-    assert_clean_refusal(result, out, "[[artifacts]]: must be a table, got 3")
+    assert_clean_refusal(result, out, needle)
 
 
 def test_cache_path_through_a_file(build, tmp_path):
