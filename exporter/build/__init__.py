@@ -53,16 +53,17 @@ def target_profile(request: BuildRequest, target: str) -> dict:
     )
 
 
-def target_refusal(weight: str, target: str) -> str | None:
-    """Why `build` would refuse this weight on this target (it makes none of the target's artifacts), or None.
-    A weight no target can take is refused here as in `build`."""
+def target_refusal(weight: str, target: str, formats=()) -> str | None:
+    """Why `build` would refuse this weight on this target (it makes none of the target's artifacts, or of those
+    `formats` keeps), or None. A weight no target can take is refused here as in `build`."""
     from .. import weights
     from . import pipeline
     from .plan import make_all
 
     resolved = weights.resolve(weight)
     task_class = weights.task_class(resolved)
-    (plan,) = make_all([profiles.load(target)], task_class.name, required=task_class.format_options())
+    profile = target_profile(BuildRequest(weight, target=target, formats=list(formats)), target)
+    (plan,) = make_all([profile], task_class.name, required=task_class.format_options())
     return pipeline.refusal(resolved, task_class, plan)
 
 

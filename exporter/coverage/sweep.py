@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import outcome, rowcache, table, trained
+from ..build import target_refusal
 from .select import Candidate, planned_artifacts
 
 WALL_FACTOR = 3  # the CPU time limit's backstop on the wall clock
@@ -125,7 +126,7 @@ class Sweep:
                         if stop.signalled:  # a build cut short by Ctrl-C or SIGTERM says nothing about the weight
                             raise KeyboardInterrupt
                         rows.append(row)
-                        if row["outcome"] in ("refused", "skipped"):  # one line for all its targets
+                        if candidate.refused or candidate.skipped:  # one line for all its targets
                             if target == self.settings.targets[-1]:
                                 self.log(_progress_line(n, len(planned), dict(row, target="every target")))
                             continue
@@ -171,6 +172,9 @@ class Sweep:
             return dict(row, outcome="refused", reason=candidate.refused, cells=[], seconds=0.0)
         if candidate.skipped:
             return dict(row, outcome="skipped", reason=candidate.skipped, cells=[], seconds=0.0)
+        refusal = target_refusal(candidate.weight, target, self.settings.formats)
+        if refusal:  # as `exporter build` refuses it: this target makes none of its artifacts from the weight
+            return dict(row, outcome="refused", reason=refusal, cells=[], seconds=0.0)
         key = rowcache.key(candidate.weight, target, self.settings.key_parts(candidate.task), tools)
         input_size = self._input_size(candidate)
         if self.cache:
