@@ -185,3 +185,18 @@ def test_bundle_carries_the_bpte_beside_its_pte(golden_program, tmp_path):
 
     with pytest.raises(UsageError, match="sha256"):
         make_bundle(build)
+
+
+def test_a_program_too_large_for_one_flatbuffer_gets_no_golden_program_and_says_why(tmp_path, monkeypatch):
+    """A .bpte embeds the whole program in one flatbuffer (under 2 GiB): RegNetY-128GF's 2.6 GB fp32 .pte made the
+    whole build fail (BuilderSizeError). Past the limit, its artifact stands without one, the reason in its details."""
+    from exporter.build import golden_program
+
+    (tmp_path / "model.pte").write_bytes(b"x" * 64)
+    entry = {"format": "executorch", "path": "model.pte", "status": "passed", "fidelity": {"psnr_db": 80.0},
+             "details": {}}
+    monkeypatch.setattr(golden_program, "FLATBUFFER_LIMIT", 64)
+    golden_program.add(None, entry, tmp_path, None)  # nothing of the session is needed to decide
+    assert entry["status"] == "passed" and "bundled_program" not in entry
+    assert entry["details"]["golden_program"].startswith("not made: the program is 0.00 GiB")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]

@@ -14,6 +14,7 @@ from ..progress import Progress
 from . import cache
 
 FORMAT = "executorch"
+FLATBUFFER_LIMIT = 2**31  # bytes: a flatbuffer's offsets are signed 32-bit, and a .bpte embeds its whole program
 
 
 def wanted(entry: dict) -> bool:
@@ -27,6 +28,12 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
     if not wanted(entry):
         return
     pte = out / entry["path"]
+    size = pte.stat().st_size
+    if size >= FLATBUFFER_LIMIT:  # measured: RegNetY-128GF's 2.6 GB fp32 .pte, BuilderSizeError
+        entry["details"]["golden_program"] = (
+            f"not made: the program is {size / 2**30:.2f} GiB, and a bundled program embeds it in one flatbuffer, "
+            f"which holds under 2 GiB (the .pte itself keeps its weights in segments outside its flatbuffer)")
+        return
     bpte = pte.with_suffix(bundled_program.SUFFIX)
     rows = session.golden_rows
     digest = cache.key(kind="bundled_program", artifact=entry["sha256"], golden=rows,
