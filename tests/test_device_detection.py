@@ -23,6 +23,7 @@ from exporter.release.bundle import make_bundle
 from exporter.errors import UsageError
 
 from .conftest import ROOT, run_without_torch
+from .fake_manifest import complete, verdict
 from .test_bundle import _has
 
 onnx = pytest.importorskip("onnx")
@@ -132,6 +133,11 @@ def _eager(weight: np.ndarray, bias: np.ndarray, inputs: np.ndarray) -> np.ndarr
     return (inputs.mean((2, 3)) @ weight + bias.reshape(-1)).reshape(len(inputs), *bias.shape).astype(np.float32)
 
 
+# what the build measured on its own run (the device run is judged on its own)
+FIDELITY = {"samples": IMAGES, "psnr_db": 90.0, "cosine": 1.0, "max_abs_error": 0.0, "matched_recall": 1.0,
+            "matched_precision": 1.0}
+
+
 def make_build(out: Path, task, target: str = "jetson", perturb: float = 0.0, labeled: bool = True) -> Path:
     """A finished detection build directory as the pipeline writes it (task.describe(), task.golden(), the
     Jetson kit). perturb adds noise of that scale to the artifact's head; eager keeps the true one."""
@@ -165,14 +171,13 @@ def make_build(out: Path, task, target: str = "jetson", perturb: float = 0.0, la
             (out / name / "Manifest.json").write_text("{}\n")
         else:
             (out / name).write_bytes(b"not a real program: the apps are checked for what they read")
-        is_dir = (out / name).is_dir()
         entry = {
             "name": f"{fmt}_{precision}", "format": fmt, "precision": precision, "path": name,
-            "sha256": None if is_dir else files.sha256(out / name),
-            "size_bytes": None if is_dir else (out / name).stat().st_size,
-            "status": "passed", "reasons": [], "thresholds": THRESHOLDS,
-            "fidelity": {}, "accuracy": None, "details": {"opset": 18},
+            "sha256": files.sha256(out / name), "size_bytes": files.size(out / name), **verdict(fmt), "thresholds": THRESHOLDS,
+            "accuracy": None, "details": {"opset": 18},
         }
+        if entry["status"] == "passed":
+            entry["fidelity"] = FIDELITY
         if model_input:
             entry["details"]["input"] = model_input
         artifacts.append(entry)
@@ -187,6 +192,7 @@ def make_build(out: Path, task, target: str = "jetson", perturb: float = 0.0, la
                   "torch": "2.14.1", "coremltools": "9.0"},
         "data": {"kind": "synthetic"}, "eager": {"accuracy": None}, "artifacts": artifacts,
     }
+    doc = complete(doc)
     if target == "jetson":
         from exporter.release.jetson_kit import write_device_kit
 

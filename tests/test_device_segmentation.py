@@ -20,6 +20,7 @@ from exporter.release import manifest
 from exporter.release.bundle import BUNDLE_VERSION, make_bundle
 
 from .conftest import ROOT, run_without_torch
+from .fake_manifest import complete, verdict
 from .test_bundle import APP_READS, _has
 
 onnx = pytest.importorskip("onnx")
@@ -108,6 +109,14 @@ def _preprocessing(task: str | None) -> dict:
     return {**spec, "resize_size": [H + 4], "crop_size": [H, W]}
 
 
+# what the build measured on its own run (the device run is judged on its own)
+FIDELITY = {
+    False: {"samples": 4, "psnr_db": 90.0, "cosine": 1.0, "max_abs_error": 0.0, "top1_agreement": 1.0, "top5_agreement": 1.0},
+    True: {"samples": 4, "pixels": 4 * H * W, "psnr_db": 90.0, "cosine": 1.0, "max_abs_error": 0.0, "pixel_agreement": 1.0,
+           "miou_vs_eager": 1.0},
+}
+
+
 def make_build(out: Path, task: str | None = "segmentation", target: str = "jetson", perturb: float = 0.0,
                labeled: bool = True) -> Path:
     """A finished build directory as the pipeline writes it; task None is a manifest from before tasks.
@@ -143,15 +152,14 @@ def make_build(out: Path, task: str | None = "segmentation", target: str = "jets
             (out / name / "Manifest.json").write_text("{}\n")
         else:
             (out / name).write_bytes(b"not a real program: the apps are checked for what they read")
-        is_dir = (out / name).is_dir()
         entry = {
             "name": f"{fmt}_{precision}", "format": fmt, "precision": precision, "path": name,
-            "sha256": None if is_dir else files.sha256(out / name),
-            "size_bytes": None if is_dir else (out / name).stat().st_size,
-            "status": "passed", "reasons": [],
+            "sha256": files.sha256(out / name), "size_bytes": files.size(out / name), **verdict(fmt),
             "thresholds": SEGMENTATION_THRESHOLDS if task == "segmentation" else CLASSIFICATION_THRESHOLDS,
-            "fidelity": {}, "accuracy": None, "details": {"opset": 18},
+            "accuracy": None, "details": {"opset": 18},
         }
+        if entry["status"] == "passed":
+            entry["fidelity"] = FIDELITY[task == "segmentation"]
         if model_input:
             entry["details"]["input"] = model_input
         artifacts.append(entry)
@@ -166,8 +174,9 @@ def make_build(out: Path, task: str | None = "segmentation", target: str = "jets
                   "torch": "2.14.1", "coremltools": "9.0"},
         "data": {"kind": "synthetic"}, "eager": {"accuracy": None}, "artifacts": artifacts,
     }
-    if task is not None:
-        doc["task"] = _task(task)
+    doc = complete({**doc, "task": _task(task or "classification")})
+    if task is None:  # as device_validate may still meet it in a bundle made before tasks
+        del doc["task"]
     if target == "jetson":
         from exporter.release.jetson_kit import write_device_kit
 
@@ -327,14 +336,6 @@ def test_unlabeled_segmentation_bundle_has_no_ground_truth(tmp_path):
     assert set(info["golden"]) == {"inputs", "eager_logits", "eager_masks"}
 
 
-def test_old_classification_manifest_gets_a_classification_task(tmp_path):
-    build = make_build(tmp_path / "build", task=None)
-    info = json.loads((make_bundle(build) / "bundle.json").read_text())
-    assert info["task"] == _task("classification")  # input size from the crop, output from the class count
-    assert info["golden"] == {"inputs": "golden/inputs.npy", "eager_logits": "golden/eager_logits.npy",
-                              "labels": "golden/labels.json"}
-
-
 def test_kit_builds_engines_at_the_segmentation_input_size(tmp_path):
     script = (make_build(tmp_path / "build") / "build_engine.sh").read_text()
     assert f"--minShapes=input:1x3x{H}x{W} --optShapes=input:1x3x{H}x{W} --maxShapes=input:1x3x{H}x{W}" in script
@@ -344,9 +345,8 @@ def test_kit_builds_engines_at_the_segmentation_input_size(tmp_path):
 
 
 @pytest.mark.parametrize("app", sorted(TASK_READS))
-@pytest.mark.parametrize("task", ["segmentation", None])
+@pytest.mark.parametrize("task", ["segmentation", "classification"])
 def test_every_task_key_an_app_reads_is_in_a_bundle(tmp_path, app, task):
-    """For a segmentation bundle and for one from a manifest without a task (bundle.json still has one)."""
     reads = TASK_READS[app]
     directory = make_bundle(make_build(tmp_path / "build", task=task, target=app))
     sources = "\n".join((APPS / path).read_text() for path in reads["sources"])
@@ -473,8 +473,8 @@ def test_jetson_app_preprocessing_is_the_segmentation_transform(tmp_path):
         np.testing.assert_allclose(app.preprocess(image, spec), transform(image).numpy()[None], rtol=0, atol=1e-6)
 
 
-def test_jetson_app_classifies_from_an_old_bundle_and_refuses_overlay_there(tmp_path):
-    directory = make_bundle(make_build(tmp_path / "build", task=None))
+def test_jetson_app_classifies_and_refuses_overlay_for_a_classifier(tmp_path):
+    directory = make_bundle(make_build(tmp_path / "build", task="classification"))
     photo = _photo(tmp_path / "photo.png")
     result = _app(directory, photo)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -4,7 +4,6 @@ and the "ship this" line."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import re
@@ -12,7 +11,6 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import SimpleNamespace
 
-import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -22,6 +20,8 @@ from exporter.release import html_report, manifest, previews, report, ship, svg_
 from exporter.tasks.classification import Classification
 from exporter.tasks.detection import Detection
 from exporter.tasks.segmentation import Segmentation
+
+from .fake_manifest import complete
 
 PRE = {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]}
 
@@ -69,9 +69,7 @@ def _doc(artifacts, target="android", task="classification"):
         "artifacts": artifacts,
         "timings_s": {"eager reference": 1.0},
     }
-    doc = json.loads(manifest.dumps(doc))  # as read back from manifest.json ("inf" for infinity)
-    jsonschema.validate(doc, manifest.schema())
-    return doc
+    return complete(json.loads(manifest.dumps(doc)))  # as read back from manifest.json ("inf" for infinity)
 
 
 # --- (a) SVG text: boxes from the SVG's own geometry ---

@@ -219,22 +219,12 @@ def _write_zip(stage: Path, path: Path) -> None:
                 shutil.copyfileobj(src, dst, 1 << 20)
 
 
-def _task(doc: dict) -> dict:
-    """The manifest's task; a build from before tasks existed is a classifier of the crop size."""
-    if doc.get("task"):
-        return doc["task"]
-    crop = doc["preprocessing"]["crop_size"]
-    classes = doc["weight"]["num_classes"]
-    return {"name": "classification", "input_size": list(crop) * 2 if len(crop) == 1 else list(crop), "num_classes": classes,
-            "output": {"name": "logits", "layout": "NC", "shape": [1, classes]}}
-
-
 def _describe(doc: dict, chosen: list[tuple[str, dict]], golden: dict, listed: list[dict]) -> dict:
     return {
         "bundle_version": BUNDLE_VERSION,
         "target": doc["target"]["name"],
         "weight": {k: doc["weight"][k] for k in ("name", "model", "num_classes")},
-        "task": _task(doc),
+        "task": doc["task"],
         "build": {"exporter_version": doc["exporter_version"], "created": doc["created"],
                   "validated": doc.get("validated"), "status": doc["status"], "manifest": "manifest.json"},
         "labels": "labels.txt",
@@ -259,7 +249,7 @@ def _plan(out: Path, allow_failed: bool) -> tuple[dict, list[tuple[str, dict]], 
     golden = {key: path for key, path in GOLDEN.items() if (out / path).is_file()}
     if {"inputs", "eager_logits"} - set(golden):
         raise UsageError(f"{out / 'golden'} lacks inputs.npy or eager_logits.npy; run the build again")
-    task = _task(doc)
+    task = doc["task"]
     if task["name"] == "detection":
         decode = task.get("decode") or {}
         if "anchors" not in decode or not decode.get("code"):
@@ -303,7 +293,7 @@ def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
                 _copy(out, stage, name, sha256)
             for name in (*SIDE_FILES, *golden.values()):
                 _copy(out, stage, name)
-            decode = _task(doc).get("decode")
+            decode = doc["task"].get("decode")
             if decode:  # detection: the apps find both where task.decode says
                 if decode["anchors"] and not _inside(stage, decode["anchors"]).exists():
                     _copy(out, stage, decode["anchors"])
