@@ -116,11 +116,19 @@ def test_out_dir_unwritable(digits_model):
         ("int8.speed=3", "unknown threshold 'speed'"),
         ("int4.psnr_db=30", "unknown precision"),
         ("psnr_db", "expected [PRECISION.]KEY=VALUE"),
+        ("fp16.psnr_db=30", "android builds no fp16 artifact (precisions built: fp32, int8)"),
     ],
 )
 def test_bad_threshold(build, override, needle):
     result, out = build("--threshold", override)
     assert_clean_refusal(result, out, needle)
+
+
+def test_threshold_precision_is_checked_against_every_chosen_target(build):
+    """What the chosen targets build, after --format, decides (fp16 is iOS's, int8 left out by --format)."""
+    result, out = build("--target", "android", "--target", "ios", "--format", "executorch:fp32", "--format", "coreml",
+                        "--threshold", "int8.psnr_db=30")
+    assert_clean_refusal(result, out, "android, ios build no int8 artifact (precisions built: fp16, fp32)")
 
 
 def test_one_validation_input_is_refused(build, tmp_path):

@@ -2,6 +2,8 @@
 
 import json
 
+from exporter.build.profiles import PROFILE_DIR
+
 from .conftest import FAST, run_cli
 
 
@@ -40,7 +42,7 @@ def _matrix(*args):
 
 def test_matrix_lists_each_pair_once_and_takes_all():
     result, include = _matrix("--weight", "resnet18", "--weight", "ResNet18_Weights.IMAGENET1K_V1",
-                              "--target", "android", "--target", "android")
+                              "--target", "android", "--target", "android", "--target", PROFILE_DIR / "android.toml")
     assert include == [{"weight": "ResNet18_Weights.IMAGENET1K_V1", "target": "android"}], result.output
     _, include = _matrix("--weight", "resnet18", "--target", "all")
     assert [job["target"] for job in include] == ["android", "ios", "jetson"]

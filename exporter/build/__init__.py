@@ -14,9 +14,13 @@ from ..progress import Progress
 
 
 def expand_targets(targets) -> list[str]:
+    """The targets named, `all` expanded, each profile once (`android` and `targets/android.toml` are one)."""
     targets = [targets] if isinstance(targets, (str, Path)) else list(targets)
     expanded = [name for t in targets for name in (profiles.available_targets() if str(t) == "all" else [str(t)])]
-    return list(dict.fromkeys(expanded))
+    first = {}
+    for name in expanded:
+        first.setdefault(profiles.profile_path(name).resolve(), name)
+    return list(first.values())
 
 
 def default_out(weight: str, targets: list[str]) -> Path:
@@ -83,6 +87,7 @@ def build_targets(request: BuildRequest, targets, progress: Progress | None = No
 
     progress = progress or Progress(quiet=True)
     chosen = _distinct([target_profile(request, t) for t in expand_targets(targets)])
+    profiles.check_threshold_precisions(request.thresholds, chosen)
     record = BuildRecord(request.cache_dir or cache.default_root(), request, chosen) if request.cache else None
     if record is not None:
         docs = record.restore(progress)

@@ -44,11 +44,16 @@ def available_targets() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
 
 
+def profile_path(target: str) -> Path:
+    """The file a target name (android, ios, jetson) or a .toml path stands for, whether it exists or not."""
+    path = Path(target)
+    return path if path.suffix == ".toml" else PROFILE_DIR / f"{target}.toml"
+
+
 def load(target: str) -> dict:
     """A target name (android, ios, jetson) or a path to a .toml profile."""
-    path = Path(target)
-    if path.suffix != ".toml":
-        path = PROFILE_DIR / f"{target}.toml"
+    path = profile_path(target)
+    if Path(target).suffix != ".toml":
         if not path.is_file():
             known = available_targets()
             close = difflib.get_close_matches(target.lower(), known, n=1)
@@ -220,6 +225,18 @@ def parse_threshold_override(text: str) -> tuple[str, str, float]:
     if precision and precision not in ("fp32", "fp16", "int8"):
         raise UsageError(f"--threshold {text!r}: unknown precision {precision!r}")
     return precision or "*", key, _check_threshold(key, value, f"--threshold {text}")
+
+
+def check_threshold_precisions(texts, chosen: list[dict]) -> None:
+    """A `--threshold PRECISION.KEY=VALUE` whose precision none of the chosen targets builds would change nothing:
+    refused, so a typo or a wrong target is not mistaken for a stricter build."""
+    built = {a["precision"] for profile in chosen for a in profile["artifacts"]}
+    for text in texts:
+        precision = parse_threshold_override(text)[0]
+        if precision != "*" and precision not in built:
+            names = ", ".join(profile["name"] for profile in chosen)
+            raise UsageError(f"--threshold {text}: {names} build{'s' if len(chosen) == 1 else ''} no {precision} "
+                             f"artifact (precisions built: {', '.join(sorted(built))})")
 
 
 def parse_quant_budget(text: str) -> tuple[str, object]:

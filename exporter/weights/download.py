@@ -32,7 +32,8 @@ def fetch(url: str, dest: Path, progress) -> str:
 
     The bytes go to a temporary file beside `dest`, are checked against the Content-Length and the
     sha256 prefix in `dest`'s name, and only then renamed to `dest`: whatever fails, no partial or
-    unverified file is left in the cache."""
+    unverified file is left in the cache, nor a folder made for it."""
+    made = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]  # the deepest first
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
@@ -48,7 +49,17 @@ def fetch(url: str, dest: Path, progress) -> str:
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
+        if not dest.exists():
+            _remove_empty(made)
     return digest
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # another download put a file there meanwhile, or it was never made
+            break
 
 
 def _copy(url: str, fd: int, progress, label: str) -> str:
