@@ -879,9 +879,62 @@ def test_a_digits_run_that_did_not_learn_at_either_rate_is_run_again_with_its_cl
     assert digits.train(weight, 1, log=lambda _m: None)[1] == 0.92
     assert tries == [(2e-3, 1.0), (2e-3 * digits.RETRY_LR_FACTOR, 1.0), (2e-3, 0.1)]
 
-    accuracies = iter([0.27, 0.11, 0.2])  # none learns: the best try is kept, not the last
+    tries.clear()
+    accuracies = iter([0.27, 0.11, 0.2, 0.25])  # none learns: the best try is kept, not the last
     state, accuracy, _data = digits.train(weight, 1, log=lambda _m: None)
     assert accuracy == 0.27 and state["classifier.1.weight"].abs().max().item() == pytest.approx(initial)
+    assert len(tries) == len(digits.ATTEMPTS) == 4
+
+
+def test_the_last_try_starts_every_residual_block_as_the_identity():
+    """EfficientNet-V2-L learned under none of the first three tries; the fourth zeroes the last batch norm of each
+    residual branch, so each block passes its input through unchanged at the start."""
+    from exporter.standins import digits
+
+    for weight, block in (("EfficientNet_V2_S_Weights.IMAGENET1K_V1", "MBConv"),
+                          ("MobileNet_V2_Weights.IMAGENET1K_V1", "InvertedResidual"),
+                          ("MNASNet0_5_Weights.IMAGENET1K_V1", "_InvertedResidual"),
+                          ("ResNet50_Weights.IMAGENET1K_V1", "Bottleneck")):
+        model = digits._model(weight).eval()
+        inputs = {}
+        residual = [m for m in model.modules() if type(m).__name__ == block
+                    and getattr(m, "use_res_connect", getattr(m, "apply_residual", True)) and getattr(m, "downsample", None) is None]
+        hooks = [m.register_forward_hook(lambda m, args, out: inputs.__setitem__(m, (args[0], out))) for m in residual]
+        assert digits.zero_residual_branches(model) >= len(residual) > 0, weight
+        with torch.no_grad():
+            model(torch.rand(2, 3, 64, 64))
+        for h in hooks:
+            h.remove()
+        for module, (x, out) in inputs.items():  # ResNet's blocks add, then ReLU: their inputs are already >= 0
+            torch.testing.assert_close(out, x, rtol=0, atol=0, msg=f"{weight}: {type(module).__name__}")
+    assert digits.zero_residual_branches(digits._model("VGG11_Weights.IMAGENET1K_V1")) == 0
+
+
+def test_a_cached_model_that_did_not_learn_goes_on_with_the_tries_added_since(tmp_path, monkeypatch):
+    """A model trained when the recipe had three tries is not trained again from the first: the fourth is made, and
+    the cached model stays the answer if the new try is worse."""
+    from exporter.standins import digits
+
+    weight = "ResNet18_Weights.IMAGENET1K_V1"
+    cached = digits._model(weight).state_dict()
+    checkpoint = tmp_path / "resnet18_digits.pth"
+    torch.save(cached, checkpoint)
+    info_file = tmp_path / "digits_resnet18.json"
+    info = {"recipe": digits.RECIPE_VERSION, "epochs": 4, "builder_kwargs": {}, "checkpoint": str(checkpoint),
+            "accuracy": 0.11, "recipe_tries": 3}
+    info_file.write_text(json.dumps(info))
+    earlier = digits._earlier_tries(info_file, 4, {})
+    assert earlier[0] == 3 and earlier[2] == 0.11
+    x, y = torch.randn(6, 3, 32, 32), torch.arange(6) % 10
+    monkeypatch.setattr(digits, "_dataset", lambda w, size=None: (x, y, [0, 1, 2], [3, 4, 5], ([], [])))
+    tries = []
+    monkeypatch.setattr(digits, "_fit", lambda model, x, y, idx, epochs, lr, log: tries.append(lr))
+    monkeypatch.setattr(digits, "_accuracy", lambda model, x, y, idx: 0.09)
+    state, accuracy, _data = digits.train(weight, 4, log=lambda _m: None, earlier=earlier)
+    assert tries == [digits.ATTEMPTS[3].lr] and accuracy == 0.11 and state is earlier[1]
+    for changed in ({"accuracy": 0.5}, {"recipe_tries": 4}, {"epochs": 8}, {"builder_kwargs": {"x": 1}}):
+        info_file.write_text(json.dumps({**info, **changed}))
+        assert digits._earlier_tries(info_file, 4, {}) is None, changed
 
 
 @pytest.mark.parametrize("weight", ["EfficientNet_B4_Weights.IMAGENET1K_V1", "SqueezeNet1_1_Weights.IMAGENET1K_V1"])

@@ -557,7 +557,8 @@ but on a trained model:
   classifier trained and built at N×N by `--classifier-size N`, the resize scaled with it), by the recipe of the digits
   stand-ins the tests use (`exporter/standins/digits.py`: AdamW, one-cycle, batch-norm statistics recomputed; a run
   that did not learn is made again from the same start at a tenth of the learning rate, then with its classifier
-  scaled by √(10/1000), EfficientNet's initial scale at ImageNet's 1000 classes), and cached in `$EXPORTER_CACHE/digits`. A quantized
+  scaled by √(10/1000), EfficientNet's initial scale at ImageNet's 1000 classes, then with each residual branch's last
+  batch norm also started at zero, so that a deep stack starts shallow), and cached in `$EXPORTER_CACHE/digits`. A quantized
   weight's float model is trained and then quantized as torchvision made its int8 weights.
 - **Judged on labels.** The build gets the 300 held-out digits (never trained on) as `--data`: the target's own
   calibration and validation sizes, the int8 budget (`accuracy_drop`) checked as in a user's build. "eager acc@1"
