@@ -200,3 +200,25 @@ def test_a_program_too_large_for_one_flatbuffer_gets_no_golden_program_and_says_
     assert entry["status"] == "passed" and "bundled_program" not in entry
     assert entry["details"]["golden_program"].startswith("not made: the program is 0.00 GiB")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]
+
+
+def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_says_why(tmp_path):
+    """A program ExecuTorch cannot load to compute the expected outputs: the build goes on (before, any exception here
+    failed the whole build), no .bpte is left, the reason is in the artifact's details and its verdict is unchanged."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from exporter.build import golden_program
+    from exporter.progress import Progress
+
+    (tmp_path / "model.pte").write_bytes(b"not a program")
+    entry = {"name": "executorch_fp32", "format": "executorch", "path": "model.pte", "sha256": "0" * 64,
+             "status": "passed", "reasons": [], "fidelity": {"psnr_db": 80.0}, "details": {}}
+    session = SimpleNamespace(golden_rows=[0], inputs=SimpleNamespace(validation=torch.zeros(1, 3, 8, 8)),
+                              digests=dict.fromkeys(("validation", "tools", "checkpoint", "reference", "task"), "d"),
+                              cache=SimpleNamespace(fetch_artifact=lambda digest, tmp: None))
+    golden_program.add(session, entry, tmp_path, Progress(quiet=True))
+    assert entry["status"] == "passed" and entry["reasons"] == [] and "bundled_program" not in entry
+    assert entry["details"]["golden_program"].startswith("not made: "), entry["details"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]

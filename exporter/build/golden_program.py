@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .. import files
 from ..formats import bundled_program
+from ..errors import UsageError
 from ..progress import Progress
 from . import cache
 
@@ -35,6 +36,25 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
             f"which holds under 2 GiB (the .pte itself keeps its weights in segments outside its flatbuffer)")
         return
     bpte = pte.with_suffix(bundled_program.SUFFIX)
+    try:
+        details, verified = _made(session, entry, pte, bpte, progress, prefix)
+    except UsageError:
+        raise
+    except Exception as e:  # like the 2 GiB limit, a finding about this program: the .pte itself was validated
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        bpte.unlink(missing_ok=True)  # written, then the verifier failed to run: no manifest lists it
+        entry["details"]["golden_program"] = f"not made: {type(e).__name__}: {first}"
+        progress.note(f"{prefix}golden program {bpte.name} not made: {type(e).__name__}: {first}")
+        return
+    entry["bundled_program"] = {**details, "verified": {"x86_64": verified}}
+    if not verified["passed"]:
+        entry["status"] = "failed"
+        entry["reasons"] = [*entry.get("reasons", []), f"golden program {bpte.name} fails ExecuTorch's verifier on "
+                                                       f"this host: {verified['error']}"]
+
+
+def _made(session, entry: dict, pte: Path, bpte: Path, progress: Progress, prefix: str) -> tuple[dict, dict]:
+    """The .bpte written (or fetched from the cache) and verified here: (its details, the verifier's verdict)."""
     rows = session.golden_rows
     digest = cache.key(kind="bundled_program", artifact=entry["sha256"], golden=rows,
                        **{k: session.digests[k] for k in ("validation", "tools", "checkpoint", "reference", "task")})
@@ -54,8 +74,4 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
             else:
                 session.cache.events.append(f"{entry['name']}: golden program reused from the cache")
         verified = bundled_program.verify(bpte, details["rtol"], details["atol"])
-    entry["bundled_program"] = {**details, "verified": {"x86_64": verified}}
-    if not verified["passed"]:
-        entry["status"] = "failed"
-        entry["reasons"] = [*entry.get("reasons", []), f"golden program {bpte.name} fails ExecuTorch's verifier on "
-                                                       f"this host: {verified['error']}"]
+    return details, verified
