@@ -110,6 +110,9 @@ def test_validate_reruns_and_detects_tampering(tmp_path, android_build, doc):
     again = json.loads((out / "manifest.json").read_text())
     statuses = {a["name"]: a["status"] for a in again["artifacts"]}
     assert statuses == {"executorch_fp32": "passed", "executorch_int8": "failed", "torchscript_lite_fp32": "passed"}
+    result = run_cli("validate", out, "--quiet", "--threshold", "fp16.psnr_db=1")
+    assert result.exit_code == 2 and "android builds no fp16 artifact" in result.stderr, result.output
+    assert json.loads((out / "manifest.json").read_text()) == again
 
     pte = out / doc["artifacts"][0]["path"]
     pte.write_bytes(pte.read_bytes()[:-100])

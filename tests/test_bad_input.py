@@ -129,6 +129,8 @@ def test_threshold_precision_is_checked_against_every_chosen_target(build):
     result, out = build("--target", "android", "--target", "ios", "--format", "executorch:fp32", "--format", "coreml",
                         "--threshold", "int8.psnr_db=30")
     assert_clean_refusal(result, out, "android, ios build no int8 artifact (precisions built: fp16, fp32)")
+    result, out = build("--format", "executorch:fp32", "--quant-budget", "psnr_db=30")
+    assert_clean_refusal(result, out, "--quant-budget psnr_db=30: android builds no int8 artifact")
 
 
 def test_one_validation_input_is_refused(build, tmp_path):

@@ -346,6 +346,8 @@ WRONG_SHAPES = {  # what is done to a good manifest -> what the one line says
     "artifacts not a list": (lambda doc: dict(doc, artifacts={"executorch_fp32": {}}), "artifacts: {'executorch_fp32': {}} is not of type 'array'"),
     "artifact without format": (lambda doc: dict(doc, artifacts=[{k: v for k, v in doc["artifacts"][0].items() if k != "format"}]),
                                 "artifacts[0]: 'format' is a required property"),
+    "no task (as before tasks)": (lambda doc: {k: v for k, v in doc.items() if k != "task"},
+                                  "top level: 'task' is a required property"),
     "null task": (lambda doc: dict(doc, task=None), "task: None is not of type 'object'"),
 }
 

@@ -220,5 +220,21 @@ def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_s
                               cache=SimpleNamespace(fetch_artifact=lambda digest, tmp: None))
     golden_program.add(session, entry, tmp_path, Progress(quiet=True))
     assert entry["status"] == "passed" and entry["reasons"] == [] and "bundled_program" not in entry
-    assert entry["details"]["golden_program"].startswith("not made: "), entry["details"]
+    assert entry["details"]["golden_program"].startswith(golden_program.FAILED + "RuntimeError: "), entry["details"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]
+
+
+def test_a_build_whose_golden_program_failed_is_not_replayed_from_the_whole_build_record():
+    """The failure may not happen again (memory, a one-off crash): like a failed export, it is not a settled outcome."""
+    from exporter.build import golden_program
+    from exporter.build.record import BuildRecord
+
+    stored = []
+    record = object.__new__(BuildRecord)  # store decides before it reads anything of its own but its key
+    record.key, record._key = "its key", lambda: stored.append("went on") or "another key"
+    entry = {"reasons": [], "details": {"golden_program": golden_program.FAILED + "RuntimeError: out of memory"}}
+    record.store(Path("unused"), [{"artifacts": [entry]}])
+    assert stored == []
+    entry["details"]["golden_program"] = "not made: the program is 2.37 GiB, ..."  # settled: it will not change
+    record.store(Path("unused"), [{"artifacts": [entry]}])
+    assert stored == ["went on"]

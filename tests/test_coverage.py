@@ -932,7 +932,8 @@ def test_a_cached_model_that_did_not_learn_goes_on_with_the_tries_added_since(tm
     monkeypatch.setattr(digits, "_accuracy", lambda model, x, y, idx: 0.09)
     state, accuracy, _data = digits.train(weight, 4, log=lambda _m: None, earlier=earlier)
     assert tries == [digits.ATTEMPTS[3].lr] and accuracy == 0.11 and state is earlier[1]
-    for changed in ({"accuracy": 0.5}, {"recipe_tries": 4}, {"epochs": 8}, {"builder_kwargs": {"x": 1}}):
+    for changed in ({"accuracy": 0.5}, {"recipe_tries": 4}, {"epochs": 8}, {"builder_kwargs": {"x": 1}},
+                    {"until": 0.95, "epochs_trained": 16}):
         info_file.write_text(json.dumps({**info, **changed}))
         assert digits._earlier_tries(info_file, 4, {}) is None, changed
 

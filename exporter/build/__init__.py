@@ -19,7 +19,11 @@ def expand_targets(targets) -> list[str]:
     expanded = [name for t in targets for name in (profiles.available_targets() if str(t) == "all" else [str(t)])]
     first = {}
     for name in expanded:
-        first.setdefault(profiles.profile_path(name).resolve(), name)
+        try:
+            path = profiles.profile_path(name).resolve()
+        except (OSError, RuntimeError):  # a symlink loop: loading it says what is wrong
+            path = profiles.profile_path(name)
+        first.setdefault(path, name)
     return list(first.values())
 
 
@@ -87,7 +91,7 @@ def build_targets(request: BuildRequest, targets, progress: Progress | None = No
 
     progress = progress or Progress(quiet=True)
     chosen = _distinct([target_profile(request, t) for t in expand_targets(targets)])
-    profiles.check_threshold_precisions(request.thresholds, chosen)
+    profiles.check_precisions(chosen, request.thresholds, request.quant_budget)
     record = BuildRecord(request.cache_dir or cache.default_root(), request, chosen) if request.cache else None
     if record is not None:
         docs = record.restore(progress)

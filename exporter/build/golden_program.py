@@ -10,11 +10,11 @@ from pathlib import Path
 
 from .. import files
 from ..formats import bundled_program
-from ..errors import UsageError
 from ..progress import Progress
 from . import cache
 
 FORMAT = "executorch"
+FAILED = "not made, it failed: "  # a build with this note is not replayed from the whole-build record
 FLATBUFFER_LIMIT = 2**31  # bytes: a flatbuffer's offsets are signed 32-bit, and a .bpte embeds its whole program
 
 
@@ -28,6 +28,7 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
     record it as entry["bundled_program"]."""
     if not wanted(entry):
         return
+    entry["details"].pop("golden_program", None)  # a note from an earlier run (exporter validate runs it again)
     pte = out / entry["path"]
     size = pte.stat().st_size
     if size >= FLATBUFFER_LIMIT:  # measured: RegNetY-128GF's 2.6 GB fp32 .pte, BuilderSizeError
@@ -37,15 +38,13 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
         return
     bpte = pte.with_suffix(bundled_program.SUFFIX)
     try:
-        details, verified = _made(session, entry, pte, bpte, progress, prefix)
-    except UsageError:
-        raise
-    except Exception as e:  # like the 2 GiB limit, a finding about this program: the .pte itself was validated
+        details = _made(session, entry, pte, bpte, progress, prefix)
+    except (RuntimeError, OSError, MemoryError, ValueError) as e:  # ExecuTorch's, as the 2 GiB limit: the .pte stands
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        bpte.unlink(missing_ok=True)  # written, then the verifier failed to run: no manifest lists it
-        entry["details"]["golden_program"] = f"not made: {type(e).__name__}: {first}"
-        progress.note(f"{prefix}golden program {bpte.name} not made: {type(e).__name__}: {first}")
+        entry["details"]["golden_program"] = f"{FAILED}{type(e).__name__}: {first}"
+        progress.note(f"{prefix}golden program {bpte.name} {FAILED}{type(e).__name__}: {first}")
         return
+    verified = bundled_program.verify(bpte, details["rtol"], details["atol"])
     entry["bundled_program"] = {**details, "verified": {"x86_64": verified}}
     if not verified["passed"]:
         entry["status"] = "failed"
@@ -53,8 +52,8 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
                                                        f"this host: {verified['error']}"]
 
 
-def _made(session, entry: dict, pte: Path, bpte: Path, progress: Progress, prefix: str) -> tuple[dict, dict]:
-    """The .bpte written (or fetched from the cache) and verified here: (its details, the verifier's verdict)."""
+def _made(session, entry: dict, pte: Path, bpte: Path, progress: Progress, prefix: str) -> dict:
+    """The .bpte written (or fetched from the cache): its details."""
     rows = session.golden_rows
     digest = cache.key(kind="bundled_program", artifact=entry["sha256"], golden=rows,
                        **{k: session.digests[k] for k in ("validation", "tools", "checkpoint", "reference", "task")})
@@ -73,5 +72,4 @@ def _made(session, entry: dict, pte: Path, bpte: Path, progress: Progress, prefi
                 session.cache.store_artifact(digest, tmp, details)
             else:
                 session.cache.events.append(f"{entry['name']}: golden program reused from the cache")
-        verified = bundled_program.verify(bpte, details["rtol"], details["atol"])
-    return details, verified
+    return details

@@ -667,7 +667,9 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
     profile = {"name": doc["target"]["name"], "path": doc["target"]["profile"], "artifacts": doc["target"]["artifacts"],
                "thresholds": doc["target"]["thresholds"], "data": doc["target"]["data"], "latency": doc["target"]["latency"],
                "task": doc["task"]["name"], "validate": doc["target"].get("validate", {})}
-    plan = make_plan(profiles.with_overrides(profile, thresholds=list(thresholds)), doc["task"]["name"])
+    profile = profiles.with_overrides(profile, thresholds=list(thresholds))
+    profiles.check_precisions([profile], thresholds)
+    plan = make_plan(profile, doc["task"]["name"])
     _preflight(plan)
     with progress.step("load weights"):
         recorded = doc["checkpoint"]

@@ -227,15 +227,17 @@ def parse_threshold_override(text: str) -> tuple[str, str, float]:
     return precision or "*", key, _check_threshold(key, value, f"--threshold {text}")
 
 
-def check_threshold_precisions(texts, chosen: list[dict]) -> None:
-    """A `--threshold PRECISION.KEY=VALUE` whose precision none of the chosen targets builds would change nothing:
-    refused, so a typo or a wrong target is not mistaken for a stricter build."""
+def check_precisions(chosen: list[dict], thresholds=(), quant_budget=()) -> None:
+    """A `--threshold PRECISION.KEY=VALUE` whose precision none of the chosen targets builds, or a `--quant-budget`
+    where none builds int8, would change nothing: refused, so a typo or a wrong target is not taken for a stricter
+    build."""
     built = {a["precision"] for profile in chosen for a in profile["artifacts"]}
-    for text in texts:
-        precision = parse_threshold_override(text)[0]
+    wanted = [(f"--threshold {text}", parse_threshold_override(text)[0]) for text in thresholds]
+    wanted += [(f"--quant-budget {text}", "int8") for text in quant_budget]
+    for option, precision in wanted:
         if precision != "*" and precision not in built:
             names = ", ".join(profile["name"] for profile in chosen)
-            raise UsageError(f"--threshold {text}: {names} build{'s' if len(chosen) == 1 else ''} no {precision} "
+            raise UsageError(f"{option}: {names} build{'s' if len(chosen) == 1 else ''} no {precision} "
                              f"artifact (precisions built: {', '.join(sorted(built))})")
 
 

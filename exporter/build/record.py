@@ -20,6 +20,7 @@ from pathlib import Path
 from .. import files
 from ..release import html_report, manifest, report
 from ..release.ship import DOES_NOT_LOAD, DOES_NOT_RUN
+from .golden_program import FAILED as GOLDEN_PROGRAM_FAILED
 from . import cache, default_out
 from .cache import BuildCache
 from ..formats import FORMATS
@@ -184,8 +185,9 @@ class BuildRecord:
         return docs
 
     def store(self, base: Path, docs: list[dict]) -> None:
-        if any(r.startswith(("export failed", DOES_NOT_LOAD, DOES_NOT_RUN)) for doc in docs for a in doc["artifacts"]
-               for r in a["reasons"]):
+        unsettled = ("export failed", DOES_NOT_LOAD, DOES_NOT_RUN, GOLDEN_PROGRAM_FAILED)
+        if any(r.startswith(unsettled) for doc in docs for a in doc["artifacts"]
+               for r in [*a["reasons"], (a.get("details") or {}).get("golden_program", "")]):
             return  # a crash in a converter or a runtime may not happen again; only settled outcomes are replayed
         if _noisy_latency(docs):
             return  # latency timed on a busy host is not settled: the next run times it again (per-step cache keeps fidelity)

@@ -286,15 +286,18 @@ def _cached_info(info_file: Path, epochs: int, *paths: str, until: float | None 
     if not info_file.exists():
         return None
     info = json.loads(info_file.read_text())
-    same_recipe = info.get("recipe") == RECIPE_VERSION and info.get("epochs", EPOCHS) == epochs
-    same_recipe &= arch is None or info.get("builder_kwargs", {}) == arch
     if info.get("epochs_trained", epochs) != epochs and info.get("until") != until:
         return None
-    if not same_recipe or not all(Path(info[p]).exists() for p in paths):
+    if not _same_recipe(info, epochs, arch) or not all(Path(info[p]).exists() for p in paths):
         return None
     if _tries_left(info):
         return None  # did not learn when the recipe had fewer tries
     return info
+
+
+def _same_recipe(info: dict, epochs: int, arch: dict | None) -> bool:
+    return (info.get("recipe") == RECIPE_VERSION and info.get("epochs", EPOCHS) == epochs
+            and (arch is None or info.get("builder_kwargs", {}) == arch))
 
 
 def _tries_left(info: dict) -> bool:
@@ -303,12 +306,14 @@ def _tries_left(info: dict) -> bool:
 
 def _earlier_tries(info_file: Path, epochs: int, arch: dict) -> tuple[int, dict, float] | None:
     """A cached model of this recipe that learned under none of the tries the recipe had then: (their number, its
-    state, its held-out accuracy), for train to go on with the tries added since."""
+    state, its held-out accuracy), for train to go on with the tries added since. Not one trained further
+    (train_further): its state and accuracy are not those of a try, so the tries are all made again."""
     if not info_file.exists():
         return None
     info = json.loads(info_file.read_text())
-    same = (info.get("recipe"), info.get("epochs", EPOCHS), info.get("builder_kwargs", {})) == (RECIPE_VERSION, epochs, arch)
-    if not same or not _tries_left(info) or not Path(info["checkpoint"]).exists():
+    if not _same_recipe(info, epochs, arch) or not _tries_left(info) or not Path(info["checkpoint"]).exists():
+        return None
+    if info.get("epochs_trained", epochs) != epochs:
         return None
     return info.get("recipe_tries", 2), torch.load(info["checkpoint"], weights_only=True), info["accuracy"]
 

@@ -38,6 +38,7 @@ def fetch(url: str, dest: Path, progress) -> str:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
     except OSError as e:
+        _remove_empty(made)
         raise UsageError(f"cannot write to the checkpoint cache {dest.parent}: {e.strerror or e}") from None
     tmp = Path(name)
     try:
