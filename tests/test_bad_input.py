@@ -113,6 +113,7 @@ def test_out_dir_unwritable(digits_model):
     [
         ("int8.psnr_db=abc", "is not a number"),
         ("top1_agreement=1.5", "fraction in [0, 1]"),
+        ("int8.psnr_db=-5", "threshold psnr_db must be >= 0, got -5.0"),
         ("int8.speed=3", "unknown threshold 'speed'"),
         ("int4.psnr_db=30", "unknown precision"),
         ("psnr_db", "expected [PRECISION.]KEY=VALUE"),

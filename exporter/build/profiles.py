@@ -87,7 +87,8 @@ def _check_threshold(key: str, value, where: str) -> float:
     bounded = key in (*FRACTIONS, "cosine")
     if (bounded and not -1 <= value <= 1) or (key in FRACTIONS and value < 0):
         raise UsageError(f"{where}: threshold {key} is a fraction in [0, 1], got {value}")
-    if key in ("max_abs_error",) and value < 0:
+    if key in ("max_abs_error", "psnr_db") and value < 0:
+        # a PSNR floor below 0 dB passes an artifact whose error outweighs eager's own output
         raise UsageError(f"{where}: threshold {key} must be >= 0, got {value}")
     return float(value)
 
