@@ -20,7 +20,7 @@ from torch import nn
 
 import exporter
 from exporter import coverage
-from exporter.coverage import outcome, randomize, rowcache, sweep, table
+from exporter.coverage import memory, outcome, randomize, rowcache, sweep, table
 
 from .conftest import CACHE, QUANTIZED_WEIGHT, assert_clean_refusal, run_cli
 
@@ -217,7 +217,7 @@ def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop
     monkeypatch.setattr(sweep, "WALL_FACTOR", 3)
     runner = sweep.Sweep(sweep.Settings(time_limit=1), [], tmp_path / "c.json", tmp_path / "c.md", "test")
     stop = type("Stop", (), {"child": None, "signalled": False})()
-    proc, stopped, seconds, _log = runner._run_worker(
+    proc, stopped, seconds, _log, memory = runner._run_worker(
         {"weight": "W.V1", "target": "jetson", "result": str(tmp_path / "r.json"), "cpu_limit_s": 1}, tmp_path, stop)
     assert stopped == stopped_by, (proc.returncode, seconds)
     if stopped_by is None:
@@ -226,6 +226,7 @@ def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop
         assert proc.returncode == -signal.SIGXCPU and seconds < 3
     else:
         assert 3 <= seconds < 10
+        assert memory["build_peak_bytes"] > 0  # sampled while it ran (every RELAY_EVERY_S)
     text = sweep._limit_text(stopped, 1, seconds)
     assert (text is None) == (stopped_by is None) and (stopped_by is None or "CPU" in text)
 
@@ -435,6 +436,37 @@ def test_a_killed_build_marks_where_it_stopped():
         ("x_fp32", "passed", None), ("x_int8", "export", "out of memory"), ("y", "not_run", "not reached")]
     refused = outcome.stopped_cells(planned, [], 2, False, "the eager reference is degenerate", None)
     assert {(c["outcome"], c["kind"]) for c in refused} == {("export", "degenerate reference")}
+
+
+def test_an_oom_kill_is_the_weights_verdict_only_when_the_build_had_the_host():
+    """RegNetY-128GF's android build was killed by the kernel at 12.3 GB while another sweep's build held
+    14.8 GB of the 24 GB host: kept, that row would have said the weight needs more than this host has."""
+    planned = [{"name": "executorch_fp32", "format": "executorch", "precision": "fp32"}]
+    gb = 10**9
+    alone = {"build_peak_bytes": 22 * gb, "host_bytes": 24 * gb, "others_bytes": 1 * gb}
+    crowded = {"build_peak_bytes": 12.3 * gb, "host_bytes": 24 * gb, "others_bytes": 11 * gb}
+    for sample, kept in ((alone, True), (crowded, False), (None, True)):
+        (cell,) = outcome.stopped_cells(planned, [], -signal.SIGKILL, False, None, None, sample)
+        row = {"outcome": "stopped", "returncode": -signal.SIGKILL, "timed_out": False, "memory": sample, "cells": [cell]}
+        assert cell["kind"] == "out of memory" and sweep._cacheable(row) is kept
+        assert ("built again next time" in cell["reason"]) is not kept
+    assert "reached 12.3 GB of this host's 24.0 GB, other processes held 11.0 GB" in outcome.death_reason(-9, crowded)
+
+
+def test_memory_is_sampled_from_the_running_build():
+    child = "import sys, time; held = b'x' * (300 * 2**20); sys.stdout.write('ready\\n'); sys.stdout.flush(); time.sleep(30)"
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        sample = memory.sample(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sample["build_peak_bytes"] >= 300 * 2**20 and sample["host_bytes"] > sample["build_peak_bytes"]
+    assert 0 <= sample["others_bytes"] < sample["host_bytes"]
+    assert memory.sample(proc.pid) is None  # gone: nothing to say
 
 
 def test_random_checkpoints_mean_something():

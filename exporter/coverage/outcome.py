@@ -24,6 +24,7 @@ import math
 import re
 
 from ..release.ship import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
+from .memory import oom_text
 
 SYMBOLS = {"passed": "✅", "failed": "❎", "export": "❌", "unavailable": "⚪", "refused": "⛔", "time": "⏱",
            "skipped": "⏭", "not_run": "·"}
@@ -253,8 +254,18 @@ def killed_from_outside(returncode: int | None) -> bool:
     return returncode in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)
 
 
+def death_reason(returncode: int | None, memory: dict | None = None) -> str:
+    """Why a build process ended without a result; `memory` as exporter.coverage.memory samples it."""
+    why = f"the build process died (exit code {returncode})"
+    if returncode == -9:
+        return f"{why}: {oom_text(memory)}"
+    if killed_from_outside(returncode):
+        return f"{why}: killed from outside the sweep, built again next time"
+    return why
+
+
 def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: bool, error: str | None,
-                  limit: str | None) -> list[dict]:
+                  limit: str | None, memory: dict | None = None) -> list[dict]:
     """Cells for a build that did not finish: those it completed, the one it was at, and those not reached.
     `limit` says what the time limit stopped, e.g. "900 s of CPU time (1210 s wall clock)"."""
     cells = list(done)
@@ -265,9 +276,7 @@ def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: 
     elif error:
         why = error
     else:
-        why = f"the build process died (exit code {returncode})" + (
-            ": out of memory (killed by the kernel)" if returncode == -9 else
-            ": killed from outside the sweep, built again next time" if killed_from_outside(returncode) else "")
+        why = death_reason(returncode, memory)
     whole = error is not None and not done  # stopped before any artifact: the error is every artifact's
     first = True
     for spec in planned:

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import outcome, rowcache, table, trained
+from . import memory as build_memory, outcome, rowcache, table, trained
 from ..build import target_refusal
 from .select import Candidate, planned_artifacts
 
@@ -226,9 +226,9 @@ class Sweep:
             "aarch64_runners": str(self._runners) if s.on_aarch64 else None,
         }
 
-    def _run_worker(self, spec: dict, weight_dir: Path, stop) -> tuple[subprocess.Popen, str | None, float, Path]:
+    def _run_worker(self, spec: dict, weight_dir: Path, stop) -> tuple[subprocess.Popen, str | None, float, Path, dict | None]:
         """One worker process on `spec`, under the time limit; (process, what stopped it at the limit: "cpu",
-        "wall" or None, seconds, log path). The limit is the worker's CPU time (RLIMIT_CPU, set by the worker), so
+        "wall" or None, seconds, log path, its memory last sampled (exporter.coverage.memory)). The limit is the worker's CPU time (RLIMIT_CPU, set by the worker), so
         that builds sharing a busy host are not stopped where a quiet host finishes them (Swin-V2-B's android build:
         ⏱ at 1800 s of wall clock with three sweeps on two cores, 1368 s with two); the wall clock stops a build
         starved or blocked for WALL_FACTOR times the limit."""
@@ -241,7 +241,7 @@ class Sweep:
         env = dict(os.environ, EXPORTER_OFFLINE="1", PYTHONWARNINGS="ignore", TQDM_DISABLE="1",
                    **{k: str(s.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
         start, cpu_before = time.perf_counter(), _children_cpu_seconds()
-        stopped_by = None
+        stopped_by, memory = None, None
         relay = _LogRelay(log_path, f"  {spec['weight']} {name}: ", self.log)
         with open(log_path, "wb") as log:
             proc = _spawn([sys.executable, "-m", "exporter.coverage.worker", str(spec_path)], log, env)
@@ -251,6 +251,7 @@ class Sweep:
                     raise KeyboardInterrupt
                 while not _waited(proc, RELAY_EVERY_S):
                     relay()
+                    memory = build_memory.sample(proc.pid) or memory
                     if s.time_limit is not None and time.perf_counter() - start > WALL_FACTOR * s.time_limit:
                         stopped_by = "wall"
                         break
@@ -267,7 +268,7 @@ class Sweep:
         if s.time_limit is not None and (proc.returncode == -signal.SIGXCPU
                                          or proc.returncode == -signal.SIGKILL and cpu > s.time_limit):
             stopped_by = "cpu"  # SIGXCPU at the soft limit; SIGKILL at the hard one (10 s on), if it survived the first
-        return proc, stopped_by, round(time.perf_counter() - start, 1), log_path
+        return proc, stopped_by, round(time.perf_counter() - start, 1), log_path, memory
 
     def _floor_only(self, candidate: Candidate, row: dict, weight_dir: Path, stop) -> dict:
         """The precision floors for a cached row that has validation failures but was built before (some of)
@@ -282,7 +283,7 @@ class Sweep:
         s = self.settings
         spec = self._spec(candidate, target, weight_dir)
         out = Path(spec["out"])
-        proc, stopped_by, seconds, log_path = self._run_worker(spec, weight_dir, stop)
+        proc, stopped_by, seconds, log_path, memory = self._run_worker(spec, weight_dir, stop)
         timed_out = stopped_by is not None
         result = _read_json(Path(spec["result"])) or {}
         manifest = _read_json(out / "manifest.json")
@@ -296,6 +297,8 @@ class Sweep:
         info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out, "stopped_by": stopped_by,
                 "usage_error": result.get("usage_error"), "time_limit_s": s.time_limit, "checkpoint": _checkpoint_summary(result.get("checkpoint")),
                 "checkpoint_s": result.get("checkpoint_s"), "floor": result.get("floor")}
+        if proc.returncode == -signal.SIGKILL and not timed_out:
+            info["memory"] = memory  # the kernel's OOM kill: whether the build had the host to itself
         if manifest:
             info["status"] = manifest.get("status")
             info["timings_s"] = {k: v for k, v in (manifest.get("timings_s") or {}).items()
@@ -304,13 +307,13 @@ class Sweep:
             return dict(info, outcome="built", reason=None, cells=done)
         planned = planned_artifacts(candidate.weight, target, s.formats, candidate.quantized)
         limit = _limit_text(stopped_by, s.time_limit, seconds)
-        cells = outcome.stopped_cells(planned, done, proc.returncode, timed_out, error, limit)
+        cells = outcome.stopped_cells(planned, done, proc.returncode, timed_out, error, limit, info.get("memory"))
         if timed_out:
             reason = f"time limit: stopped after {limit}"
         elif error:
             reason = error
         else:
-            reason = f"the build process died (exit code {proc.returncode})"
+            reason = outcome.death_reason(proc.returncode, info.get("memory"))
         return dict(info, outcome="stopped", reason=reason, cells=cells, log_tail=_tail(log_path))
 
 
@@ -333,6 +336,8 @@ def _cacheable(row: dict) -> bool:
     exporter's own one-line refusals (UsageError) are about the weight and are kept. Nor a build killed from
     outside the sweep (outcome.killed_from_outside)."""
     if outcome.killed_from_outside(row.get("returncode")):
+        return False
+    if row.get("returncode") == -signal.SIGKILL and build_memory.others_to_blame(row.get("memory")):
         return False
     if row.get("outcome") != "stopped" or row.get("timed_out") or row.get("usage_error") or row.get("returncode", 0) < 0:
         return True
