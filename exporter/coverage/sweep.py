@@ -228,10 +228,10 @@ class Sweep:
 
     def _run_worker(self, spec: dict, weight_dir: Path, stop) -> tuple[subprocess.Popen, str | None, float, Path, dict | None]:
         """One worker process on `spec`, under the time limit; (process, what stopped it at the limit: "cpu",
-        "wall" or None, seconds, log path, its memory last sampled (exporter.coverage.memory)). The limit is the worker's CPU time (RLIMIT_CPU, set by the worker), so
-        that builds sharing a busy host are not stopped where a quiet host finishes them (Swin-V2-B's android build:
-        ⏱ at 1800 s of wall clock with three sweeps on two cores, 1368 s with two); the wall clock stops a build
-        starved or blocked for WALL_FACTOR times the limit."""
+        "wall" or None, seconds, log path, its memory last sampled: exporter.coverage.memory). The limit is the
+        worker's CPU time (RLIMIT_CPU, set by the worker), so that builds sharing a busy host are not stopped where
+        a quiet host finishes them (Swin-V2-B's android build: ⏱ at 1800 s of wall clock with three sweeps on two
+        cores, 1368 s with two); the wall clock stops a build starved or blocked for WALL_FACTOR times the limit."""
         s = self.settings
         name = spec["target"] + (".floor" if spec.get("floor_only") else "")
         spec_path = weight_dir / f"{name}.spec.json"
