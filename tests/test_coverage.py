@@ -217,7 +217,7 @@ def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop
     monkeypatch.setattr(sweep, "WALL_FACTOR", 3)
     runner = sweep.Sweep(sweep.Settings(time_limit=1), [], tmp_path / "c.json", tmp_path / "c.md", "test")
     stop = type("Stop", (), {"child": None, "signalled": False})()
-    proc, stopped, seconds, _log, memory = runner._run_worker(
+    proc, stopped, seconds, _log, sampled = runner._run_worker(
         {"weight": "W.V1", "target": "jetson", "result": str(tmp_path / "r.json"), "cpu_limit_s": 1}, tmp_path, stop)
     assert stopped == stopped_by, (proc.returncode, seconds)
     if stopped_by is None:
@@ -226,7 +226,7 @@ def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop
         assert proc.returncode == -signal.SIGXCPU and seconds < 3
     else:
         assert 3 <= seconds < 10
-        assert memory["build_peak_bytes"] > 0  # sampled while it ran (every RELAY_EVERY_S)
+        assert sampled["build_peak_bytes"] > 0  # sampled while it ran (every RELAY_EVERY_S)
     text = sweep._limit_text(stopped, 1, seconds)
     assert (text is None) == (stopped_by is None) and (stopped_by is None or "CPU" in text)
 
@@ -250,6 +250,37 @@ def test_a_build_that_finished_before_the_limit_stopped_its_floor_stands(tmp_pat
     row = runner._build(candidate, "jetson", tmp_path, type("Stop", (), {"child": None, "signalled": False})())
     assert row["outcome"] == "built" and not row["timed_out"], row
     assert "stopped the floor" in row["floor"]["error"] and "CPU time" in row["floor"]["error"]
+
+
+@pytest.mark.parametrize("others_share, kept", [(0.0, False), (1.0, True)])
+def test_a_build_the_kernel_killed_records_its_memory(others_share, kept, tmp_path, monkeypatch):
+    """SIGKILL the sweep did not send (the kernel's OOM killer, here the worker's own): the row says what the
+    build and the other processes held when last sampled, and is a verdict only if the others held little."""
+    _fake_worker(monkeypatch, "held = b'x' * (100 * 2**20); time.sleep(3); import os, signal; "
+                              "os.kill(os.getpid(), signal.SIGKILL)")
+    monkeypatch.setattr(sweep.build_memory, "OTHERS_SHARE", others_share)
+    runner = sweep.Sweep(sweep.Settings(targets=("jetson",), formats=("onnx:fp32",), time_limit=60), [],
+                         tmp_path / "c.json", tmp_path / "c.md", "test")
+    candidate = sweep.Candidate("MobileNet_V3_Small_Weights.IMAGENET1K_V1", "mobilenet_v3_small", "classification", 2)
+    row = runner._build(candidate, "jetson", tmp_path, type("Stop", (), {"child": None, "signalled": False})())
+    assert row["outcome"] == "stopped" and row["returncode"] == -9 and not row["timed_out"], row
+    assert row["memory"]["build_peak_bytes"] >= 100 * 2**20 and "out of memory" in row["reason"]
+    assert sweep._cacheable(row) is kept and outcome.not_a_verdict(row) is not kept
+    assert ("built again next time" in row["cells"][0]["reason"]) is not kept
+
+
+def test_the_sweeps_own_kill_of_a_finished_build_is_no_oom(tmp_path, monkeypatch):
+    """A build that finished and was then blocked past the wall clock is killed by the sweep (SIGKILL too):
+    its row stands as built, with no memory verdict."""
+    _fake_worker(monkeypatch, "json.dump({'stage': 'done', 'status': 'failed'}, open(spec['result'], 'w')); time.sleep(60)")
+    monkeypatch.setattr(sweep, "WALL_FACTOR", 3)
+    monkeypatch.setattr(sweep.build_memory, "OTHERS_SHARE", 0.0)
+    runner = sweep.Sweep(sweep.Settings(targets=("jetson",), formats=("onnx:fp32",), time_limit=1), [],
+                         tmp_path / "c.json", tmp_path / "c.md", "test")
+    candidate = sweep.Candidate("MobileNet_V3_Small_Weights.IMAGENET1K_V1", "mobilenet_v3_small", "classification", 2)
+    row = runner._build(candidate, "jetson", tmp_path, type("Stop", (), {"child": None, "signalled": False})())
+    assert row["outcome"] == "built" and row["returncode"] == -9 and "memory" not in row, row
+    assert sweep._cacheable(row) and not outcome.not_a_verdict(row)
 
 
 def test_sigterm_between_builds_stops_the_sweep_before_the_next_build_runs(tmp_path, monkeypatch):
@@ -450,22 +481,28 @@ def test_an_oom_kill_is_the_weights_verdict_only_when_the_build_had_the_host():
         row = {"outcome": "stopped", "returncode": -signal.SIGKILL, "timed_out": False, "memory": sample, "cells": [cell]}
         assert cell["kind"] == "out of memory" and sweep._cacheable(row) is kept
         assert ("built again next time" in cell["reason"]) is not kept
-    assert "reached 12.3 GB of this host's 24.0 GB, other processes held 11.0 GB" in outcome.death_reason(-9, crowded)
+    assert ("held at least 12.3 GB of this host's 24.0 GB, other processes 11.0 GB when last sampled: built again"
+            in outcome.death_reason(-9, crowded))
+    later = {"weight": "W", "target": "android", "outcome": "stopped", "returncode": -9, "memory": crowded}
+    built = {"weight": "W", "target": "android", "outcome": "built", "returncode": 0}
+    assert not table._kept(built, later) and table._kept(built, dict(later, memory=alone))  # a merge keeps the build
 
 
-def test_memory_is_sampled_from_the_running_build():
-    child = "import sys, time; held = b'x' * (300 * 2**20); sys.stdout.write('ready\\n'); sys.stdout.flush(); time.sleep(30)"
+def test_memory_is_sampled_from_the_whole_build():
+    """The build's process group: the worker and what it started (a grandchild holding 300 MB here)."""
     import subprocess
 
-    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE)
+    grandchild = "import sys, time; held = b'x' * (300 * 2**20); print('ready', flush=True); time.sleep(30)"
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, process_group=0)
     try:
         assert proc.stdout.readline() == b"ready\n"
         sample = memory.sample(proc.pid)
+        again = memory.sample(proc.pid, dict(sample, build_peak_bytes=2**50))
     finally:
-        proc.kill()
-        proc.wait()
+        sweep._kill_group(proc)
     assert sample["build_peak_bytes"] >= 300 * 2**20 and sample["host_bytes"] > sample["build_peak_bytes"]
-    assert 0 <= sample["others_bytes"] < sample["host_bytes"]
+    assert 0 <= sample["others_bytes"] < sample["host_bytes"] and again["build_peak_bytes"] == 2**50  # the peak so far
     assert memory.sample(proc.pid) is None  # gone: nothing to say
 
 

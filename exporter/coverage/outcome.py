@@ -24,7 +24,7 @@ import math
 import re
 
 from ..release.ship import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
-from .memory import oom_text
+from .memory import oom_text, others_to_blame
 
 SYMBOLS = {"passed": "✅", "failed": "❎", "export": "❌", "unavailable": "⚪", "refused": "⛔", "time": "⏱",
            "skipped": "⏭", "not_run": "·"}
@@ -252,6 +252,16 @@ def killed_from_outside(returncode: int | None) -> bool:
     import signal
 
     return returncode in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)
+
+
+def not_a_verdict(row: dict) -> bool:
+    """A build ended by something other than its weight: killed from outside the sweep, or by the kernel's OOM
+    killer while other processes held much of the host (exporter.coverage.memory). Not cached, built again next
+    time, and never hides a built row in a merge."""
+    if killed_from_outside(row.get("returncode")):
+        return True
+    return (row.get("outcome") == "stopped" and not row.get("timed_out") and row.get("returncode") == -9
+            and others_to_blame(row.get("memory")))
 
 
 def death_reason(returncode: int | None, memory: dict | None = None) -> str:

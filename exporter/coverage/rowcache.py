@@ -42,7 +42,7 @@ def fetch(directory: Path, row_key: str, time_limit: float | None, input_size: l
         row = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if row.get("key") != row_key or outcome.killed_from_outside(row.get("returncode")):
+    if row.get("key") != row_key or outcome.not_a_verdict(row):
         return None  # another row's, or stored before such rows were refused
     if input_size is not None and row.get("input_size") not in (None, list(input_size)):
         return None

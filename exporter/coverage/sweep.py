@@ -251,7 +251,7 @@ class Sweep:
                     raise KeyboardInterrupt
                 while not _waited(proc, RELAY_EVERY_S):
                     relay()
-                    memory = build_memory.sample(proc.pid) or memory
+                    memory = build_memory.sample(proc.pid, memory) or memory  # its own process group (_spawn)
                     if s.time_limit is not None and time.perf_counter() - start > WALL_FACTOR * s.time_limit:
                         stopped_by = "wall"
                         break
@@ -285,6 +285,7 @@ class Sweep:
         out = Path(spec["out"])
         proc, stopped_by, seconds, log_path, memory = self._run_worker(spec, weight_dir, stop)
         timed_out = stopped_by is not None
+        killed_by_kernel = proc.returncode == -signal.SIGKILL and not timed_out  # the sweep's own kills set stopped_by
         result = _read_json(Path(spec["result"])) or {}
         manifest = _read_json(out / "manifest.json")
         done = outcome.cells_from_manifest(manifest) if manifest else []
@@ -297,8 +298,8 @@ class Sweep:
         info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out, "stopped_by": stopped_by,
                 "usage_error": result.get("usage_error"), "time_limit_s": s.time_limit, "checkpoint": _checkpoint_summary(result.get("checkpoint")),
                 "checkpoint_s": result.get("checkpoint_s"), "floor": result.get("floor")}
-        if proc.returncode == -signal.SIGKILL and not timed_out:
-            info["memory"] = memory  # the kernel's OOM kill: whether the build had the host to itself
+        if killed_by_kernel and not finished:
+            info["memory"] = memory  # whether the build had the host to itself
         if manifest:
             info["status"] = manifest.get("status")
             info["timings_s"] = {k: v for k, v in (manifest.get("timings_s") or {}).items()
@@ -333,11 +334,9 @@ def _earlier_runs(json_path: Path, doc: dict) -> list[dict]:
 def _cacheable(row: dict) -> bool:
     """Whether a row says something lasting about the weight. Not a build that stopped on a Python error before
     any artifact (an ImportError, a broken checkout, a full disk: the environment, not the weight); the
-    exporter's own one-line refusals (UsageError) are about the weight and are kept. Nor a build killed from
-    outside the sweep (outcome.killed_from_outside)."""
-    if outcome.killed_from_outside(row.get("returncode")):
-        return False
-    if row.get("returncode") == -signal.SIGKILL and build_memory.others_to_blame(row.get("memory")):
+    exporter's own one-line refusals (UsageError) are about the weight and are kept. Nor a build whose end says
+    nothing about the weight (outcome.not_a_verdict)."""
+    if outcome.not_a_verdict(row):
         return False
     if row.get("outcome") != "stopped" or row.get("timed_out") or row.get("usage_error") or row.get("returncode", 0) < 0:
         return True

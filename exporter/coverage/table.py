@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import files
 from ..errors import UsageError
 from ..thresholds import THRESHOLD_KEYS
-from .outcome import FLOORS, ORDER, SYMBOLS, WEIGHT_FLOOR, broken_keys, killed_from_outside, reclassify
+from .outcome import FLOORS, ORDER, SYMBOLS, WEIGHT_FLOOR, broken_keys, not_a_verdict, reclassify
 from .select import TASK_ORDER
 
 COVERAGE_VERSION = 1
@@ -199,9 +199,9 @@ def _doc_problem(doc: dict) -> str | None:
 
 def _kept(old: dict | None, new: dict) -> bool:
     """Whether `new` replaces `old` for one weight x target: the later file's, except that a row skipped for
-    size, or killed from outside its sweep, never hides one that was built."""
+    size, or ended by something other than its weight (outcome.not_a_verdict), never hides one that was built."""
     def stands_in(row: dict) -> bool:
-        return row.get("outcome") == "skipped" or killed_from_outside(row.get("returncode"))
+        return row.get("outcome") == "skipped" or not_a_verdict(row)
 
     return old is None or not stands_in(new) or stands_in(old)
 
