@@ -12,8 +12,6 @@ suite (below, FASTER_RCNN).
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,20 +130,13 @@ def write_coco(root: Path, images, boxes) -> None:
     """root/annotations.json and root/images/<file_name>.png, written in a staging directory and renamed into place."""
     root = Path(root)
     root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp's 0700 would outlive the rename
+    with files.atomic_path(root) as staging:
+        staging.mkdir()
         coco = coco_dict(images, boxes)
         (staging / "images").mkdir()
         for image, entry in zip(images, coco["images"]):
             Image.fromarray(image, mode="RGB").save(staging / "images" / entry["file_name"])
         (staging / "annotations.json").write_text(json.dumps(coco))
-        if root.exists():
-            shutil.rmtree(root)
-        staging.replace(root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def build_model(recipe: Recipe = SSDLITE) -> nn.Module:

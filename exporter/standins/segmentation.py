@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,8 +158,8 @@ def write_voc(root: Path, images: np.ndarray, masks: np.ndarray) -> None:
     Written in a staging directory and renamed into place."""
     root = Path(root)
     root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-    try:
+    with files.atomic_path(root) as staging:
+        staging.mkdir()
         (staging / "images").mkdir()
         (staging / "masks").mkdir()
         palette = voc_palette()
@@ -173,12 +171,6 @@ def write_voc(root: Path, images: np.ndarray, masks: np.ndarray) -> None:
                 png = png.convert("P")  # keeps the indices; only the palette is new
                 png.putpalette(palette)
             png.save(staging / "masks" / f"{stem}.png")
-        if root.exists():
-            shutil.rmtree(root)
-        staging.replace(root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def preprocess(images: np.ndarray) -> torch.Tensor:
