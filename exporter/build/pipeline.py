@@ -170,9 +170,11 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
     (hostload: a busy host) is never served: its fidelity is, and the latency is timed again."""
     from .. import hostload
 
+    # a format whose stand-ins for an unavailable runtime changed says so, and is not served the older ones
+    proxies = getattr(FORMATS[entry["format"]].load_module(), "PROXIES_VERSION", None)
     digest = cache.key(
         kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency, golden=session.golden_rows,
-        preview=previews.VERSION, contract=validation.CONTRACT,
+        preview=previews.VERSION, contract=validation.CONTRACT, **({"proxies": proxies} if proxies else {}),
         cpu=manifest.host(session.latency["threads"])["cpu"],
         **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")},
     )

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from ..errors import UsageError
 from . import RuntimeUnavailable
@@ -598,12 +600,15 @@ def _with_package_weights(model: nn.Module, layers: list[dict]) -> nn.Module:
     return fused
 
 
+PROXIES_VERSION = 2  # 2: the fp16 proxy emulates half precision in float32 (1: ran it, hours for ViT-H-14)
+
+
 def proxies(path: Path, model: nn.Module) -> dict:
     """Numerical stand-ins on hosts without Core ML; they are not Core ML's results.
 
     weights: eager PyTorch (fp32) with the package's decompressed weights, so the effect of
              fp16 storage and of the compression is measured, not fp16 arithmetic.
-    fp16:    the eager model computed in half precision on this CPU (fp16 packages only).
+    fp16:    the eager model with every weight and op result rounded to float16 (fp16 packages only).
     """
     import coremltools as ct
 
@@ -616,19 +621,46 @@ def proxies(path: Path, model: nn.Module) -> dict:
 
 
 class EagerFp16:
-    """The eager model computed in half precision: the same for every fp16 package of one model."""
+    """The eager model with half-precision storage: its weights, its input and every op's result rounded to
+    float16, each op computed in float32 from those (as CPU half-precision kernels compute, rounding once at
+    the end). Emulated rather than run in half precision: this host's half-precision matrix products can be
+    ~90x slower than float32 (no AVX-512 FP16; measured 0.8 against 71 GFLOP/s on an AMD EPYC), which made
+    ViT-H-14's proxy alone take hours. The same for every fp16 package of one model."""
 
     shared_key = "eager fp16"
 
     def __init__(self, model: nn.Module):
-        self.model, self.half, self.layout = model, None, torch.contiguous_format
+        self.model, self.rounded = model, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.half is None:  # made at the first input: the copy is not needed where the result is shared
-            self.half = copy.deepcopy(self.model).eval().half()
-            if not any(p.dim() == 5 for p in self.half.parameters()):  # channels-last is for 4-D convolutions
-                # CPU half-precision convolutions are 2.5-4x faster in it (segmentation at 520 took seconds per
-                # image in NCHW)
-                self.layout = torch.channels_last
-                self.half = self.half.to(memory_format=self.layout)
-        return self.half(x.half().contiguous(memory_format=self.layout)).float()
+        if self.rounded is None:  # made at the first input: the copy is not needed where the result is shared
+            self.rounded = copy.deepcopy(self.model).float().eval()
+            with torch.no_grad():
+                for t in (*self.rounded.parameters(), *self.rounded.buffers()):
+                    if t.dtype == torch.float32:
+                        t.copy_(t.half())
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)  # attention as its ops, each rounded, not one fused kernel
+        try:
+            with torch.no_grad(), _RoundedToHalf():
+                return self.rounded(x.float().half().float())
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
+class _RoundedToHalf(TorchDispatchMode):
+    """Rounds the float32 result of every aten op to float16 (kept in float32). A view aliases a result that is
+    rounded already; an in-place op's result is rounded where it lies."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            return out
+        if any(r.alias_info is not None for r in returns):
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    t.copy_(t.half())
+            return out
+        return tree_map(lambda t: t.half().float() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t,
+                        out)
