@@ -310,14 +310,40 @@ def test_fp16_proxy_rounds_like_half_precision_arithmetic(digits_model):
         assert torch.equal(model(images), fp32)  # the model itself is left as it was
 
 
-def test_fp16_proxy_rounds_in_place_results_and_keeps_views():
-    class InPlace(torch.nn.Module):
+def test_fp16_proxy_rounds_every_op_in_place_results_and_through_views():
+    class Chain(torch.nn.Module):
         def forward(self, x):
             y = x * 1.0
             y.mul_(1 / 3)  # in place: rounded where it lies
-            return y.view(-1)[: x.numel()].add(y.flatten().mul(1 / 7))  # a view of a rounded tensor
+            y.view(-1)[1:].mul_(1 / 5)  # in place through a view: the viewed tensor changes, rounded
+            return y.view(-1).add(y.flatten().mul(1 / 7))  # each op's result rounded before the next uses it
 
     x = torch.tensor([[1.0, 2.0, 3.0, 5.0]])
-    third = (x / 3).half().float()
-    expected = (third.flatten() + (third.flatten() * (1 / 7)).half().float()).half().float()
-    assert torch.equal(coreml.EagerFp16(InPlace())(x), expected)
+    half = lambda t: t.half().float()  # noqa: E731
+    y = half(x / 3)
+    y[0, 1:] = half(y[0, 1:] * (1 / 5))
+    expected = half(y.flatten() + half(y.flatten() * (1 / 7)))
+    assert torch.equal(coreml.EagerFp16(Chain())(x), expected)
+    exact = (x / 3).flatten()
+    exact[1:] /= 5
+    assert not torch.equal(half(exact + exact / 7), expected)  # rounding the result alone would not give it
+
+
+def test_fp16_proxy_rounds_inside_attention():
+    """Attention runs as its ops, so its scores and softmax are rounded too, not computed inside one fused kernel."""
+    seen = []
+    original = coreml._RoundedToHalf.__torch_dispatch__
+
+    def record(self, func, types, args=(), kwargs=None):
+        seen.append(str(func))
+        return original(self, func, types, args, kwargs)
+
+    attention = torch.nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    module = type("SelfAttention", (torch.nn.Module,), {"forward": lambda self, x: attention(x, x, x, need_weights=False)[0]})()
+    module.attention = attention
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(coreml._RoundedToHalf, "__torch_dispatch__", record)
+        out = coreml.EagerFp16(module)(torch.randn(1, 5, 16))
+    assert any("softmax" in name for name in seen), seen
+    assert not any("flash_attention" in name or "_native_multi_head_attention" in name for name in seen), seen
+    assert torch.equal(out, out.half().float())

@@ -640,10 +640,13 @@ class EagerFp16:
                 for t in (*self.rounded.parameters(), *self.rounded.buffers()):
                     if t.dtype == torch.float32:
                         t.copy_(t.half())
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         fastpath = torch.backends.mha.get_fastpath_enabled()
-        torch.backends.mha.set_fastpath_enabled(False)  # attention as its ops, each rounded, not one fused kernel
+        # attention as its ops (matmuls, softmax), each rounded, not one fused kernel computing inside in float32
+        torch.backends.mha.set_fastpath_enabled(False)
         try:
-            with torch.no_grad(), _RoundedToHalf():
+            with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), _RoundedToHalf():
                 return self.rounded(x.float().half().float())
         finally:
             torch.backends.mha.set_fastpath_enabled(fastpath)
