@@ -291,7 +291,7 @@ def _psnr(reference: torch.Tensor, output: torch.Tensor) -> float:
 
 def test_fp16_proxy_rounds_like_half_precision_arithmetic(digits_model):
     """The fp16 proxy emulates half-precision storage in float32 (half-precision matrix products are ~90x slower
-    on CPUs without AVX-512 FP16): on the trained digits model it lands as far from float32 as running the model
+    on CPUs without AVX-512 FP16): on the trained digits model it lands no farther from float32 than running the model
     in half precision does, with the same top-1 on every held-out digit."""
     loaded = weights.load(digits_model.weight, digits_model.checkpoint, verify=False)
     images = data.from_imagefolder(digits_model.data_dir, loaded.weights.transforms(), 0, 32, 0, num_classes=10).validation
@@ -304,7 +304,9 @@ def test_fp16_proxy_rounds_like_half_precision_arithmetic(digits_model):
     assert torch.backends.mha.get_fastpath_enabled() == fastpath
     assert torch.equal(emulated, emulated.half().float())  # every value is a float16
     assert not torch.equal(emulated, fp32)
-    assert abs(_psnr(fp32, emulated) - _psnr(fp32, half)) < 3.0, (_psnr(fp32, emulated), _psnr(fp32, half))
+    # no farther from float32 than this host's half kernels (one-sided: kernels that accumulate in float16, as
+    # some ARM ones may, land farther)
+    assert _psnr(fp32, emulated) > _psnr(fp32, half) - 3.0, (_psnr(fp32, emulated), _psnr(fp32, half))
     assert torch.equal(emulated.argmax(1), half.argmax(1))
     with torch.no_grad():
         assert torch.equal(model(images), fp32)  # the model itself is left as it was
