@@ -36,6 +36,13 @@ def test_every_artifact_passed_and_is_what_the_manifest_says(android_build, doc)
     assert not list(out.glob(".*partial*"))
 
 
+def test_float_artifacts_are_made_before_the_int8_search_and_listed_in_the_targets_order(doc):
+    exports = dict.fromkeys(step.split()[1] for step in doc["timings_s"] if step.startswith("export "))
+    assert list(exports) == ["executorch_fp32", "torchscript_lite_fp32", "executorch_int8"]
+    assert [a["name"] for a in doc["artifacts"]] == [spec["format"] + "_" + spec["precision"]
+                                                    for spec in doc["target"]["artifacts"]]
+
+
 def test_fidelity_and_accuracy_on_trained_model(doc):
     eager = doc["eager"]["accuracy"]
     assert eager["acc1"] >= 95.0  # the digits model really learned

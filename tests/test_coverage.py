@@ -463,8 +463,13 @@ def test_a_killed_build_marks_where_it_stopped():
     planned = [{"name": n, "format": "executorch", "precision": p} for n, p in (("x_fp32", "fp32"), ("x_int8", "int8"), ("y", "fp32"))]
     done = [{"name": "x_fp32", "outcome": "passed"}]
     cells = outcome.stopped_cells(planned, done, -9, False, None, None)
+    # a build makes its float artifacts first: it was at y, and had not reached x_int8; cells in the target's order
     assert [(c["name"], c["outcome"], c.get("kind")) for c in cells] == [
-        ("x_fp32", "passed", None), ("x_int8", "export", "out of memory"), ("y", "not_run", "not reached")]
+        ("x_fp32", "passed", None), ("x_int8", "not_run", "not reached"), ("y", "export", "out of memory")]
+    done.append({"name": "y", "outcome": "passed"})
+    cells = outcome.stopped_cells(planned, done, -9, False, None, None)
+    assert [(c["name"], c["outcome"], c.get("kind")) for c in cells] == [
+        ("x_fp32", "passed", None), ("x_int8", "export", "out of memory"), ("y", "passed", None)]
     refused = outcome.stopped_cells(planned, [], 2, False, "the eager reference is degenerate", None)
     assert {(c["outcome"], c["kind"]) for c in refused} == {("export", "degenerate reference")}
 

@@ -21,7 +21,7 @@ from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, report
 from ..release.ship import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
 from . import arch_rows, cache, default_out, golden_program, memory_profile, profiles
-from .plan import ArtifactSpec, Plan, make_all, make as make_plan
+from .plan import ArtifactSpec, Plan, export_order, make_all, make as make_plan
 from ..tasks import Task
 from ..quant import Calibration
 from ..quant.calibration import BACKEND_SETTINGS
@@ -647,8 +647,10 @@ def _build_one(request: BuildRequest, session: Session, out: Path, progress: Pro
     manifest.write(out, doc)
     _write_golden(out, session)
     _write_device_files(out, session.task)
-    for spec in _artifacts(plan, loaded.quantized):
-        doc["artifacts"].append(_export(session, spec, out, progress, prefix))
+    specs, made = _artifacts(plan, loaded.quantized), {}
+    for i in export_order([spec.precision for spec in specs]):
+        made[i] = _export(session, specs[i], out, progress, prefix)
+        doc["artifacts"] = [made[k] for k in sorted(made)]
         doc["timings_s"] = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
     arch_rows.add(session, doc, out, progress, request.cache_dir, request.offline, prefix, runners=request.aarch64_runners,

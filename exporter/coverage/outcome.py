@@ -278,8 +278,12 @@ def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: 
                   limit: str | None, memory: dict | None = None) -> list[dict]:
     """Cells for a build that did not finish: those it completed, the one it was at, and those not reached.
     `limit` says what the time limit stopped, e.g. "900 s of CPU time (1210 s wall clock)"."""
-    cells = list(done)
-    names = {c["name"] for c in done}
+    from ..build.plan import export_order
+
+    made = {c["name"]: c for c in done}
+    at = next((planned[i]["name"] for i in export_order([s["precision"] for s in planned])
+               if planned[i]["name"] not in made), None)  # the build makes its int8 artifacts last
+    cells = []
     outcome, kind = kill_kind(returncode, timed_out, error)
     if timed_out:
         why = f"time limit: the build was stopped after {limit}"
@@ -288,21 +292,20 @@ def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: 
     else:
         why = death_reason(returncode, memory)
     whole = error is not None and not done  # stopped before any artifact: the error is every artifact's
-    first = True
     for spec in planned:
-        if spec["name"] in names:
+        if spec["name"] in made:
+            cells.append(made.pop(spec["name"]))
             continue
         cell = {"name": spec["name"], "format": spec["format"], "precision": spec["precision"], "status": None,
                 "size_bytes": None, "export_s": None}
-        if first or whole:
+        if spec["name"] == at or whole:
             cell.update(outcome=outcome, kind=kind, reason=why)
         elif timed_out:
             cell.update(outcome=outcome, kind=kind, reason=f"not reached within the time limit ({limit})")
         else:
             cell.update(outcome="not_run", kind="not reached", reason=f"not reached: {why}")
         cells.append(cell)
-        first = False
-    return cells
+    return cells + list(made.values())
 
 
 def reclassify(row: dict) -> dict:
