@@ -125,8 +125,8 @@ class Plan:
 
 
 def export_order(precisions: list[str]) -> list[int]:
-    """The order a target's artifacts are made in (indexes into its list): those needing no calibration first, the
-    int8 ones (a budget search: 2328 s of a random EfficientNet-B7's 3275-s Android build) last, each group in the target's
+    """The order a target's artifacts are made in (indexes into its list): the float ones first, the int8 ones (a
+    budget search: 2328 s of a random EfficientNet-B7's 3275-s Android build) last, each group in the target's
     order. A build stopped or failing in its int8 search has its float artifacts made; the manifest still lists
     artifacts in the target's order."""
     return sorted(range(len(precisions)), key=lambda i: precisions[i] == "int8")

@@ -14,7 +14,7 @@ A cell is one artifact of one weight on one target. Its `outcome`:
                      model, a format that cannot take the task's graph)
     time         ⏱  the build hit the sweep's time limit before this artifact was done
     skipped      ⏭  not built: the weight is larger than --max-params
-    not_run      ·   not reached: the build stopped (crashed or was killed) at an earlier artifact
+    not_run      ·   not reached: the build stopped (crashed or was killed) at an artifact it makes before this one
 
 Torch-free: the sweep's parent process and `--merge` use it without importing torch."""
 
@@ -276,7 +276,8 @@ def death_reason(returncode: int | None, memory: dict | None = None) -> str:
 
 def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: bool, error: str | None,
                   limit: str | None, memory: dict | None = None) -> list[dict]:
-    """Cells for a build that did not finish: those it completed, the one it was at, and those not reached.
+    """Cells for a build that did not finish, in the target's order: those it completed, the one it was at (the first
+    not completed in the order the build makes them, build.plan.export_order), and those not reached.
     `limit` says what the time limit stopped, e.g. "900 s of CPU time (1210 s wall clock)"."""
     from ..build.plan import export_order
 
