@@ -21,7 +21,9 @@ import hashlib
 import io
 import json
 import re
+import shutil
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -252,6 +254,23 @@ def _without_progress_bars():
         for line in captured.getvalue().replace("\r", "\n").splitlines():
             if line.strip() and not _PROGRESS_BAR.search(line):
                 print(line, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _scratch_beside(path: Path):
+    """coremltools writes every model it makes (a conversion, a compression, a decompression) to a package of its
+    own in the temporary directory, deleted only when Python exits: RegNetY-128GF's iOS build had 20 GB of them in
+    /tmp by its fifth package and failed for want of disk, and builds that were killed had left 30 GB there for
+    good. Here they go to a hidden `.partial` folder beside `path`, removed on the way out (one a killed build left
+    in a build folder is removed by the next build into it: release.manifest.clear_build_files)."""
+    scratch = tempfile.mkdtemp(prefix=f".{path.name}.coreml-", suffix=".partial", dir=path.parent)
+    previous = tempfile.tempdir
+    tempfile.tempdir = scratch  # coremltools takes no directory for them: tempfile's default is the way in
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _one_openmp_thread():
@@ -487,14 +506,15 @@ def export(model, example, precision, calib, path: Path, meta: dict, deployment_
                "nbits": nbits if compression == "palettize" else None}
     image_size = _image_size(meta["preprocessing"], example)
     model, pooled = global_pool3d_as_mean(model)
-    with _without_progress_bars(), rel_pos_within_rank5(model) as rel_pos:
-        mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
-    with torch.no_grad():  # after _convert, which put the model in eval mode
-        output_shape = list(model(example).shape)
-    _describe(mlmodel, precision, meta, options, image_size, output_shape)
-    mlmodel.save(str(path))
-    _make_reproducible(Path(path))
-    details = _spec_check(path, precision, meta, options, output_shape)
+    with _scratch_beside(Path(path)), _without_progress_bars():  # reading the package back draws bars too
+        with rel_pos_within_rank5(model) as rel_pos:
+            mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
+        with torch.no_grad():  # after _convert, which put the model in eval mode
+            output_shape = list(model(example).shape)
+        _describe(mlmodel, precision, meta, options, image_size, output_shape)
+        mlmodel.save(str(path))
+        _make_reproducible(Path(path))
+        details = _spec_check(path, precision, meta, options, output_shape)
     rewritten = {"adaptive_avg_pool3d_as_mean": pooled, "relative_positions_within_rank5": rel_pos}
     if any(rewritten.values()):
         details["rewrites"] = {name: done for name, done in rewritten.items() if done}
@@ -613,7 +633,8 @@ def proxies(path: Path, model: nn.Module) -> dict:
     import coremltools as ct
 
     mlmodel = ct.models.MLModel(str(path), skip_model_load=True)
-    weighted = _with_package_weights(model, _layer_weights(mlmodel))
+    with _scratch_beside(Path(path)), _without_progress_bars():
+        weighted = _with_package_weights(model, _layer_weights(mlmodel))
     runners = {"weights": lambda x: weighted(x)}
     if _user_metadata(path)["compute_precision"] == "fp16":
         runners["fp16"] = EagerFp16(model)
