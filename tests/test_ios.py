@@ -278,11 +278,19 @@ def test_coremltools_progress_bars_are_dropped_and_its_warnings_kept(capsys):
     """coremltools' tqdm bars (with a total, and the 'N passes' ones without) would bury the build's own progress."""
     from exporter.formats import coreml
 
+    from tqdm import tqdm
+
     with coreml._without_progress_bars():
         print("Running MIL frontend_milinternal pipeline: 0 passes [00:00, ? passes/s]\r"
               "Running MIL default pipeline:  30%|███       | 28/92 [00:00<00:00, 276.53 passes/s]", file=sys.stderr)
         print("WARNING: a real warning", file=sys.stderr)
-    assert capsys.readouterr().err.splitlines() == ["WARNING: a real warning"]
+        sys.stderr.write("\r⠋ export coreml_fp16 …")
+        assert capsys.readouterr().err == "WARNING: a real warning\n\r⠋ export coreml_fp16 …"  # as they come
+        for _ in tqdm(range(3), desc="Running MIL default pipeline", unit=" passes", mininterval=0):
+            pass
+        for _ in tqdm(iter(range(3)), desc="Running MIL frontend_milinternal pipeline", unit=" passes", mininterval=0):
+            pass
+    assert capsys.readouterr().err == ""
 
 
 def _psnr(reference: torch.Tensor, output: torch.Tensor) -> float:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import io
 import json
 import re
 import shutil
@@ -199,7 +198,7 @@ def _convert(model, example, precision, meta, deployment_target, input):
     if per_pixel:
         return ct.convert(exported, convert_to="mlprogram", inputs=[input_type],
                           outputs=[ct.TensorType(name=_output(meta)["name"])],
-                          minimum_deployment_target=target, compute_precision=compute_precision)
+                          minimum_deployment_target=target, compute_precision=compute_precision, skip_model_load=True)
     # Two steps because coremltools 9 fails (IndexError in get_func_output) when a classifier
     # keeps a second output (the logits) in one ct.convert call with torch.export input.
     program = ct.convert(
@@ -218,6 +217,7 @@ def _convert(model, example, precision, meta, deployment_target, input):
         pass_pipeline=ct.PassPipeline.EMPTY,  # the passes already ran in the first step
         classifier_config=ct.ClassifierConfig(list(meta["labels"]), predicted_feature_name=LABEL_OUTPUT,
                                               predicted_probabilities_output="probabilities"),
+        skip_model_load=True,  # nothing here predicts with it; on macOS loading compiles it into the system's temp
     )
 
 
@@ -242,18 +242,31 @@ def _compress(mlmodel, compression, nbits):
 _PROGRESS_BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+ \[|: \d+ passes \[")  # with a total, and without one
 
 
+class _BarsDropped:
+    """A stream passing on every write but tqdm's bars (one write per redraw) and the line end closing one. Other
+    writes go through as they come: warnings, and the build's own live spinner, which looks the stream up at each
+    frame (held back until the export ended, its frames came out as lines of escape codes)."""
+
+    def __init__(self, stream):
+        self._stream, self._after_bar = stream, False
+
+    def write(self, text: str) -> int:
+        bar = bool(_PROGRESS_BAR.search(text))
+        if not bar and not (self._after_bar and not text.strip()):
+            self._stream.write(text)
+        self._after_bar = bar
+        return len(text)
+
+    def __getattr__(self, name):  # flush, isatty, fileno, encoding: the stream's own
+        return getattr(self._stream, name)
+
+
 @contextlib.contextmanager
 def _without_progress_bars():
     """coremltools draws a tqdm bar on stderr for every pass pipeline of every package, which buries exporter's
     own progress lines; whatever else it writes there (warnings, log records) is passed on."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            yield
-    finally:
-        for line in captured.getvalue().replace("\r", "\n").splitlines():
-            if line.strip() and not _PROGRESS_BAR.search(line):
-                print(line, file=sys.stderr)
+    with contextlib.redirect_stderr(_BarsDropped(sys.stderr)):
+        yield
 
 
 @contextlib.contextmanager
