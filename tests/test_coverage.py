@@ -525,6 +525,10 @@ def test_random_checkpoints_mean_something():
     assert torch.allclose(bn.running_mean, expected, atol=1e-4)  # the cumulative mean over both passes
     assert randomize._spread(model, images)["relative_std"] > 0.01
     assert not randomize._near_constant(model, images)
+    calls = []
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LayerNorm(6)).train()  # no BatchNorm (a ViT): no pass to make
+    plain.register_forward_hook(lambda *_: calls.append(1))
+    assert randomize._settle(plain, images) == 0 and not calls and not plain.training
 
 
 def test_a_random_head_that_gives_every_input_the_same_output_is_rescaled_until_it_varies():
