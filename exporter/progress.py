@@ -11,6 +11,9 @@ from .errors import UsageError
 
 
 class Progress:
+    """One line per finished step, never wrapped (soft_wrap): a log keeps each whole, for grep and for the
+    coverage sweep, which relays its workers' lines by their first characters."""
+
     def __init__(self, quiet: bool = False):
         self.quiet = quiet
         self.console = Console(stderr=True, highlight=False)
@@ -18,7 +21,9 @@ class Progress:
         self._status = None  # the live spinner of the running step, on a terminal
 
     @contextlib.contextmanager
-    def step(self, label: str):
+    def step(self, label: str, unavailable: type[BaseException] | tuple[type[BaseException], ...] = ()):
+        """A step whose exception is one of `unavailable` did not fail: what it needs is missing on this host
+        (no GPU, no macOS), and it is shown so, with the reason."""
         start = time.perf_counter()
         status = None
         if not self.quiet:
@@ -32,8 +37,12 @@ class Progress:
             self._status = None
             if status:
                 status.stop()
-            if not self.quiet and not isinstance(e, (UsageError, SystemExit)):
-                self.console.print(f"[red]✗[/red] {label} ({time.perf_counter() - start:.1f} s)")
+            if self.quiet or isinstance(e, (UsageError, SystemExit)):
+                pass
+            elif isinstance(e, unavailable):
+                self.console.print(f"[yellow]–[/yellow] {label}: unavailable on this host ({e})", soft_wrap=True)
+            else:
+                self.console.print(f"[red]✗[/red] {label} ({time.perf_counter() - start:.1f} s)", soft_wrap=True)
             raise
         elapsed = time.perf_counter() - start
         self.timings[label] = round(elapsed, 3)
@@ -41,7 +50,7 @@ class Progress:
         if status:
             status.stop()
         if not self.quiet:
-            self.console.print(f"[green]✓[/green] {label} ({elapsed:.1f} s)")
+            self.console.print(f"[green]✓[/green] {label} ({elapsed:.1f} s)", soft_wrap=True)
 
     def note(self, message: str) -> None:
         if not self.quiet:

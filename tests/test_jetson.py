@@ -171,6 +171,19 @@ def _has_gpu_tensorrt() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.mark.skipif(_has_gpu_tensorrt(), reason="this host can build engines")
+def test_an_engine_this_host_cannot_build_is_shown_unavailable_with_the_reason_not_failed(digits_model, tmp_path):
+    args = [a for a in build_args(digits_model, tmp_path / "out", "--target", "jetson", "--format", "tensorrt:fp32",
+                                  "--format", "onnx:fp32") if a != "--quiet"]
+    result = run_cli(*args)
+    assert result.exit_code == 0, result.output
+    reason = _artifact(json.loads((tmp_path / "out" / "manifest.json").read_text()), "tensorrt_fp32")["reasons"][0]
+    stderr = result.stderr.splitlines()
+    (line,) = [line for line in stderr if "export tensorrt_fp32" in line]
+    assert line == f"– export tensorrt_fp32: unavailable on this host ({reason.removeprefix('not built on this host: ')})"
+    assert any(line.startswith("✓ export onnx_fp32") for line in stderr) and not any("✗" in line for line in stderr)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu_tensorrt(), reason="needs the tensorrt package and a CUDA GPU")
 def test_tensorrt_engines_on_gpu(digits_model, tmp_path):

@@ -357,7 +357,7 @@ def _made(session: Session, spec: ArtifactSpec, module, entry: dict, calibration
                                      else None),
                        **session.digests)
     try:
-        with progress.step(label), files.atomic_path(path) as tmp:
+        with progress.step(label, unavailable=RuntimeUnavailable), files.atomic_path(path) as tmp:
             details = session.cache.fetch_artifact(digest, tmp)
             if details is not None:
                 entry["details"], entry["artifact_reused_from_cache"] = details, True

@@ -21,9 +21,9 @@ import traceback
 from pathlib import Path
 
 
-# The lines of this process's log that the sweep relays as they come: the build's finished steps and the
-# trained tier's training epochs (the rest is libraries' chatter).
-PROGRESS_MARKS = ("✓ ", "✗ ", "train: ")
+# The lines of this process's log that the sweep relays as they come: the build's finished steps (done, failed,
+# unavailable on this host) and the trained tier's training epochs (the rest is libraries' chatter).
+PROGRESS_MARKS = ("✓ ", "✗ ", "– ", "train: ")
 
 
 def _first_line(e: BaseException) -> str:
