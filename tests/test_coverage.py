@@ -202,6 +202,28 @@ def test_a_build_past_the_time_limit_is_killed_and_marked(cache_dir, tmp_path):
     assert "⏱" in (tmp_path / "coverage.md").read_text()
 
 
+def test_a_row_built_again_in_its_builds_folder_goes_on_from_what_the_earlier_build_made(cache_dir, tmp_path):
+    """A giant stopped by the time limit went back to nothing on every run (ViT-H-14's Android row: 2400 s of CPU
+    to reach its .ptl's validation). With --builds, the earlier build's exports and validations are reused, and
+    the row says so. Here the earlier build made onnx_fp32 only; the row built again also wants onnx_fp16."""
+    common = ["coverage", "--models", "shufflenet_v2_x0_5", "--one-per-builder", "--target", "jetson",
+              "--builds", tmp_path / "builds", "--format", "onnx:fp32"]
+    env = {"EXPORTER_CACHE": str(cache_dir)}
+    first = run_cli(*common, "--out", tmp_path / "first", env=env)
+    assert first.exit_code == 0, first.output
+    (earlier,) = json.loads((tmp_path / "first" / "coverage.json").read_text())["rows"]
+    assert "earlier_runs" not in earlier and not any("reused" in c for c in earlier["cells"])
+    again = run_cli(*common, "--format", "onnx:fp16", "--out", tmp_path / "again", env=env)
+    assert again.exit_code == 0, again.output
+    (row,) = json.loads((tmp_path / "again" / "coverage.json").read_text())["rows"]
+    cells = {c["name"]: c for c in row["cells"]}
+    assert cells["onnx_fp32"]["reused"] == ["export", "validation"] and cells["onnx_fp32"]["outcome"] == "passed"
+    assert "reused" not in cells["onnx_fp16"] and cells["onnx_fp16"]["outcome"] == "passed"
+    assert [(r["seconds"], r["outcome"]) for r in row["earlier_runs"]] == [(earlier["seconds"], "built")]
+    assert f"| {row['seconds']:.0f} (+{earlier['seconds']:.0f} earlier) |" in (tmp_path / "again" / "coverage.md").read_text()
+    assert "going on from 1 earlier build(s) in --builds" in again.stderr
+
+
 @pytest.mark.parametrize("behaviour,stopped_by", [
     ("time.sleep(2)", None),  # waiting (a starved build on a busy host) is not spending the limit...
     ("sum(1 for _ in iter(int, 1))", "cpu"),  # ...computing is: SIGXCPU at the limit

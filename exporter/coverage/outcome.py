@@ -175,6 +175,10 @@ def cell_from_artifact(artifact: dict) -> dict:
         "size_bytes": artifact.get("size_bytes"),
         "export_s": artifact.get("export_s"),
     }
+    reused = [step for step, key in (("export", "artifact_reused_from_cache"), ("validation", "validation_reused_from_cache"))
+              if artifact.get(key)]
+    if reused:  # done by an earlier build of the row kept in the sweep's --builds folder, not by this one
+        cell["reused"] = reused
     if "delegation" in details:
         delegation = details["delegation"]
         cell["delegation"] = {k: delegation.get(k) for k in ("delegated_nodes", "non_delegated_nodes",

@@ -305,17 +305,32 @@ class Sweep:
             info["timings_s"] = {k: v for k, v in (manifest.get("timings_s") or {}).items()
                                  if k in ("load weights", "load data", "eager reference")}
         if finished:
-            return dict(info, outcome="built", reason=None, cells=done)
-        planned = planned_artifacts(candidate.weight, target, s.formats, candidate.quantized)
-        limit = _limit_text(stopped_by, s.time_limit, seconds)
-        cells = outcome.stopped_cells(planned, done, proc.returncode, timed_out, error, limit, info.get("memory"))
-        if timed_out:
-            reason = f"time limit: stopped after {limit}"
-        elif error:
-            reason = error
+            row = dict(info, outcome="built", reason=None, cells=done)
         else:
-            reason = outcome.death_reason(proc.returncode, info.get("memory"))
-        return dict(info, outcome="stopped", reason=reason, cells=cells, log_tail=_tail(log_path))
+            planned = planned_artifacts(candidate.weight, target, s.formats, candidate.quantized)
+            limit = _limit_text(stopped_by, s.time_limit, seconds)
+            cells = outcome.stopped_cells(planned, done, proc.returncode, timed_out, error, limit, info.get("memory"))
+            if timed_out:
+                reason = f"time limit: stopped after {limit}"
+            elif error:
+                reason = error
+            else:
+                reason = outcome.death_reason(proc.returncode, info.get("memory"))
+            row = dict(info, outcome="stopped", reason=reason, cells=cells, log_tail=_tail(log_path))
+        return _with_earlier_runs(row, weight_dir / f"{target}.runs.json")
+
+
+def _with_earlier_runs(row: dict, runs_path: Path) -> dict:
+    """A build kept in --builds reuses what its earlier builds there exported and validated (the build cache), so
+    that a giant stopped by the time limit goes on where it stopped. Each build of the row is listed in
+    `runs_path`; a row that reused anything names the builds before it (its own seconds are this build's)."""
+    earlier = _read_json(runs_path) or []
+    if earlier and any(c.get("reused") for c in row["cells"]):
+        row = dict(row, earlier_runs=earlier)
+    this = {"seconds": row["seconds"], "outcome": row["outcome"], "reason": row["reason"],
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    runs_path.write_text(json.dumps(earlier + [this], indent=2) + "\n")
+    return row
 
 
 def _earlier_runs(json_path: Path, doc: dict) -> list[dict]:
@@ -467,5 +482,7 @@ def _progress_line(n: int, total: int, row: dict) -> str:
         return f"{head} {outcome.SYMBOLS[row['outcome']]} {row['outcome']}: {row['reason']}"
     icons = "".join(outcome.icon(c) for c in row["cells"])
     where = "cached" if row.get("from_cache") else f"{row['seconds']:.0f} s"
+    if row.get("earlier_runs") and not row.get("from_cache"):
+        where += f", going on from {len(row['earlier_runs'])} earlier build(s) in --builds"
     tail = f" — {row['reason']}" if row["outcome"] == "stopped" else ""
     return f"{head} {icons} ({where}){tail}"

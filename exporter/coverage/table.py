@@ -541,6 +541,9 @@ and marked ⏱), offline and without `--data`:
   its profile (`targets/*.toml`), these settings, the exporter's version and source and the tools' versions: an
   interrupted sweep continues, a re-run rebuilds nothing, and a change to the exporter's code or to a target's
   thresholds builds every row again (as does a row stopped at a shorter time limit, or by the wall clock alone).
+  With `--builds DIR` a stopped build's exports and validations are kept (its build cache): building the row again
+  goes on where it stopped, with the time limit for what is left; its "build s" then reads "N (+M earlier)", and
+  its JSON row lists the earlier builds (`earlier_runs`) and each cell what it reused (`reused`).
 - "ops outside XNNPACK" lists the `.pte` graphs' ops that touch tensors and were left outside the XNNPACK
   delegate (the manifest's `details.delegation.ops_outside_on_tensors`; scalar casts are not counted).
 """
@@ -573,6 +576,16 @@ but on a trained model:
 """
 
 
+def _earlier_s(row: dict) -> float:
+    """The seconds of the row's earlier builds whose exports or validations it reused (sweep --builds)."""
+    return sum(run.get("seconds") or 0 for run in row.get("earlier_runs") or ())
+
+
+def _build_s_text(row: dict) -> str:
+    earlier = _earlier_s(row)
+    return f"{row.get('seconds') or 0:.0f}" + (f" (+{earlier:.0f} earlier)" if row.get("earlier_runs") else "")
+
+
 def markdown(doc: dict) -> str:
     rows = doc["rows"]
     settings = doc["settings"]
@@ -585,7 +598,7 @@ def markdown(doc: dict) -> str:
     else:
         status = (f"**partial**: {done} of {doc.get('planned_rows', '?')} builds (weight × target) done"
                   + (" — the sweep was interrupted" if doc.get("interrupted") else " — the sweep is running or was stopped"))
-    built_s = sum(r.get("seconds") or 0 for r in rows)
+    built_s = sum((r.get("seconds") or 0) + _earlier_s(r) for r in rows)
     trained = settings.get("weights") == "digits"
     intro = (("Every chosen classifier's architecture **trained from scratch on scikit-learn's digits** (nothing "
               "downloaded), built for each target by the real `exporter build` and validated against its eager reference "
@@ -672,7 +685,7 @@ def markdown(doc: dict) -> str:
             eager = next(((c.get("accuracy") or {}).get("eager_acc1") for c in r["cells"] if c.get("accuracy")), None)
             size = r.get("classifier_size")
             lines.append(f"| {_esc(r['weight'])}{f' ({size[0]}×{size[1]})' if size else ''} | {r['task']} | {params} | "
-                         f"{r.get('seconds') or 0:.0f} | "
+                         f"{_build_s_text(r)} | "
                          + ((f"{eager:.1f} | " if eager is not None else "— | ") if trained else "")
                          + " | ".join(_esc(c) for c in cells)
                          + (f" | {_esc(_outside_xnnpack(r['cells']))} |" if has_pte else " |"))
