@@ -6,6 +6,7 @@ import contextlib
 import time
 
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import UsageError
 
@@ -22,9 +23,11 @@ class Progress:
 
     @contextlib.contextmanager
     def step(self, label: str, unavailable: type[BaseException] | tuple[type[BaseException], ...] = ()):
-        """A step whose exception is one of `unavailable` did not fail: what it needs is missing on this host
-        (no GPU, no macOS), and it is shown so, with the reason."""
+        """A step that did not fail although it did not do its work: what it needs is missing on this host (no
+        GPU, no macOS) is shown so, with the reason, both when the step raises one of `unavailable` and when it
+        says so itself (`with progress.step(...) as step: ... step.unavailable(reason)`)."""
         start = time.perf_counter()
+        shown = _Step()
         status = None
         if not self.quiet:
             # a log (CI) gets one line per finished step; a terminal also gets a live spinner
@@ -32,7 +35,7 @@ class Progress:
                 status = self._status = self.console.status(f"{label} …")
                 status.start()
         try:
-            yield
+            yield shown
         except BaseException as e:
             self._status = None
             if status:
@@ -40,7 +43,7 @@ class Progress:
             if self.quiet or isinstance(e, (UsageError, SystemExit)):
                 pass
             elif isinstance(e, unavailable):
-                self.console.print(f"[yellow]–[/yellow] {label}: unavailable on this host ({e})", soft_wrap=True)
+                self._unavailable(label, str(e))
             else:
                 self.console.print(f"[red]✗[/red] {label} ({time.perf_counter() - start:.1f} s)", soft_wrap=True)
             raise
@@ -49,8 +52,15 @@ class Progress:
         self._status = None
         if status:
             status.stop()
-        if not self.quiet:
+        if self.quiet:
+            return
+        if shown.reason is not None:
+            self._unavailable(f"{label} ({elapsed:.1f} s)", shown.reason)
+        else:
             self.console.print(f"[green]✓[/green] {label} ({elapsed:.1f} s)", soft_wrap=True)
+
+    def _unavailable(self, label: str, reason: str) -> None:
+        self.console.print(f"[yellow]–[/yellow] {label}: unavailable on this host ({escape(reason)})", soft_wrap=True)
 
     def note(self, message: str) -> None:
         if not self.quiet:
@@ -87,3 +97,12 @@ class Progress:
                 if paused:
                     paused.start()
         self.console.print(f"[green]✓[/green] {label} ({received[0] / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s)")
+
+
+class _Step:
+    """What a running step can say about itself."""
+
+    reason: str | None = None
+
+    def unavailable(self, reason: str) -> None:
+        self.reason = reason

@@ -204,24 +204,32 @@ def test_a_build_past_the_time_limit_is_killed_and_marked(cache_dir, tmp_path):
 
 def test_a_row_built_again_in_its_builds_folder_goes_on_from_what_the_earlier_build_made(cache_dir, tmp_path):
     """A giant stopped by the time limit went back to nothing on every run (ViT-H-14's Android row: 2400 s of CPU
-    to reach its .ptl's validation). With --builds, the earlier build's exports and validations are reused, and
-    the row says so. Here the earlier build made onnx_fp32 only; the row built again also wants onnx_fp16."""
+    to reach its .ptl's validation). With --builds, a stopped row is built again (not served from the row cache)
+    and reuses its earlier build's exports and validations, and the row says so."""
     common = ["coverage", "--models", "shufflenet_v2_x0_5", "--one-per-builder", "--target", "jetson",
               "--builds", tmp_path / "builds", "--format", "onnx:fp32"]
     env = {"EXPORTER_CACHE": str(cache_dir)}
-    first = run_cli(*common, "--out", tmp_path / "first", env=env)
-    assert first.exit_code == 0, first.output
-    (earlier,) = json.loads((tmp_path / "first" / "coverage.json").read_text())["rows"]
+
+    def row(*extra):
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+        result = run_cli(*common, *extra, "--out", out, env=env)
+        assert result.exit_code == 0, result.output
+        (only,) = json.loads((out / "coverage.json").read_text())["rows"]
+        return only, result, (out / "coverage.md").read_text()
+
+    for _ in range(2):  # stopped before it exported anything, twice: the second is built again, not cached
+        stopped, _, _ = row("--time-limit", "2")
+        assert stopped["outcome"] == "stopped" and not stopped["from_cache"] and "earlier_runs" not in stopped
+    earlier, _, _ = row()  # nothing to go on from: it starts a new history
     assert "earlier_runs" not in earlier and not any("reused" in c for c in earlier["cells"])
-    again = run_cli(*common, "--format", "onnx:fp16", "--out", tmp_path / "again", env=env)
-    assert again.exit_code == 0, again.output
-    (row,) = json.loads((tmp_path / "again" / "coverage.json").read_text())["rows"]
-    cells = {c["name"]: c for c in row["cells"]}
+    # the row wants onnx_fp16 too (another row key): onnx_fp32 is the earlier build's
+    again, result, md = row("--format", "onnx:fp16")
+    cells = {c["name"]: c for c in again["cells"]}
     assert cells["onnx_fp32"]["reused"] == ["export", "validation"] and cells["onnx_fp32"]["outcome"] == "passed"
     assert "reused" not in cells["onnx_fp16"] and cells["onnx_fp16"]["outcome"] == "passed"
-    assert [(r["seconds"], r["outcome"]) for r in row["earlier_runs"]] == [(earlier["seconds"], "built")]
-    assert f"| {row['seconds']:.0f} (+{earlier['seconds']:.0f} earlier) |" in (tmp_path / "again" / "coverage.md").read_text()
-    assert "going on from 1 earlier build(s) in --builds" in again.stderr
+    assert [(r["seconds"], r["outcome"]) for r in again["earlier_runs"]] == [(earlier["seconds"], "built")]
+    assert f"| {again['seconds']:.0f} (+{earlier['seconds']:.0f} earlier) |" in md
+    assert "going on from 1 earlier build(s) in --builds" in result.stderr
 
 
 @pytest.mark.parametrize("behaviour,stopped_by", [
@@ -1243,6 +1251,7 @@ MERGE_ROW = {"weight": "W.V1", "model": "w", "task": "classification", "params":
     ([dict(MERGE_ROW, params="4M")], "'params', not a number"),
     ([dict(MERGE_ROW, cells=[{"name": "onnx_fp32", "outcome": "failed", "kind": "validation", "reasons": 5}])],
      "row 1 (W.V1 × android) cell 1 (onnx_fp32): 'reasons' is not a list of strings"),
+    ([dict(MERGE_ROW, earlier_runs=[{"seconds": "1 h"}])], "row 1 (W.V1 × android) 'earlier_runs' is not a list of"),
 ])
 def test_a_coverage_file_with_a_bad_row_is_refused_in_one_line_naming_it(rows, needle, tmp_path):
     good = _merge_doc(tmp_path, "good.json", [dict(MERGE_ROW, weight="Y.V1")], 900)

@@ -184,6 +184,36 @@ def test_an_engine_this_host_cannot_build_is_shown_unavailable_with_the_reason_n
     assert any(line.startswith("✓ export onnx_fp32") for line in stderr) and not any("✗" in line for line in stderr)
 
 
+def test_a_step_that_cannot_run_here_says_so_whether_it_raises_or_reports_it():
+    """Core ML's validation on Linux catches its RuntimeUnavailable inside the step (and measures a proxy): it
+    printed ✓ as if the package had been run."""
+    import io
+
+    from rich.console import Console
+
+    from exporter.formats import RuntimeUnavailable
+    from exporter.progress import Progress
+
+    progress, log = Progress(), io.StringIO()
+    progress.console = Console(file=log, width=40)
+    with pytest.raises(RuntimeUnavailable):
+        with progress.step("export tensorrt_fp32", unavailable=RuntimeUnavailable):
+            raise RuntimeUnavailable("no CUDA GPU [nvidia-smi found none]")
+    with progress.step("validate coreml_fp16") as step:
+        step.unavailable("Core ML predict needs macOS; this host is linux")
+    with pytest.raises(ValueError):
+        with progress.step("export onnx_fp32", unavailable=RuntimeUnavailable):
+            raise ValueError("a real failure")
+    with progress.step("validate onnx_fp32"):
+        pass
+    lines = log.getvalue().splitlines()
+    assert lines[0] == "– export tensorrt_fp32: unavailable on this host (no CUDA GPU [nvidia-smi found none])"
+    assert lines[1].startswith("– validate coreml_fp16 (") and lines[1].endswith(
+        "): unavailable on this host (Core ML predict needs macOS; this host is linux)")
+    assert lines[2].startswith("✗ export onnx_fp32 (") and lines[3].startswith("✓ validate onnx_fp32 (")
+    assert len(lines) == 4 and "validate coreml_fp16" in progress.timings  # whole lines, never wrapped at 40
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu_tensorrt(), reason="needs the tensorrt package and a CUDA GPU")
 def test_tensorrt_engines_on_gpu(digits_model, tmp_path):

@@ -216,12 +216,13 @@ def _run_validation(session: Session, entry: dict, out: Path, progress: Progress
     """Whether the artifact was run (or, unavailable here, said why); one that loads or runs on no or only some
     validation inputs has failed, with the runtime's error."""
     module = FORMATS[entry["format"]].load_module()
-    with progress.step(f"{prefix}validate {entry['name']}{step}"):
+    with progress.step(f"{prefix}validate {entry['name']}{step}") as shown:
         try:
             runner = module.load(out / entry["path"], session.latency["threads"])
         except UsageError:
             raise
         except RuntimeUnavailable as e:
+            shown.unavailable(str(e))
             entry.update(status="unavailable", reasons=[f"not validated: {e}"])
             if hasattr(module, "proxies"):
                 # Stand-ins (e.g. the package's weights put back into eager): labelled proxy, never

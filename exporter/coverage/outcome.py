@@ -177,7 +177,7 @@ def cell_from_artifact(artifact: dict) -> dict:
     }
     reused = [step for step, key in (("export", "artifact_reused_from_cache"), ("validation", "validation_reused_from_cache"))
               if artifact.get(key)]
-    if reused:  # done by an earlier build of the row kept in the sweep's --builds folder, not by this one
+    if reused:  # done by another build of the weight (another target's, or an earlier one kept in --builds)
         cell["reused"] = reused
     if "delegation" in details:
         delegation = details["delegation"]

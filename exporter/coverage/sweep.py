@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import files
 from . import memory as build_memory, outcome, rowcache, table, trained
 from ..build import target_refusal
 from .select import Candidate, planned_artifacts
@@ -179,6 +180,8 @@ class Sweep:
         input_size = self._input_size(candidate)
         if self.cache:
             cached = rowcache.fetch(cache_root, key, self.settings.time_limit, input_size)
+            if cached is not None and cached.get("timed_out") and self.builds_dir is not None:
+                cached = None  # built again: it goes on from what its build kept in --builds made (_BuildRuns)
             if cached is not None:
                 cached = outcome.reclassify(cached)
                 if outcome.floor_wanted(cached):
@@ -283,7 +286,16 @@ class Sweep:
         s = self.settings
         spec = self._spec(candidate, target, weight_dir)
         out = Path(spec["out"])
-        proc, stopped_by, seconds, log_path, memory = self._run_worker(spec, weight_dir, stop)
+        runs = _BuildRuns(weight_dir / f"{target}.runs.json")
+        started = time.perf_counter()
+        try:
+            proc, stopped_by, seconds, log_path, memory = self._run_worker(spec, weight_dir, stop)
+        except KeyboardInterrupt:
+            runs.interrupted(time.perf_counter() - started)
+            raise
+        if stop.signalled:  # killed by the sweep's SIGTERM: no row, but what it cached is reused next time
+            runs.interrupted(seconds)
+            raise KeyboardInterrupt
         timed_out = stopped_by is not None
         killed_by_kernel = proc.returncode == -signal.SIGKILL and not timed_out  # the sweep's own kills set stopped_by
         result = _read_json(Path(spec["result"])) or {}
@@ -317,20 +329,39 @@ class Sweep:
             else:
                 reason = outcome.death_reason(proc.returncode, info.get("memory"))
             row = dict(info, outcome="stopped", reason=reason, cells=cells, log_tail=_tail(log_path))
-        return _with_earlier_runs(row, weight_dir / f"{target}.runs.json")
+        return runs.add(row)
 
 
-def _with_earlier_runs(row: dict, runs_path: Path) -> dict:
-    """A build kept in --builds reuses what its earlier builds there exported and validated (the build cache), so
-    that a giant stopped by the time limit goes on where it stopped. Each build of the row is listed in
-    `runs_path`; a row that reused anything names the builds before it (its own seconds are this build's)."""
-    earlier = _read_json(runs_path) or []
-    if earlier and any(c.get("reused") for c in row["cells"]):
-        row = dict(row, earlier_runs=earlier)
-    this = {"seconds": row["seconds"], "outcome": row["outcome"], "reason": row["reason"],
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    runs_path.write_text(json.dumps(earlier + [this], indent=2) + "\n")
-    return row
+class _BuildRuns:
+    """The builds of one row in its weight's folder. Kept with --builds, that folder's build cache lets a build
+    go on from what its earlier builds exported and validated (a giant stopped by the time limit goes on where it
+    stopped). A row that reused anything names the builds since the last one that started from nothing (its own
+    seconds are this build's); what another target of the weight made in the same sweep is reused too (the
+    cells say `reused`), without an earlier build of this row to name."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        earlier = _read_json(path)
+        self.earlier = earlier if isinstance(earlier, list) and all(isinstance(r, dict) for r in earlier) else []
+
+    def add(self, row: dict) -> dict:
+        reused = any(c.get("reused") for c in row["cells"])
+        if reused and self.earlier:
+            row = dict(row, earlier_runs=self.earlier)
+        self._write((self.earlier if reused else []) + [self._run(row["seconds"], row["outcome"], row["reason"])])
+        return row
+
+    def interrupted(self, seconds: float) -> None:
+        """A build cut short by Ctrl-C or SIGTERM: its row is not kept, what it cached is."""
+        self._write(self.earlier + [self._run(round(seconds, 1), "interrupted", "interrupted (Ctrl-C or SIGTERM)")])
+
+    @staticmethod
+    def _run(seconds, outcome_: str, reason) -> dict:
+        return {"seconds": seconds, "outcome": outcome_, "reason": reason,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+    def _write(self, runs: list[dict]) -> None:
+        files.write_text(self.path, json.dumps(runs, indent=2) + "\n")
 
 
 def _earlier_runs(json_path: Path, doc: dict) -> list[dict]:

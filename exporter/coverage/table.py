@@ -171,6 +171,10 @@ def _row_problem(row) -> str | None:
             if row.get(key) is not None and not _is_number(row[key]):
                 problem = f"has {_json_type(row[key])} for {key!r}, not a number"
                 break
+        runs = row.get("earlier_runs")
+        if not problem and runs is not None and not (isinstance(runs, list) and all(
+                isinstance(r, dict) and (r.get("seconds") is None or _is_number(r["seconds"])) for r in runs)):
+            problem = "'earlier_runs' is not a list of builds with their seconds"
         for j, cell in enumerate(row["cells"], 1):
             if problem:
                 break
