@@ -180,6 +180,9 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     assert run_cli("coverage", "--merge", tmp_path / "part.json", shard_one, "--out", tmp_path / "part2").exit_code == 0
     again = json.loads((tmp_path / "part2" / "coverage.json").read_text())
     assert not part["complete"] and part["planned_rows"] == again["planned_rows"] == 4, again["planned_rows"]
+    missing = sorted({tuple(k) for k in again["planned"]} - {(r["weight"], r["target"]) for r in again["rows"]})
+    assert missing and f"; not built: {', '.join(f'{w} × {t}' for w, t in missing)} |" in (
+        tmp_path / "part2" / "coverage.md").read_text()  # the status names the builds a partial table lacks
     # a sweep of other targets (rows rebuilt for one target) merges in; other sizes do not
     other = json.loads(out.joinpath("coverage.json").read_text())
     other["settings"]["targets"], other["rows"] = ["android"], []
@@ -1206,6 +1209,10 @@ def test_a_merge_keeps_measured_rows_and_says_what_its_files_were_made_with(tmp_
         "W.V1": "built", "X.V1": "built"}
     text = (tmp_path / "m" / "coverage.md").read_text()
     assert "time limit 900 to 3600 s per build" in text and "torch 2.14.1 / 2.15.0" in text
+    # the sweeps merged are listed under the table, not in its header
+    assert "| merged from | 2 file(s): [the commands that made them](#merged-from) |" in text
+    merged_from = text.split("\n## Merged from\n", 1)[1].split("\n## ", 1)[0]
+    assert merged_from.count("\n- `test`") == 1  # one line per sweep: both files were made by `test` the same day
     # a file named on the command line that is not a table is refused, not left out of a "complete" merge
     (tmp_path / "cut.json").write_text(whole.read_text()[:100])
     (tmp_path / "no_rows.json").write_text(json.dumps({"coverage_version": table.COVERAGE_VERSION}))

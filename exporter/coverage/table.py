@@ -600,8 +600,11 @@ def markdown(doc: dict) -> str:
     if doc.get("complete"):
         status = f"complete: {done} of {doc.get('planned_rows', done)} builds (weight × target)"
     else:
+        have = {(r["weight"], r["target"]) for r in rows}
+        missing = [f"{weight} × {target}" for weight, target in doc.get("planned") or () if (weight, target) not in have]
         status = (f"**partial**: {done} of {doc.get('planned_rows', '?')} builds (weight × target) done"
-                  + (" — the sweep was interrupted" if doc.get("interrupted") else " — the sweep is running or was stopped"))
+                  + (" — the sweep was interrupted" if doc.get("interrupted") else " — the sweep is running or was stopped")
+                  + (f"; not built: {', '.join(missing)}" if 0 < len(missing) <= 10 else ""))
     built_s = sum((r.get("seconds") or 0) + _earlier_s(r) for r in rows)
     trained = settings.get("weights") == "digits"
     intro = (("Every chosen classifier's architecture **trained from scratch on scikit-learn's digits** (nothing "
@@ -625,8 +628,7 @@ def markdown(doc: dict) -> str:
         f"| command | `{_esc(doc.get('command'))}`"
         + (f" at exporter commit `{doc['exporter_commit'][:12]}{'-dirty' if doc['exporter_commit'].endswith('-dirty') else ''}`"
            if doc.get("exporter_commit") else "") + " |",
-        *([f"| merged from | {len(doc['merged_from'])} file(s), made by "
-            + "; ".join(_esc(c) for c in dict.fromkeys(_provenance(m) for m in doc["merged_from"])) + " |"]
+        *([f"| merged from | {len(doc['merged_from'])} file(s): [the commands that made them](#merged-from) |"]
           if doc.get("merged_from") else []),
         f"| status | {status} |",
         f"| run time | {_duration(run.get('total_wall_s', run.get('wall_s')))} wall clock"
@@ -639,8 +641,8 @@ def markdown(doc: dict) -> str:
         "| host | " + "; ".join(_esc(_host_line(h)) for h in (doc.get("hosts") or [host])) + " |",
         "| tools | " + ", ".join(f"{name} {tools.get(name) or '—'}" for name in SHOWN_TOOLS) + " |",
         f"| settings | {_esc(_settings_line(settings, rows))} |",
-        "| selection | " + " + ".join(dict.fromkeys(_esc(_selection_line(m.get("selection") or {}))
-                                                  for m in (doc.get("merged_from") or [doc]))) + " |",
+        "| selection | " + ("each merged file's, [with its command](#merged-from)" if doc.get("merged_from")
+                            else _esc(_selection_line(doc.get("selection") or {}))) + " |",
         "",
         LEGEND,
         "",
@@ -718,5 +720,10 @@ def markdown(doc: dict) -> str:
         lines += ["", "## Stopped builds", "", "| weight | target | after | why |", "|---|---|---:|---|"]
         for r in stopped:
             lines.append(f"| {_esc(r['weight'])} | {r['target']} | {r.get('seconds') or 0:.0f} s | {_esc((r.get('reason') or '')[:240])} |")
+    if doc.get("merged_from"):
+        lines += ["", "## Merged from", "", "Each sweep whose rows this table holds (a row built again later replaces "
+                  "the earlier one), with what it selected:", ""]
+        made = dict.fromkeys((_provenance(m), _selection_line(m.get("selection") or {})) for m in doc["merged_from"])
+        lines += [f"- {_esc(command)}: {_esc(selection)}" for command, selection in made]
     lines += ["", HOW_TRAINED if trained else HOW]
     return "\n".join(lines).rstrip() + "\n"
