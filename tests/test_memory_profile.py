@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 import torch
 
+from exporter.build import memory_profile
 from exporter.release import manifest
 
 
@@ -68,6 +69,7 @@ def test_profiles_name_the_programs_own_kernels(doc):
     for a in entries.values():
         profile = a["profile"]
         assert profile["available"], profile
+        assert profile["runs"] == memory_profile.profile_runs(a) and isinstance(profile["conditions"]["reliable"], bool)
         listed = sum(o["ms"] for o in profile["ops"])
         assert 0 < listed <= profile["ops_ms"] + 1e-3 <= profile["wall_ms"] + 2e-3, profile
         assert all(o["count"] > 0 for o in profile["ops"])
@@ -164,3 +166,49 @@ def test_the_lite_interpreter_profile_stops_adding_runs_once_its_trace_is_large(
     assert capped["runs"] == 1 and "aten::addmm" in {o["op"] for o in capped["ops"]}
     counts = {o["op"]: o["count"] for o in whole["ops"]}
     assert all(o["count"] == counts[o["op"]] for o in capped["ops"] if o["op"] in counts)  # per run, either way
+
+
+def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_is_flagged_and_not_kept(
+        tmp_path, monkeypatch):
+    """RegNetY-128GF's .pte (13.6 s a run) spent ~15 min of a sweep build in ten profiled runs, each timed at
+    88 s while the test suite had the host: the manifest said nothing of it, and the cache kept it."""
+    from types import SimpleNamespace
+
+    from exporter import hostload
+    from exporter.formats import onnx as onnx_format
+    from exporter.progress import Progress
+    from exporter.release.report import profile_line
+
+    assert [memory_profile.profile_runs({"latency_ms": {"p50": p50}}) for p50 in (3.2, 2500.0, 4000.0, 13622.9)] == [
+        10, 4, 2, 1]
+    assert memory_profile.profile_runs({}) == memory_profile.PROFILE_RUNS  # no latency measured: the default
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten(), torch.nn.Linear(8, 10)).eval()
+    example = torch.randn(1, 3, 32, 32)
+    onnx_format.export(model, example, "fp32", None, tmp_path / "tiny.onnx", {})
+
+    class Cache:
+        def __init__(self):
+            self.stored, self.events = [], []
+
+        def fetch_json(self, kind, digest):
+            return None
+
+        def store_json(self, kind, digest, record):
+            self.stored.append(record)
+
+    profiles = []
+    for busy in ([], ["load 9.0 on 2 cores, 1 threads timed"]):
+        monkeypatch.setattr(hostload, "judge", lambda *args, reasons=busy, **kwargs: (not reasons, reasons))
+        session = SimpleNamespace(latency={"threads": 1}, inputs=SimpleNamespace(validation=example), cache=Cache(),
+                                  digests={"tools": "test"})
+        entry = {"name": "onnx_fp32", "format": "onnx", "path": "tiny.onnx", "sha256": "0" * 64, "status": "passed",
+                 "fidelity": {"psnr_db": 90.0}, "latency_ms": {"p50": 4000.0}}
+        memory_profile.add(session, entry, tmp_path, Progress(quiet=True))
+        profile = entry["profile"]
+        assert profile["available"] and profile["runs"] == 2, profile
+        assert profile["conditions"]["reliable"] == (not busy) and profile["conditions"]["reasons"] == busy
+        assert len(session.cache.stored) == (0 if busy else 1)  # measured again by the next build, as latency is
+        profiles.append(profile_line(profile))
+    assert "busy host" not in profiles[0] and "profiled on a busy host (load 9.0 on 2 cores" in profiles[1]

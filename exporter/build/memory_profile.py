@@ -13,12 +13,17 @@ from pathlib import Path
 
 import torch
 
+from .. import hostload
 from ..formats import FORMATS
 from ..progress import Progress
 from . import cache
 
-VERSION = 1  # bump when what is measured changes
-PROFILE_RUNS = 10  # profiled inferences after one warm-up
+VERSION = 2  # bump when what is measured changes
+PROFILE_RUNS = 10  # profiled inferences after one warm-up, at most...
+# ...and fewer where one takes long: about this much inference in all, at least one run. An operator's share of a
+# run is as steady over one 10-s run as over ten (RegNetY-128GF's .pte: 13.6 s a run, 10 runs + warm-up and
+# its memory run took 944 s of a 5400-s sweep build).
+PROFILE_BUDGET_MS = 10_000.0
 NOT_MEASURED = {
     "coreml": "Core ML runs only on Apple's runtime (macOS/iOS): not measured on this host",
     "tensorrt": "a TensorRT engine runs only on its GPU: not measured on this host",
@@ -57,8 +62,9 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
         return
     threads = session.latency["threads"]
     example = session.inputs.validation[:1]
+    runs = profile_runs(entry)
     digest = cache.key(kind="memory_profile", version=VERSION, artifact=entry["sha256"], threads=threads,
-                       shape=list(example.shape), runs=PROFILE_RUNS, cpu=session_cpu(session),
+                       shape=list(example.shape), runs=runs, cpu=session_cpu(session),
                        tools=session.digests["tools"])
     cached = session.cache.fetch_json("memory", digest)
     if cached is not None:
@@ -68,11 +74,27 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
     path = out / entry["path"]
     with progress.step(f"{prefix}memory and profile {entry['name']}"):
         entry["memory"] = _measure("memory", module.memory, path, tuple(example.shape), threads)
-        entry["profile"] = (_measure("profile", module.profile, path, example, PROFILE_RUNS, threads)
-                            if hasattr(module, "profile") else _unavailable(f"{entry['format']} has no profiler here"))
+        if hasattr(module, "profile"):
+            with hostload.Window() as window:
+                entry["profile"] = _measure("profile", module.profile, path, example, runs, threads)
+            if entry["profile"].get("available"):  # its times are wall clock: a busy host stretches them
+                entry["profile"]["conditions"] = hostload.judged(window.conditions, threads)
+        else:
+            entry["profile"] = _unavailable(f"{entry['format']} has no profiler here")
     torch.set_num_threads(threads)  # a runtime's profiler may have changed torch's; eager is timed with these
-    if entry["memory"].get("available") and entry["profile"].get("available", True):
+    # a profile taken on a busy host is measured again by the next build, as a latency is
+    if (entry["memory"].get("available") and entry["profile"].get("available", True)
+            and (entry["profile"].get("conditions") or {}).get("reliable", True)):
         session.cache.store_json("memory", digest, {"memory": entry["memory"], "profile": entry["profile"]})
+
+
+def profile_runs(entry: dict) -> int:
+    """How many inferences to profile: PROFILE_RUNS, or as many as fit PROFILE_BUDGET_MS at the artifact's
+    validated latency (at least one)."""
+    p50 = (entry.get("latency_ms") or {}).get("p50")
+    if not p50 or p50 <= 0:
+        return PROFILE_RUNS
+    return max(1, min(PROFILE_RUNS, int(PROFILE_BUDGET_MS // p50)))
 
 
 def session_cpu(session) -> str:

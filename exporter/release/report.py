@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from .. import hostload
 from . import arch_report, ship
 
 
@@ -202,8 +203,10 @@ def profile_line(profile: dict, top: int = 4) -> str:
     if not profile.get("available"):
         return f"no operator profile ({profile.get('reason', 'not measured')})"
     ops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in profile["ops"][:top])
+    busy = hostload.summary(profile.get("conditions") or {})
     return (f"top ops by time: {ops} (of {_num(profile['ops_ms'], '.2f')} ms in operators, "
-            f"{_num(profile['wall_ms'], '.2f')} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''}; {profile['source']})")
+            f"{_num(profile['wall_ms'], '.2f')} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''}; {profile['source']})"
+            + (f"; profiled on a busy host ({busy}): its times are stretched, its shares less so" if busy else ""))
 
 
 def memory_profile_notes(a: dict) -> list[str]:
