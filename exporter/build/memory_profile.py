@@ -62,10 +62,9 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
         return
     threads = session.latency["threads"]
     example = session.inputs.validation[:1]
-    runs = profile_runs(entry)
+    # not keyed on the runs (from a measured latency: a key that moved with it would measure memory again)
     digest = cache.key(kind="memory_profile", version=VERSION, artifact=entry["sha256"], threads=threads,
-                       shape=list(example.shape), runs=runs, cpu=session_cpu(session),
-                       tools=session.digests["tools"])
+                       shape=list(example.shape), cpu=session_cpu(session), tools=session.digests["tools"])
     cached = session.cache.fetch_json("memory", digest)
     if cached is not None:
         entry.update(cached)
@@ -76,7 +75,7 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
         entry["memory"] = _measure("memory", module.memory, path, tuple(example.shape), threads)
         if hasattr(module, "profile"):
             with hostload.Window() as window:
-                entry["profile"] = _measure("profile", module.profile, path, example, runs, threads)
+                entry["profile"] = _measure("profile", module.profile, path, example, profile_runs(entry), threads)
             if entry["profile"].get("available"):  # its times are wall clock: a busy host stretches them
                 entry["profile"]["conditions"] = hostload.judged(window.conditions, threads)
         else:

@@ -116,9 +116,12 @@ def _files_under(directory: Path, names: list[str]) -> list[Path]:
     return found
 
 
-def _noisy_latency(docs: list[dict]) -> bool:
-    """Whether any artifact's latency was judged unreliable (exporter.hostload: timed on a busy host)."""
-    return any(not (a.get("latency_conditions") or {}).get("reliable", True) for doc in docs for a in doc["artifacts"])
+def _unsettled_timing(docs: list[dict]) -> bool:
+    """Whether any artifact's latency or operator profile was judged unreliable (exporter.hostload: timed on a
+    busy host)."""
+    return any(not (a.get("latency_conditions") or {}).get("reliable", True)
+               or not ((a.get("profile") or {}).get("conditions") or {}).get("reliable", True)
+               for doc in docs for a in doc["artifacts"])
 
 
 class BuildRecord:
@@ -141,7 +144,7 @@ class BuildRecord:
     def restore(self, progress: Progress) -> list[dict] | None:
         """The earlier build's manifests, with its files restored into --out; None when there is none."""
         record = self.cache.fetch_json("builds", self.key)
-        if record is None or _noisy_latency(record["docs"]) or not _inputs_unchanged(record["inputs"]):
+        if record is None or _unsettled_timing(record["docs"]) or not _inputs_unchanged(record["inputs"]):
             return None
         base = Path(self.request.out or default_out(record["docs"][0]["weight"]["name"], record["targets"]))
         outs = self._outs(base, record["targets"])
@@ -189,8 +192,8 @@ class BuildRecord:
         if any(r.startswith(unsettled) for doc in docs for a in doc["artifacts"]
                for r in [*a["reasons"], (a.get("details") or {}).get("golden_program", "")]):
             return  # a crash in a converter or a runtime may not happen again; only settled outcomes are replayed
-        if _noisy_latency(docs):
-            return  # latency timed on a busy host is not settled: the next run times it again (per-step cache keeps fidelity)
+        if _unsettled_timing(docs):
+            return  # latency or a profile timed on a busy host is not settled: the next run times it again
         if self._key() != self.key:
             return  # tools or exporter code changed while it built: the result belongs to neither key
         targets = [doc["target"]["name"] for doc in docs]

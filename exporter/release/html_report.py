@@ -167,7 +167,7 @@ def _quantization(docs: list[dict]) -> str:
 
 def _profiles(docs: list[dict]) -> str:
     """Per artifact, side by side: its RAM figures and its top operators by time (manifest `memory`, `profile`)."""
-    from .report import memory_line, profile_line
+    from .report import busy_profile, memory_line, profile_line
 
     cards = []
     for name, a in _named(docs):
@@ -181,7 +181,7 @@ def _profiles(docs: list[dict]) -> str:
             body += (f"<table><thead><tr><th>operator</th><th>ms/run</th><th>calls</th><th>share</th></tr></thead>"
                      f"<tbody>{ops}</tbody></table><p class=meta>{profile['ops_ms']:.2f} ms in operators of "
                      f"{profile['wall_ms']:.2f} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''} apart from the timed ones; "
-                     f"{_esc(profile['source'])}</p>")
+                     f"{_esc(profile['source'])}{_esc(busy_profile(profile))}</p>")
         elif profile and profile != memory:
             body += f"<p class=meta>{_esc(profile_line(profile))}</p>"
         cards.append(f'<div style="flex:1 1 300px;min-width:300px"><h3>{_esc(name)}</h3>{body}</div>')

@@ -203,10 +203,15 @@ def profile_line(profile: dict, top: int = 4) -> str:
     if not profile.get("available"):
         return f"no operator profile ({profile.get('reason', 'not measured')})"
     ops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in profile["ops"][:top])
-    busy = hostload.summary(profile.get("conditions") or {})
     return (f"top ops by time: {ops} (of {_num(profile['ops_ms'], '.2f')} ms in operators, "
             f"{_num(profile['wall_ms'], '.2f')} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''}; {profile['source']})"
-            + (f"; profiled on a busy host ({busy}): its times are stretched, its shares less so" if busy else ""))
+            + busy_profile(profile))
+
+
+def busy_profile(profile: dict) -> str:
+    """'' or what says the profile was taken on a busy host (its wall-clock times stretched)."""
+    busy = hostload.summary(profile.get("conditions") or {})
+    return f"; profiled on a busy host ({busy}): its times are stretched, its shares less so" if busy else ""
 
 
 def memory_profile_notes(a: dict) -> list[str]:
