@@ -20,9 +20,8 @@ from . import cache
 
 VERSION = 2  # bump when what is measured changes
 PROFILE_RUNS = 10  # profiled inferences after one warm-up, at most...
-# ...and fewer where one takes long: about this much inference in all, at least one run. An operator's share of a
-# run is as steady over one 10-s run as over ten (RegNetY-128GF's .pte: 13.6 s a run, 10 runs + warm-up and
-# its memory run took 944 s of a 5400-s sweep build).
+# ...and fewer where one takes long: about this much inference in all, at least one run (RegNetY-128GF's .pte,
+# 13.6 s a run: its memory and profile step took 944 s of a 5400-s sweep build, on a busy host).
 PROFILE_BUDGET_MS = 10_000.0
 NOT_MEASURED = {
     "coreml": "Core ML runs only on Apple's runtime (macOS/iOS): not measured on this host",
