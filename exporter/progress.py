@@ -64,7 +64,7 @@ class Progress:
 
     def note(self, message: str) -> None:
         if not self.quiet:
-            self.console.print(message)
+            self.console.print(message, soft_wrap=True)
 
     @contextlib.contextmanager
     def transfer(self, label: str, total_bytes: int | None):

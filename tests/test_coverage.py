@@ -367,6 +367,21 @@ def test_a_build_killed_from_outside_the_sweep_is_not_kept_as_the_weights_verdic
     assert not table._kept(built, killed) and table._kept(killed, built)  # a merge keeps the built row
 
 
+def test_an_artifact_a_full_disk_stopped_is_not_kept_as_the_weights_verdict(tmp_path):
+    """RegNetY-128GF's .ptl failed with "No space left on device" while another giant's build filled the disk:
+    a converter crash by the old rules, cached and shown as the weight's ❌."""
+    cell = outcome.cell_from_artifact({"name": "torchscript_lite_fp32", "format": "torchscript_lite", "precision": "fp32",
+                                       "status": "failed", "reasons": ["export failed: OSError: [Errno 28] No space "
+                                                                       "left on device: '/b/r.ptl'"], "details": {}})
+    assert (cell["outcome"], cell["kind"]) == ("export", "disk full")
+    built = {"weight": "W", "target": "android", "outcome": "built", "returncode": 0}
+    full = dict(built, key="r", cells=[cell])
+    assert outcome.not_a_verdict(full) and not sweep._cacheable(full)
+    rowcache.store(tmp_path, full)
+    assert rowcache.fetch(tmp_path, "r", None) is None
+    assert not table._kept(dict(built, cells=[]), full) and table._kept(full, dict(built, cells=[]))
+
+
 def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_path):
     """--weights digits: the classifier trained on the digits (the stand-ins' own training, cached, handed to the
     sweep's cache as the sweep would have left it) gets its int8 .pte judged on held-out labels; a task with no
@@ -448,6 +463,7 @@ def test_bad_input_is_one_line_and_exit_2(args, needle, tmp_path):
     ("export failed: RuntimeError: XNNPACK partitioner left the graph unlowered", "delegate fallback"),
     ("export failed: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes", "out of memory"),
     ("export failed: AssertionError: ", "converter crash"),
+    ("export failed: OSError: [Errno 28] No space left on device: '/b/r.ptl' -> '/b/cache/r'", "disk full"),
     ("the eager reference is degenerate: every input gives the same output", "degenerate reference"),
 ])
 def test_export_failures_are_classified_from_their_first_line(error, kind):

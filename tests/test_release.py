@@ -1,6 +1,7 @@
 """Release properties: the build cache, byte-identical rebuilds, and a build killed half way."""
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -8,9 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from exporter import files
 from exporter.build import BuildRequest, target_profile
+from exporter.build.cache import BuildCache
 from exporter.build.record import BuildRecord
 from exporter.progress import Progress
 
@@ -74,6 +79,61 @@ def test_warm_rerun_reuses_artifacts_and_validation_and_rebuilds_a_corrupt_entry
     nocache = tmp_path / "nocache"
     assert run_cli(*build_args(digits_model, nocache, "--format", "torchscript_lite", "--no-cache"), env=env).exit_code == 0
     assert _manifest(nocache)["cache"] == {"root": None, "events": []}
+
+
+def _disk_full(path):
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def test_a_full_cache_disk_costs_the_cache_not_the_artifact(tmp_path, digits_model, monkeypatch):
+    """RegNetY-128GF's .ptl, written whole, was reported "export failed: No space left on device": its copy
+    into the build cache had filled the disk. A store that finds the disk full is given up; the artifact is
+    validated and kept, and the manifest says what was not cached. Any other error still stops the store."""
+    cache_root = tmp_path / "cache"
+    copy = files.copy
+
+    def full_under_the_cache(source, target):
+        if cache_root in Path(target).parents:
+            raise _disk_full(target)
+        copy(source, target)
+
+    monkeypatch.setattr(files, "copy", full_under_the_cache)
+    out = tmp_path / "build"
+    result = run_cli(*build_args(digits_model, out, "--format", "torchscript_lite"), env={"EXPORTER_CACHE": str(cache_root)})
+    assert result.exit_code == 0, result.output
+    doc = _manifest(out)
+    (artifact,) = doc["artifacts"]
+    assert artifact["status"] == "passed" and files.sha256(out / artifact["path"]) == artifact["sha256"]
+    assert f"{Path(artifact['path']).name} not cached: No space left on device ({cache_root})" in doc["cache"]["events"]
+    assert not (cache_root / "artifacts").exists() or not list((cache_root / "artifacts").rglob("artifact"))
+    assert not [p for p in cache_root.rglob("*.partial")]  # no half-written entry left behind
+
+    monkeypatch.setattr(files, "copy", lambda source, target: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    cache = BuildCache(tmp_path / "other")
+    with pytest.raises(PermissionError):
+        cache.store_artifact("ab" * 32, out / artifact["path"], {})
+
+
+def test_a_whole_build_not_recorded_for_a_full_disk_says_so(tmp_path, android_build, monkeypatch, capsys):
+    from exporter.build import record as build_record
+
+    out, _ = android_build
+    docs = [_manifest(out)]
+    for artifact in docs[0]["artifacts"]:  # as if timed on a quiet host: a busy one's build is not recorded anyway
+        artifact.pop("latency_conditions", None)
+        (artifact.get("profile") or {}).pop("conditions", None)
+    request = BuildRequest(docs[0]["weight"]["name"], out=tmp_path / "unused", cache_dir=tmp_path / "cache")
+    record = BuildRecord(tmp_path / "cache", request, [target_profile(request, "android")])
+
+    def full(source, target):
+        raise _disk_full(target)
+
+    monkeypatch.setattr(build_record.shutil, "copyfile", full)
+    record.store(out, docs, Progress())
+    assert record.cache.fetch_json("builds", record.key) is None
+    assert not list((tmp_path / "cache").rglob("*.partial"))
+    assert (f"– this build, for an unchanged re-run, not cached: No space left on device ({tmp_path / 'cache'})"
+            in capsys.readouterr().err)
 
 
 def _tree(directory):

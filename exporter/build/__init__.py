@@ -101,7 +101,7 @@ def build_targets(request: BuildRequest, targets, progress: Progress | None = No
 
     base, docs = pipeline.run(request, chosen, record.cache_root if record else None, progress)
     if record is not None:
-        record.store(base, docs)
+        record.store(base, docs, progress)
     return docs
 
 

@@ -7,6 +7,8 @@ files still match the sha256 recorded when it was stored; a corrupt entry is dro
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 
 PACKAGE = Path(__file__).resolve().parents[1]  # the whole exporter package
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def default_root() -> Path:
@@ -67,6 +70,18 @@ class BuildCache:
         self.events.append(f"corrupt cache entry {entry.name[:12]} dropped ({why}); rebuilt")
         shutil.rmtree(entry, ignore_errors=True)
 
+    @contextlib.contextmanager
+    def unless_disk_full(self, what: str):
+        """A store that finds the disk full is given up, not the build: the cache only saves work, and what was
+        made stands (a 2.6 GB .ptl, written, was reported failed when its copy into a full cache failed). The
+        manifest's cache events say what was not kept."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in DISK_FULL:
+                raise
+            self.events.append(f"{what} not cached: {e.strerror} ({self.root})")
+
     def _record(self, entry: Path):
         try:
             return json.loads((entry / "entry.json").read_text())
@@ -92,12 +107,13 @@ class BuildCache:
         if self.root is None:
             return
         entry = self._entry("artifacts", digest)
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        with files.atomic_path(entry) as staging:
-            staging.mkdir()
-            files.copy(path, staging / "artifact")
-            record = {"sha256": files.sha256(staging / "artifact"), "details": details}
-            (staging / "entry.json").write_text(json.dumps(record))
+        with self.unless_disk_full(path.name):
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            with files.atomic_path(entry) as staging:
+                staging.mkdir()
+                files.copy(path, staging / "artifact")
+                record = {"sha256": files.sha256(staging / "artifact"), "details": details}
+                (staging / "entry.json").write_text(json.dumps(record))
 
     def fetch_json(self, kind: str, digest: str) -> dict | None:
         if self.root is None:
@@ -116,11 +132,13 @@ class BuildCache:
         if self.root is None:
             return
         entry = self._entry(kind, digest)
-        entry.parent.mkdir(parents=True, exist_ok=True)
         body = json.dumps(value, sort_keys=True)
-        with files.atomic_path(entry) as staging:
-            staging.mkdir()
-            (staging / "entry.json").write_text(json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "value": value}))
+        with self.unless_disk_full(f"a {kind} record"):
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            with files.atomic_path(entry) as staging:
+                staging.mkdir()
+                (staging / "entry.json").write_text(json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(),
+                                                                "value": value}))
 
     def fetch_tensor(self, digest: str) -> torch.Tensor | None:
         import torch  # not at the top: a re-run served whole from the cache never imports torch

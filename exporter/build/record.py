@@ -17,6 +17,8 @@ import stat
 import sys
 from pathlib import Path
 
+from rich.markup import escape
+
 from .. import files
 from ..release import html_report, manifest, report
 from ..release.ship import DOES_NOT_LOAD, DOES_NOT_RUN
@@ -187,7 +189,7 @@ class BuildRecord:
                 files.write_text(base / "report.html", html_report.render(docs, outs))
         return docs
 
-    def store(self, base: Path, docs: list[dict]) -> None:
+    def store(self, base: Path, docs: list[dict], progress: Progress | None = None) -> None:
         unsettled = ("export failed", DOES_NOT_LOAD, DOES_NOT_RUN, GOLDEN_PROGRAM_FAILED)
         if any(r.startswith(unsettled) for doc in docs for a in doc["artifacts"]
                for r in [*a["reasons"], (a.get("details") or {}).get("golden_program", "")]):
@@ -198,19 +200,23 @@ class BuildRecord:
             return  # tools or exporter code changed while it built: the result belongs to neither key
         targets = [doc["target"]["name"] for doc in docs]
         written = {}
-        for doc, out in zip(docs, self._outs(base, targets)):
-            for path in _files_under(out, _written(doc)):
-                digest = files.file_sha256(path)  # one blob per file: a graph and its external data apart
-                blob = self._blob(digest)
-                if not blob.is_file():
-                    blob.parent.mkdir(parents=True, exist_ok=True)
-                    with files.atomic_path(blob) as tmp:
-                        shutil.copyfile(path, tmp)
-                executable = bool(path.stat().st_mode & stat.S_IXUSR)
-                written[path.relative_to(base).as_posix()] = {"sha256": digest, "executable": executable}
-        self.cache.store_json("builds", self.key, {
-            "inputs": _inputs(self.request, docs),
-            "targets": targets,
-            "files": written,
-            "docs": docs,
-        })
+        earlier_events = len(self.cache.events)
+        with self.cache.unless_disk_full("this build, for an unchanged re-run,"):
+            for doc, out in zip(docs, self._outs(base, targets)):
+                for path in _files_under(out, _written(doc)):
+                    digest = files.file_sha256(path)  # one blob per file: a graph and its external data apart
+                    blob = self._blob(digest)
+                    if not blob.is_file():
+                        blob.parent.mkdir(parents=True, exist_ok=True)
+                        with files.atomic_path(blob) as tmp:
+                            shutil.copyfile(path, tmp)
+                    executable = bool(path.stat().st_mode & stat.S_IXUSR)
+                    written[path.relative_to(base).as_posix()] = {"sha256": digest, "executable": executable}
+            self.cache.store_json("builds", self.key, {
+                "inputs": _inputs(self.request, docs),
+                "targets": targets,
+                "files": written,
+                "docs": docs,
+            })
+        for event in self.cache.events[earlier_events:] if progress else ():  # the manifests are written already
+            progress.note(f"[yellow]–[/yellow] {escape(event)}")

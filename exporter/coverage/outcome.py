@@ -33,6 +33,7 @@ ORDER = tuple(SYMBOLS)
 # first match wins; tested against the first line of the error (lower case)
 CLASSIFIERS = (
     ("degenerate reference", re.compile(r"degenerate")),
+    ("disk full", re.compile(r"no space left on device|disk quota exceeded|errno 28\b")),  # the host's, not_a_verdict
     ("out of memory", re.compile(r"out of memory|outofmemory|memoryerror|can't allocate memory|cannot allocate memory|"
                                  r"std::bad_alloc|killed by the kernel|\boom\b")),
     ("time limit", re.compile(r"time limit|timed out|timeout")),
@@ -259,10 +260,12 @@ def killed_from_outside(returncode: int | None) -> bool:
 
 
 def not_a_verdict(row: dict) -> bool:
-    """A build ended by something other than its weight: killed from outside the sweep, or by the kernel's OOM
-    killer while other processes held much of the host (exporter.coverage.memory). Not cached, built again next
-    time, and never hides a built row in a merge."""
+    """A build ended by something other than its weight: killed from outside the sweep, by the kernel's OOM
+    killer while other processes held much of the host (exporter.coverage.memory), or an artifact not written for a
+    full disk. Not cached, built again next time, and never hides a built row in a merge."""
     if killed_from_outside(row.get("returncode")):
+        return True
+    if any(c.get("kind") == "disk full" for c in row.get("cells", [])):
         return True
     return (row.get("outcome") == "stopped" and not row.get("timed_out") and row.get("returncode") == -9
             and others_to_blame(row.get("memory")))
