@@ -379,7 +379,12 @@ def test_an_artifact_a_full_disk_stopped_is_not_kept_as_the_weights_verdict(tmp_
     assert outcome.not_a_verdict(full) and not sweep._cacheable(full)
     rowcache.store(tmp_path, full)
     assert rowcache.fetch(tmp_path, "r", None) is None
-    assert not table._kept(dict(built, cells=[]), full) and table._kept(full, dict(built, cells=[]))
+    # a merge keeps the built row, also over a row written before this rule ("converter crash")
+    row = {"model": "w", "task": "classification", "params": 1e6, "seconds": 1.0, "time_limit_s": 900, "reason": None}
+    earlier = _merge_doc(tmp_path, "earlier.json", [dict(built, **row, cells=[])], 900)
+    later = _merge_doc(tmp_path, "later.json", [dict(full, **row, cells=[dict(cell, kind="converter crash")])], 900)
+    (merged,) = coverage.merge([earlier, later], tmp_path / "m", command="test")["rows"]
+    assert merged["cells"] == []
 
 
 def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_path):

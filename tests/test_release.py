@@ -108,15 +108,44 @@ def test_a_full_cache_disk_costs_the_cache_not_the_artifact(tmp_path, digits_mod
     assert not (cache_root / "artifacts").exists() or not list((cache_root / "artifacts").rglob("artifact"))
     assert not [p for p in cache_root.rglob("*.partial")]  # no half-written entry left behind
 
-    monkeypatch.setattr(files, "copy", lambda source, target: (_ for _ in ()).throw(PermissionError(13, "denied")))
-    cache = BuildCache(tmp_path / "other")
-    with pytest.raises(PermissionError):
-        cache.store_artifact("ab" * 32, out / artifact["path"], {})
+    def denied(source, target):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(target))
+
+    monkeypatch.setattr(files, "copy", denied)
+    with pytest.raises(PermissionError):  # not a full disk: the store stops as before
+        BuildCache(tmp_path / "other").store_artifact("ab" * 32, out / artifact["path"], {})
+
+
+def _fills_the_disk_after(calls: int):
+    """shutil.copyfile that copies `calls` files, then writes a few bytes of the next and finds the disk full."""
+    copyfile, done = shutil.copyfile, []
+
+    def copy(source, target, **kwargs):
+        if len(done) == calls:
+            Path(target).write_bytes(b"half")
+            raise _disk_full(target)
+        done.append(target)
+        return copyfile(source, target, **kwargs)
+
+    return copy
+
+
+def test_a_core_ml_package_is_not_cached_on_a_full_disk_and_leaves_nothing(tmp_path, monkeypatch):
+    """A folder artifact (.mlpackage) is copied by copytree, which gathers its files' errors into one
+    shutil.Error without an errno."""
+    package = tmp_path / "model.mlpackage"
+    (package / "Data").mkdir(parents=True)
+    (package / "Manifest.json").write_text("{}")
+    (package / "Data" / "weights.bin").write_bytes(b"w" * 1000)
+    cache = BuildCache(tmp_path / "cache")
+    monkeypatch.setattr(shutil, "copyfile", _fills_the_disk_after(1))
+    cache.store_artifact("cd" * 32, package, {})
+    assert cache.events == [f"model.mlpackage not cached: No space left on device ({tmp_path / 'cache'})"]
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert cache.fetch_artifact("cd" * 32, tmp_path / "restored") is None
 
 
 def test_a_whole_build_not_recorded_for_a_full_disk_says_so(tmp_path, android_build, monkeypatch, capsys):
-    from exporter.build import record as build_record
-
     out, _ = android_build
     docs = [_manifest(out)]
     for artifact in docs[0]["artifacts"]:  # as if timed on a quiet host: a busy one's build is not recorded anyway
@@ -125,13 +154,10 @@ def test_a_whole_build_not_recorded_for_a_full_disk_says_so(tmp_path, android_bu
     request = BuildRequest(docs[0]["weight"]["name"], out=tmp_path / "unused", cache_dir=tmp_path / "cache")
     record = BuildRecord(tmp_path / "cache", request, [target_profile(request, "android")])
 
-    def full(source, target):
-        raise _disk_full(target)
-
-    monkeypatch.setattr(build_record.shutil, "copyfile", full)
+    monkeypatch.setattr(shutil, "copyfile", _fills_the_disk_after(2))
     record.store(out, docs, Progress())
     assert record.cache.fetch_json("builds", record.key) is None
-    assert not list((tmp_path / "cache").rglob("*.partial"))
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # neither the blobs stored nor a partial
     assert (f"– this build, for an unchanged re-run, not cached: No space left on device ({tmp_path / 'cache'})"
             in capsys.readouterr().err)
 

@@ -27,6 +27,12 @@ PACKAGE = Path(__file__).resolve().parents[1]  # the whole exporter package
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
+def _disk_full(error: OSError) -> bool:
+    if isinstance(error, shutil.Error):  # copytree (a .mlpackage) gathers its files' errors, without an errno
+        return any(os.strerror(code) in str(error) for code in DISK_FULL)
+    return error.errno in DISK_FULL
+
+
 def default_root() -> Path:
     root = Path(os.environ.get("EXPORTER_CACHE") or Path.home() / ".cache" / "exporter")
     if root.exists() and not root.is_dir():
@@ -78,9 +84,9 @@ class BuildCache:
         try:
             yield
         except OSError as e:
-            if e.errno not in DISK_FULL:
+            if not _disk_full(e):
                 raise
-            self.events.append(f"{what} not cached: {e.strerror} ({self.root})")
+            self.events.append(f"{what} not cached: {e.strerror or os.strerror(errno.ENOSPC)} ({self.root})")
 
     def _record(self, entry: Path):
         try:

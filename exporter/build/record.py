@@ -200,7 +200,7 @@ class BuildRecord:
             return  # tools or exporter code changed while it built: the result belongs to neither key
         targets = [doc["target"]["name"] for doc in docs]
         written = {}
-        earlier_events = len(self.cache.events)
+        earlier_events, new_blobs = len(self.cache.events), []
         with self.cache.unless_disk_full("this build, for an unchanged re-run,"):
             for doc, out in zip(docs, self._outs(base, targets)):
                 for path in _files_under(out, _written(doc)):
@@ -210,6 +210,7 @@ class BuildRecord:
                         blob.parent.mkdir(parents=True, exist_ok=True)
                         with files.atomic_path(blob) as tmp:
                             shutil.copyfile(path, tmp)
+                        new_blobs.append(blob)
                     executable = bool(path.stat().st_mode & stat.S_IXUSR)
                     written[path.relative_to(base).as_posix()] = {"sha256": digest, "executable": executable}
             self.cache.store_json("builds", self.key, {
@@ -218,5 +219,8 @@ class BuildRecord:
                 "files": written,
                 "docs": docs,
             })
-        for event in self.cache.events[earlier_events:] if progress else ():  # the manifests are written already
+        given_up = self.cache.events[earlier_events:]
+        for blob in new_blobs if given_up else ():  # no record names them: they would only fill the disk
+            blob.unlink(missing_ok=True)
+        for event in given_up if progress else ():  # the manifests are written already
             progress.note(f"[yellow]–[/yellow] {escape(event)}")

@@ -247,9 +247,9 @@ def merge(paths, command: str) -> dict:
                              f"merge rows of one sweep (same targets, formats, sizes)")
     rows = {}
     for _, doc in docs:
-        for row in doc["rows"]:
+        for row in map(reclassify, doc["rows"]):  # by today's rules, before one row stands in for another
             if _kept(rows.get((row["weight"], row["target"])), row):
-                rows[(row["weight"], row["target"])] = reclassify(row)  # by today's rules
+                rows[(row["weight"], row["target"])] = row
     targets = {t for _, d in docs for t in d["settings"].get("targets") or ()}
     settings = dict(first["settings"], targets=sorted(targets, key=lambda t: (_order(t, TARGET_ORDER), t)))
     merged = new_document(command, settings, dict(first.get("selection") or {}, shard=None), _tools(docs))
