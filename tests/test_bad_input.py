@@ -218,7 +218,7 @@ def test_data_too_small_to_split_is_refused_before_it_writes(build, tmp_path, di
 def test_two_images_are_enough_for_a_float_build_that_sets_none_aside(build, tmp_path, digits_model, monkeypatch):
     """The check counts what the split gives: with --calib-size 0 both images validate (the build goes on: it is
     stopped at the eager reference, past the check)."""
-    from exporter.build import pipeline
+    from exporter.engine import pipeline
 
     def stop(*args):
         raise UsageError("stopped after the data check")
@@ -277,7 +277,7 @@ def test_checkpoint_that_is_a_torchscript_program(build, tmp_path):
 
 def test_a_bug_exits_3_with_its_traceback_not_1(build, monkeypatch):
     """Exit 1 means an artifact broke its thresholds: a CI job must not read a crash as that."""
-    from exporter.build import pipeline
+    from exporter.engine import pipeline
 
     def broken(*args):
         raise RuntimeError("something the exporter did not expect")

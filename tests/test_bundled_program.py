@@ -190,13 +190,13 @@ def test_bundle_carries_the_bpte_beside_its_pte(golden_program, tmp_path):
 def test_a_program_too_large_for_one_flatbuffer_gets_no_golden_program_and_says_why(tmp_path, monkeypatch):
     """A .bpte embeds the whole program in one flatbuffer (under 2 GiB): RegNetY-128GF's 2.6 GB fp32 .pte made the
     whole build fail (BuilderSizeError). Past the limit, its artifact stands without one, the reason in its details."""
-    from exporter.build import golden_program
+    from exporter.engine import bundled_program_step
 
     (tmp_path / "model.pte").write_bytes(b"x" * 64)
     entry = {"format": "executorch", "path": "model.pte", "status": "passed", "fidelity": {"psnr_db": 80.0},
              "details": {}}
-    monkeypatch.setattr(golden_program, "FLATBUFFER_LIMIT", 64)
-    golden_program.add(None, entry, tmp_path, None)  # nothing of the session is needed to decide
+    monkeypatch.setattr(bundled_program_step, "FLATBUFFER_LIMIT", 64)
+    bundled_program_step.add(None, entry, tmp_path, None)  # nothing of the session is needed to decide
     assert entry["status"] == "passed" and "bundled_program" not in entry
     assert entry["details"]["golden_program"].startswith("not made: the program is 0.00 GiB")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]
@@ -209,7 +209,7 @@ def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_s
 
     import torch
 
-    from exporter.build import golden_program
+    from exporter.engine import bundled_program_step
     from exporter.progress import Progress
 
     (tmp_path / "model.pte").write_bytes(b"not a program")
@@ -218,16 +218,16 @@ def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_s
     session = SimpleNamespace(golden_rows=[0], inputs=SimpleNamespace(validation=torch.zeros(1, 3, 8, 8)),
                               digests=dict.fromkeys(("validation", "tools", "checkpoint", "reference", "task"), "d"),
                               cache=SimpleNamespace(fetch_artifact=lambda digest, tmp: None))
-    golden_program.add(session, entry, tmp_path, Progress(quiet=True))
+    bundled_program_step.add(session, entry, tmp_path, Progress(quiet=True))
     assert entry["status"] == "passed" and entry["reasons"] == [] and "bundled_program" not in entry
-    assert entry["details"]["golden_program"].startswith(golden_program.FAILED + "RuntimeError: "), entry["details"]
+    assert entry["details"]["golden_program"].startswith(bundled_program_step.FAILED + "RuntimeError: "), entry["details"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]
 
 
 def test_a_build_whose_golden_program_failed_is_not_replayed_from_the_whole_build_record():
     """The failure may not happen again (memory, a one-off crash): like a failed export, it is not a settled outcome."""
-    from exporter.build import golden_program
-    from exporter.build.record import BuildRecord
+    from exporter.engine import bundled_program_step
+    from exporter.engine.record import BuildRecord
 
     stored = []
     record = object.__new__(BuildRecord)  # store decides before it reads anything of its own but its key

@@ -955,7 +955,7 @@ def test_a_random_checkpoint_settled_at_one_size_is_not_served_at_another(tmp_pa
 
 
 def test_a_change_to_the_exporters_code_keys_its_rows_anew(monkeypatch):
-    from exporter.build import cache
+    from exporter.engine import cache
 
     def row_key(source):
         monkeypatch.setattr(cache, "source_digest", lambda: source)

@@ -17,9 +17,9 @@ import torch
 
 from exporter import hostload, validation
 from exporter.build import target_profile
-from exporter.build.record import BuildRecord
-from exporter.build.request import BuildRequest
-from exporter.release import html_report, report, ship
+from exporter.engine.record import BuildRecord
+from exporter.engine.request import BuildRequest
+from exporter.release import html_report, recommend, report
 from exporter.tasks import Classification
 
 from .conftest import build_args, run_cli
@@ -71,7 +71,7 @@ def test_what_the_host_does_not_report_is_not_judged():
 @pytest.mark.skipif(not hasattr(hostload.os, "sched_setaffinity"), reason="no CPU affinity on this OS")
 def test_latency_threads_default_to_the_cores_this_process_may_use(tmp_path):
     """`taskset -c 0 exporter build …` (or a container's cpuset) times on one core, not on the host's every core."""
-    from exporter.build.plan import make
+    from exporter.engine.plan import make
 
     request = BuildRequest("MobileNet_V3_Small_Weights.IMAGENET1K_V1", out=tmp_path / "out")
     allowed = os.sched_getaffinity(0)
@@ -145,13 +145,13 @@ def test_reports_say_which_latency_is_unreliable_and_why(android_build):
     assert all({"load_avg_1m", "other_cpu_s", "steal_s", "window_s"} <= set(a["latency_conditions"]) for a in timed)
     assert "Latency unreliable" not in (out / "report.md").read_text()
 
-    fastest = ship.choose(doc)["fastest"]["name"]
+    fastest = recommend.choose(doc)["fastest"]["name"]
     noisy = _noisy(doc, [fastest])
     text = report.markdown(noisy)
     assert f"**Latency unreliable for 1 of {len(timed)} timed artifacts: taken on a busy host" in text
     assert f"- `{fastest}`: load 3.9 on 2 cores, 2 threads timed; other processes took 61% of the CPU" in text
     assert "the verdict does not use them" in text and "(unreliable) |" in text
-    assert "timed on a busy host: unreliable" in ship.line(noisy)
+    assert "timed on a busy host: unreliable" in recommend.line(noisy)
     page = html_report.render([noisy], [out])
     assert page.count('class="busy"') == 2 and "other processes took 61% of the CPU" in page
     assert noisy["status"] == doc["status"]

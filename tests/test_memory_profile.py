@@ -1,4 +1,4 @@
-"""RAM and per-operator time per artifact (exporter/build/memory_profile.py): the digits android build's .pte
+"""RAM and per-operator time per artifact (exporter/engine/memory_profile.py): the digits android build's .pte
 fp32/int8 and .ptl, and a small ONNX file in ONNX Runtime. Guarantees, not this host's numbers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import torch
 
-from exporter.build import memory_profile
+from exporter.engine import memory_profile
 from exporter.release import manifest
 
 
@@ -212,8 +212,8 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
         assert len(session.cache.stored) == (0 if busy else 1)  # measured again by the next build, as latency is
         profiles.append(profile_line(profile))
     assert "busy host" not in profiles[0] and "profiled on a busy host (load 9.0 on 2 cores" in profiles[1]
-    # nor is a whole build whose profile was taken on a busy host kept for replay (exporter/build/record.py)
-    from exporter.build.record import _unsettled_timing
+    # nor is a whole build whose profile was taken on a busy host kept for replay (exporter/engine/record.py)
+    from exporter.engine.record import _unsettled_timing
 
     assert not _unsettled_timing([{"artifacts": [{"profile": dict(profile, conditions={"reliable": True})}]}])
     assert _unsettled_timing([{"artifacts": [{"profile": profile}]}])

@@ -2,7 +2,7 @@
 
 import json
 
-from exporter.build.profiles import PROFILE_DIR
+from exporter.engine.profiles import PROFILE_DIR
 
 from .conftest import FAST, run_cli
 

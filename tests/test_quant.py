@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from exporter import files
-from exporter.build import profiles
-from exporter.build.plan import make as make_plan
+from exporter.engine import profiles
+from exporter.engine.plan import make as make_plan
 from exporter.standins import digits
 from exporter.errors import UsageError
 from exporter.quant import SETTINGS, Calibration
@@ -432,7 +432,7 @@ def test_ranges_chosen_per_inference_are_tried_only_when_static_ranges_miss_and_
 
 
 def test_a_build_whose_calibrated_ranges_failed_validation_starts_from_ranges_chosen_per_inference(monkeypatch):
-    """static_ranges=False (set by a build, exporter.build.pipeline._made_again): the search starts from the fallback
+    """static_ranges=False (set by a build, exporter.engine.pipeline._made_again): the search starts from the fallback
     range method even where static ranges would meet the budget, and never tries those; without a fallback method,
     or with dynamic ranges turned off, it is the static search as before."""
     candidate, report = _search_dynamic(monkeypatch, static_error=0.0, dynamic_error=0.001, static_ranges=False)
@@ -1248,7 +1248,7 @@ def test_calibrated_ranges_that_fail_validation_are_made_again_per_inference(tmp
     when the remade one fails too, the first is put back. The manifest keeps both verdicts either way."""
     import dataclasses
 
-    from exporter.build import pipeline
+    from exporter.engine import pipeline
     from exporter.formats import executorch
 
     load = pipeline._load_inputs

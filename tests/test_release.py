@@ -15,8 +15,8 @@ import pytest
 
 from exporter import files
 from exporter.build import BuildRequest, target_profile
-from exporter.build.cache import BuildCache
-from exporter.build.record import BuildRecord
+from exporter.engine.cache import BuildCache
+from exporter.engine.record import BuildRecord
 from exporter.progress import Progress
 
 from .conftest import FAST, INT8_SLACK, build_args, run_cli
@@ -271,7 +271,7 @@ def test_killed_build_leaves_only_complete_artifacts_and_a_rerun_completes(tmp_p
 
 
 def test_a_build_whose_code_changed_while_it_ran_is_not_recorded(tmp_path, android_build, monkeypatch):
-    from exporter.build import record as build_record
+    from exporter.engine import record as build_record
 
     out, _ = android_build
     docs = [_manifest(out)]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from exporter.release import html_report, manifest, previews, report, ship, svg_text
+from exporter.release import html_report, manifest, previews, recommend, report, svg_text
 from exporter.tasks.classification import Classification
 from exporter.tasks.detection import Detection
 from exporter.tasks.segmentation import Segmentation
@@ -273,7 +273,7 @@ def _session(reference):
 
 
 def test_the_build_writes_the_picture_and_the_rows(tmp_path):
-    from exporter.build.pipeline import _write_preview
+    from exporter.engine.pipeline import _write_preview
 
     reference = _classification_rows()
     outputs = reference.clone()
@@ -328,9 +328,9 @@ def test_ship_names_the_fastest_and_the_smallest_that_passed():
         _artifact("onnx_int8", status="failed", p50=1.0, size=10_000_000),  # fastest and smallest, but failed
         _artifact("coreml_fp16", status="unavailable", p50=None, size=5_000_000),  # never validated
     ])
-    pick = ship.choose(doc)
+    pick = recommend.choose(doc)
     assert pick["fastest"]["name"] == "executorch_fp32" and pick["smallest"]["name"] == "executorch_int8"
-    text = ship.line(doc)
+    text = recommend.line(doc)
     assert text.startswith("Ship for android (2 passed): fastest executorch_fp32 (p50 3.00 ms); smallest executorch_int8 (11.00 MB).")
     assert "onnx_int8" not in text and "Not validated on this host (runtime unavailable): coreml_fp16." in text
     # the line is on the page and in report.md
@@ -341,27 +341,27 @@ def test_ship_names_the_fastest_and_the_smallest_that_passed():
 def test_an_untimed_artifact_can_be_the_smallest_but_not_the_fastest():
     doc = _doc([_artifact("executorch_fp32", p50=3.0, size=44_000_000),
                 _artifact("executorch_int8", p50=None, size=11_000_000, latency_ms=None)])
-    pick = ship.choose(doc)
+    pick = recommend.choose(doc)
     assert pick["fastest"]["name"] == "executorch_fp32" and pick["smallest"]["name"] == "executorch_int8"
     only = _doc([_artifact("executorch_int8", p50=None, size=11_000_000, latency_ms=None)])
-    assert ship.line(only) == "Ship for android (1 passed): fastest: none was timed on this host; smallest executorch_int8 (11.00 MB)."
+    assert recommend.line(only) == "Ship for android (1 passed): fastest: none was timed on this host; smallest executorch_int8 (11.00 MB)."
 
 
 def test_one_artifact_fastest_and_smallest_and_ties():
     doc = _doc([_artifact("executorch_int8", p50=2.0, size=11_000_000), _artifact("executorch_fp32", p50=3.0, size=44_000_000),
                 _artifact("xnnpack_int8", p50=2.0, size=12_000_000)])
-    assert ship.line(doc) == ("Ship for android: executorch_int8, the fastest (p50 2.00 ms) and the smallest (11.00 MB) "
+    assert recommend.line(doc) == ("Ship for android: executorch_int8, the fastest (p50 2.00 ms) and the smallest (11.00 MB) "
                               "of the 3 that passed.")
     alone = _doc([_artifact("onnx_fp32", p50=7.9, size=3_400_000)], target="jetson")
-    assert ship.line(alone) == "Ship for jetson: onnx_fp32, the only one that passed (p50 7.90 ms, 3.40 MB)."
+    assert recommend.line(alone) == "Ship for jetson: onnx_fp32, the only one that passed (p50 7.90 ms, 3.40 MB)."
 
 
 def test_nothing_passed_says_so():
     doc = _doc([_artifact("executorch_fp32", status="failed"), _artifact("executorch_int8", status="failed"),
                 _artifact("coreml_fp16", status="unavailable", p50=None)], target="ios")
-    pick = ship.choose(doc)
+    pick = recommend.choose(doc)
     assert pick["fastest"] is None and pick["smallest"] is None
-    assert ship.line(doc) == ("Nothing to ship for ios: no artifact passed (2 failed). "
+    assert recommend.line(doc) == ("Nothing to ship for ios: no artifact passed (2 failed). "
                               "Not validated on this host (runtime unavailable): coreml_fp16.")
     page = html_report.render([doc, _doc([_artifact("onnx_fp32")], target="jetson")], [])
     assert "<b>Nothing to ship for ios:</b>" in page and "<b>Ship for jetson:</b> onnx_fp32, the only one" in page

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..release.ship import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
+from ..release.recommend import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
 from .memory import oom_text, others_to_blame
 
 SYMBOLS = {"passed": "✅", "failed": "❎", "export": "❌", "unavailable": "⚪", "refused": "⛔", "time": "⏱",
@@ -286,7 +286,7 @@ def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: 
     """Cells for a build that did not finish, in the target's order: those it completed, the one it was at (the first
     not completed in the order the build makes them, build.plan.export_order), and those not reached.
     `limit` says what the time limit stopped, e.g. "900 s of CPU time (1210 s wall clock)"."""
-    from ..build.plan import export_order
+    from ..engine.plan import export_order
 
     made = {c["name"]: c for c in done}
     at = next((planned[i]["name"] for i in export_order([s["precision"] for s in planned])

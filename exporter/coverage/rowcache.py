@@ -18,14 +18,14 @@ ROW_VERSION = 1  # bump when a row's meaning changes
 
 
 def root(cache_dir: Path | None = None) -> Path:
-    from ..build.cache import default_root
+    from ..engine.cache import default_root
 
     return Path(cache_dir or default_root()) / "coverage"
 
 
 def key(weight: str, target: str, settings: dict, tools: dict) -> str:
-    from ..build import profiles
-    from ..build.cache import source_digest
+    from ..engine import profiles
+    from ..engine.cache import source_digest
 
     parts = {"row_version": ROW_VERSION, "exporter": __version__, "exporter_source": source_digest(),
              "weight": weight, "target": target, "profile": profiles.load(target), "settings": settings, "tools": tools}

@@ -104,7 +104,7 @@ def shard(found: list[Candidate], which: tuple[int, int] | None) -> list[Candida
 
 def planned_artifacts(weight: str, target: str, formats=(), quantized: bool = False) -> list[dict]:
     """The artifacts a build of `weight` for `target` makes, in order (from the target profile, torch-free)."""
-    from ..build import BuildRequest, target_profile
+    from ..engine import BuildRequest, target_profile
 
     artifacts = target_profile(BuildRequest(weight, target=target, formats=list(formats)), target)["artifacts"]
     if quantized:  # an eager-quantized weight: one int8 artifact per format (Plan.for_eager_quantized)
@@ -119,7 +119,7 @@ def planned_artifacts(weight: str, target: str, formats=(), quantized: bool = Fa
 def targets_for(targets, formats=()) -> list[str]:
     """The targets to build: with --format, only those that have such an artifact (a --format that matches
     nothing anywhere is an error)."""
-    from ..build import BuildRequest, expand_targets, target_profile
+    from ..engine import BuildRequest, expand_targets, target_profile
 
     chosen = expand_targets(list(targets) or ["all"])
     kept = []

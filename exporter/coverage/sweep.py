@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import files
 from . import memory as build_memory, outcome, rowcache, table, trained
-from ..build import target_refusal
+from ..engine import target_refusal
 from .select import Candidate, planned_artifacts
 
 WALL_FACTOR = 3  # the CPU time limit's backstop on the wall clock

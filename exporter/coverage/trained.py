@@ -28,7 +28,7 @@ UNTIL, MAX_EPOCHS = 0.95, 16
 
 
 def directory(cache_dir: Path | None = None) -> Path:
-    from ..build.cache import default_root
+    from ..engine.cache import default_root
 
     return Path(cache_dir or default_root()) / "digits"
 

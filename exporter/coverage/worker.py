@@ -1,6 +1,6 @@
 """One build of the coverage sweep, run in its own process (`python -m exporter.coverage.worker SPEC.json`):
 the weight's random checkpoint (made once per weight, kept beside the builds) or, in the trained tier, its
-digits-trained one (coverage.trained), and then a real `exporter.build.build_targets` of one target, offline,
+digits-trained one (coverage.trained), and then a real `exporter.engine.build_targets` of one target, offline,
 on synthetic data (the trained tier: the held-out digits, labeled), with the sweep's settings.
 
 The parent reads the build's manifest.json; this process adds RESULT.json: the checkpoint's description, its
@@ -58,7 +58,7 @@ def run(spec: dict) -> int:
     try:
         import torch
 
-        from ..build import BuildRequest, build_targets
+        from ..engine import BuildRequest, build_targets
         from ..progress import Progress
         from . import randomize
 
@@ -119,8 +119,8 @@ def floor(request, target: str) -> dict:
     import torch
 
     from .. import data, weights
-    from ..build import target_profile
-    from ..build.plan import make, with_required
+    from ..engine import target_profile
+    from ..engine.plan import make, with_required
     from . import conditioning
     from .outcome import WEIGHT_FLOOR
 

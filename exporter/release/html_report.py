@@ -7,7 +7,7 @@ import html
 import math
 from pathlib import Path
 
-from . import arch_report, previews, ship, svg_text
+from . import arch_report, previews, recommend, svg_text
 from .report import COLUMNS, eager_summary, latency_warnings, outliers_summary, rows, task_name
 from .svg_text import Box
 
@@ -285,10 +285,10 @@ def _previews(docs: list[dict], dirs: list[Path] | None) -> str:
 
 
 def _ship(docs: list[dict]) -> str:
-    """One "ship this" line per target (exporter.release.ship)."""
+    """One "ship this" line per target (exporter.release.recommend)."""
     lines = []
     for doc in docs:
-        head, _, rest = ship.line(doc).partition(": ")
+        head, _, rest = recommend.line(doc).partition(": ")
         lines.append(f"<p><b>{_esc(head)}:</b> {_esc(rest)}</p>")
     return f'<div class="ship">{"".join(lines)}</div>'
 

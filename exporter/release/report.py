@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .. import hostload
-from . import arch_report, ship
+from . import arch_report, recommend
 
 
 def _num(value, fmt: str, missing: str = "—") -> str:
@@ -185,7 +185,7 @@ def rows(doc: dict) -> list[dict]:
 
 
 def memory_line(memory: dict) -> str:
-    """One line: what the artifact needs in RAM (exporter/build/memory_profile.py)."""
+    """One line: what the artifact needs in RAM (exporter/engine/memory_profile.py)."""
     if not memory.get("available"):
         return f"memory not measured ({memory.get('reason', 'no measurement')})"
     mb = lambda key: _num(memory[key] / 1e6, ".1f") if memory.get(key) is not None else "—"  # noqa: E731
@@ -237,7 +237,7 @@ def markdown(doc: dict) -> str:
     reference = doc["eager"].get("reference") or {}
     if reference.get("note"):  # a quantized weight: which eager model the artifacts were measured against
         lines.append(f"- eager reference: **{reference['kind']}** — {reference['note']}")
-    head, _, rest = ship.line(doc, markdown=True).partition(": ")
+    head, _, rest = recommend.line(doc, markdown=True).partition(": ")
     lines += ["", f"**{head}:** {rest}", ""]
     table = rows(doc)
     if table:

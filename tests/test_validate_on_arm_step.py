@@ -160,7 +160,7 @@ def test_arch_and_cpu_are_checked_before_anything_is_written(tmp_path, digits_mo
 def test_distance_to_x86(outputs, x86, expected):
     import torch
 
-    from exporter.build.arch_rows import versus_x86
+    from exporter.engine.validate_on_arm import versus_x86
 
     assert versus_x86(torch.tensor(outputs), torch.tensor(x86)) == expected
     assert versus_x86(torch.tensor(outputs), None) is None

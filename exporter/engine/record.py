@@ -21,8 +21,8 @@ from rich.markup import escape
 
 from .. import files
 from ..release import html_report, manifest, report
-from ..release.ship import DOES_NOT_LOAD, DOES_NOT_RUN
-from .golden_program import FAILED as GOLDEN_PROGRAM_FAILED
+from ..release.recommend import DOES_NOT_LOAD, DOES_NOT_RUN
+from .bundled_program_step import FAILED as GOLDEN_PROGRAM_FAILED
 from . import cache, default_out
 from .cache import BuildCache
 from ..formats import FORMATS

@@ -1,7 +1,7 @@
 """Each `.pte`'s ExecuTorch golden program (`.bpte`, exporter.formats.bundled_program): written beside it after
 its x86 validation, with the golden inputs, the `.pte`'s own outputs for them and tolerances derived from its
 measured distance to eager there; verified here with ExecuTorch's verifier (and on each aarch64 CPU by
-arch_rows). A `.bpte` that does not verify fails its artifact: the app's self-test would fail the same way.
+validate_on_arm). A `.bpte` that does not verify fails its artifact: the app's self-test would fail the same way.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ import torch
 
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, report
-from ..release.ship import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
-from . import arch_rows, cache, default_out, golden_program, memory_profile, profiles
+from ..release.recommend import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
+from . import bundled_program_step, cache, default_out, memory_profile, profiles, validate_on_arm
 from .plan import ArtifactSpec, Plan, export_order, make_all, make as make_plan
 from ..tasks import Task
 from ..quant import Calibration
@@ -341,7 +341,7 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
     calibration = remade(calibration, entry["details"]) if remade and _ranges_did_not_hold(entry) else None
     if calibration is not None:
         entry = _made_again(session, spec, module, entry, calibration, out, progress, prefix)
-    golden_program.add(session, entry, out, progress, prefix)
+    bundled_program_step.add(session, entry, out, progress, prefix)
     memory_profile.add(session, entry, out, progress, prefix)
     return entry
 
@@ -654,7 +654,7 @@ def _build_one(request: BuildRequest, session: Session, out: Path, progress: Pro
         doc["artifacts"] = [made[k] for k in sorted(made)]
         doc["timings_s"] = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
-    arch_rows.add(session, doc, out, progress, request.cache_dir, request.offline, prefix, runners=request.aarch64_runners,
+    validate_on_arm.add(session, doc, out, progress, request.cache_dir, request.offline, prefix, runners=request.aarch64_runners,
                   write=lambda: manifest.write(out, doc), runner_shown=True)
     _post_build(plan, out, doc, session)
     doc["cache"] = {"root": str(session.cache.root) if session.cache.root else None, "events": list(session.cache.events)}
@@ -701,7 +701,7 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
                 entry.pop(stale, None)
             entry.update(NOT_MEASURED, reasons=[], status="failed")
             _validate(session, entry, out, progress)
-            golden_program.add(session, entry, out, progress)
-    arch_rows.add(session, doc, out, progress, None, False)
+            bundled_program_step.add(session, entry, out, progress)
+    validate_on_arm.add(session, doc, out, progress, None, False)
     doc["validated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return _finish(out, doc, progress)
