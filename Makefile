@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench coverage coverage-digits clean
+.PHONY: install lint demo test bench coverage coverage-digits clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -12,6 +12,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# ruff: lint and format, configured in pyproject.toml; .ci/run runs it before the suite (seconds)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 demo: $(STAMP)
 	$(PY) -m exporter.standins.demo

@@ -30,12 +30,16 @@ from .tasks import Detection
 from .weights import bind_task, builder_kwargs, resolve, task_class
 
 # model -> the weight whose task, class count, input size and preprocessing it is benchmarked with
-MODELS = {"mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V2", "resnet18": "ResNet18_Weights.IMAGENET1K_V1",
-          "resnet50": "ResNet50_Weights.IMAGENET1K_V2", "convnext_tiny": "ConvNeXt_Tiny_Weights.IMAGENET1K_V1",
-          "inception_v3": "Inception_V3_Weights.IMAGENET1K_V1",
-          "lraspp_mobilenet_v3_large": "LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
-          "deeplabv3_mobilenet_v3_large": "DeepLabV3_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
-          "ssdlite320_mobilenet_v3_large": "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1"}
+MODELS = {
+    "mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V2",
+    "resnet18": "ResNet18_Weights.IMAGENET1K_V1",
+    "resnet50": "ResNet50_Weights.IMAGENET1K_V2",
+    "convnext_tiny": "ConvNeXt_Tiny_Weights.IMAGENET1K_V1",
+    "inception_v3": "Inception_V3_Weights.IMAGENET1K_V1",
+    "lraspp_mobilenet_v3_large": "LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
+    "deeplabv3_mobilenet_v3_large": "DeepLabV3_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1",
+    "ssdlite320_mobilenet_v3_large": "SSDLite320_MobileNet_V3_Large_Weights.COCO_V1",
+}
 # where the tests cache the trained digits stand-ins (tests/conftest.py): EXPORTER_TEST_CACHE or .cache/digits
 STAND_IN_CACHE = Path(os.environ.get("EXPORTER_TEST_CACHE", ".cache/digits"))
 # (row label, format, precision, int8 budget): "plain" is PTQ with no fallback; "budget" keeps layers in
@@ -55,11 +59,16 @@ RUNTIMES = [
 ORT_AS_ON_ARM = "onnx fp32 (ORT, no NCHWc)"
 UNREWRITTEN = "pte fp32 (no rewrites)"  # timed where formats.rewrites changed the .pte fp32
 # (name, a, b): how many times faster a is than b (p50 of b over p50 of a), compared with the baseline run
-RATIOS = [("pte fp32 / eager", "pte fp32", "eager"), ("pte fp32 vs ORT fp32", "pte fp32", "onnx fp32 (ORT)"),
-          ("pte fp32 vs ORT no NCHWc", "pte fp32", ORT_AS_ON_ARM),
-          ("pte rewrites gain", "pte fp32", UNREWRITTEN), ("pte int8 plain vs pte fp32", "pte int8 plain", "pte fp32"),
-          ("pte int8 budget vs plain", "pte int8 budget", "pte int8 plain"),
-          ("onnx int8 budget vs plain", "onnx int8 budget (ORT)", "onnx int8 plain (ORT)"), ("ptl / eager", "ptl fp32", "eager")]
+RATIOS = [
+    ("pte fp32 / eager", "pte fp32", "eager"),
+    ("pte fp32 vs ORT fp32", "pte fp32", "onnx fp32 (ORT)"),
+    ("pte fp32 vs ORT no NCHWc", "pte fp32", ORT_AS_ON_ARM),
+    ("pte rewrites gain", "pte fp32", UNREWRITTEN),
+    ("pte int8 plain vs pte fp32", "pte int8 plain", "pte fp32"),
+    ("pte int8 budget vs plain", "pte int8 budget", "pte int8 plain"),
+    ("onnx int8 budget vs plain", "onnx int8 budget (ORT)", "onnx int8 plain (ORT)"),
+    ("ptl / eager", "ptl fp32", "eager"),
+]
 PROFILED = ("pte fp32", "onnx fp32 (ORT)")  # top operators of each, per model
 BASELINE = Path("docs/bench-baseline.json")  # the previous committed run, compared by ratio
 REGRESSION = 0.8  # a ratio below this share of the baseline's is shown as a possible regression
@@ -83,11 +92,18 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
     _settle_batchnorm(model, inputs.calibration)
     example = inputs.example
     calibrations = {
-        "plain": Calibration(inputs.calibration, None, {"psnr_db": BUDGET_PSNR_DB}, {**SETTINGS, "fallback": False}, task=task),
+        "plain": Calibration(
+            inputs.calibration, None, {"psnr_db": BUDGET_PSNR_DB}, {**SETTINGS, "fallback": False}, task=task
+        ),
         "budget": Calibration(inputs.calibration, None, {"psnr_db": BUDGET_PSNR_DB}, dict(SETTINGS), task=task),
     }
-    meta = {"weight": MODELS[name], "model": name, "labels": [str(i) for i in range(task.num_classes)],
-            "task": task.describe(), "preprocessing": task.preprocessing(weights)}
+    meta = {
+        "weight": MODELS[name],
+        "model": name,
+        "labels": [str(i) for i in range(task.num_classes)],
+        "task": task.describe(),
+        "preprocessing": task.preprocessing(weights),
+    }
     # the same eager model in channels-last memory format (input converted once, outside the timing)
     channels_last = copy.deepcopy(model).to(memory_format=torch.channels_last)
     example_cl = example.contiguous(memory_format=torch.channels_last)
@@ -107,11 +123,18 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
             log(f"  {name}: {label}: rewritten before lowering: {_rewrites_line(details['rewrites'])}")
         if "quantization" in details:
             q = details["quantization"]
-            quantization[label] = {"float_layers": len(q["float_layers"]), "layers": q["layers"], "seconds": q["seconds"],
-                                   "check_psnr_db": q["after"]["psnr_db"], "ranges": q["after"]["ranges"],
-                                   **({"float_kinds": q["float_kinds"]} if q.get("float_kinds") else {})}
-            log(f"  {name}: {label}: {len(q['float_layers'])} of {q['layers']} layers in float{_kinds_line(q)}, "
-                f"check PSNR {q['before']['psnr_db']} -> {q['after']['psnr_db']} dB")
+            quantization[label] = {
+                "float_layers": len(q["float_layers"]),
+                "layers": q["layers"],
+                "seconds": q["seconds"],
+                "check_psnr_db": q["after"]["psnr_db"],
+                "ranges": q["after"]["ranges"],
+                **({"float_kinds": q["float_kinds"]} if q.get("float_kinds") else {}),
+            }
+            log(
+                f"  {name}: {label}: {len(q['float_layers'])} of {q['layers']} layers in float{_kinds_line(q)}, "
+                f"check PSNR {q['before']['psnr_db']} -> {q['after']['psnr_db']} dB"
+            )
         runners[label] = module.load(path, threads)
         torch.set_num_threads(threads)
         if hasattr(module, "memory"):  # a fresh process per artifact (docs/validation.md#ram-and-where-the-time-goes)
@@ -142,13 +165,23 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
             except Exception as e:
                 log(f"  {name}: {label}: not profiled: {type(e).__name__}: {e}")
             torch.set_num_threads(threads)
-    result = {"input": list(task.input_size), "latency_ms": timing, "latency_conditions": conditions, "build_s": build_s,
-              "quantization": quantization, "memory_bytes": memory, "profiles": profiles, "rewrites": rewrites}
+    result = {
+        "input": list(task.input_size),
+        "latency_ms": timing,
+        "latency_conditions": conditions,
+        "build_s": build_s,
+        "quantization": quantization,
+        "memory_bytes": memory,
+        "profiles": profiles,
+        "rewrites": rewrites,
+    }
     if isinstance(task, Detection):
         with torch.no_grad():
             random_heads = model(example)[0].numpy()
-        result["postprocess_ms"] = {"trained stand-in": _time_decode(*_stand_in_heads(name, weights, log), 5),
-                                    "random heads (worst case)": _time_decode([random_heads], task, 20)}
+        result["postprocess_ms"] = {
+            "trained stand-in": _time_decode(*_stand_in_heads(name, weights, log), 5),
+            "random heads (worst case)": _time_decode([random_heads], task, 20),
+        }
     return result
 
 
@@ -163,7 +196,7 @@ def _settle_batchnorm(model: torch.nn.Module, images: list, batch: int = 8) -> N
     model.train()
     with torch.no_grad():
         for start in range(0, len(images), batch):
-            model(torch.cat(images[start:start + batch]))
+            model(torch.cat(images[start : start + batch]))
     model.eval()
 
 
@@ -180,8 +213,10 @@ def _stand_in_heads(name: str, weights, log) -> tuple[list, Detection]:
     model.load_state_dict(state)
     graph, transform = type(task).graph(model.eval()), task.transform(weights)
     with torch.no_grad():
-        heads = [graph(transform(Image.open(f).convert("RGB"))[None])[0].numpy()
-                 for f in sorted((stand_in.data_dir / "images").glob("*.png"))[:16]]
+        heads = [
+            graph(transform(Image.open(f).convert("RGB"))[None])[0].numpy()
+            for f in sorted((stand_in.data_dir / "images").glob("*.png"))[:16]
+        ]
     return heads, task
 
 
@@ -206,8 +241,10 @@ def _host_lines(results: dict) -> list[str]:
         steal = "—" if c.get("steal_s") is None else f"{c['steal_s']:.2f} s"
         worst = max((v for v in (c.get("spread") or {}).values() if v is not None), default=None)
         verdict = "reliable" if c["reliable"] else f"**unreliable**: {hostload.summary(c)}"
-        lines.append(f"- {model}: load {c.get('load_avg_1m')}, others {share} over {c['window_s']:.1f} s, steal {steal}, "
-                     f"p90/p50 up to {worst if worst is None else f'{worst:.2f}'}; {verdict}")
+        lines.append(
+            f"- {model}: load {c.get('load_avg_1m')}, others {share} over {c['window_s']:.1f} s, steal {steal}, "
+            f"p90/p50 up to {worst if worst is None else f'{worst:.2f}'}; {verdict}"
+        )
     return lines
 
 
@@ -235,61 +272,96 @@ COUNTED_REWRITES = {  # formats.rewrites that report how many times they applied
 
 
 def _rewrites_line(rewrites: dict) -> str:
-    lines = [f"{r['module']} ({'x'.join(map(str, r['kernel']))} dilation {r['dilation'][0]} on "
-             f"{'x'.join(map(str, r['input']))}) -> {len(r['parts'])} part(s) "
-             f"{', '.join('x'.join(map(str, k)) for k in r['parts'])}"
-             for r in rewrites.get("padding_taps_dropped", [])]
+    lines = [
+        f"{r['module']} ({'x'.join(map(str, r['kernel']))} dilation {r['dilation'][0]} on "
+        f"{'x'.join(map(str, r['input']))}) -> {len(r['parts'])} part(s) "
+        f"{', '.join('x'.join(map(str, k)) for k in r['parts'])}"
+        for r in rewrites.get("padding_taps_dropped", [])
+    ]
     splits: dict[str, int] = {}
     for r in rewrites.get("large_depthwise_split", []):
         how = f"{'x'.join(map(str, r['kernel']))} depthwise -> {' + '.join('x'.join(map(str, k)) for k in r['parts'])}"
         splits[how] = splits.get(how, 0) + 1
     lines += [f"{count} {how}" for how, count in splits.items()]
-    lines += [f"{m or 'the model'}: input transform as one multiply-add" for m in rewrites.get("input_transform_as_affine", [])]
+    lines += [
+        f"{m or 'the model'}: input transform as one multiply-add"
+        for m in rewrites.get("input_transform_as_affine", [])
+    ]
     lines += [f"{rewrites[name]} {what}" for name, what in COUNTED_REWRITES.items() if rewrites.get(name)]
     return "; ".join(lines)
 
 
 def table(results: dict) -> str:
     labels = ["eager", "eager NHWC"] + [label for label, *_ in RUNTIMES] + [ORT_AS_ON_ARM, UNREWRITTEN]
-    lines = ["| model | " + " | ".join(f"{label} p50 ms" for label in labels) + " | " + " | ".join(n for n, *_ in RATIOS) + " |",
-             "|---|" + "---|" * (len(labels) + len(RATIOS))]
+    lines = [
+        "| model | "
+        + " | ".join(f"{label} p50 ms" for label in labels)
+        + " | "
+        + " | ".join(n for n, *_ in RATIOS)
+        + " |",
+        "|---|" + "---|" * (len(labels) + len(RATIOS)),
+    ]
     for model, r in results.items():
         lat = {k: v["p50"] for k, v in r["latency_ms"].items()}
         cells = [f"{lat[label]:.2f}" if label in lat else "—" for label in labels]
         ratio = ratios(r)
         busy = "" if (r.get("latency_conditions") or {}).get("reliable", True) else " (busy host: unreliable)"
-        lines.append(f"| {model} {'x'.join(map(str, r['input']))}{busy} | " + " | ".join(cells) + " | "
-                     + " | ".join(f"{ratio[n]:.2f}×" if n in ratio else "—" for n, *_ in RATIOS) + " |")
+        lines.append(
+            f"| {model} {'x'.join(map(str, r['input']))}{busy} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(f"{ratio[n]:.2f}×" if n in ratio else "—" for n, *_ in RATIOS)
+            + " |"
+        )
     lines += ["", "top operators (share of operator time, ms per run; profiled after the timed rounds):", ""]
     for model, r in results.items():
         for label, profile in (r.get("profiles") or {}).items():
             if profile.get("available", True) and profile.get("ops"):
-                lines.append(f"- {model} {label}: " + ", ".join(f"{o['op']} {o['share']:.0%} ({o['ms']:.2f} ms ×{o['count']})"
-                                                               for o in profile["ops"][:4]))
+                lines.append(
+                    f"- {model} {label}: "
+                    + ", ".join(
+                        f"{o['op']} {o['share']:.0%} ({o['ms']:.2f} ms ×{o['count']})" for o in profile["ops"][:4]
+                    )
+                )
     for model, r in results.items():
         for label, rewrite in (r.get("rewrites") or {}).items():
             lines.append(f"- {model} {label} rewritten before lowering: {_rewrites_line(rewrite)}")
     lines += _host_lines(results)
-    lines += ["", f"int8 budget: output PSNR >= {BUDGET_PSNR_DB:g} dB (+{SETTINGS['psnr_margin_db']:g} margin) on held-out "
-              f"calibration images; layers kept in float, build seconds (quantization seconds):", ""]
+    lines += [
+        "",
+        f"int8 budget: output PSNR >= {BUDGET_PSNR_DB:g} dB (+{SETTINGS['psnr_margin_db']:g} margin) on held-out "
+        f"calibration images; layers kept in float, build seconds (quantization seconds):",
+        "",
+    ]
     for model, r in results.items():
         for label, q in r.get("quantization", {}).items():
-            lines.append(f"- {model} {label}: {q['float_layers']} of {q['layers']} layers in float{_kinds_line(q)}, check PSNR "
-                         f"{q['check_psnr_db']} dB ({q['ranges']} ranges), build {r['build_s'][label]} s ({q['seconds']} s)")
+            lines.append(
+                f"- {model} {label}: {q['float_layers']} of {q['layers']} layers in float{_kinds_line(q)}, check PSNR "
+                f"{q['check_psnr_db']} dB ({q['ranges']} ranges), build {r['build_s'][label]} s ({q['seconds']} s)"
+            )
     if any(r.get("memory_bytes") for r in results.values()):
-        lines += ["", "RAM each artifact needs (peak resident memory of a fresh process loading and running it, minus "
-                  "the runtime's own after import), MB:", ""]
+        lines += [
+            "",
+            "RAM each artifact needs (peak resident memory of a fresh process loading and running it, minus "
+            "the runtime's own after import), MB:",
+            "",
+        ]
         for model, r in results.items():
             if r.get("memory_bytes"):
-                lines.append(f"- {model}: " + ", ".join(f"{label} {b / 1e6:.1f}" for label, b in r["memory_bytes"].items()))
+                lines.append(
+                    f"- {model}: " + ", ".join(f"{label} {b / 1e6:.1f}" for label, b in r["memory_bytes"].items())
+                )
     for model, r in results.items():
         if "postprocess_ms" in r:
             post = {k: v["p50"] for k, v in r["postprocess_ms"].items()}
             trained = post["trained stand-in"]
             total = ", ".join(f"{label} {v['p50'] + trained:.2f}" for label, v in r["latency_ms"].items())
-            lines += ["", f"{model} post-processing (numpy decode + NMS, one thread), p50 ms: "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in post.items()),
-                      f"{model} raw heads + post-processing (trained stand-in's), p50 ms: {total}"]
+            lines += [
+                "",
+                f"{model} post-processing (numpy decode + NMS, one thread), p50 ms: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in post.items()),
+                f"{model} raw heads + post-processing (trained stand-in's), p50 ms: {total}",
+            ]
     return "\n".join(lines)
 
 
@@ -298,15 +370,23 @@ def against_baseline(results: dict, baseline: dict | None) -> str:
     if not baseline:
         return ""
     then = baseline["results"]
-    lines = ["", f"against the baseline run of {baseline.get('date', '?')} ({baseline.get('host', {}).get('cpu', '?')}, "
-             f"{baseline.get('threads', '?')} threads): ratio then → now, marked with a warning sign where now is below {REGRESSION:.0%} of then", ""]
+    lines = [
+        "",
+        f"against the baseline run of {baseline.get('date', '?')} ({baseline.get('host', {}).get('cpu', '?')}, "
+        f"{baseline.get('threads', '?')} threads): ratio then → now, marked with a warning sign"
+        f" where now is below {REGRESSION:.0%} of then",
+        "",
+    ]
     for model, r in results.items():
         if model not in then:
             lines.append(f"- {model}: not in the baseline")
             continue
         old, new = ratios(then[model]), ratios(r)
-        cells = [f"{n} {old[n]:.2f}× → {new[n]:.2f}×" + (" ⚠ fell" if new[n] < REGRESSION * old[n] else "")
-                 for n, *_ in RATIOS if n in old and n in new]
+        cells = [
+            f"{n} {old[n]:.2f}× → {new[n]:.2f}×" + (" ⚠ fell" if new[n] < REGRESSION * old[n] else "")
+            for n, *_ in RATIOS
+            if n in old and n in new
+        ]
         lines.append(f"- {model}: " + "; ".join(cells))
     return "\n".join(lines)
 
@@ -337,8 +417,13 @@ def main(argv=None) -> None:
     text = table(results) + against_baseline(results, baseline)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    run = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "host": host, "threads": args.threads,
-           "tools": manifest.tool_versions(), "results": results}
+    run = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "host": host,
+        "threads": args.threads,
+        "tools": manifest.tool_versions(),
+        "results": results,
+    }
     (args.out / "bench.json").write_text(json.dumps(run, indent=2))
     if args.save_baseline:
         args.baseline.write_text(json.dumps(run, indent=2) + "\n")

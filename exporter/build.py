@@ -6,5 +6,14 @@ the usual Python .gitignore); this module keeps the public import path. It impor
 from .engine import BuildRequest, build, build_targets, default_out, expand_targets, target_profile, target_refusal
 from .engine import profiles, validate_build
 
-__all__ = ["BuildRequest", "build", "build_targets", "default_out", "expand_targets", "profiles", "target_profile",
-           "target_refusal", "validate_build"]
+__all__ = [
+    "BuildRequest",
+    "build",
+    "build_targets",
+    "default_out",
+    "expand_targets",
+    "profiles",
+    "target_profile",
+    "target_refusal",
+    "validate_build",
+]

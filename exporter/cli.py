@@ -43,8 +43,11 @@ def one_line_errors(fn):
         except Exception as e:  # not exit 1, which a CI job reads as "an artifact broke its thresholds"
             traceback.print_exc()
             first = (str(e).strip().splitlines() or [""])[0][:200]
-            click.echo(f"error: the exporter failed (a bug; the traceback above is for its report): "
-                       f"{type(e).__name__}: {first}", err=True)
+            click.echo(
+                f"error: the exporter failed (a bug; the traceback above is for its report): "
+                f"{type(e).__name__}: {first}",
+                err=True,
+            )
             sys.exit(INTERNAL_ERROR)
 
     return wrapper
@@ -58,8 +61,15 @@ def main():
 
 
 @main.command("list")
-@click.option("--task", default="classification", show_default=True, help="classification, segmentation, detection, quantization, video, optical_flow")
-@click.option("--max-params", type=click.IntRange(min=1), default=None, help="Only weights with at most this many parameters.")
+@click.option(
+    "--task",
+    default="classification",
+    show_default=True,
+    help="classification, segmentation, detection, quantization, video, optical_flow",
+)
+@click.option(
+    "--max-params", type=click.IntRange(min=1), default=None, help="Only weights with at most this many parameters."
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @one_line_errors
 def list_cmd(task, max_params, as_json):
@@ -71,7 +81,9 @@ def list_cmd(task, max_params, as_json):
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    columns = ["weight", "metric", "value", "params (M)", "GFLOPS", "MB"] + (["backend"] if task == "quantization" else [])
+    columns = ["weight", "metric", "value", "params (M)", "GFLOPS", "MB"] + (
+        ["backend"] if task == "quantization" else []
+    )
     cells = [
         [
             r["weight"],
@@ -80,7 +92,8 @@ def list_cmd(task, max_params, as_json):
             f"{r['params'] / 1e6:.1f}" if r["params"] else "—",
             f"{r['gflops']:.2f}" if r["gflops"] is not None else "—",
             f"{r['size_mb']:.1f}" if r["size_mb"] is not None else "—",
-        ] + ([r["backend"] or "—"] if task == "quantization" else [])
+        ]
+        + ([r["backend"] or "—"] if task == "quantization" else [])
         for r in rows
     ]
     if not sys.stdout.isatty():
@@ -181,71 +194,193 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
 
 @main.command(epilog=EXIT_CODES)
 @click.argument("weight")
-@click.option("--target", "targets", multiple=True, default=["android"], show_default=True,
-              help="android, ios, jetson, all, or a profile .toml; repeat it to build several targets sharing one eager run")
-@click.option("--out", type=click.Path(path_type=Path), default=None, help="Output directory [default: exports/<weight>/<target>]")
-@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="State dict to load instead of the torch hub cache.")
-@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of a local checkpoint whose file name carries one (downloads are always checked).")
+@click.option(
+    "--target",
+    "targets",
+    multiple=True,
+    default=["android"],
+    show_default=True,
+    help="android, ios, jetson, all, or a profile .toml; repeat it to build several targets sharing one eager run",
+)
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=None, help="Output directory [default: exports/<weight>/<target>]"
+)
+@click.option(
+    "--checkpoint",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="State dict to load instead of the torch hub cache.",
+)
+@click.option(
+    "--no-verify",
+    is_flag=True,
+    help="Skip the sha256 check of a local checkpoint whose file name carries one (downloads are always checked).",
+)
 @click.option("--offline", is_flag=True, help="Never download a missing checkpoint (also EXPORTER_OFFLINE=1).")
-@click.option("--float-checkpoint", type=click.Path(path_type=Path), default=None,
-              help="A quantized weight's float model (its meta['unquantized']), the eager reference [default: from the torch hub cache if there].")
-@click.option("--labels", type=click.Path(path_type=Path), default=None, help="Class names, one per line (fine-tuned checkpoints).")
-@click.option("--data", type=click.Path(path_type=Path), default=None,
-              help="Calibration and labeled validation data: an ImageFolder (classification), or DIR/images + DIR/masks "
-                   "(segmentation, VOC-style: class index per pixel, 255 = ignore), DIR/annotations.json (detection, COCO), "
-                   "or DIR/<class>/<clip>/<frame image> (video).")
-@click.option("--input-size", type=(INPUT_SIDE, INPUT_SIDE), default=None, metavar="H W",
-              help="Fixed input size of a segmentation graph (the weight's resize size, square), of a RetinaNet, "
-                   "FCOS or Faster R-CNN graph (multiples of 32; by default the weight's min_size square: 800 800, "
-                   "320 320) or of a video graph's frames (the weight's crop), or a classifier's square crop (at least the "
-                   "weight's min_size; the resize scaled with it; ViT, MaxViT and Swin take only their crop); SSD "
-                   "takes its own.")
+@click.option(
+    "--float-checkpoint",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A quantized weight's float model (its meta['unquantized']), the eager reference [default: from the torch hub cache if there].",
+)
+@click.option(
+    "--labels",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Class names, one per line (fine-tuned checkpoints).",
+)
+@click.option(
+    "--data",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Calibration and labeled validation data: an ImageFolder (classification), or DIR/images + DIR/masks "
+    "(segmentation, VOC-style: class index per pixel, 255 = ignore), DIR/annotations.json (detection, COCO), "
+    "or DIR/<class>/<clip>/<frame image> (video).",
+)
+@click.option(
+    "--input-size",
+    type=(INPUT_SIDE, INPUT_SIDE),
+    default=None,
+    metavar="H W",
+    help="Fixed input size of a segmentation graph (the weight's resize size, square), of a RetinaNet, "
+    "FCOS or Faster R-CNN graph (multiples of 32; by default the weight's min_size square: 800 800, "
+    "320 320) or of a video graph's frames (the weight's crop), or a classifier's square crop (at least the "
+    "weight's min_size; the resize scaled with it; ViT, MaxViT and Swin take only their crop); SSD "
+    "takes its own.",
+)
 @click.option("--calib-size", type=click.IntRange(min=0), default=None)
 @click.option("--val-size", type=click.IntRange(min=MIN_INPUTS), default=None)
-@click.option("--threads", type=click.IntRange(min=0), default=None,
-              help="Threads for eager and every runtime alike (0: every core this process may use).")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Threads for eager and every runtime alike (0: every core this process may use).",
+)
 @click.option("--warmup", type=click.IntRange(min=0), default=None)
 @click.option("--iterations", type=click.IntRange(min=1), default=None, help="Timed iterations per runner.")
 @click.option("--threshold", "thresholds", multiple=True, help=_threshold_help())
-@click.option("--arch", "arches", multiple=True, type=click.Choice(["x86_64", "aarch64"]),
-              help="Also validate on this architecture (repeatable): aarch64 re-runs every .pte, .ptl and ONNX on "
-                   "emulated CPUs (qemu-user; the runner is set up on first use, see `exporter arm-setup`).")
-@click.option("--cpu", "cpus", multiple=True, metavar="NAME",
-              help="Emulated aarch64 CPU (repeatable), replacing the profile's [validate] cpus (implies --arch aarch64), e.g. cortex-a53.")
-@click.option("--quant-budget", "quant_budget", multiple=True,
-              help="int8 budget KEY=VALUE (repeatable): a threshold key (default: the int8 thresholds) or "
-                   "max_float_fraction, psnr_margin_db, check_fraction, onnx_calibration, dynamic_ranges (true|false).")
-@click.option("--no-fallback", is_flag=True, help="Plain PTQ: static ranges, no layer in float, whatever the budget says.")
-@click.option("--format", "formats", multiple=True, help="Only these formats, e.g. executorch or executorch:int8 (repeatable).")
-@click.option("--option", "raw_options", multiple=True, help="Format option KEY=VALUE for every artifact that takes it (repeatable).")
+@click.option(
+    "--arch",
+    "arches",
+    multiple=True,
+    type=click.Choice(["x86_64", "aarch64"]),
+    help="Also validate on this architecture (repeatable): aarch64 re-runs every .pte, .ptl and ONNX on "
+    "emulated CPUs (qemu-user; the runner is set up on first use, see `exporter arm-setup`).",
+)
+@click.option(
+    "--cpu",
+    "cpus",
+    multiple=True,
+    metavar="NAME",
+    help="Emulated aarch64 CPU (repeatable), replacing the profile's [validate] cpus (implies --arch aarch64), e.g. cortex-a53.",
+)
+@click.option(
+    "--quant-budget",
+    "quant_budget",
+    multiple=True,
+    help="int8 budget KEY=VALUE (repeatable): a threshold key (default: the int8 thresholds) or "
+    "max_float_fraction, psnr_margin_db, check_fraction, onnx_calibration, dynamic_ranges (true|false).",
+)
+@click.option(
+    "--no-fallback", is_flag=True, help="Plain PTQ: static ranges, no layer in float, whatever the budget says."
+)
+@click.option(
+    "--format", "formats", multiple=True, help="Only these formats, e.g. executorch or executorch:int8 (repeatable)."
+)
+@click.option(
+    "--option",
+    "raw_options",
+    multiple=True,
+    help="Format option KEY=VALUE for every artifact that takes it (repeatable).",
+)
 @click.option("--batch", default=None, help="Batch profile MIN:OPT:MAX of the ONNX files and their TensorRT engines.")
 @click.option("--workspace", type=click.IntRange(min=1), default=None, help="TensorRT workspace limit in MB.")
 @click.option("--dla-core", type=click.IntRange(min=0), default=None, help="Build TensorRT engines for this DLA core.")
 @click.option("--require-engine", is_flag=True, default=None, help="Exit 2 instead of reporting engines unavailable.")
 @click.option("--deployment-target", default=None, help="Core ML minimum deployment target, e.g. iOS17.")
-@click.option("--bundle", "make_bundle", is_flag=True, help="Also write app bundles (see `exporter bundle`) when every bundled artifact passed.")
-@click.option("--no-cache", is_flag=True, help="Rebuild and revalidate everything (cache: $EXPORTER_CACHE or ~/.cache/exporter).")
+@click.option(
+    "--bundle",
+    "make_bundle",
+    is_flag=True,
+    help="Also write app bundles (see `exporter bundle`) when every bundled artifact passed.",
+)
+@click.option(
+    "--no-cache", is_flag=True, help="Rebuild and revalidate everything (cache: $EXPORTER_CACHE or ~/.cache/exporter)."
+)
 @click.option("--force", is_flag=True, help="Write into a non-empty output directory.")
 @click.option("--quiet", is_flag=True, help="No progress or report on the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest JSON on stdout.")
 @one_line_errors
-def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint, labels, data, input_size, calib_size, val_size, threads,
-          warmup, iterations, thresholds, arches, cpus, quant_budget, no_fallback, formats, raw_options, batch, workspace, dla_core,
-          require_engine, deployment_target, make_bundle,
-          no_cache, force, quiet, as_json):
+def build(
+    weight,
+    targets,
+    out,
+    checkpoint,
+    no_verify,
+    offline,
+    float_checkpoint,
+    labels,
+    data,
+    input_size,
+    calib_size,
+    val_size,
+    threads,
+    warmup,
+    iterations,
+    thresholds,
+    arches,
+    cpus,
+    quant_budget,
+    no_fallback,
+    formats,
+    raw_options,
+    batch,
+    workspace,
+    dla_core,
+    require_engine,
+    deployment_target,
+    make_bundle,
+    no_cache,
+    force,
+    quiet,
+    as_json,
+):
     """Export WEIGHT for a target, validate every artifact against eager PyTorch, write manifest and report."""
     from .build import BuildRequest, build_targets, default_out, expand_targets, profiles
     from .progress import Progress
 
     request = BuildRequest(
-        weight=weight, target=targets[0], out=out, checkpoint=checkpoint, verify=not no_verify, labels=labels,
-        data=data, force=force, thresholds=list(thresholds), quant_budget=list(quant_budget), fallback=not no_fallback,
-        formats=list(formats), calib_size=calib_size,
-        val_size=val_size, threads=threads, warmup=warmup, iterations=iterations,
-        options=_options(raw_options, batch=batch, workspace_mb=workspace, dla_core=dla_core,
-                         require_engine=require_engine, deployment_target=deployment_target),
-        cache=not no_cache, offline=offline, float_checkpoint=float_checkpoint, input_size=input_size,
-        arch=list(arches), cpus=list(cpus),
+        weight=weight,
+        target=targets[0],
+        out=out,
+        checkpoint=checkpoint,
+        verify=not no_verify,
+        labels=labels,
+        data=data,
+        force=force,
+        thresholds=list(thresholds),
+        quant_budget=list(quant_budget),
+        fallback=not no_fallback,
+        formats=list(formats),
+        calib_size=calib_size,
+        val_size=val_size,
+        threads=threads,
+        warmup=warmup,
+        iterations=iterations,
+        options=_options(
+            raw_options,
+            batch=batch,
+            workspace_mb=workspace,
+            dla_core=dla_core,
+            require_engine=require_engine,
+            deployment_target=deployment_target,
+        ),
+        cache=not no_cache,
+        offline=offline,
+        float_checkpoint=float_checkpoint,
+        input_size=input_size,
+        arch=list(arches),
+        cpus=list(cpus),
     )
     if make_bundle:  # a target with no bundle selection is refused before the build, not after it
         from .release.bundle import check_target
@@ -276,8 +411,9 @@ def build(weight, targets, out, checkpoint, no_verify, offline, float_checkpoint
 
 @main.command()
 @click.option("--weight", "weight_names", multiple=True, required=True, help="A weight name (repeatable).")
-@click.option("--target", "targets", multiple=True,
-              help="A target, `all` or a .toml profile (repeatable); default: every target.")
+@click.option(
+    "--target", "targets", multiple=True, help="A target, `all` or a .toml profile (repeatable); default: every target."
+)
 @one_line_errors
 def matrix(weight_names, targets):
     """Print a JSON build matrix (weights x targets) for a CI system's matrix feature. A pair that `build` would
@@ -301,8 +437,18 @@ def matrix(weight_names, targets):
 
 @main.command(epilog=EXIT_CODES)
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--data", type=click.Path(path_type=Path), default=None, help="Validate on this data (the task's own format, as build --data) instead of the build's.")
-@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="The build's checkpoint, where it lives on this host.")
+@click.option(
+    "--data",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Validate on this data (the task's own format, as build --data) instead of the build's.",
+)
+@click.option(
+    "--checkpoint",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The build's checkpoint, where it lives on this host.",
+)
 @click.option("--threshold", "thresholds", multiple=True, help=_threshold_help())
 @click.option("--quiet", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -318,10 +464,19 @@ def validate(out_dir, data, checkpoint, thresholds, quiet, as_json):
 
 @main.command("validate-device", epilog=EXIT_CODES)
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--runtime", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True,
-              help="auto: a TensorRT engine where tensorrt is installed, else ONNX Runtime.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="ONNX Runtime's threads [default: its own]; the build's reproduce its numbers exactly.")
+@click.option(
+    "--runtime",
+    type=click.Choice(["auto", "tensorrt", "onnxruntime"]),
+    default="auto",
+    show_default=True,
+    help="auto: a TensorRT engine where tensorrt is installed, else ONNX Runtime.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="ONNX Runtime's threads [default: its own]; the build's reproduce its numbers exactly.",
+)
 @one_line_errors
 def validate_device(out_dir, runtime, threads):
     """Run a Jetson build's golden inputs through its ONNX (or engines) and compare to the golden eager logits."""
@@ -351,7 +506,9 @@ def bundle(out_dir, allow_failed):
 
 @main.command("arm-setup")
 @click.option("--rebuild", is_flag=True, help="Build the runner anew even when a complete one is cached.")
-@click.option("--offline", is_flag=True, help="Never download: use the cached runner or exit 2 (also EXPORTER_OFFLINE=1).")
+@click.option(
+    "--offline", is_flag=True, help="Never download: use the cached runner or exit 2 (also EXPORTER_OFFLINE=1)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print what was set up as JSON.")
 @one_line_errors
 def arm_setup(rebuild, offline, as_json):
@@ -362,16 +519,23 @@ def arm_setup(rebuild, offline, as_json):
 
     runner = aarch64.prepare(progress=Progress(quiet=as_json), rebuild=rebuild, offline=offline or None)
     info = runner.info
-    summary = {"path": str(runner.path), "size_mb": round(info.get("size_bytes", 0) / 1e6),
-               "setup_seconds": info.get("seconds"), "qemu": info.get("qemu_version"),
-               "packages": info.get("packages"), "cpus": runner.cpus}
+    summary = {
+        "path": str(runner.path),
+        "size_mb": round(info.get("size_bytes", 0) / 1e6),
+        "setup_seconds": info.get("seconds"),
+        "qemu": info.get("qemu_version"),
+        "packages": info.get("packages"),
+        "cpus": runner.cpus,
+    }
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
-    click.echo(f"aarch64 runner: {summary['path']}\nsize: {summary['size_mb']} MB, set up in "
-               f"{summary['setup_seconds']} s\nqemu: {summary['qemu']}\n"
-               f"packages: {', '.join(f'{k} {v}' for k, v in (summary['packages'] or {}).items())}\n"
-               f"cpus: {', '.join(summary['cpus'])}")
+    click.echo(
+        f"aarch64 runner: {summary['path']}\nsize: {summary['size_mb']} MB, set up in "
+        f"{summary['setup_seconds']} s\nqemu: {summary['qemu']}\n"
+        f"packages: {', '.join(f'{k} {v}' for k, v in (summary['packages'] or {}).items())}\n"
+        f"cpus: {', '.join(summary['cpus'])}"
+    )
 
 
 def _command_line(ctx: click.Context) -> str:
@@ -385,8 +549,15 @@ def _command_line(ctx: click.Context) -> str:
             arguments += [str(v) for v in (value if isinstance(value, tuple) else (value,)) if v is not None]
             continue
         default = param.default if isinstance(param.default, (str, int, float, tuple, list, Path)) else None
-        if value is None or value == () or value is False or (
-                default is not None and (tuple(value) == tuple(default) if isinstance(value, tuple) else value == default)):
+        if (
+            value is None
+            or value == ()
+            or value is False
+            or (
+                default is not None
+                and (tuple(value) == tuple(default) if isinstance(value, tuple) else value == default)
+            )
+        ):
             continue
         flag = param.opts[-1] if len(param.opts) > 1 and param.opts[-1].startswith("--") else param.opts[0]
         if param.is_flag:
@@ -404,41 +575,149 @@ def _command_line(ctx: click.Context) -> str:
 @main.command()
 @click.argument("merge_paths", nargs=-1, type=click.Path(path_type=Path), metavar="[PATH]...")
 @click.option("--target", "targets", multiple=True, help="A target (repeatable) [default: every target].")
-@click.option("--format", "formats", multiple=True, help="Only these artifacts, e.g. onnx:fp32 (repeatable); targets without one are left out.")
-@click.option("--models", multiple=True, help="Builder or weight names or globs, e.g. 'resnet*' (repeatable, or comma-separated).")
-@click.option("--task", "tasks", multiple=True, help="classification, segmentation, detection, quantization, video, optical_flow (repeatable) [default: all].")
+@click.option(
+    "--format",
+    "formats",
+    multiple=True,
+    help="Only these artifacts, e.g. onnx:fp32 (repeatable); targets without one are left out.",
+)
+@click.option(
+    "--models", multiple=True, help="Builder or weight names or globs, e.g. 'resnet*' (repeatable, or comma-separated)."
+)
+@click.option(
+    "--task",
+    "tasks",
+    multiple=True,
+    help="classification, segmentation, detection, quantization, video, optical_flow (repeatable) [default: all].",
+)
 @click.option("--one-per-builder", is_flag=True, help="Each builder's DEFAULT weight instead of every weight.")
-@click.option("--max-params", type=click.IntRange(min=1), default=None, help="Skip (⏭) weights with more parameters than this.")
-@click.option("--time-limit", type=click.FloatRange(min=0), default=900, show_default=True, help="CPU seconds per build (weight x target), 3x on the wall clock; 0: none.")
-@click.option("--weights", "weight_source", type=click.Choice(["random", "digits"]), default="random", show_default=True,
-              help="random: settled random weights, synthetic inputs. digits: each classifier trained on the digits "
-                   "(cached), validated on held-out labeled digits.")
-@click.option("--train-epochs", type=click.IntRange(min=1), default=None, help="Epochs of the digits training [default: 4].")
-@click.option("--calib-size", type=click.IntRange(min=0), default=None, help="[default: 16 (random); the target's own (digits)]")
-@click.option("--val-size", type=click.IntRange(min=MIN_INPUTS), default=None, help="[default: 8 (random); the target's own (digits)]")
+@click.option(
+    "--max-params", type=click.IntRange(min=1), default=None, help="Skip (⏭) weights with more parameters than this."
+)
+@click.option(
+    "--time-limit",
+    type=click.FloatRange(min=0),
+    default=900,
+    show_default=True,
+    help="CPU seconds per build (weight x target), 3x on the wall clock; 0: none.",
+)
+@click.option(
+    "--weights",
+    "weight_source",
+    type=click.Choice(["random", "digits"]),
+    default="random",
+    show_default=True,
+    help="random: settled random weights, synthetic inputs. digits: each classifier trained on the digits "
+    "(cached), validated on held-out labeled digits.",
+)
+@click.option(
+    "--train-epochs", type=click.IntRange(min=1), default=None, help="Epochs of the digits training [default: 4]."
+)
+@click.option(
+    "--calib-size", type=click.IntRange(min=0), default=None, help="[default: 16 (random); the target's own (digits)]"
+)
+@click.option(
+    "--val-size",
+    type=click.IntRange(min=MIN_INPUTS),
+    default=None,
+    help="[default: 8 (random); the target's own (digits)]",
+)
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--iterations", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Threads per build.")
-@click.option("--input-size", type=(INPUT_SIDE, INPUT_SIDE), default=(128, 128), show_default=True,
-              metavar="H W", help="Input size of the graphs that take one: segmentation, RetinaNet, FCOS, video frames.")
-@click.option("--classifier-size", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Build classifiers at N×N (with --weights digits, trained at it too) where their graph takes it "
-                   "and it is no larger than their crop (not ViT, MaxViT, Swin) [default: each weight's crop].")
-@click.option("--arch", "coverage_arch", type=click.Choice(["aarch64"]), default=None,
-              help="Also validate each .pte, .ptl and ONNX artifact on emulated aarch64 CPUs (the target's [validate] "
-                   "cpus); the table is coverage[-digits]-aarch64.")
-@click.option("--cpu", "coverage_cpus", multiple=True, metavar="NAME",
-              help="Emulated aarch64 CPU (repeatable), instead of the target's (implies --arch aarch64).")
-@click.option("--shard", default=None, metavar="I/N", help="Run only shard I of N (weights I, I+N, …); writes OUT/coverage-shard-I-of-N.json/.md.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("docs"), show_default=True, help="Where coverage.md and coverage.json go.")
-@click.option("--builds", type=click.Path(path_type=Path), default=None, help="Keep every build under DIR/<weight>/<target> [default: temporary].")
+@click.option(
+    "--input-size",
+    type=(INPUT_SIDE, INPUT_SIDE),
+    default=(128, 128),
+    show_default=True,
+    metavar="H W",
+    help="Input size of the graphs that take one: segmentation, RetinaNet, FCOS, video frames.",
+)
+@click.option(
+    "--classifier-size",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Build classifiers at N×N (with --weights digits, trained at it too) where their graph takes it "
+    "and it is no larger than their crop (not ViT, MaxViT, Swin) [default: each weight's crop].",
+)
+@click.option(
+    "--arch",
+    "coverage_arch",
+    type=click.Choice(["aarch64"]),
+    default=None,
+    help="Also validate each .pte, .ptl and ONNX artifact on emulated aarch64 CPUs (the target's [validate] "
+    "cpus); the table is coverage[-digits]-aarch64.",
+)
+@click.option(
+    "--cpu",
+    "coverage_cpus",
+    multiple=True,
+    metavar="NAME",
+    help="Emulated aarch64 CPU (repeatable), instead of the target's (implies --arch aarch64).",
+)
+@click.option(
+    "--shard",
+    default=None,
+    metavar="I/N",
+    help="Run only shard I of N (weights I, I+N, …); writes OUT/coverage-shard-I-of-N.json/.md.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=Path("docs"),
+    show_default=True,
+    help="Where coverage.md and coverage.json go.",
+)
+@click.option(
+    "--builds",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Keep every build under DIR/<weight>/<target> [default: temporary].",
+)
 @click.option("--no-cache", is_flag=True, help="Rebuild rows cached in $EXPORTER_CACHE/coverage.")
-@click.option("--matrix", "matrix_shards", type=int, default=None, metavar="N", help="Print a CI matrix of N shards as JSON and exit.")
-@click.option("--merge", "merge", is_flag=True, help="Merge the coverage JSON files or directories PATH... into OUT instead of building.")
+@click.option(
+    "--matrix",
+    "matrix_shards",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Print a CI matrix of N shards as JSON and exit.",
+)
+@click.option(
+    "--merge",
+    "merge",
+    is_flag=True,
+    help="Merge the coverage JSON files or directories PATH... into OUT instead of building.",
+)
 @one_line_errors
-def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_params, time_limit, weight_source,
-             train_epochs, calib_size, val_size, warmup, iterations, threads, input_size, classifier_size, coverage_arch,
-             coverage_cpus, shard, out, builds, no_cache, matrix_shards, merge):
+def coverage(
+    merge_paths,
+    targets,
+    formats,
+    models,
+    tasks,
+    one_per_builder,
+    max_params,
+    time_limit,
+    weight_source,
+    train_epochs,
+    calib_size,
+    val_size,
+    warmup,
+    iterations,
+    threads,
+    input_size,
+    classifier_size,
+    coverage_arch,
+    coverage_cpus,
+    shard,
+    out,
+    builds,
+    no_cache,
+    matrix_shards,
+    merge,
+):
     """Sweep torchvision: build every weight (random weights, settled batch norms; or, with --weights digits,
     each classifier trained on the digits) for every target, validate, and write the weight x artifact table
     (OUT/coverage.md) and its JSON."""
@@ -454,8 +733,9 @@ def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_
         if not merge_paths:
             raise UsageError("--merge needs the coverage JSON files or directories to merge")
         doc = sweep.merge(merge_paths, out, command)
-        json_path, md_path = sweep.output_paths(out, None, doc["settings"].get("weights", "random"),
-                                                bool(doc["settings"].get("cpus")))
+        json_path, md_path = sweep.output_paths(
+            out, None, doc["settings"].get("weights", "random"), bool(doc["settings"].get("cpus"))
+        )
     else:
         if merge_paths:
             raise UsageError(f"unexpected argument {merge_paths[0]} (paths are for --merge)")
@@ -468,15 +748,36 @@ def coverage(merge_paths, targets, formats, models, tasks, one_per_builder, max_
             from .aarch64 import cpus as aarch64_cpus
 
             aarch64_cpus.check(coverage_cpus)
-        settings = sweep.Settings(targets=tuple(targets) or ("all",), formats=tuple(formats), calib_size=calib_size,
-                                  val_size=val_size, warmup=warmup, iterations=iterations, threads=threads,
-                                  input_size=tuple(input_size), classifier_size=classifier_size,
-                                  time_limit=time_limit or None, weights=weight_source,
-                                  train_epochs=train_epochs or sweep.trained.EPOCHS,
-                                  cpus=tuple(coverage_cpus) or (("target",) if coverage_arch else ()))
-        sweep.run(settings, models, tasks, one_per_builder, max_params, shard, out, cache=not no_cache,
-                  builds_dir=builds, command=command)
-        json_path, md_path = sweep.output_paths(out, sweep.select.parse_shard(shard), weight_source, settings.on_aarch64)
+        settings = sweep.Settings(
+            targets=tuple(targets) or ("all",),
+            formats=tuple(formats),
+            calib_size=calib_size,
+            val_size=val_size,
+            warmup=warmup,
+            iterations=iterations,
+            threads=threads,
+            input_size=tuple(input_size),
+            classifier_size=classifier_size,
+            time_limit=time_limit or None,
+            weights=weight_source,
+            train_epochs=train_epochs or sweep.trained.EPOCHS,
+            cpus=tuple(coverage_cpus) or (("target",) if coverage_arch else ()),
+        )
+        sweep.run(
+            settings,
+            models,
+            tasks,
+            one_per_builder,
+            max_params,
+            shard,
+            out,
+            cache=not no_cache,
+            builds_dir=builds,
+            command=command,
+        )
+        json_path, md_path = sweep.output_paths(
+            out, sweep.select.parse_shard(shard), weight_source, settings.on_aarch64
+        )
     click.echo(f"table: {md_path}\njson: {json_path}", err=True)
 
 

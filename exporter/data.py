@@ -78,8 +78,9 @@ def _load_image(path: Path, preprocess) -> torch.Tensor:
         raise UsageError(f"cannot read image {path}: {e}") from None
 
 
-def _labeled(root: Path, classes, samples, load, calib_size: int, val_size: int, seed: int, num_classes: int,
-             counted: str) -> Inputs:
+def _labeled(
+    root: Path, classes, samples, load, calib_size: int, val_size: int, seed: int, num_classes: int, counted: str
+) -> Inputs:
     """Calibration and labeled validation inputs from (item, class index) samples, `load` turning an item into
     one preprocessed input."""
     if len(classes) > num_classes:
@@ -105,8 +106,17 @@ def _labeled(root: Path, classes, samples, load, calib_size: int, val_size: int,
 
 def from_imagefolder(root: Path, preprocess, calib_size: int, val_size: int, seed: int, num_classes: int) -> Inputs:
     classes, samples = scan_imagefolder(root)
-    return _labeled(root, classes, samples, lambda path: _load_image(path, preprocess), calib_size, val_size, seed,
-                    num_classes, "images")
+    return _labeled(
+        root,
+        classes,
+        samples,
+        lambda path: _load_image(path, preprocess),
+        calib_size,
+        val_size,
+        seed,
+        num_classes,
+        "images",
+    )
 
 
 def _load_clip(frames: list[Path], preprocess) -> torch.Tensor:
@@ -123,8 +133,17 @@ def _load_clip(frames: list[Path], preprocess) -> torch.Tensor:
 def from_clipfolder(root: Path, preprocess, calib_size: int, val_size: int, seed: int, num_classes: int) -> Inputs:
     """Labeled clips: `preprocess` samples each clip's frames evenly to the graph's frame count."""
     classes, samples = scan_clipfolder(root)
-    return _labeled(root, classes, samples, lambda frames: _load_clip(frames, preprocess), calib_size, val_size, seed,
-                    num_classes, "clips")
+    return _labeled(
+        root,
+        classes,
+        samples,
+        lambda frames: _load_clip(frames, preprocess),
+        calib_size,
+        val_size,
+        seed,
+        num_classes,
+        "clips",
+    )
 
 
 def _synthetic_image(rng: np.random.Generator, size: int = 256) -> Image.Image:

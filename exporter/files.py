@@ -58,7 +58,7 @@ def copy(source: Path, target: Path) -> None:
         shutil.copytree(source, target)
         return
     for companion in companions(source):
-        shutil.copyfile(companion, target.with_name(target.name + companion.name[len(source.name):]))
+        shutil.copyfile(companion, target.with_name(target.name + companion.name[len(source.name) :]))
     shutil.copyfile(source, target)
 
 
@@ -99,7 +99,7 @@ def sha256(path: Path) -> str:
         return file_sha256(path)
     h = hashlib.sha256()
     for f in [path, *parts]:
-        h.update(f"{f.name[len(path.name):]}\0{file_sha256(f)}\n".encode())
+        h.update(f"{f.name[len(path.name) :]}\0{file_sha256(f)}\n".encode())
     return h.hexdigest()
 
 

@@ -46,7 +46,11 @@ def _proc_stat() -> tuple[float, float, float | None] | None:
     iowait, irq, softirq = (ticks[4:7] + [0, 0, 0])[:3]
     steal = ticks[7] if len(ticks) > 7 else None
     # guest time is already inside user/nice
-    return (user + nice + system + irq + softirq) / hz, (idle + iowait) / hz, (steal / hz if steal is not None else None)
+    return (
+        (user + nice + system + irq + softirq) / hz,
+        (idle + iowait) / hz,
+        (steal / hz if steal is not None else None),
+    )
 
 
 def _load_1m() -> float | None:
@@ -74,8 +78,15 @@ def conditions(before: dict, after: dict, cpus: int | None = None) -> dict:
     cpus = cpus or os.cpu_count() or 1
     window = max(after["t"] - before["t"], 1e-9)
     own = max(after["own_s"] - before["own_s"], 0.0)
-    found = {"window_s": round(window, 4), "cpus": cpus, "load_avg_1m": after["load_1m"], "own_cpu_s": round(own, 4),
-             "other_cpu_s": None, "other_cpu_share": None, "steal_s": None}
+    found = {
+        "window_s": round(window, 4),
+        "cpus": cpus,
+        "load_avg_1m": after["load_1m"],
+        "own_cpu_s": round(own, 4),
+        "other_cpu_s": None,
+        "other_cpu_share": None,
+        "steal_s": None,
+    }
     if before["stat"] and after["stat"]:
         busy = after["stat"][0] - before["stat"][0]
         other = max(busy - own, 0.0)
@@ -119,8 +130,10 @@ def judge(conditions: dict, threads: int, max_spread: float | None = None) -> tu
         allowed = max(cpus - threads, 0) * window + OTHER_CORES_MARGIN * window + slack
         if other > allowed:
             share = other / (window * cpus)
-            reasons.append(f"other processes took {share:.0%} of the CPU ({other / window:.1f} of {cpus} cores) "
-                           f"over the {window:.2f} s timed")
+            reasons.append(
+                f"other processes took {share:.0%} of the CPU ({other / window:.1f} of {cpus} cores) "
+                f"over the {window:.2f} s timed"
+            )
     steal = conditions.get("steal_s")
     if steal is not None and window > 0 and steal > STEAL_CORES_MARGIN * window + slack:
         reasons.append(f"the hypervisor took {steal / (window * cpus):.0%} of the CPU (steal time)")

@@ -84,8 +84,15 @@ class Progress:
             if paused:
                 paused.stop()
             try:
-                with Bar(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                         console=self.console, transient=True) as bar:
+                with Bar(
+                    TextColumn(label),
+                    BarColumn(),
+                    DownloadColumn(),
+                    TransferSpeedColumn(),
+                    TimeRemainingColumn(),
+                    console=self.console,
+                    transient=True,
+                ) as bar:
                     task = bar.add_task(label, total=total_bytes)
 
                     def advance(n: int) -> None:
@@ -96,7 +103,9 @@ class Progress:
             finally:
                 if paused:
                     paused.start()
-        self.console.print(f"[green]✓[/green] {label} ({received[0] / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s)")
+        self.console.print(
+            f"[green]✓[/green] {label} ({received[0] / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s)"
+        )
 
 
 class _Step:

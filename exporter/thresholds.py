@@ -34,8 +34,15 @@ TASK_KEYS = {
     "optical_flow": ("flow_agreement", "epe_vs_eager", "psnr_db", "cosine", "max_abs_error", "epe_increase"),
 }
 # fractions in [0, 1]
-FRACTIONS = ("top1_agreement", "top5_agreement", "pixel_agreement", "miou_vs_eager", "matched_recall", "matched_precision",
-             "flow_agreement")
+FRACTIONS = (
+    "top1_agreement",
+    "top5_agreement",
+    "pixel_agreement",
+    "miou_vs_eager",
+    "matched_recall",
+    "matched_precision",
+    "flow_agreement",
+)
 
 
 def _lookup(metrics: dict, path: tuple[str, str]):

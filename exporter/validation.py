@@ -69,8 +69,15 @@ def measure_latency_on_host(
     return timing, {**window.conditions, "spread": {name: hostload.spread(t) for name, t in timing.items()}}
 
 
-def latency_against_eager(runner: Runner, eager: Runner, example: torch.Tensor, warmup: int, iterations: int,
-                          threads: int | None = None, max_spread: float | None = None) -> dict:
+def latency_against_eager(
+    runner: Runner,
+    eager: Runner,
+    example: torch.Tensor,
+    warmup: int,
+    iterations: int,
+    threads: int | None = None,
+    max_spread: float | None = None,
+) -> dict:
     """The contract's latency fields for one runner timed beside eager: latency_ms, eager_latency_ms,
     speedup_vs_eager (as measured, whatever the host did) and latency_conditions, judged with `threads` (torch's
     current setting when None) and the profile's `max_spread`. Status never depends on any of them."""
@@ -98,15 +105,19 @@ def blind_spot(task: Task, reference: torch.Tensor, thresholds: Mapping[str, flo
     if not limits:
         return None
     if len(reference) < MIN_INPUTS:
-        return (f"fidelity not measurable on {len(reference)} validation input: whether eager's outputs vary "
-                f"across inputs, and so whether agreement with them means anything, takes two or more")
+        return (
+            f"fidelity not measurable on {len(reference)} validation input: whether eager's outputs vary "
+            f"across inputs, and so whether agreement with them means anything, takes two or more"
+        )
     constant = reference.double().mean(0, keepdim=True).expand_as(reference).float()
     fidelity = task.fidelity(reference, constant)
     if fidelity["psnr_db"] < NEAR_CONSTANT_DB or breaches({"fidelity": fidelity}, limits):
         return None
-    return (f"fidelity not measurable: degenerate eager reference (its outputs barely vary across the "
-            f"{len(reference)} validation inputs: returning their mean for every input passes "
-            f"{', '.join(sorted(limits))} too)")
+    return (
+        f"fidelity not measurable: degenerate eager reference (its outputs barely vary across the "
+        f"{len(reference)} validation inputs: returning their mean for every input passes "
+        f"{', '.join(sorted(limits))} too)"
+    )
 
 
 # An input whose RMS error is this many times the median input's is one the artifact fails alone: the rounding of an
@@ -140,8 +151,7 @@ def outlier_inputs(task: Task, outputs: torch.Tensor, reference: torch.Tensor, t
         "rows": [int(i) for i in rms.argsort(descending=True)[:count]],
         "of": len(rms),
         "error_share": round(float(squared[far].sum() / squared.sum()), 4),
-        "rms_over_median": {"over": OUTLIER_RATIO,
-                            "max": round(float(rms.max() / median), 1) if median > 0 else None},
+        "rms_over_median": {"over": OUTLIER_RATIO, "max": round(float(rms.max() / median), 1) if median > 0 else None},
         "peak_over_median": round(float(peaks[far].max() / peaks.median()), 1) if peaks.median() > 0 else None,
         "fidelity_without": fidelity,
         "thresholds_met_without": not breaches({"fidelity": fidelity}, _fidelity_limits(thresholds)),
@@ -184,8 +194,10 @@ def not_finite(outputs: torch.Tensor, reference: torch.Tensor) -> str | None:
     if not bad.any():
         return None
     rows = int(bad.reshape(len(bad), -1).any(1).sum())
-    return (f"outputs not finite: {int(bad.sum())} of {bad.numel()} values are NaN or infinite where eager's are "
-            f"finite ({rows} of {len(bad)} inputs)")
+    return (
+        f"outputs not finite: {int(bad.sum())} of {bad.numel()} values are NaN or infinite where eager's are "
+        f"finite ({rows} of {len(bad)} inputs)"
+    )
 
 
 def _measured(value, outputs_broken: bool):

@@ -33,8 +33,10 @@ FAST = ["--calib-size", "64", "--val-size", "120", "--warmup", "2", "--iteration
 # and only there. These builds judge int8 at 5 points (6 digits) and every other int8 threshold as the profile
 # has it; the budget itself is tested by test_quant on what the search guarantees. Their int8 is still built to the
 # profile's 1-point budget, so it is the default build's artifact and comes from the suite's cache.
-(_BUDGET,) = {tomllib.loads((ROOT / "targets" / f"{t}.toml").read_text())["thresholds"]["int8"]["accuracy_drop"]
-              for t in ("android", "jetson")}  # one value, or these builds' int8 would differ from the default's
+(_BUDGET,) = {
+    tomllib.loads((ROOT / "targets" / f"{t}.toml").read_text())["thresholds"]["int8"]["accuracy_drop"]
+    for t in ("android", "jetson")
+}  # one value, or these builds' int8 would differ from the default's
 INT8_SLACK = ["--threshold", "int8.accuracy_drop=5", "--quant-budget", f"accuracy_drop={_BUDGET}"]
 
 
@@ -70,9 +72,19 @@ def quiet_host():
 ANDROID_BUILD = "android_build"  # the xdist group of every file that checks this session fixture
 # test_region_detection starts once test_detection has had time to train the SSDlite stand-in its own starts from
 # (a worker that asks for it earlier waits on the other's lock, idle).
-SLOWEST_FIRST = ("test_segmentation", ANDROID_BUILD, "test_detection", "test_quant", "test_coverage",
-                 "test_optical_flow", "test_region_detection", "test_reproducibility", "test_ios", "test_video",
-                 "test_jetson")
+SLOWEST_FIRST = (
+    "test_segmentation",
+    ANDROID_BUILD,
+    "test_detection",
+    "test_quant",
+    "test_coverage",
+    "test_optical_flow",
+    "test_region_detection",
+    "test_reproducibility",
+    "test_ios",
+    "test_video",
+    "test_jetson",
+)
 ARM_SETUP = pytest.StashKey()
 
 
@@ -88,7 +100,7 @@ def pytest_configure(config):
     cores = sorted(os.sched_getaffinity(0))
     share = max(1, len(cores) // int(workers))
     first = int(worker.removeprefix("gw")) * share % len(cores)
-    os.sched_setaffinity(0, set(cores[first:first + share]))
+    os.sched_setaffinity(0, set(cores[first : first + share]))
     torch.set_num_threads(share)
 
 
@@ -121,7 +133,10 @@ def pytest_sessionstart(session):
     with open(log, "w") as handle:
         session.config.stash[ARM_SETUP] = subprocess.Popen(
             [sys.executable, "-c", "from exporter.cli import main; main()", "arm-setup"],
-            stdout=handle, stderr=subprocess.STDOUT, env=env)
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
 
 def pytest_sessionfinish(session):
@@ -202,8 +217,19 @@ def run_cli(*args: str, env: dict | None = None):
 
 def build_args(model: digits.DigitsModel, out: Path, *extra: str) -> list[str]:
     return [
-        "build", model.weight, "--checkpoint", model.checkpoint, "--data", model.data_dir,
-        "--labels", model.labels_file, "--out", out, "--quiet", *FAST, *extra,
+        "build",
+        model.weight,
+        "--checkpoint",
+        model.checkpoint,
+        "--data",
+        model.data_dir,
+        "--labels",
+        model.labels_file,
+        "--out",
+        out,
+        "--quiet",
+        *FAST,
+        *extra,
     ]
 
 

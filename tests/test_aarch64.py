@@ -171,8 +171,12 @@ def test_max_and_unknown_cpus_are_refused():
 
 def test_a_stub_library_defines_what_it_is_asked_to(tmp_path):
     """The stub is read back by the same ELF reader that finds what torch's libraries need; readelf agrees."""
-    symbols = {"cudaMalloc": "libcudart.so.13", "cudaFree": "libcudart.so.13", "_ZTIN3foo3BarE": None,
-               "_ZN3c104cuda9allocatorE": None}
+    symbols = {
+        "cudaMalloc": "libcudart.so.13",
+        "cudaFree": "libcudart.so.13",
+        "_ZTIN3foo3BarE": None,
+        "_ZN3c104cuda9allocatorE": None,
+    }
     path = tmp_path / "libcudart.so.13"
     elf.write_stub(path, "libcudart.so.13", symbols, objects={"_ZN3c104cuda9allocatorE": 8})
     data = path.read_bytes()
@@ -264,8 +268,9 @@ def _models(tmp_path, x, names):
     models = {}
     for n, name in enumerate(names):
         torch.manual_seed(n)
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
-                                    torch.nn.Linear(4 * 6 * 6, 5 + n)).eval()
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5 + n)
+        ).eval()
         if name.endswith(".onnx"):
             torch.onnx.export(model, (x[:1],), tmp_path / name, dynamo=False)
         else:
@@ -286,7 +291,9 @@ def test_one_process_per_cpu_runs_every_artifact_and_one_that_kills_it_is_named(
     artifacts = [tmp_path / n for n in ("good.onnx", "crash.ptl", "bad.pte", "good.ptl")]
     results = aarch64.run(host, artifacts, x.numpy(), ["cortex-a53", "cortex-a76"])
 
-    assert [(r.artifact.name, r.cpu) for r in results] == [(a.name, c) for a in artifacts for c in ("cortex-a53", "cortex-a76")]
+    assert [(r.artifact.name, r.cpu) for r in results] == [
+        (a.name, c) for a in artifacts for c in ("cortex-a53", "cortex-a76")
+    ]
     for r in results:
         if r.artifact.name.startswith("good"):  # its own outputs, the stray print on stdout notwithstanding
             assert r.ok and np.allclose(r.outputs[0], expected[r.artifact.name], atol=1e-5), (r.artifact, r.error)
@@ -309,7 +316,9 @@ def test_an_artifact_past_its_time_limit_is_named_and_the_next_runs(tmp_path, mo
     expected = _models(tmp_path, x, ["hang.ptl", "good.ptl"])
     host, log = _host_runner(tmp_path, monkeypatch)
     # the limit covers a job's imports (torch for a .ptl: seconds on a busy host), not the process's start-up
-    hang, good = aarch64.run(host, [tmp_path / "hang.ptl", tmp_path / "good.ptl"], x.numpy(), ["cortex-a53"], timeout=30)
+    hang, good = aarch64.run(
+        host, [tmp_path / "hang.ptl", tmp_path / "good.ptl"], x.numpy(), ["cortex-a53"], timeout=30
+    )
     assert hang.error == "timed out after 30 s under qemu (cortex-a53)", hang.error
     assert good.ok and np.allclose(good.outputs[0], expected["good.ptl"], atol=1e-5), good.error
     assert log.read_text().split() == ["cortex-a53"] * 2  # the hung one first: blamed at once

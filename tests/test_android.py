@@ -39,8 +39,9 @@ def test_every_artifact_passed_and_is_what_the_manifest_says(android_build, doc)
 def test_float_artifacts_are_made_before_the_int8_search_and_listed_in_the_targets_order(doc):
     exports = dict.fromkeys(step.split()[1] for step in doc["timings_s"] if step.startswith("export "))
     assert list(exports) == ["executorch_fp32", "torchscript_lite_fp32", "executorch_int8"]
-    assert [a["name"] for a in doc["artifacts"]] == [spec["format"] + "_" + spec["precision"]
-                                                    for spec in doc["target"]["artifacts"]]
+    assert [a["name"] for a in doc["artifacts"]] == [
+        spec["format"] + "_" + spec["precision"] for spec in doc["target"]["artifacts"]
+    ]
 
 
 def test_fidelity_and_accuracy_on_trained_model(doc):
@@ -129,9 +130,26 @@ def test_validate_reruns_and_detects_tampering(tmp_path, android_build, doc):
 
 def test_named_weight_through_torch_hub_cache(tmp_path, torch_home, digits_model):
     out = tmp_path / "hub"
-    args = ["build", "mobilenet_v3_small", "--data", digits_model.data_dir, "--out", out, "--quiet",
-            "--format", "torchscript_lite", "--no-verify", "--calib-size", "8", "--val-size", "60",
-            "--warmup", "1", "--iterations", "5"]
+    args = [
+        "build",
+        "mobilenet_v3_small",
+        "--data",
+        digits_model.data_dir,
+        "--out",
+        out,
+        "--quiet",
+        "--format",
+        "torchscript_lite",
+        "--no-verify",
+        "--calib-size",
+        "8",
+        "--val-size",
+        "60",
+        "--warmup",
+        "1",
+        "--iterations",
+        "5",
+    ]
     result = run_cli(*args, env={"TORCH_HOME": str(torch_home)})
     assert result.exit_code == 0, result.output
     doc = json.loads((out / "manifest.json").read_text())
@@ -141,9 +159,23 @@ def test_named_weight_through_torch_hub_cache(tmp_path, torch_home, digits_model
 
 def test_without_data_validates_on_synthetic_inputs(tmp_path, digits_model):
     out = tmp_path / "nodata"
-    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--out", out,
-                     "--format", "torchscript_lite", "--val-size", "16", "--calib-size", "4", "--iterations", "5",
-                     "--json")
+    result = run_cli(
+        "build",
+        digits_model.weight,
+        "--checkpoint",
+        digits_model.checkpoint,
+        "--out",
+        out,
+        "--format",
+        "torchscript_lite",
+        "--val-size",
+        "16",
+        "--calib-size",
+        "4",
+        "--iterations",
+        "5",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["data"]["source"] == "synthetic" and doc["eager"]["accuracy"] is None
@@ -163,8 +195,9 @@ def test_ops_left_outside_the_delegate_are_named_by_their_aten_op():
             a, b = x.split([2, 2], dim=1)
             return torch.cat([b, a], 1).mean(dim=(2, 3))
 
-    edge = to_edge_transform_and_lower(torch.export.export(SplitThenMean(), (torch.randn(1, 4, 8, 8),)),
-                                       partitioner=[XnnpackPartitioner()])
+    edge = to_edge_transform_and_lower(
+        torch.export.export(SplitThenMean(), (torch.randn(1, 4, 8, 8),)), partitioner=[XnnpackPartitioner()]
+    )
     assert _outside_on_tensors(edge.exported_program().graph_module) == {"split_with_sizes_copy": 1, "mean": 1}
 
 

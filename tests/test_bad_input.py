@@ -13,7 +13,11 @@ def build(tmp_path, digits_model):
     out = tmp_path / "out"
 
     def run(*args, weight=None, checkpoint="default", env=None):
-        ckpt = [] if checkpoint is None else ["--checkpoint", digits_model.checkpoint if checkpoint == "default" else checkpoint]
+        ckpt = (
+            []
+            if checkpoint is None
+            else ["--checkpoint", digits_model.checkpoint if checkpoint == "default" else checkpoint]
+        )
         return run_cli("build", weight or digits_model.weight, *ckpt, "--out", out, *args, env=env), out
 
     run.out = out
@@ -104,7 +108,9 @@ def test_out_dir_not_empty(build):
 
 
 def test_out_dir_unwritable(digits_model):
-    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--out", "/proc/exporter/out")
+    result = run_cli(
+        "build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--out", "/proc/exporter/out"
+    )
     assert result.exit_code == 2 and "not writable" in result.stderr
 
 
@@ -127,8 +133,18 @@ def test_bad_threshold(build, override, needle):
 
 def test_threshold_precision_is_checked_against_every_chosen_target(build):
     """What the chosen targets build, after --format, decides (fp16 is iOS's, int8 left out by --format)."""
-    result, out = build("--target", "android", "--target", "ios", "--format", "executorch:fp32", "--format", "coreml",
-                        "--threshold", "int8.psnr_db=30")
+    result, out = build(
+        "--target",
+        "android",
+        "--target",
+        "ios",
+        "--format",
+        "executorch:fp32",
+        "--format",
+        "coreml",
+        "--threshold",
+        "int8.psnr_db=30",
+    )
     assert_clean_refusal(result, out, "android, ios build no int8 artifact (precisions built: fp16, fp32)")
     result, out = build("--format", "executorch:fp32", "--quant-budget", "psnr_db=30")
     assert_clean_refusal(result, out, "--quant-budget psnr_db=30: android builds no int8 artifact")
@@ -149,8 +165,17 @@ def test_real_entry_point_exits_2_without_traceback(tmp_path):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "exporter.cli", "build", "MobileNet_V3_Large_Weights.IMAGENET1K_V9", "--out", str(tmp_path / "o")],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "exporter.cli",
+            "build",
+            "MobileNet_V3_Large_Weights.IMAGENET1K_V9",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
@@ -181,15 +206,26 @@ def _profile(tmp_path, name: str, extra: str = "", stem: str = "android") -> str
     return str(path)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (lambda t: ["--target", _profile(t, "a"), "--target", "android"], "are both named 'android'"),
-    (lambda t: ["--target", _profile(t, "b", 'name = "../escaped"\n')], "name '../escaped' must be"),
-    (lambda t: ["--target", _profile(t, "e", '[[artifacts]]\nformat = "onnx"\nprecision = "fp32"\nname = "../x"\n')],
-     "name '../x' must be"),
-    (lambda t: ["--target", _profile(t, "c", 'post_build = "no_such_module:fn"\n')], "post_build 'no_such_module:fn' cannot be loaded"),
-    (lambda t: ["--target", _profile(t, "d", stem="pixel"), "--bundle"], "no bundle selection for target"),
-    (lambda t: ["--format", "executorch:int8", "--calib-size", "0"], "need calibration images"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (lambda t: ["--target", _profile(t, "a"), "--target", "android"], "are both named 'android'"),
+        (lambda t: ["--target", _profile(t, "b", 'name = "../escaped"\n')], "name '../escaped' must be"),
+        (
+            lambda t: [
+                "--target",
+                _profile(t, "e", '[[artifacts]]\nformat = "onnx"\nprecision = "fp32"\nname = "../x"\n'),
+            ],
+            "name '../x' must be",
+        ),
+        (
+            lambda t: ["--target", _profile(t, "c", 'post_build = "no_such_module:fn"\n')],
+            "post_build 'no_such_module:fn' cannot be loaded",
+        ),
+        (lambda t: ["--target", _profile(t, "d", stem="pixel"), "--bundle"], "no bundle selection for target"),
+        (lambda t: ["--format", "executorch:int8", "--calib-size", "0"], "need calibration images"),
+    ],
+)
 def test_a_build_that_cannot_finish_is_refused_before_it_writes(build, tmp_path, args, needle):
     result, out = build(*args(tmp_path))
     assert_clean_refusal(result, out, needle)
@@ -204,11 +240,22 @@ def _few_images(tmp_path, digits_model, count: int):
     return data
 
 
-@pytest.mark.parametrize("count, args, needle", [
-    (1, ["--format", "executorch:fp32"], "has 1 usable item(s); this build needs at least 3 (2 to validate on; "
-                                         "--calib-size 0 sets none aside to calibrate)"),
-    (2, ["--format", "executorch:int8"], "this build needs at least 3 (2 to validate on, 1 to calibrate executorch_int8)"),
-])
+@pytest.mark.parametrize(
+    "count, args, needle",
+    [
+        (
+            1,
+            ["--format", "executorch:fp32"],
+            "has 1 usable item(s); this build needs at least 3 (2 to validate on; "
+            "--calib-size 0 sets none aside to calibrate)",
+        ),
+        (
+            2,
+            ["--format", "executorch:int8"],
+            "this build needs at least 3 (2 to validate on, 1 to calibrate executorch_int8)",
+        ),
+    ],
+)
 def test_data_too_small_to_split_is_refused_before_it_writes(build, tmp_path, digits_model, count, args, needle):
     """Not judged on one input, nor calibrated on none (which crashed in the quantizer)."""
     result, out = build("--data", _few_images(tmp_path, digits_model, count), "--target", "android", *args)
@@ -224,21 +271,32 @@ def test_two_images_are_enough_for_a_float_build_that_sets_none_aside(build, tmp
         raise UsageError("stopped after the data check")
 
     monkeypatch.setattr(pipeline, "_start_session", stop)
-    result, out = build("--data", _few_images(tmp_path, digits_model, 2), "--target", "android",
-                        "--format", "executorch:fp32", "--calib-size", "0")
+    result, out = build(
+        "--data",
+        _few_images(tmp_path, digits_model, 2),
+        "--target",
+        "android",
+        "--format",
+        "executorch:fp32",
+        "--calib-size",
+        "0",
+    )
     assert_clean_refusal(result, out, "stopped after the data check")
 
 
 FP32_PTE = '[[artifacts]]\nformat = "executorch"\nprecision = "fp32"\n'
 
 
-@pytest.mark.parametrize("toml, needle", [
-    (FP32_PTE + "[tasks]\nsegmentation = 1\n", "[tasks.segmentation]: must be a table, got 1"),
-    (FP32_PTE + "[tasks.segmentation]\nthresholds = 5\n", "[tasks.segmentation.thresholds] must be a table, got 5"),
-    (FP32_PTE + "[tasks.segmentation]\ndata = 5\n", "[tasks.segmentation.data]: must be a table, got 5"),
-    ("artifacts = [3]\n", "[[artifacts]]: must be a table, got 3"),
-    (FP32_PTE + "[latency]\nturbo = true\n", "unknown key(s) turbo"),
-])
+@pytest.mark.parametrize(
+    "toml, needle",
+    [
+        (FP32_PTE + "[tasks]\nsegmentation = 1\n", "[tasks.segmentation]: must be a table, got 1"),
+        (FP32_PTE + "[tasks.segmentation]\nthresholds = 5\n", "[tasks.segmentation.thresholds] must be a table, got 5"),
+        (FP32_PTE + "[tasks.segmentation]\ndata = 5\n", "[tasks.segmentation.data]: must be a table, got 5"),
+        ("artifacts = [3]\n", "[[artifacts]]: must be a table, got 3"),
+        (FP32_PTE + "[latency]\nturbo = true\n", "unknown key(s) turbo"),
+    ],
+)
 def test_profile_with_unknown_keys_or_tables_of_the_wrong_type(build, tmp_path, toml, needle):
     path = tmp_path / "odd.toml"
     path.write_text(toml)
@@ -288,12 +346,15 @@ def test_a_bug_exits_3_with_its_traceback_not_1(build, monkeypatch):
     assert "Traceback" in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "error: the exporter failed (a bug; the traceback above is for its report): "
-        "RuntimeError: something the exporter did not expect")
+        "RuntimeError: something the exporter did not expect"
+    )
 
 
 def test_int8_artifacts_a_task_refuses_need_no_calibration(tmp_path):
     """RAFT's .pte is refused by design, so --calib-size 0 asks nothing of it: the build goes on to its checkpoint."""
     missing = tmp_path / "raft.pth"
     out = tmp_path / "out"
-    result = run_cli("build", "raft_small", "--target", "android", "--calib-size", "0", "--checkpoint", missing, "--out", out)
+    result = run_cli(
+        "build", "raft_small", "--target", "android", "--calib-size", "0", "--checkpoint", missing, "--out", out
+    )
     assert_clean_refusal(result, out, f"checkpoint {missing} does not exist")

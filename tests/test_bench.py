@@ -4,15 +4,41 @@ from exporter import bench
 
 
 def _run(pte_ms: float) -> dict:
-    latency = {label: {"p50": ms} for label, ms in
-               {"eager": 10.0, "pte fp32": pte_ms, "onnx fp32 (ORT)": 2.0, bench.ORT_AS_ON_ARM: 6.0, "pte int8 plain": 1.0}.items()}
-    profile = {"available": True, "ops": [{"op": "Fully Connected (NC, F32) GEMM", "ms": 1.5, "count": 50, "share": 0.6}]}
-    return {"input": [224, 224], "latency_ms": latency, "profiles": {"pte fp32": profile},
-            "rewrites": {"pte fp32": {"padding_taps_dropped": [{"module": "classifier.0.convs.3.0", "input": [33, 33],
-                                                               "kernel": [3, 3], "dilation": [36, 36], "parts": [[1, 1]]}],
-                                          "large_depthwise_split": 2 * [{"module": "b", "kernel": [7, 7],
-                                                                         "parts": [[5, 5], [2, 7], [5, 2]]}],
-                                          "padded_avg_pools_as_pad": 9, "single_tensor_cats_dropped": 4}}}
+    latency = {
+        label: {"p50": ms}
+        for label, ms in {
+            "eager": 10.0,
+            "pte fp32": pte_ms,
+            "onnx fp32 (ORT)": 2.0,
+            bench.ORT_AS_ON_ARM: 6.0,
+            "pte int8 plain": 1.0,
+        }.items()
+    }
+    profile = {
+        "available": True,
+        "ops": [{"op": "Fully Connected (NC, F32) GEMM", "ms": 1.5, "count": 50, "share": 0.6}],
+    }
+    return {
+        "input": [224, 224],
+        "latency_ms": latency,
+        "profiles": {"pte fp32": profile},
+        "rewrites": {
+            "pte fp32": {
+                "padding_taps_dropped": [
+                    {
+                        "module": "classifier.0.convs.3.0",
+                        "input": [33, 33],
+                        "kernel": [3, 3],
+                        "dilation": [36, 36],
+                        "parts": [[1, 1]],
+                    }
+                ],
+                "large_depthwise_split": 2 * [{"module": "b", "kernel": [7, 7], "parts": [[5, 5], [2, 7], [5, 2]]}],
+                "padded_avg_pools_as_pad": 9,
+                "single_tensor_cats_dropped": 4,
+            }
+        },
+    }
 
 
 def test_ratios_are_how_many_times_faster_a_is_than_b():
@@ -25,8 +51,10 @@ def test_the_table_shows_top_operators_and_rewrites():
     text = bench.table({"m": _run(2.5)})
     assert "Fully Connected (NC, F32) GEMM 60% (1.50 ms ×50)" in text
     assert "classifier.0.convs.3.0 (3x3 dilation 36 on 33x33) -> 1 part(s) 1x1" in text
-    assert ("2 7x7 depthwise -> 5x5 + 2x7 + 5x2; 9 padded average pool(s) as a zero pad and a pool; "
-            "4 one-tensor cat(s) dropped") in text
+    assert (
+        "2 7x7 depthwise -> 5x5 + 2x7 + 5x2; 9 padded average pool(s) as a zero pad and a pool; "
+        "4 one-tensor cat(s) dropped"
+    ) in text
 
 
 def test_a_ratio_that_fell_against_the_baseline_is_flagged():

@@ -29,22 +29,48 @@ APPS = ROOT / "apps"
 # Every file and JSON key each reference app reads. A key path is dotted; "[]" is any element of a list.
 APP_READS = {
     "android": {
-        "sources": ["android/app/src/main/java/org/example/bundleclassifier/BundleClassifier.kt", "android/app/build.gradle.kts"],
-        "bundle.json": ["labels", "preprocessing", "artifacts[].format", "artifacts[].file", "artifacts[].name",
-                        "artifacts[].status", "artifacts[].runtime.executorch"],
+        "sources": [
+            "android/app/src/main/java/org/example/bundleclassifier/BundleClassifier.kt",
+            "android/app/build.gradle.kts",
+        ],
+        "bundle.json": [
+            "labels",
+            "preprocessing",
+            "artifacts[].format",
+            "artifacts[].file",
+            "artifacts[].name",
+            "artifacts[].status",
+            "artifacts[].runtime.executorch",
+        ],
         "preprocessing.json": ["resize_size", "crop_size", "interpolation", "mean", "std", "layout", "dtype"],
     },
     "ios": {
         "sources": ["ios/Sources/ExporterBundle/BundleClassifier.swift"],
-        "bundle.json": ["labels", "preprocessing", "artifacts[].format", "artifacts[].file", "artifacts[].name",
-                        "artifacts[].status", "artifacts[].input.name", "artifacts[].input.type"],
+        "bundle.json": [
+            "labels",
+            "preprocessing",
+            "artifacts[].format",
+            "artifacts[].file",
+            "artifacts[].name",
+            "artifacts[].status",
+            "artifacts[].input.name",
+            "artifacts[].input.type",
+        ],
         "preprocessing.json": ["resize_size", "crop_size", "interpolation"],
     },
     "jetson": {
         # --golden hands artifacts[] records to the bundled device_validate.py, run on real bundles elsewhere
         "sources": ["jetson/app.py"],
-        "bundle.json": ["labels", "preprocessing", "artifacts[].format", "artifacts[].file", "artifacts[].name",
-                        "artifacts[].engine.file", "artifacts[].engine.batch_profile", "device_kit.validator"],
+        "bundle.json": [
+            "labels",
+            "preprocessing",
+            "artifacts[].format",
+            "artifacts[].file",
+            "artifacts[].name",
+            "artifacts[].engine.file",
+            "artifacts[].engine.batch_profile",
+            "device_kit.validator",
+        ],
         "preprocessing.json": ["resize_size", "crop_size", "interpolation", "mean", "std", "dtype"],
     },
 }
@@ -115,7 +141,9 @@ def test_bundle_holds_the_files_bundle_json_lists(android):
     assert set(listed) == set(_files(directory)) - {"bundle.json"}
     for path, item in listed.items():
         assert _sha256(directory / path) == item["sha256"] and (directory / path).stat().st_size == item["size_bytes"]
-    assert {"labels.txt", "preprocessing.json", "manifest.json", "golden/inputs.npy", "golden/eager_logits.npy"} <= set(listed)
+    assert {"labels.txt", "preprocessing.json", "manifest.json", "golden/inputs.npy", "golden/eager_logits.npy"} <= set(
+        listed
+    )
     assert (directory / "labels.txt").read_bytes() == (out / "labels.txt").read_bytes()
     assert (directory / "preprocessing.json").read_bytes() == (out / "preprocessing.json").read_bytes()
 
@@ -126,11 +154,18 @@ def test_android_selection_validation_results_and_runtime(android):
     doc = json.loads((out / "manifest.json").read_text())
     entries = {a["name"]: a for a in doc["artifacts"]}
     assert [(a["format"], a["precision"], a["role"]) for a in info["artifacts"]] == [
-        ("executorch", "int8", "primary"), ("executorch", "fp32", "fallback"), ("torchscript_lite", "fp32", "alternative")]
+        ("executorch", "int8", "primary"),
+        ("executorch", "fp32", "fallback"),
+        ("torchscript_lite", "fp32", "alternative"),
+    ]
     for artifact in info["artifacts"]:
         entry = entries[artifact["name"]]
         assert artifact["file"] == entry["path"] and _sha256(directory / artifact["file"]) == entry["sha256"]
-        assert (artifact["status"], artifact["fidelity"], artifact["accuracy"]) == (entry["status"], entry["fidelity"], entry["accuracy"])
+        assert (artifact["status"], artifact["fidelity"], artifact["accuracy"]) == (
+            entry["status"],
+            entry["fidelity"],
+            entry["accuracy"],
+        )
     assert info["artifacts"][0]["runtime"] == {"executorch": doc["tools"]["executorch"], "delegate": "XnnpackBackend"}
     assert info["artifacts"][2]["runtime"] == {"torch": doc["tools"]["torch"]}
     assert info["eager"] == doc["eager"] and info["eager"]["accuracy"] is not None
@@ -176,8 +211,11 @@ def test_several_target_build_gets_one_bundle_per_target(android, jetson, tmp_pa
     shutil.copytree(jetson[0], base / "jetson", ignore=shutil.ignore_patterns("bundle"))
     result = run_cli("bundle", base)
     assert result.exit_code == 0, result.output
-    assert result.stdout.splitlines() == [line for t in ("android", "jetson")
-                                          for line in (f"bundle: {base / 'bundle' / t}", f"zip: {base / 'bundle' / t}.zip")]
+    assert result.stdout.splitlines() == [
+        line
+        for t in ("android", "jetson")
+        for line in (f"bundle: {base / 'bundle' / t}", f"zip: {base / 'bundle' / t}.zip")
+    ]
     assert (base / "bundle" / "android.zip").read_bytes() == android[2].read_bytes()
     assert json.loads((base / "bundle" / "jetson" / "bundle.json").read_text())["target"] == "jetson"
     # a failed target refuses the lot, before android (which passes and comes first) is written
@@ -235,13 +273,22 @@ def test_every_file_and_key_an_app_reads_is_in_a_fresh_bundle(app, request):
     for name in ("bundle.json", "preprocessing.json"):
         doc = info if name == "bundle.json" else json.loads((directory / info["preprocessing"]).read_text())
         for path in reads[name]:
-            assert all(f'"{key.removesuffix("[]")}"' in sources for key in path.split(".")), f"{app} does not read {path}"
+            assert all(f'"{key.removesuffix("[]")}"' in sources for key in path.split(".")), (
+                f"{app} does not read {path}"
+            )
             assert _has(doc, path), f"{app} reads {name}: {path}, which the bundle lacks"
     # the files it opens through bundle.json's names, and nothing it names that is not there
-    for path in [info["labels"], info["preprocessing"], *info["golden"].values(), *(a["file"] for a in info["artifacts"])]:
+    for path in [
+        info["labels"],
+        info["preprocessing"],
+        *info["golden"].values(),
+        *(a["file"] for a in info["artifacts"]),
+    ]:
         assert (directory / path).exists(), path
     quoted = set(re.findall(r'"([\w./-]+\.(?:json|txt|npy))"', sources))
-    assert quoted <= {"bundle.json"}, f"{app} hard-codes {quoted - {'bundle.json'}}; it should take names from bundle.json"
+    assert quoted <= {"bundle.json"}, (
+        f"{app} hard-codes {quoted - {'bundle.json'}}; it should take names from bundle.json"
+    )
 
 
 @slow
@@ -252,13 +299,21 @@ def test_jetson_bundle_carries_the_device_kit(jetson):
     onnx = info["artifacts"][0]
     doc = json.loads((out / "manifest.json").read_text())
     assert onnx["runtime"] == {"onnx": doc["tools"]["onnx"], "onnxruntime": doc["tools"]["onnxruntime"], "opset": 18}
-    assert onnx["engine"] == {"file": "mobilenet_v3_small_tensorrt_fp32.engine", "batch_profile": [1, 1, 8], "tensorrt_major": [10, 11]}
+    assert onnx["engine"] == {
+        "file": "mobilenet_v3_small_tensorrt_fp32.engine",
+        "batch_profile": [1, 1, 8],
+        "tensorrt_major": [10, 11],
+    }
     for name in ("build_engine.sh", "device_validate.py"):
         assert (directory / name).read_bytes() == (out / name).read_bytes()
     assert (directory / "build_engine.sh").stat().st_mode & 0o100
     # the bundled validator finds everything it needs inside the bundle
-    checked = subprocess.run([sys.executable, directory / "device_validate.py", directory, "--runtime", "onnxruntime"],
-                             capture_output=True, text=True, timeout=300)
+    checked = subprocess.run(
+        [sys.executable, directory / "device_validate.py", directory, "--runtime", "onnxruntime"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert checked.returncode == 0 and checked.stdout.startswith("PASSED onnx_fp32"), checked.stdout + checked.stderr
 
 
@@ -312,17 +367,34 @@ def test_jetson_app_preprocessing_is_the_weights_transforms(digits_model):
 
 
 def _entry(fmt, precision, status="passed", reasons=(), path=None, data=b""):
-    return {"name": f"{fmt}_{precision}", "format": fmt, "precision": precision, "path": path,
-            "sha256": hashlib.sha256(data).hexdigest() if path else None, "size_bytes": len(data) if path else None,
-            "status": status, "reasons": list(reasons), "details": {}, "thresholds": {"top1_agreement": 1.0},
-            "fidelity": None, "accuracy": None, "latency_ms": None, "eager_latency_ms": None, "speedup_vs_eager": None}
+    return {
+        "name": f"{fmt}_{precision}",
+        "format": fmt,
+        "precision": precision,
+        "path": path,
+        "sha256": hashlib.sha256(data).hexdigest() if path else None,
+        "size_bytes": len(data) if path else None,
+        "status": status,
+        "reasons": list(reasons),
+        "details": {},
+        "thresholds": {"top1_agreement": 1.0},
+        "fidelity": None,
+        "accuracy": None,
+        "latency_ms": None,
+        "eager_latency_ms": None,
+        "speedup_vs_eager": None,
+    }
 
 
 def _fake_build(out, artifacts=(), target="android", **files_):
     """A build directory with a schema-valid manifest (and `files_`, name -> bytes, beside it)."""
-    doc = complete({"artifacts": list(artifacts),
-                    "target": {"name": target, "validate": {"arch": ["x86_64"], "cpus": []}},
-                    "tools": {"torch": "2.0.0", "torchvision": "0.20.0", "executorch": "1.0.0"}})
+    doc = complete(
+        {
+            "artifacts": list(artifacts),
+            "target": {"name": target, "validate": {"arch": ["x86_64"], "cpus": []}},
+            "tools": {"torch": "2.0.0", "torchvision": "0.20.0", "executorch": "1.0.0"},
+        }
+    )
     out.mkdir(parents=True)
     (out / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
     for name, data in files_.items():
@@ -341,13 +413,23 @@ WRONG_SHAPES = {  # what is done to a good manifest -> what the one line says
     "a list": (lambda doc: [1, 2], "is not a build manifest: it holds list, not an object"),
     "schema version only": (lambda doc: {"schema_version": manifest.SCHEMA_VERSION}, "is a required property"),
     "schema version 2": (lambda doc: dict(doc, schema_version=2), "schema_version 2 (this exporter reads 3"),
-    "no target": (lambda doc: {k: v for k, v in doc.items() if k != "target"}, "top level: 'target' is a required property"),
+    "no target": (
+        lambda doc: {k: v for k, v in doc.items() if k != "target"},
+        "top level: 'target' is a required property",
+    ),
     "target not an object": (lambda doc: dict(doc, target="android"), "target: 'android' is not of type 'object'"),
-    "artifacts not a list": (lambda doc: dict(doc, artifacts={"executorch_fp32": {}}), "artifacts: {'executorch_fp32': {}} is not of type 'array'"),
-    "artifact without format": (lambda doc: dict(doc, artifacts=[{k: v for k, v in doc["artifacts"][0].items() if k != "format"}]),
-                                "artifacts[0]: 'format' is a required property"),
-    "no task (as before tasks)": (lambda doc: {k: v for k, v in doc.items() if k != "task"},
-                                  "top level: 'task' is a required property"),
+    "artifacts not a list": (
+        lambda doc: dict(doc, artifacts={"executorch_fp32": {}}),
+        "artifacts: {'executorch_fp32': {}} is not of type 'array'",
+    ),
+    "artifact without format": (
+        lambda doc: dict(doc, artifacts=[{k: v for k, v in doc["artifacts"][0].items() if k != "format"}]),
+        "artifacts[0]: 'format' is a required property",
+    ),
+    "no task (as before tasks)": (
+        lambda doc: {k: v for k, v in doc.items() if k != "task"},
+        "top level: 'task' is a required property",
+    ),
     "null task": (lambda doc: dict(doc, task=None), "task: None is not of type 'object'"),
 }
 
@@ -355,7 +437,9 @@ WRONG_SHAPES = {  # what is done to a good manifest -> what the one line says
 @pytest.mark.parametrize("command", ["validate", "bundle"])
 @pytest.mark.parametrize("shape", sorted(WRONG_SHAPES))
 def test_wrong_shape_manifest_is_refused_in_one_line(tmp_path, command, shape):
-    out = _fake_build(tmp_path / "build", [_entry("executorch", "fp32", path="tiny.pte", data=b"pte")], **{"tiny.pte": b"pte"})
+    out = _fake_build(
+        tmp_path / "build", [_entry("executorch", "fp32", path="tiny.pte", data=b"pte")], **{"tiny.pte": b"pte"}
+    )
     path = out / "manifest.json"
     good = json.loads(path.read_text())
     manifest.read_build(out)  # the fake itself is one the commands read
@@ -365,7 +449,9 @@ def test_wrong_shape_manifest_is_refused_in_one_line(tmp_path, command, shape):
 
 
 def test_broken_missing_and_unfinished_manifests_keep_their_messages(tmp_path):
-    out = _fake_build(tmp_path / "build", [_entry("executorch", "fp32", path="tiny.pte", data=b"pte")], **{"tiny.pte": b"pte"})
+    out = _fake_build(
+        tmp_path / "build", [_entry("executorch", "fp32", path="tiny.pte", data=b"pte")], **{"tiny.pte": b"pte"}
+    )
     path = out / "manifest.json"
     good = path.read_text()
     for command in ("validate", "bundle"):
@@ -385,8 +471,10 @@ def test_validate_on_a_several_target_folder_names_its_targets(tmp_path):
     base = tmp_path / "several"  # the layout of `exporter build --target android --target ios --out base`
     for target in ("android", "ios"):
         _fake_build(base / target, target=target)
-    _refused(run_cli("validate", base), f"{base} is a several-target build: give one target's folder "
-                                        f"({base / 'android'}, {base / 'ios'})")
+    _refused(
+        run_cli("validate", base),
+        f"{base} is a several-target build: give one target's folder ({base / 'android'}, {base / 'ios'})",
+    )
     assert sorted(p.name for p in base.iterdir()) == ["android", "ios"]
     # a folder with no build in it, nor below, is told so as before
     (tmp_path / "empty" / "sub").mkdir(parents=True)
@@ -396,17 +484,28 @@ def test_validate_on_a_several_target_folder_names_its_targets(tmp_path):
 def test_bundle_with_no_selected_file_says_why_each_is_missing(tmp_path):
     failed = _entry("executorch", "int8", "failed", ["export failed: RuntimeError: quantize\n  at op 3"])
     unavailable = _entry("torchscript_lite", "fp32", "unavailable", ["not built on this host: no lite interpreter"])
-    out = _fake_build(tmp_path / "build", [failed, unavailable, _entry("onnx", "fp32", path="tiny.onnx", data=b"onnx")],
-                      **{"tiny.onnx": b"onnx"})  # onnx is no android bundle's
-    _refused(run_cli("bundle", out), "executorch_int8 (export failed: RuntimeError: quantize at op 3)", "--allow-failed")
-    _refused(run_cli("bundle", out, "--allow-failed"), "android build has none of the artifacts a bundle carries: ",
-             "executorch_int8 failed, no file (export failed: RuntimeError: quantize at op 3)",
-             "executorch:fp32 is not in the build",
-             "torchscript_lite_fp32 unavailable, no file (not built on this host: no lite interpreter)")
+    out = _fake_build(
+        tmp_path / "build",
+        [failed, unavailable, _entry("onnx", "fp32", path="tiny.onnx", data=b"onnx")],
+        **{"tiny.onnx": b"onnx"},
+    )  # onnx is no android bundle's
+    _refused(
+        run_cli("bundle", out), "executorch_int8 (export failed: RuntimeError: quantize at op 3)", "--allow-failed"
+    )
+    _refused(
+        run_cli("bundle", out, "--allow-failed"),
+        "android build has none of the artifacts a bundle carries: ",
+        "executorch_int8 failed, no file (export failed: RuntimeError: quantize at op 3)",
+        "executorch:fp32 is not in the build",
+        "torchscript_lite_fp32 unavailable, no file (not built on this host: no lite interpreter)",
+    )
     assert not (out / "bundle").exists()
     # with one selected file there, the shape check lets the rest of bundle through
-    good = _fake_build(tmp_path / "good", [failed, _entry("executorch", "fp32", path="tiny.pte", data=b"pte")],
-                       **{"tiny.pte": b"pte", "labels.txt": b"zero\none\n", "preprocessing.json": b"{}\n"})
+    good = _fake_build(
+        tmp_path / "good",
+        [failed, _entry("executorch", "fp32", path="tiny.pte", data=b"pte")],
+        **{"tiny.pte": b"pte", "labels.txt": b"zero\none\n", "preprocessing.json": b"{}\n"},
+    )
     (good / "golden").mkdir()
     for name in ("inputs.npy", "eager_logits.npy"):
         np.save(good / "golden" / name, np.zeros((1, 2), np.float32))

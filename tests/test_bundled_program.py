@@ -5,7 +5,6 @@ perturbed one refused with its reason, the tolerances derived from the measured 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,7 @@ FP32 = "mobilenet_v3_small_executorch_fp32.pte"
 
 
 # -- tolerances: a pure function ------------------------------------------------------------------------------
+
 
 def test_bit_identical_artifact_still_gets_a_floor():
     eager = np.array([[3.0, -8.0, 0.5]], dtype=np.float32)
@@ -59,6 +59,7 @@ def test_tolerances_take_several_outputs_and_refuse_mismatched_ones():
 
 # -- on a real .pte of the digits build ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def golden_program(android_build, tmp_path_factory):
     """The fp32 .pte's .bpte as the pipeline makes it: its own outputs on golden/ inputs, tolerances from its
@@ -70,24 +71,42 @@ def golden_program(android_build, tmp_path_factory):
     pte = build / FP32
     inputs = torch.from_numpy(np.load(build / "golden" / "inputs.npy"))
     expected = bundled_program.outputs(pte, inputs)
-    tol = bundled_program.tolerances([torch.cat([e[0] for e in expected])], [np.load(build / "golden" / "eager_logits.npy")])
+    tol = bundled_program.tolerances(
+        [torch.cat([e[0] for e in expected])], [np.load(build / "golden" / "eager_logits.npy")]
+    )
     out = tmp_path_factory.mktemp("bpte")
     details = bundled_program.write(pte, inputs, expected, tol["rtol"], tol["atol"], out / "fp32.bpte")
     # the same outputs pushed beyond atol on one element of one case: the verifier must refuse it
     bad = [tuple(t.clone() for t in e) for e in expected]
     bad[3][0][0, 2] += 10 * tol["atol"] + 10 * tol["rtol"] * abs(float(bad[3][0][0, 2]))
     bundled_program.write(pte, inputs, bad, tol["rtol"], tol["atol"], out / "bad.bpte")
-    return {"build": build, "pte": pte, "inputs": inputs, "expected": expected, "tol": tol, "details": details,
-            "good": out / "fp32.bpte", "bad": out / "bad.bpte"}
+    return {
+        "build": build,
+        "pte": pte,
+        "inputs": inputs,
+        "expected": expected,
+        "tol": tol,
+        "details": details,
+        "good": out / "fp32.bpte",
+        "bad": out / "bad.bpte",
+    }
 
 
 def test_bpte_made_from_a_pte_verifies_on_x86(golden_program):
     g = golden_program
     assert g["details"]["cases"] == len(g["inputs"]) == 8
-    assert g["details"]["program_sha256"] == json.loads((g["build"] / "manifest.json").read_text())["artifacts"][
-        [a["path"] for a in json.loads((g["build"] / "manifest.json").read_text())["artifacts"]].index(FP32)]["sha256"]
+    assert (
+        g["details"]["program_sha256"]
+        == json.loads((g["build"] / "manifest.json").read_text())["artifacts"][
+            [a["path"] for a in json.loads((g["build"] / "manifest.json").read_text())["artifacts"]].index(FP32)
+        ]["sha256"]
+    )
     assert 0 < g["tol"]["atol"] < 0.01 * g["tol"]["output_scale"]  # fp32: a small measured gap, not a guess
-    assert bundled_program.verify(g["good"], g["tol"]["rtol"], g["tol"]["atol"]) == {"passed": True, "cases": 8, "error": None}
+    assert bundled_program.verify(g["good"], g["tol"]["rtol"], g["tol"]["atol"]) == {
+        "passed": True,
+        "cases": 8,
+        "error": None,
+    }
 
 
 def test_bpte_holds_the_pte_the_inputs_and_the_outputs(golden_program, tmp_path):
@@ -96,10 +115,11 @@ def test_bpte_holds_the_pte_the_inputs_and_the_outputs(golden_program, tmp_path)
     assert content["method"] == "forward" and content["program"] == g["pte"].read_bytes()
     assert len(content["cases"]) == 8
     for i, case in enumerate(content["cases"]):
-        assert np.array_equal(case["inputs"][0], g["inputs"][i:i + 1].numpy())
+        assert np.array_equal(case["inputs"][0], g["inputs"][i : i + 1].numpy())
         assert np.array_equal(case["expected"][0], g["expected"][i][0].numpy())
-    again = bundled_program.write(g["pte"], g["inputs"], g["expected"], g["tol"]["rtol"], g["tol"]["atol"],
-                                  tmp_path / "again.bpte")
+    again = bundled_program.write(
+        g["pte"], g["inputs"], g["expected"], g["tol"]["rtol"], g["tol"]["atol"], tmp_path / "again.bpte"
+    )
     assert again["sha256"] == g["details"]["sha256"]  # byte-reproducible
 
 
@@ -112,7 +132,7 @@ def test_expected_outputs_are_what_the_build_validated(golden_program):
     g = golden_program
     runner = executorch.load(g["pte"], torch.get_num_threads())
     for i, e in enumerate(g["expected"]):
-        assert torch.equal(runner(g["inputs"][i:i + 1]), e[0]), i
+        assert torch.equal(runner(g["inputs"][i : i + 1]), e[0]), i
 
 
 def test_perturbed_outputs_fail_verification_with_the_reason(golden_program):
@@ -139,8 +159,22 @@ def test_inside_script_gives_the_same_verdicts_on_x86(golden_program):
     g = golden_program
     verdicts = []
     for path in (g["good"], g["bad"]):
-        done = subprocess.run([sys.executable, str(INSIDE), "--bundled", str(path), "--rtol", repr(g["tol"]["rtol"]),
-                               "--atol", repr(g["tol"]["atol"])], check=False, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(INSIDE),
+                "--bundled",
+                str(path),
+                "--rtol",
+                repr(g["tol"]["rtol"]),
+                "--atol",
+                repr(g["tol"]["atol"]),
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         verdicts.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert verdicts[0]["passed"] is True and verdicts[0]["cases"] == 8 and verdicts[0]["error"] is None
@@ -166,12 +200,24 @@ def test_bundle_carries_the_bpte_beside_its_pte(golden_program, tmp_path):
     assert (bundle / name).read_bytes() == g["good"].read_bytes() and (bundle / FP32).is_file()
     described = json.loads((bundle / "bundle.json").read_text())
     record = next(a for a in described["artifacts"] if a["file"] == FP32)
-    assert record["bundled_program"] == {"file": name, "sha256": g["details"]["sha256"], "rtol": g["tol"]["rtol"],
-                                         "atol": g["tol"]["atol"], "verified": verified}
-    assert {"path": name, "sha256": g["details"]["sha256"], "size_bytes": g["details"]["size_bytes"]} in described["files"]
-    assert all(("bundled_program" in a) == a["file"].endswith(".pte") for a in described["artifacts"])  # the build made the rest
+    assert record["bundled_program"] == {
+        "file": name,
+        "sha256": g["details"]["sha256"],
+        "rtol": g["tol"]["rtol"],
+        "atol": g["tol"]["atol"],
+        "verified": verified,
+    }
+    assert {"path": name, "sha256": g["details"]["sha256"], "size_bytes": g["details"]["size_bytes"]} in described[
+        "files"
+    ]
+    assert all(
+        ("bundled_program" in a) == a["file"].endswith(".pte") for a in described["artifacts"]
+    )  # the build made the rest
     # what the Android self-test reads of it (the app is not compiled here: its keys are checked instead)
-    kotlin = (Path(__file__).resolve().parent.parent / "apps/android/app/src/main/java/org/example/bundleclassifier/SelfTest.kt").read_text()
+    kotlin = (
+        Path(__file__).resolve().parent.parent
+        / "apps/android/app/src/main/java/org/example/bundleclassifier/SelfTest.kt"
+    ).read_text()
     for key in ("bundled_program", "file", "rtol", "atol"):
         assert f'"{key}"' in kotlin and key in record["bundled_program"] | {"bundled_program": 1}, key
     with zipfile.ZipFile(zip_path(bundle)) as zf:
@@ -193,8 +239,13 @@ def test_a_program_too_large_for_one_flatbuffer_gets_no_golden_program_and_says_
     from exporter.engine import bundled_program_step
 
     (tmp_path / "model.pte").write_bytes(b"x" * 64)
-    entry = {"format": "executorch", "path": "model.pte", "status": "passed", "fidelity": {"psnr_db": 80.0},
-             "details": {}}
+    entry = {
+        "format": "executorch",
+        "path": "model.pte",
+        "status": "passed",
+        "fidelity": {"psnr_db": 80.0},
+        "details": {},
+    }
     monkeypatch.setattr(bundled_program_step, "FLATBUFFER_LIMIT", 64)
     bundled_program_step.add(None, entry, tmp_path, None)  # nothing of the session is needed to decide
     assert entry["status"] == "passed" and "bundled_program" not in entry
@@ -213,20 +264,32 @@ def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_s
     from exporter.progress import Progress
 
     (tmp_path / "model.pte").write_bytes(b"not a program")
-    entry = {"name": "executorch_fp32", "format": "executorch", "path": "model.pte", "sha256": "0" * 64,
-             "status": "passed", "reasons": [], "fidelity": {"psnr_db": 80.0}, "details": {}}
-    session = SimpleNamespace(golden_rows=[0], inputs=SimpleNamespace(validation=torch.zeros(1, 3, 8, 8)),
-                              digests=dict.fromkeys(("validation", "tools", "checkpoint", "reference", "task"), "d"),
-                              cache=SimpleNamespace(fetch_artifact=lambda digest, tmp: None))
+    entry = {
+        "name": "executorch_fp32",
+        "format": "executorch",
+        "path": "model.pte",
+        "sha256": "0" * 64,
+        "status": "passed",
+        "reasons": [],
+        "fidelity": {"psnr_db": 80.0},
+        "details": {},
+    }
+    session = SimpleNamespace(
+        golden_rows=[0],
+        inputs=SimpleNamespace(validation=torch.zeros(1, 3, 8, 8)),
+        digests=dict.fromkeys(("validation", "tools", "checkpoint", "reference", "task"), "d"),
+        cache=SimpleNamespace(fetch_artifact=lambda digest, tmp: None),
+    )
     bundled_program_step.add(session, entry, tmp_path, Progress(quiet=True))
     assert entry["status"] == "passed" and entry["reasons"] == [] and "bundled_program" not in entry
-    assert entry["details"]["golden_program"].startswith(bundled_program_step.FAILED + "RuntimeError: "), entry["details"]
+    assert entry["details"]["golden_program"].startswith(bundled_program_step.FAILED + "RuntimeError: "), entry[
+        "details"
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]
 
 
 def test_a_build_whose_golden_program_failed_is_not_replayed_from_the_whole_build_record():
     """The failure may not happen again (memory, a one-off crash): like a failed export, it is not a settled outcome."""
-    from exporter.engine import bundled_program_step
     from exporter.engine.record import BuildRecord
 
     stored = []

@@ -26,8 +26,18 @@ from .conftest import CACHE, QUANTIZED_WEIGHT, assert_clean_refusal, run_cli
 
 DOCS = Path(__file__).parents[1] / "docs"
 SMALL = ["mobilenet_v3_small", "squeezenet1_1"]
-SWEEP = ["coverage", "--models", ",".join(SMALL + ["maskrcnn_resnet50_fpn", "resnet18"]), "--one-per-builder",
-         "--target", "jetson", "--format", "onnx:fp32", "--max-params", "3000000"]
+SWEEP = [
+    "coverage",
+    "--models",
+    ",".join(SMALL + ["maskrcnn_resnet50_fpn", "resnet18"]),
+    "--one-per-builder",
+    "--target",
+    "jetson",
+    "--format",
+    "onnx:fp32",
+    "--max-params",
+    "3000000",
+]
 
 
 @pytest.fixture(scope="module")
@@ -84,17 +94,32 @@ def test_sweep_builds_refuses_and_skips(first_run, cache_dir):
     stderr = result.stderr.splitlines()
     for weight in (r["weight"] for r in doc["rows"] if r["outcome"] == "built"):
         steps = [i for i, line in enumerate(stderr) if line.startswith(f"  {weight} jetson: ✓ ")]
-        assert any(f"✓ validate onnx_fp32" in stderr[i] for i in steps), result.stderr
+        assert any("✓ validate onnx_fp32" in stderr[i] for i in steps), result.stderr
         assert max(steps) < next(i for i, line in enumerate(stderr) if line.startswith("[") and weight in line)
 
 
 def test_the_table_says_what_made_it(first_run):
     out, _, _ = first_run
     md = (out / "coverage.md").read_text()
-    for needle in ("# torchvision coverage", "complete: 4 of 4", "`exporter coverage --target jetson --format onnx:fp32 --models", "cores",
-                   f"torch {torch.__version__.split('+')[0]}", "onnxruntime", "executorch", "coremltools",
-                   "## Summary", "## jetson", "| onnx_fp32 |", "✅", "## Refused by design (⛔)", "MaskRCNN_ResNet50_FPN_Weights",
-                   "## Skipped (⏭)", "ResNet18_Weights", "## How this table is made"):
+    for needle in (
+        "# torchvision coverage",
+        "complete: 4 of 4",
+        "`exporter coverage --target jetson --format onnx:fp32 --models",
+        "cores",
+        f"torch {torch.__version__.split('+')[0]}",
+        "onnxruntime",
+        "executorch",
+        "coremltools",
+        "## Summary",
+        "## jetson",
+        "| onnx_fp32 |",
+        "✅",
+        "## Refused by design (⛔)",
+        "MaskRCNN_ResNet50_FPN_Weights",
+        "## Skipped (⏭)",
+        "ResNet18_Weights",
+        "## How this table is made",
+    ):
         assert needle in md, needle
 
 
@@ -147,8 +172,12 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     doc = json.loads((tmp_path / "merged" / "coverage.json").read_text())
     assert doc["complete"] and len(doc["rows"]) == 4 and len(doc["merged_from"]) == 2
     # each file says where it was made: merged sweeps may come from other commits and hosts
-    assert doc["exporter_commit"] is None and all(m["host"]["cpu"] and "exporter_commit" in m for m in doc["merged_from"])
-    assert {k: r["outcome"] for k, r in _rows(tmp_path / "merged").items()} == {k: r["outcome"] for k, r in _rows(out).items()}
+    assert doc["exporter_commit"] is None and all(
+        m["host"]["cpu"] and "exporter_commit" in m for m in doc["merged_from"]
+    )
+    assert {k: r["outcome"] for k, r in _rows(tmp_path / "merged").items()} == {
+        k: r["outcome"] for k, r in _rows(out).items()
+    }
     assert "complete: 4 of 4" in (tmp_path / "merged" / "coverage.md").read_text()
     # a part merged into its whole plans no build twice
     _merges_complete(out / "coverage.json", tmp_path / "shards" / "coverage-shard-1-of-2.json", out=tmp_path / "again")
@@ -164,16 +193,21 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     merged_doc = json.loads((tmp_path / "merged" / "coverage.json").read_text())
     merged_doc["selection"]["models"] = [SMALL[0]]
     (tmp_path / "merged.json").write_text(json.dumps(merged_doc))
-    _merges_complete(tmp_path / "merged.json", tmp_path / "shards" / "coverage-shard-2-of-2.json", out=tmp_path / "twice")
+    _merges_complete(
+        tmp_path / "merged.json", tmp_path / "shards" / "coverage-shard-2-of-2.json", out=tmp_path / "twice"
+    )
     # ...and names the files the merged one came from (their selections and commands), not the merged file alone
     twice = json.loads((tmp_path / "twice" / "coverage.json").read_text())
     assert [m["file"] for m in twice["merged_from"]] == [m["file"] for m in merged_doc["merged_from"]] + [
-        str(tmp_path / "shards" / "coverage-shard-2-of-2.json")]
+        str(tmp_path / "shards" / "coverage-shard-2-of-2.json")
+    ]
     # so does a partial one: merged again with one of its own files it plans the same 4 builds, not 4 + 2
     stopped.update(rows=stopped["rows"][:1])
     (tmp_path / "stopped.json").write_text(json.dumps(stopped))
     shard_one = tmp_path / "shards" / "coverage-shard-1-of-2.json"
-    assert run_cli("coverage", "--merge", tmp_path / "stopped.json", shard_one, "--out", tmp_path / "part").exit_code == 0
+    assert (
+        run_cli("coverage", "--merge", tmp_path / "stopped.json", shard_one, "--out", tmp_path / "part").exit_code == 0
+    )
     part = json.loads((tmp_path / "part" / "coverage.json").read_text())
     part["selection"]["models"] = [SMALL[0]]
     (tmp_path / "part.json").write_text(json.dumps(part))
@@ -181,13 +215,21 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
     again = json.loads((tmp_path / "part2" / "coverage.json").read_text())
     assert not part["complete"] and part["planned_rows"] == again["planned_rows"] == 4, again["planned_rows"]
     missing = sorted({tuple(k) for k in again["planned"]} - {(r["weight"], r["target"]) for r in again["rows"]})
-    assert missing and f"; not built: {', '.join(f'{w} × {t}' for w, t in missing)} |" in (
-        tmp_path / "part2" / "coverage.md").read_text()  # the status names the builds a partial table lacks
+    assert (
+        missing
+        and f"; not built: {', '.join(f'{w} × {t}' for w, t in missing)} |"
+        in (tmp_path / "part2" / "coverage.md").read_text()
+    )  # the status names the builds a partial table lacks
     # a sweep of other targets (rows rebuilt for one target) merges in; other sizes do not
     other = json.loads(out.joinpath("coverage.json").read_text())
     other["settings"]["targets"], other["rows"] = ["android"], []
     (tmp_path / "other.json").write_text(json.dumps(other))
-    assert run_cli("coverage", "--merge", out / "coverage.json", tmp_path / "other.json", "--out", tmp_path / "t").exit_code == 0
+    assert (
+        run_cli(
+            "coverage", "--merge", out / "coverage.json", tmp_path / "other.json", "--out", tmp_path / "t"
+        ).exit_code
+        == 0
+    )
     assert json.loads((tmp_path / "t" / "coverage.json").read_text())["settings"]["targets"] == ["android", "jetson"]
     other["settings"]["val_size"] = 3
     (tmp_path / "other.json").write_text(json.dumps(other))
@@ -196,8 +238,21 @@ def test_shards_merge_into_the_table(first_run, cache_dir, tmp_path):
 
 
 def test_a_build_past_the_time_limit_is_killed_and_marked(cache_dir, tmp_path):
-    result = run_cli("coverage", "--models", "shufflenet_v2_x0_5", "--one-per-builder", "--target", "jetson",
-                     "--format", "onnx:fp32", "--time-limit", "2", "--out", tmp_path, env={"EXPORTER_CACHE": str(cache_dir)})
+    result = run_cli(
+        "coverage",
+        "--models",
+        "shufflenet_v2_x0_5",
+        "--one-per-builder",
+        "--target",
+        "jetson",
+        "--format",
+        "onnx:fp32",
+        "--time-limit",
+        "2",
+        "--out",
+        tmp_path,
+        env={"EXPORTER_CACHE": str(cache_dir)},
+    )
     assert result.exit_code == 0, result.output
     (row,) = json.loads((tmp_path / "coverage.json").read_text())["rows"]
     assert row["outcome"] == "stopped" and row["timed_out"] and row["seconds"] < 30
@@ -209,8 +264,18 @@ def test_a_row_built_again_in_its_builds_folder_goes_on_from_what_the_earlier_bu
     """A giant stopped by the time limit went back to nothing on every run (ViT-H-14's Android row: 2400 s of CPU
     to reach its .ptl's validation). With --builds, a stopped row is built again (not served from the row cache)
     and reuses its earlier build's exports and validations, and the row says so."""
-    common = ["coverage", "--models", "shufflenet_v2_x0_5", "--one-per-builder", "--target", "jetson",
-              "--builds", tmp_path / "builds", "--format", "onnx:fp32"]
+    common = [
+        "coverage",
+        "--models",
+        "shufflenet_v2_x0_5",
+        "--one-per-builder",
+        "--target",
+        "jetson",
+        "--builds",
+        tmp_path / "builds",
+        "--format",
+        "onnx:fp32",
+    ]
     env = {"EXPORTER_CACHE": str(cache_dir)}
 
     def row(*extra):
@@ -235,13 +300,17 @@ def test_a_row_built_again_in_its_builds_folder_goes_on_from_what_the_earlier_bu
     assert "going on from 1 earlier build(s) in --builds" in result.stderr
 
 
-@pytest.mark.parametrize("behaviour,stopped_by", [
-    ("time.sleep(2)", None),  # waiting (a starved build on a busy host) is not spending the limit...
-    ("sum(1 for _ in iter(int, 1))", "cpu"),  # ...computing is: SIGXCPU at the limit
-    ("time.sleep(60)", "wall"),  # blocked for 3x the limit: the wall clock stops it
-])
-def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop(behaviour, stopped_by, tmp_path,
-                                                                               monkeypatch):
+@pytest.mark.parametrize(
+    "behaviour,stopped_by",
+    [
+        ("time.sleep(2)", None),  # waiting (a starved build on a busy host) is not spending the limit...
+        ("sum(1 for _ in iter(int, 1))", "cpu"),  # ...computing is: SIGXCPU at the limit
+        ("time.sleep(60)", "wall"),  # blocked for 3x the limit: the wall clock stops it
+    ],
+)
+def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop(
+    behaviour, stopped_by, tmp_path, monkeypatch
+):
     """A background sweep on a shared host had builds stopped at the limit that a quiet host finishes (Swin-V2-B:
     ⏱ at 1800 s with three sweeps on two cores, 1368 s with two): the limit is the build's CPU time."""
     import signal
@@ -251,7 +320,8 @@ def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop
     runner = sweep.Sweep(sweep.Settings(time_limit=1), [], tmp_path / "c.json", tmp_path / "c.md", "test")
     stop = type("Stop", (), {"child": None, "signalled": False})()
     proc, stopped, seconds, _log, sampled = runner._run_worker(
-        {"weight": "W.V1", "target": "jetson", "result": str(tmp_path / "r.json"), "cpu_limit_s": 1}, tmp_path, stop)
+        {"weight": "W.V1", "target": "jetson", "result": str(tmp_path / "r.json"), "cpu_limit_s": 1}, tmp_path, stop
+    )
     assert stopped == stopped_by, (proc.returncode, seconds)
     if stopped_by is None:
         assert proc.returncode == 0 and seconds >= 2  # past the 1 s limit on the wall clock, and not stopped
@@ -266,19 +336,30 @@ def test_the_time_limit_counts_a_builds_cpu_time_with_the_wall_clock_as_backstop
 
 def _fake_worker(monkeypatch, script: str) -> None:
     """The sweep's worker replaced by `script` (argv[1]: its spec), under the same CPU limit."""
-    script = "import json, sys, time; from exporter.coverage.worker import limit_cpu; " \
-             "spec = json.load(open(sys.argv[1])); limit_cpu(spec); " + script
+    script = (
+        "import json, sys, time; from exporter.coverage.worker import limit_cpu; "
+        "spec = json.load(open(sys.argv[1])); limit_cpu(spec); " + script
+    )
     spawn = sweep._spawn
-    monkeypatch.setattr(sweep, "_spawn", lambda command, log, env: spawn([sys.executable, "-c", script, command[-1]], log, env))
+    monkeypatch.setattr(
+        sweep, "_spawn", lambda command, log, env: spawn([sys.executable, "-c", script, command[-1]], log, env)
+    )
 
 
 def test_a_build_that_finished_before_the_limit_stopped_its_floor_stands(tmp_path, monkeypatch):
     """The precision floor is measured after the build, in the same process: the limit ending it leaves a row
     built (with the floor's error), not a ⏱ on a build that finished."""
-    _fake_worker(monkeypatch, "json.dump({'stage': 'done', 'status': 'failed'}, open(spec['result'], 'w')); "
-                              "sum(1 for _ in iter(int, 1))")
-    runner = sweep.Sweep(sweep.Settings(targets=("jetson",), formats=("onnx:fp32",), time_limit=1), [],
-                         tmp_path / "c.json", tmp_path / "c.md", "test")
+    _fake_worker(
+        monkeypatch,
+        "json.dump({'stage': 'done', 'status': 'failed'}, open(spec['result'], 'w')); sum(1 for _ in iter(int, 1))",
+    )
+    runner = sweep.Sweep(
+        sweep.Settings(targets=("jetson",), formats=("onnx:fp32",), time_limit=1),
+        [],
+        tmp_path / "c.json",
+        tmp_path / "c.md",
+        "test",
+    )
     candidate = sweep.Candidate("MobileNet_V3_Small_Weights.IMAGENET1K_V1", "mobilenet_v3_small", "classification", 2)
     row = runner._build(candidate, "jetson", tmp_path, type("Stop", (), {"child": None, "signalled": False})())
     assert row["outcome"] == "built" and not row["timed_out"], row
@@ -289,11 +370,18 @@ def test_a_build_that_finished_before_the_limit_stopped_its_floor_stands(tmp_pat
 def test_a_build_the_kernel_killed_records_its_memory(others_share, kept, tmp_path, monkeypatch):
     """SIGKILL the sweep did not send (the kernel's OOM killer, here the worker's own): the row says what the
     build and the other processes held when last sampled, and is a verdict only if the others held little."""
-    _fake_worker(monkeypatch, "held = b'x' * (100 * 2**20); time.sleep(3); import os, signal; "
-                              "os.kill(os.getpid(), signal.SIGKILL)")
+    _fake_worker(
+        monkeypatch,
+        "held = b'x' * (100 * 2**20); time.sleep(3); import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    )
     monkeypatch.setattr(sweep.build_memory, "OTHERS_SHARE", others_share)
-    runner = sweep.Sweep(sweep.Settings(targets=("jetson",), formats=("onnx:fp32",), time_limit=60), [],
-                         tmp_path / "c.json", tmp_path / "c.md", "test")
+    runner = sweep.Sweep(
+        sweep.Settings(targets=("jetson",), formats=("onnx:fp32",), time_limit=60),
+        [],
+        tmp_path / "c.json",
+        tmp_path / "c.md",
+        "test",
+    )
     candidate = sweep.Candidate("MobileNet_V3_Small_Weights.IMAGENET1K_V1", "mobilenet_v3_small", "classification", 2)
     row = runner._build(candidate, "jetson", tmp_path, type("Stop", (), {"child": None, "signalled": False})())
     assert row["outcome"] == "stopped" and row["returncode"] == -9 and not row["timed_out"], row
@@ -305,11 +393,18 @@ def test_a_build_the_kernel_killed_records_its_memory(others_share, kept, tmp_pa
 def test_the_sweeps_own_kill_of_a_finished_build_is_no_oom(tmp_path, monkeypatch):
     """A build that finished and was then blocked past the wall clock is killed by the sweep (SIGKILL too):
     its row stands as built, with no memory verdict."""
-    _fake_worker(monkeypatch, "json.dump({'stage': 'done', 'status': 'failed'}, open(spec['result'], 'w')); time.sleep(60)")
+    _fake_worker(
+        monkeypatch, "json.dump({'stage': 'done', 'status': 'failed'}, open(spec['result'], 'w')); time.sleep(60)"
+    )
     monkeypatch.setattr(sweep, "WALL_FACTOR", 3)
     monkeypatch.setattr(sweep.build_memory, "OTHERS_SHARE", 0.0)
-    runner = sweep.Sweep(sweep.Settings(targets=("jetson",), formats=("onnx:fp32",), time_limit=1), [],
-                         tmp_path / "c.json", tmp_path / "c.md", "test")
+    runner = sweep.Sweep(
+        sweep.Settings(targets=("jetson",), formats=("onnx:fp32",), time_limit=1),
+        [],
+        tmp_path / "c.json",
+        tmp_path / "c.md",
+        "test",
+    )
     candidate = sweep.Candidate("MobileNet_V3_Small_Weights.IMAGENET1K_V1", "mobilenet_v3_small", "classification", 2)
     row = runner._build(candidate, "jetson", tmp_path, type("Stop", (), {"child": None, "signalled": False})())
     assert row["outcome"] == "built" and row["returncode"] == -9 and "memory" not in row, row
@@ -329,9 +424,11 @@ def test_sigterm_between_builds_stops_the_sweep_before_the_next_build_runs(tmp_p
 def test_a_worker_stays_in_the_sweeps_session_and_its_kill_takes_what_it_started(tmp_path):
     """A worker keeps the sweep's session (under autogroup scheduling that is what keeps a `nice`d sweep in the
     background) but has a process group of its own, which the time limit kills with everything it started."""
-    child = ("import os, subprocess, sys, time; "
-             "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-             "print(os.getsid(0), os.getpgrp(), g.pid, flush=True); time.sleep(60)")
+    child = (
+        "import os, subprocess, sys, time; "
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(os.getsid(0), os.getpgrp(), g.pid, flush=True); time.sleep(60)"
+    )
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
         proc = sweep._spawn([sys.executable, "-c", child], out, dict(os.environ))
@@ -343,8 +440,11 @@ def test_a_worker_stays_in_the_sweeps_session_and_its_kill_takes_what_it_started
     sweep._kill_group(proc)
     assert proc.returncode == -9
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{grandchild}").exists() and "Z" not in Path(f"/proc/{grandchild}/stat").read_text().split()[2] \
-            and time.monotonic() < deadline:
+    while (
+        Path(f"/proc/{grandchild}").exists()
+        and "Z" not in Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     assert not Path(f"/proc/{grandchild}").exists() or Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z"
 
@@ -355,8 +455,12 @@ def test_a_build_killed_from_outside_the_sweep_is_not_kept_as_the_weights_verdic
     sweep did not send is "killed" and built again next time; a crash (SIGSEGV) and the OOM killer's SIGKILL
     stay verdicts."""
     planned = [{"name": "executorch_fp32", "format": "executorch", "precision": "fp32"}]
-    for code, kind, kept in ((-signal.SIGTERM, "killed", False), (-signal.SIGHUP, "killed", False),
-                             (-signal.SIGSEGV, "converter crash", True), (-signal.SIGKILL, "out of memory", True)):
+    for code, kind, kept in (
+        (-signal.SIGTERM, "killed", False),
+        (-signal.SIGHUP, "killed", False),
+        (-signal.SIGSEGV, "converter crash", True),
+        (-signal.SIGKILL, "out of memory", True),
+    ):
         (cell,) = outcome.stopped_cells(planned, [], code, False, None, None)
         row = outcome.reclassify({"outcome": "stopped", "returncode": code, "cells": [cell]})
         assert (cell["kind"], sweep._cacheable(row)) == (kind, kept), code
@@ -370,9 +474,16 @@ def test_a_build_killed_from_outside_the_sweep_is_not_kept_as_the_weights_verdic
 def test_an_artifact_a_full_disk_stopped_is_not_kept_as_the_weights_verdict(tmp_path):
     """RegNetY-128GF's .ptl failed with "No space left on device" while another giant's build filled the disk:
     a converter crash by the old rules, cached and shown as the weight's ❌."""
-    cell = outcome.cell_from_artifact({"name": "torchscript_lite_fp32", "format": "torchscript_lite", "precision": "fp32",
-                                       "status": "failed", "reasons": ["export failed: OSError: [Errno 28] No space "
-                                                                       "left on device: '/b/r.ptl'"], "details": {}})
+    cell = outcome.cell_from_artifact(
+        {
+            "name": "torchscript_lite_fp32",
+            "format": "torchscript_lite",
+            "precision": "fp32",
+            "status": "failed",
+            "reasons": ["export failed: OSError: [Errno 28] No space left on device: '/b/r.ptl'"],
+            "details": {},
+        }
+    )
     assert (cell["outcome"], cell["kind"]) == ("export", "disk full")
     built = {"weight": "W", "target": "android", "outcome": "built", "returncode": 0}
     full = dict(built, key="r", cells=[cell])
@@ -394,9 +505,21 @@ def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_pa
     cache = tmp_path / "cache"
     (cache / "digits").mkdir(parents=True)
     shutil.copy(CACHE / "digits_shufflenet_v2_x0_5.json", cache / "digits")
-    result = run_cli("coverage", "--weights", "digits", "--models", "shufflenet_v2_x0_5,lraspp_mobilenet_v3_large",
-                     "--one-per-builder", "--target", "android", "--format", "executorch:int8", "--out", tmp_path / "out",
-                     env={"EXPORTER_CACHE": str(cache)})
+    result = run_cli(
+        "coverage",
+        "--weights",
+        "digits",
+        "--models",
+        "shufflenet_v2_x0_5,lraspp_mobilenet_v3_large",
+        "--one-per-builder",
+        "--target",
+        "android",
+        "--format",
+        "executorch:int8",
+        "--out",
+        tmp_path / "out",
+        env={"EXPORTER_CACHE": str(cache)},
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads((tmp_path / "out" / "coverage-digits.json").read_text())
     assert not (tmp_path / "out" / "coverage.json").exists()
@@ -427,34 +550,52 @@ def test_the_trained_tier_trains_and_builds_a_classifier_at_the_size_asked(tmp_p
     scaled with the crop, as the build scales it), built at that size and judged on held-out labels at it; the row
     and the table name the size."""
     cache, out = tmp_path / "cache", tmp_path / "out"
-    result = run_cli("coverage", "--weights", "digits", "--classifier-size", "64", "--models", "shufflenet_v2_x0_5",
-                     "--one-per-builder", "--target", "jetson", "--format", "onnx:fp32", "--out", out,
-                     env={"EXPORTER_CACHE": str(cache)})
+    result = run_cli(
+        "coverage",
+        "--weights",
+        "digits",
+        "--classifier-size",
+        "64",
+        "--models",
+        "shufflenet_v2_x0_5",
+        "--one-per-builder",
+        "--target",
+        "jetson",
+        "--format",
+        "onnx:fp32",
+        "--out",
+        out,
+        env={"EXPORTER_CACHE": str(cache)},
+    )
     assert result.exit_code == 0, result.output
     (row,) = json.loads((out / "coverage-digits.json").read_text())["rows"]
     assert row["input_size"] == row["classifier_size"] == [64, 64]
     assert row["checkpoint"]["held_out_acc1"] > 80  # learned at 64 px, not a model of 224 px run small
     assert json.loads((cache / "digits" / "digits_shufflenet_v2_x0_5_64px.json").read_text())["checkpoint"].endswith(
-        ".pth")  # cached apart from the model trained at the weight's crop
+        ".pth"
+    )  # cached apart from the model trained at the weight's crop
     (cell,) = row["cells"]
     assert cell["accuracy"]["eager_acc1"] > 80 and cell["outcome"] == "passed", cell
     text = (out / "coverage-digits.md").read_text()
     assert "ShuffleNet_V2_X0_5_Weights.IMAGENET1K_V1 (64×64)" in text and "or at the size their row names" in text
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--shard", "3/2"], "--shard"),
-    (["--models", "no_such_model"], "matches no weight"),
-    (["--target", "android", "--format", "onnx:fp32"], "matches no artifact"),
-    (["--merge"], "--merge needs"),
-    (["--task", "poetry"], "--task"),
-    (["--train-epochs", "2"], "--train-epochs is for --weights digits"),
-    (["--weights", "imagenet"], "--weights"),
-    (["--cpu", "cortex-a99"], "unknown aarch64 CPU 'cortex-a99'"),
-    (["--arch", "riscv64"], "--arch"),
-    (["--target", "jetson", "--target", "jetsn"], "unknown target 'jetsn'"),  # refused before jetson's build
-    (["--matrix", "2", "--merge", "shards"], "give one of them"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--shard", "3/2"], "--shard"),
+        (["--models", "no_such_model"], "matches no weight"),
+        (["--target", "android", "--format", "onnx:fp32"], "matches no artifact"),
+        (["--merge"], "--merge needs"),
+        (["--task", "poetry"], "--task"),
+        (["--train-epochs", "2"], "--train-epochs is for --weights digits"),
+        (["--weights", "imagenet"], "--weights"),
+        (["--cpu", "cortex-a99"], "unknown aarch64 CPU 'cortex-a99'"),
+        (["--arch", "riscv64"], "--arch"),
+        (["--target", "jetson", "--target", "jetsn"], "unknown target 'jetsn'"),  # refused before jetson's build
+        (["--matrix", "2", "--merge", "shards"], "give one of them"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, needle, tmp_path):
     result = run_cli("coverage", "--out", tmp_path, *args)
     assert result.exit_code == 2, result.output
@@ -462,68 +603,144 @@ def test_bad_input_is_one_line_and_exit_2(args, needle, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("error,kind", [
-    ("export failed: Unsupported: torch.* op returned non-Tensor", "unsupported op"),
-    ("export failed: NotImplementedError: aten::_upsample_bicubic2d_aa has no lowering", "unsupported op"),
-    ("export failed: RuntimeError: XNNPACK partitioner left the graph unlowered", "delegate fallback"),
-    ("export failed: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes", "out of memory"),
-    ("export failed: AssertionError: ", "converter crash"),
-    ("export failed: OSError: [Errno 28] No space left on device: '/b/r.ptl' -> '/b/cache/r'", "disk full"),
-    ("the eager reference is degenerate: every input gives the same output", "degenerate reference"),
-])
+@pytest.mark.parametrize(
+    "error,kind",
+    [
+        ("export failed: Unsupported: torch.* op returned non-Tensor", "unsupported op"),
+        ("export failed: NotImplementedError: aten::_upsample_bicubic2d_aa has no lowering", "unsupported op"),
+        ("export failed: RuntimeError: XNNPACK partitioner left the graph unlowered", "delegate fallback"),
+        (
+            "export failed: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes",
+            "out of memory",
+        ),
+        ("export failed: AssertionError: ", "converter crash"),
+        ("export failed: OSError: [Errno 28] No space left on device: '/b/r.ptl' -> '/b/cache/r'", "disk full"),
+        ("the eager reference is degenerate: every input gives the same output", "degenerate reference"),
+    ],
+)
 def test_export_failures_are_classified_from_their_first_line(error, kind):
     assert outcome.classify(error.removeprefix("export failed: ")) == kind
 
 
 def test_cells_read_from_a_manifest():
     def artifact(**kw):
-        return {"name": "a", "format": "coreml", "precision": "fp16", "path": None, "size_bytes": None,
-                "status": "failed", "reasons": [], "details": {}, **kw}
+        return {
+            "name": "a",
+            "format": "coreml",
+            "precision": "fp16",
+            "path": None,
+            "size_bytes": None,
+            "status": "failed",
+            "reasons": [],
+            "details": {},
+            **kw,
+        }
 
-    core_ml = outcome.cell_from_artifact(artifact(status="unavailable", path="m.mlpackage", size_bytes=5_000_000,
-                                                  reasons=["not validated: Core ML predict needs macOS"]))
+    core_ml = outcome.cell_from_artifact(
+        artifact(
+            status="unavailable",
+            path="m.mlpackage",
+            size_bytes=5_000_000,
+            reasons=["not validated: Core ML predict needs macOS"],
+        )
+    )
     assert (core_ml["outcome"], table.cell_text(core_ml)) == ("unavailable", "⚪ 5.0 MB")
-    refused = outcome.cell_from_artifact(artifact(status="unavailable", reasons=["cannot take an eager-quantized model: …"]))
+    refused = outcome.cell_from_artifact(
+        artifact(status="unavailable", reasons=["cannot take an eager-quantized model: …"])
+    )
     assert refused["outcome"] == "refused"
-    broke = outcome.cell_from_artifact(artifact(path="m.pte", size_bytes=1, reasons=["top1_agreement 0.375 (needs >= 0.97)"]))
+    broke = outcome.cell_from_artifact(
+        artifact(path="m.pte", size_bytes=1, reasons=["top1_agreement 0.375 (needs >= 0.97)"])
+    )
     assert (broke["outcome"], table.cell_text(broke)) == ("failed", "❎ top1_agreement 0.375")
-    degenerate = outcome.cell_from_artifact(artifact(path="m.pte", reasons=["degenerate eager reference: constant outputs"]))
+    degenerate = outcome.cell_from_artifact(
+        artifact(path="m.pte", reasons=["degenerate eager reference: constant outputs"])
+    )
     assert (degenerate["outcome"], degenerate["kind"]) == ("failed", "degenerate reference")
-    stops = outcome.cell_from_artifact(artifact(path="m.onnx", reasons=[
-        "does not run on every validation input: RuntimeError: [ONNXRuntimeError] : 1 : FAIL : Reshape"]))
-    assert (stops["outcome"], stops["kind"], table.cell_text(stops)) == ("failed", "runtime error",
-                                                                        "❎ runtime error (RuntimeError)")
+    stops = outcome.cell_from_artifact(
+        artifact(
+            path="m.onnx",
+            reasons=["does not run on every validation input: RuntimeError: [ONNXRuntimeError] : 1 : FAIL : Reshape"],
+        )
+    )
+    assert (stops["outcome"], stops["kind"], table.cell_text(stops)) == (
+        "failed",
+        "runtime error",
+        "❎ runtime error (RuntimeError)",
+    )
     assert not outcome.floor_wanted({"cells": [stops]})  # no rounding of eager explains a crash
     crashed = outcome.cell_from_artifact(artifact(reasons=["export failed: TypeError: bad thing"]))
-    assert (crashed["outcome"], crashed["kind"], table.cell_text(crashed)) == ("export", "converter crash", "❌ converter crash")
-    pte = outcome.cell_from_artifact(artifact(format="executorch", status="passed", path="m.pte", details={"delegation": {
-        "delegated_nodes": 9, "non_delegated_nodes": 1, "delegated_subgraphs": 1, "ops_outside_delegate": {"mean": 1},
-        "ops_outside_on_tensors": {"mean": 1}}}))
+    assert (crashed["outcome"], crashed["kind"], table.cell_text(crashed)) == (
+        "export",
+        "converter crash",
+        "❌ converter crash",
+    )
+    pte = outcome.cell_from_artifact(
+        artifact(
+            format="executorch",
+            status="passed",
+            path="m.pte",
+            details={
+                "delegation": {
+                    "delegated_nodes": 9,
+                    "non_delegated_nodes": 1,
+                    "delegated_subgraphs": 1,
+                    "ops_outside_delegate": {"mean": 1},
+                    "ops_outside_on_tensors": {"mean": 1},
+                }
+            },
+        )
+    )
     assert table._outside_xnnpack([pte]) == "fp16: mean×1"
-    rows = lambda *statuses: [{"cpu": cpu, "status": st} for cpu, st in zip(("cortex-a53", "cortex-a76"), statuses)]
-    on_arm = outcome.cell_from_artifact(artifact(status="passed", path="m.pte", size_bytes=2_000_000,
-                                                 aarch64=rows("passed", "passed")))
+
+    def rows(*statuses):
+        return [{"cpu": cpu, "status": st} for cpu, st in zip(("cortex-a53", "cortex-a76"), statuses)]
+
+    on_arm = outcome.cell_from_artifact(
+        artifact(status="passed", path="m.pte", size_bytes=2_000_000, aarch64=rows("passed", "passed"))
+    )
     assert table.cell_text(on_arm) == "✅ 2.0 MB · ✅ on cortex-a53, cortex-a76"
-    broke_there = outcome.cell_from_artifact(artifact(path="m.pte", aarch64=rows("passed", "failed"), reasons=[
-        "aarch64 cortex-a76 (emulated): psnr_db 25.1 (needs >= 30)"]))
+    broke_there = outcome.cell_from_artifact(
+        artifact(
+            path="m.pte",
+            aarch64=rows("passed", "failed"),
+            reasons=["aarch64 cortex-a76 (emulated): psnr_db 25.1 (needs >= 30)"],
+        )
+    )
     assert (broke_there["outcome"], table.cell_text(broke_there)) == ("failed", "❎ cortex-a76: psnr_db 25.1")
     # qemu out of time (a starved host) is no verdict on the artifact
-    slow = outcome.cell_from_artifact(artifact(path="m.ptl", aarch64=rows("passed", "failed"), reasons=[
-        "aarch64 cortex-a76 (emulated): could not run on aarch64: timed out after 1800 s under qemu (cortex-a76)"]))
+    slow = outcome.cell_from_artifact(
+        artifact(
+            path="m.ptl",
+            aarch64=rows("passed", "failed"),
+            reasons=[
+                "aarch64 cortex-a76 (emulated): could not run on aarch64: timed out after 1800 s under qemu (cortex-a76)"
+            ],
+        )
+    )
     assert (slow["outcome"], slow["kind"], table.cell_text(slow)) == ("time", "time limit", "⏱ qemu on cortex-a76")
 
 
 def test_a_killed_build_marks_where_it_stopped():
-    planned = [{"name": n, "format": "executorch", "precision": p} for n, p in (("x_fp32", "fp32"), ("x_int8", "int8"), ("y", "fp32"))]
+    planned = [
+        {"name": n, "format": "executorch", "precision": p}
+        for n, p in (("x_fp32", "fp32"), ("x_int8", "int8"), ("y", "fp32"))
+    ]
     done = [{"name": "x_fp32", "outcome": "passed"}]
     cells = outcome.stopped_cells(planned, done, -9, False, None, None)
     # a build makes its float artifacts first: it was at y, and had not reached x_int8; cells in the target's order
     assert [(c["name"], c["outcome"], c.get("kind")) for c in cells] == [
-        ("x_fp32", "passed", None), ("x_int8", "not_run", "not reached"), ("y", "export", "out of memory")]
+        ("x_fp32", "passed", None),
+        ("x_int8", "not_run", "not reached"),
+        ("y", "export", "out of memory"),
+    ]
     done.append({"name": "y", "outcome": "passed"})
     cells = outcome.stopped_cells(planned, done, -9, False, None, None)
     assert [(c["name"], c["outcome"], c.get("kind")) for c in cells] == [
-        ("x_fp32", "passed", None), ("x_int8", "export", "out of memory"), ("y", "passed", None)]
+        ("x_fp32", "passed", None),
+        ("x_int8", "export", "out of memory"),
+        ("y", "passed", None),
+    ]
     refused = outcome.stopped_cells(planned, [], 2, False, "the eager reference is degenerate", None)
     assert {(c["outcome"], c["kind"]) for c in refused} == {("export", "degenerate reference")}
 
@@ -537,11 +754,19 @@ def test_an_oom_kill_is_the_weights_verdict_only_when_the_build_had_the_host():
     crowded = {"build_peak_bytes": 12.3 * gb, "host_bytes": 24 * gb, "others_bytes": 11 * gb}
     for sample, kept in ((alone, True), (crowded, False), (None, True)):
         (cell,) = outcome.stopped_cells(planned, [], -signal.SIGKILL, False, None, None, sample)
-        row = {"outcome": "stopped", "returncode": -signal.SIGKILL, "timed_out": False, "memory": sample, "cells": [cell]}
+        row = {
+            "outcome": "stopped",
+            "returncode": -signal.SIGKILL,
+            "timed_out": False,
+            "memory": sample,
+            "cells": [cell],
+        }
         assert cell["kind"] == "out of memory" and sweep._cacheable(row) is kept
         assert ("built again next time" in cell["reason"]) is not kept
-    assert ("held at least 12.3 GB of this host's 24.0 GB, other processes 11.0 GB when last sampled: built again"
-            in outcome.death_reason(-9, crowded))
+    assert (
+        "held at least 12.3 GB of this host's 24.0 GB, other processes 11.0 GB when last sampled: built again"
+        in outcome.death_reason(-9, crowded)
+    )
     later = {"weight": "W", "target": "android", "outcome": "stopped", "returncode": -9, "memory": crowded}
     built = {"weight": "W", "target": "android", "outcome": "built", "returncode": 0}
     assert not table._kept(built, later) and table._kept(built, dict(later, memory=alone))  # a merge keeps the build
@@ -592,7 +817,9 @@ def test_a_random_head_that_gives_every_input_the_same_output_is_rescaled_until_
     layers = []
     for _ in range(4):
         layers += [nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()]
-    head = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), *layers, nn.Conv2d(16, 9, 3, padding=1))
+    head = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), *layers, nn.Conv2d(16, 9, 3, padding=1)
+    )
     for m in head.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.normal_(m.weight, std=0.01)
@@ -613,8 +840,11 @@ def _task(num_classes: int):
     return Classification(num_classes=num_classes, input_size=(4, 4))
 
 
-THRESHOLDS = {"fp32": {"top1_agreement": 1.0, "psnr_db": 60.0}, "fp16": {"top1_agreement": 0.99, "psnr_db": 40.0},
-              "int8": {"top1_agreement": 0.97, "psnr_db": 30.0}}
+THRESHOLDS = {
+    "fp32": {"top1_agreement": 1.0, "psnr_db": 60.0},
+    "fp16": {"top1_agreement": 0.99, "psnr_db": 40.0},
+    "int8": {"top1_agreement": 0.97, "psnr_db": 30.0},
+}
 
 
 def test_the_precision_floor_tells_a_fragile_reference_from_a_sound_one():
@@ -638,8 +868,10 @@ def test_the_precision_floor_tells_a_fragile_reference_from_a_sound_one():
         return model.eval()
 
     other = torch.randn(48)
-    models = {"sound": classifier([unit, -unit, 0.05 * other]),  # top-1 wins by 8 on every image
-              "fragile": classifier([unit, unit + 1e-5 * other, -unit])}  # classes 0 and 1 tie on half of them
+    models = {
+        "sound": classifier([unit, -unit, 0.05 * other]),  # top-1 wins by 8 on every image
+        "fragile": classifier([unit, unit + 1e-5 * other, -unit]),
+    }  # classes 0 and 1 tie on half of them
     floors = {}
     for name, model in models.items():
         with torch.no_grad():
@@ -653,8 +885,12 @@ def test_the_precision_floor_tells_a_fragile_reference_from_a_sound_one():
     # every top-1 the 8-bit rounding flipped sat on a near-tie by the rule's measure; the sound model has none
     fragile, sound = floors["fragile"], floors["sound"]
     with torch.no_grad():
-        flipped = (conditioning.outputs(models["fragile"], images, "int8").argmax(1)
-                   != models["fragile"](images).argmax(1)).nonzero().flatten().tolist()
+        flipped = (
+            (conditioning.outputs(models["fragile"], images, "int8").argmax(1) != models["fragile"](images).argmax(1))
+            .nonzero()
+            .flatten()
+            .tolist()
+        )
     assert flipped and len(fragile["margins"]) == len(fragile["int8"]["rms"]) == 16
     assert all(fragile["margins"][i] < outcome.NEAR_TIE * fragile["int8"]["rms"][i] for i in flipped)
     assert not any(m < outcome.NEAR_TIE * e for m, e in zip(sound["margins"], sound["int8"]["rms"]))
@@ -734,8 +970,9 @@ def test_an_int8_failure_the_static_floor_shows_is_ill_conditioned():
     assert outcome.reclassify({"floor": int8, "cells": [dict(cell)]})["cells"][0]["kind"] == "validation"
     row = outcome.reclassify({"floor": dict(int8, **static), "cells": [dict(cell)]})
     assert row["cells"][0]["kind"] == "ill-conditioned reference"
-    assert table.floor_text(row, row["cells"][0]) == ("eager rounded to int8: psnr_db 29.9; "
-                                                      "with static int8 ranges: psnr_db 24.5")
+    assert table.floor_text(row, row["cells"][0]) == (
+        "eager rounded to int8: psnr_db 29.9; with static int8 ranges: psnr_db 24.5"
+    )
     # far below even the static floor: ours to explain
     far = dict(cell, reasons=["psnr_db 12 (needs >= 30)"])
     assert outcome.reclassify({"floor": dict(int8, **static), "cells": [far]})["cells"][0]["kind"] == "validation"
@@ -751,14 +988,23 @@ def test_a_labeled_int8_failure_needs_a_floor_judged_on_the_labels():
     """The trained EfficientNet-B1's int8 .pte: 26.8 dB and 1.2 points of acc@1 lost; eager rounded to int8 27.4 dB.
     A floor without labels cannot have broken accuracy_drop, so it explains nothing and is measured again; one
     judged on the labels that loses as much explains the cell, and the table says what it lost."""
-    cell = {"precision": "int8", "outcome": "failed", "kind": "validation",
-            "reasons": ["psnr_db 26.83 (needs >= 30)", "accuracy_drop 1.163 (needs <= 1)"]}
-    unlabeled = {"int8": {"fidelity": {"psnr_db": 27.4}, "reasons": ["psnr_db 27.4 (needs >= 30)"]},
-                 "int8_static": {"fidelity": {"psnr_db": 26.0}, "reasons": ["psnr_db 26 (needs >= 30)"]}}
+    cell = {
+        "precision": "int8",
+        "outcome": "failed",
+        "kind": "validation",
+        "reasons": ["psnr_db 26.83 (needs >= 30)", "accuracy_drop 1.163 (needs <= 1)"],
+    }
+    unlabeled = {
+        "int8": {"fidelity": {"psnr_db": 27.4}, "reasons": ["psnr_db 27.4 (needs >= 30)"]},
+        "int8_static": {"fidelity": {"psnr_db": 26.0}, "reasons": ["psnr_db 26 (needs >= 30)"]},
+    }
     assert outcome.reclassify({"floor": unlabeled, "cells": [dict(cell)]})["cells"][0]["kind"] == "validation"
     assert outcome.floor_wanted({"floor": unlabeled, "cells": [dict(cell)]})
-    lost = {"fidelity": {"psnr_db": 27.4}, "accuracy": {"drop_points": 2.326},
-            "reasons": ["psnr_db 27.4 (needs >= 30)", "accuracy_drop 2.326 (needs <= 1)"]}
+    lost = {
+        "fidelity": {"psnr_db": 27.4},
+        "accuracy": {"drop_points": 2.326},
+        "reasons": ["psnr_db 27.4 (needs >= 30)", "accuracy_drop 2.326 (needs <= 1)"],
+    }
     row = outcome.reclassify({"floor": dict(unlabeled, labeled=True, int8=lost), "cells": [dict(cell)]})
     assert row["cells"][0]["kind"] == "ill-conditioned reference"
     assert not outcome.floor_wanted(row)
@@ -773,27 +1019,44 @@ def test_a_labeled_int8_failure_needs_a_floor_judged_on_the_labels():
 
 
 def test_a_failure_the_floor_also_shows_is_marked_ill_conditioned():
-    floor = {"int8": {"fidelity": {"top1_agreement": 0.5, "psnr_db": 29.6}, "reasons": ["top1_agreement 0.5 (needs >= 0.97)",
-                                                                                         "psnr_db 29.6 (needs >= 30)"]},
-             "fp32": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 130.0}, "reasons": []}}
+    floor = {
+        "int8": {
+            "fidelity": {"top1_agreement": 0.5, "psnr_db": 29.6},
+            "reasons": ["top1_agreement 0.5 (needs >= 0.97)", "psnr_db 29.6 (needs >= 30)"],
+        },
+        "fp32": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 130.0}, "reasons": []},
+    }
 
     def cell(precision, reasons):
-        return {"name": f"x_{precision}", "precision": precision, "outcome": "failed", "kind": "validation",
-                "reason": reasons[0], "reasons": reasons}
+        return {
+            "name": f"x_{precision}",
+            "precision": precision,
+            "outcome": "failed",
+            "kind": "validation",
+            "reason": reasons[0],
+            "reasons": reasons,
+        }
 
-    row = {"floor": floor, "cells": [cell("int8", ["top1_agreement 0.375 (needs >= 0.97)"]),
-                                     cell("int8", ["top1_agreement 0.375 (needs >= 0.97)", "accuracy_drop 5 (needs <= 1)"]),
-                                     cell("fp32", ["top1_agreement 0.875 (needs >= 1)"]),
-                                     cell("int8", ["top1_agreement 0.5 (needs >= 0.97)", "psnr_db 25.1 (needs >= 30)"]),
-                                     cell("int8", ["top1_agreement 0 (needs >= 0.97)", "psnr_db 11.86 (needs >= 30)"])]}
+    row = {
+        "floor": floor,
+        "cells": [
+            cell("int8", ["top1_agreement 0.375 (needs >= 0.97)"]),
+            cell("int8", ["top1_agreement 0.375 (needs >= 0.97)", "accuracy_drop 5 (needs <= 1)"]),
+            cell("fp32", ["top1_agreement 0.875 (needs >= 1)"]),
+            cell("int8", ["top1_agreement 0.5 (needs >= 0.97)", "psnr_db 25.1 (needs >= 30)"]),
+            cell("int8", ["top1_agreement 0 (needs >= 0.97)", "psnr_db 11.86 (needs >= 30)"]),
+        ],
+    }
     kinds = [c["kind"] for c in outcome.reclassify(row)["cells"]]
     # explained only when every broken threshold is one eager's own rounding breaks too, and the artifact's PSNR
     # is within the margin of eager's own (MaxViT-T's int8 .pte: 11.86 dB against a floor of 28.9)
     assert kinds == ["ill-conditioned reference", "validation", "validation", "ill-conditioned reference", "validation"]
     assert table.cell_text(row["cells"][0]) == "❎ top1_agreement 0.375 · ill-conditioned"
     assert table.floor_text(row, row["cells"][0]) == "eager rounded to int8: top1_agreement 0.5"
-    assert outcome.reclassify({"cells": [cell("int8", ["top1_agreement 0.375 (needs >= 0.97)"])]})["cells"][0]["kind"] == "validation"
-
+    assert (
+        outcome.reclassify({"cells": [cell("int8", ["top1_agreement 0.375 (needs >= 0.97)"])]})["cells"][0]["kind"]
+        == "validation"
+    )
 
 
 def test_a_quantized_weights_own_loss_is_told_from_its_exports():
@@ -801,16 +1064,29 @@ def test_a_quantized_weights_own_loss_is_told_from_its_exports():
     .ptl lost 1.16 points of acc@1 because the int8 weight itself does (eager, run as it is); a .ptl losing what
     the weight does not is ours to explain, and a quantized row measured before the weight's row asks for it."""
     weight = {"fidelity": {"psnr_db": 31.8}, "reasons": ["accuracy_drop 1.163 (needs <= 1)"]}
-    floor = {"int8": {"fidelity": {"psnr_db": 40.0}, "reasons": []}, "int8_static": {"fidelity": {"psnr_db": 38.0}, "reasons": []}}
-    cell = {"precision": "int8", "outcome": "failed", "kind": "validation", "psnr_db": 31.76,
-            "reason": "accuracy_drop 1.163 (needs <= 1)", "reasons": ["accuracy_drop 1.163 (needs <= 1)"]}
+    floor = {
+        "int8": {"fidelity": {"psnr_db": 40.0}, "reasons": []},
+        "int8_static": {"fidelity": {"psnr_db": 38.0}, "reasons": []},
+    }
+    cell = {
+        "precision": "int8",
+        "outcome": "failed",
+        "kind": "validation",
+        "psnr_db": 31.76,
+        "reason": "accuracy_drop 1.163 (needs <= 1)",
+        "reasons": ["accuracy_drop 1.163 (needs <= 1)"],
+    }
     row = outcome.reclassify({"quantized": True, "floor": dict(floor, quantized_weight=weight), "cells": [dict(cell)]})
     assert row["cells"][0]["kind"] == "quantized weight"
     assert table.cell_text(row["cells"][0]) == "❎ accuracy_drop 1.163 · the int8 weight's own"
     assert table.floor_text(row, row["cells"][0]) == "the int8 weight in eager PyTorch: accuracy_drop 1.163"
     worse = dict(cell, reasons=["accuracy_drop 1.163 (needs <= 1)", "psnr_db 20.1 (needs >= 30)"], psnr_db=20.1)
-    assert outcome.reclassify({"quantized": True, "floor": dict(floor, quantized_weight=weight),
-                               "cells": [worse]})["cells"][0]["kind"] == "validation"
+    assert (
+        outcome.reclassify({"quantized": True, "floor": dict(floor, quantized_weight=weight), "cells": [worse]})[
+            "cells"
+        ][0]["kind"]
+        == "validation"
+    )
     assert outcome.floor_wanted({"quantized": True, "floor": floor, "cells": [dict(cell)]})
     # a float weight's row has no weight floor to ask for once its own floor was judged on the labels
     assert not outcome.floor_wanted({"quantized": False, "floor": dict(floor, labeled=True), "cells": [dict(cell)]})
@@ -822,18 +1098,25 @@ def test_a_quantized_weight_is_judged_as_it_is_against_its_float_model(quantized
     from exporter import data, weights
     from exporter.coverage import conditioning
 
-    loaded = weights.load(QUANTIZED_WEIGHT, quantized_digits.checkpoint, verify=False, offline=True,
-                          float_checkpoint=quantized_digits.float_checkpoint)
+    loaded = weights.load(
+        QUANTIZED_WEIGHT,
+        quantized_digits.checkpoint,
+        verify=False,
+        offline=True,
+        float_checkpoint=quantized_digits.float_checkpoint,
+    )
     task = loaded.task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, None)
     inputs = data.from_imagefolder(quantized_digits.data_dir, task.transform(loaded.weights), 0, 64, 0, num_classes=10)
     with torch.no_grad():
         reference = torch.cat([loaded.eager(x[None]) for x in inputs.validation])
-    tight = conditioning.weight_row(task, loaded.model, inputs.validation, reference, inputs.labels,
-                                    {"accuracy_drop": -100.0, "psnr_db": 200.0})
+    tight = conditioning.weight_row(
+        task, loaded.model, inputs.validation, reference, inputs.labels, {"accuracy_drop": -100.0, "psnr_db": 200.0}
+    )
     assert {r.split()[0] for r in tight["reasons"]} == {"accuracy_drop", "psnr_db"}
     assert 15 < tight["fidelity"]["psnr_db"] < 80  # int8 against float: close, not equal
-    loose = conditioning.weight_row(task, loaded.model, inputs.validation, reference, inputs.labels,
-                                    {"accuracy_drop": 100.0, "psnr_db": 0.0})
+    loose = conditioning.weight_row(
+        task, loaded.model, inputs.validation, reference, inputs.labels, {"accuracy_drop": 100.0, "psnr_db": 0.0}
+    )
     assert loose["reasons"] == []
 
 
@@ -841,10 +1124,23 @@ def test_decisions_flipped_by_an_artifact_closer_to_eager_than_the_floor_are_ill
     """Wide-ResNet50-2's ONNX fp16 flipped 2 of 8 top-1s (margins 0.005 and 0.013) at 47.4 dB from eager; eager
     rounded to fp16 sat at 44.2 dB and happened to flip none. Eager in half precision flipped the same two."""
     floor = {"fp16": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 44.22}, "reasons": []}}
-    closer = {"precision": "fp16", "outcome": "failed", "kind": "validation", "reasons": ["top1_agreement 0.75 (needs >= 0.99)"]}
-    row = {"floor": floor, "cells": [dict(closer, psnr_db=47.36), dict(closer, psnr_db=40.0), dict(closer),
-                                     dict(closer, psnr_db=47.36, reasons=["top1_agreement 0.75 (needs >= 0.99)",
-                                                                          "accuracy_drop 5 (needs <= 1)"])]}
+    closer = {
+        "precision": "fp16",
+        "outcome": "failed",
+        "kind": "validation",
+        "reasons": ["top1_agreement 0.75 (needs >= 0.99)"],
+    }
+    row = {
+        "floor": floor,
+        "cells": [
+            dict(closer, psnr_db=47.36),
+            dict(closer, psnr_db=40.0),
+            dict(closer),
+            dict(
+                closer, psnr_db=47.36, reasons=["top1_agreement 0.75 (needs >= 0.99)", "accuracy_drop 5 (needs <= 1)"]
+            ),
+        ],
+    }
     kinds = [c["kind"] for c in outcome.reclassify(row)["cells"]]
     # farther than the floor, no PSNR recorded, or a broken threshold that is no decision: ours to explain
     assert kinds == ["ill-conditioned reference", "validation", "validation", "validation"]
@@ -857,8 +1153,15 @@ def test_decisions_flipped_by_an_artifact_closer_to_eager_than_the_floor_are_ill
     farther = dict(flipped, reasons=[reasons[0], "psnr_db 19 (needs >= 30)"], psnr_db=19.0)
     kinds = [c["kind"] for c in outcome.reclassify({"floor": int8, "cells": [flipped, farther]})["cells"]]
     assert kinds == ["ill-conditioned reference", "validation"]
-    artifact = {"name": "onnx_fp16", "format": "onnx", "precision": "fp16", "status": "failed", "path": "m.onnx",
-                "reasons": closer["reasons"], "fidelity": {"psnr_db": 47.3641, "top1_agreement": 0.75}}
+    artifact = {
+        "name": "onnx_fp16",
+        "format": "onnx",
+        "precision": "fp16",
+        "status": "failed",
+        "path": "m.onnx",
+        "reasons": closer["reasons"],
+        "fidelity": {"psnr_db": 47.3641, "top1_agreement": 0.75},
+    }
     assert outcome.cell_from_artifact(artifact)["psnr_db"] == 47.36
 
 
@@ -866,26 +1169,45 @@ def test_a_top1_flipped_on_a_near_tie_is_the_references_not_the_exports():
     """Swin-V2-S's random int8 .pte flipped one top-1 of 8 at 39.51 dB, 0.12 dB farther from eager than its
     floor (39.63 dB), which flipped none: eager's margin on that image was 0.004, a fifth of the RMS error."""
     margins = [0.004, 0.020, 0.029, 0.038, 0.081, 0.104, 0.113, 0.294]
-    floor = {"margins": margins,
-             "int8": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 39.63}, "reasons": [], "rms": [0.022] * 8}}
-    cell = {"precision": "int8", "outcome": "failed", "kind": "validation", "psnr_db": 39.51,
-            "reasons": ["top1_agreement 0.875 (needs >= 0.97)"]}
+    floor = {
+        "margins": margins,
+        "int8": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 39.63}, "reasons": [], "rms": [0.022] * 8},
+    }
+    cell = {
+        "precision": "int8",
+        "outcome": "failed",
+        "kind": "validation",
+        "psnr_db": 39.51,
+        "reasons": ["top1_agreement 0.875 (needs >= 0.97)"],
+    }
     tie = dict(cell, flipped_rows=[{"row": 0, "top1_flipped": 1.0}])
-    cells = [tie,
-             dict(cell, flipped_rows=[{"row": 7, "top1_flipped": 1.0}]),  # a margin 13x the error: the export's
-             dict(cell),  # the flipped images unknown
-             dict(tie, reasons=["top1_agreement 0.75 (needs >= 0.97)"]),  # two flipped, one listed
-             dict(tie, psnr_db=33.0)]  # 6.6 dB farther than eager's own rounding
+    cells = [
+        tie,
+        dict(cell, flipped_rows=[{"row": 7, "top1_flipped": 1.0}]),  # a margin 13x the error: the export's
+        dict(cell),  # the flipped images unknown
+        dict(tie, reasons=["top1_agreement 0.75 (needs >= 0.97)"]),  # two flipped, one listed
+        dict(tie, psnr_db=33.0),
+    ]  # 6.6 dB farther than eager's own rounding
     row = outcome.reclassify({"floor": floor, "cells": cells})
     assert [c["kind"] for c in row["cells"]] == ["ill-conditioned reference"] + ["validation"] * 4
-    assert table.floor_text(row, row["cells"][0]) == ("eager rounded to int8: top1_agreement 1; "
-                                                      "top-1 flipped where eager's margin was 0.004 "
-                                                      "(rounding's RMS error there 0.022)")
+    assert table.floor_text(row, row["cells"][0]) == (
+        "eager rounded to int8: top1_agreement 1; "
+        "top-1 flipped where eager's margin was 0.004 "
+        "(rounding's RMS error there 0.022)"
+    )
     # the flipped images come from the manifest's preview rows (the images where the artifact departs most)
-    artifact = {"name": "executorch_int8", "format": "executorch", "precision": "int8", "status": "failed",
-                "path": "m.pte", "reasons": cell["reasons"],
-                "preview_rows": [{"row": 3, "departure": {"top1_flipped": 1.0, "logit_rmse": 0.03}},
-                                 {"row": 5, "departure": {"top1_flipped": 0.0, "logit_rmse": 0.02}}]}
+    artifact = {
+        "name": "executorch_int8",
+        "format": "executorch",
+        "precision": "int8",
+        "status": "failed",
+        "path": "m.pte",
+        "reasons": cell["reasons"],
+        "preview_rows": [
+            {"row": 3, "departure": {"top1_flipped": 1.0, "logit_rmse": 0.03}},
+            {"row": 5, "departure": {"top1_flipped": 0.0, "logit_rmse": 0.02}},
+        ],
+    }
     assert outcome.cell_from_artifact(artifact)["flipped_rows"] == [{"row": 3, "top1_flipped": 1.0, "logit_rmse": 0.03}]
 
 
@@ -904,7 +1226,9 @@ def test_a_cached_row_with_a_failure_gets_its_floor_measured(first_run, cache_di
     result, _ = _sweep(cache_dir, tmp_path)
     assert result.exit_code == 0, result.output
     measured = _rows(tmp_path)["mobilenet_v3_small"]
-    assert measured["from_cache"] and set(measured["floor"]) >= {"fp32", "fp16", "int8", "int8_static"}, measured.get("floor")
+    assert measured["from_cache"] and set(measured["floor"]) >= {"fp32", "fp16", "int8", "int8_static"}, measured.get(
+        "floor"
+    )
     # float64 eager keeps float32 eager's top-1 on a settled MobileNetV3-Small: the failure is not explained
     assert measured["floor"]["fp32"]["fidelity"]["top1_agreement"] == 1.0
     assert measured["cells"][0]["kind"] == "validation"
@@ -935,13 +1259,17 @@ def test_the_sweeps_input_size_goes_to_the_graphs_that_take_one():
     assert randomize.accepted_input_size("MobileNet_V3_Small_Weights.IMAGENET1K_V1", None, 224) is None
     # only a classifier's row depends on the classifier size, and only its row says it
     settings = sweep.Settings(classifier_size=96)
-    assert "classifier_size" not in settings.key_parts("segmentation") and settings.key_parts("quantization")[
-        "classifier_size"] == 96
+    assert (
+        "classifier_size" not in settings.key_parts("segmentation")
+        and settings.key_parts("quantization")["classifier_size"] == 96
+    )
     assert sweep.Settings().key_parts("classification") == settings.key_parts("segmentation")
     runner = sweep.Sweep(settings, [], Path("x.json"), Path("x.md"), "test")
     found = coverage.select.candidates(("lraspp_mobilenet_v3_large", "mobilenet_v3_small"), one_per_builder=True)
     assert {c.model: runner._resized(c, runner._input_size(c)) for c in found} == {
-        "lraspp_mobilenet_v3_large": {}, "mobilenet_v3_small": {"classifier_size": [96, 96]}}
+        "lraspp_mobilenet_v3_large": {},
+        "mobilenet_v3_small": {"classifier_size": [96, 96]},
+    }
 
 
 def test_a_random_checkpoint_settled_at_one_size_is_not_served_at_another(tmp_path):
@@ -1023,14 +1351,21 @@ def test_the_last_try_starts_every_residual_block_as_the_identity():
     residual branch, so each block passes its input through unchanged at the start."""
     from exporter.standins import digits
 
-    for weight, block in (("EfficientNet_V2_S_Weights.IMAGENET1K_V1", "MBConv"),
-                          ("MobileNet_V2_Weights.IMAGENET1K_V1", "InvertedResidual"),
-                          ("MNASNet0_5_Weights.IMAGENET1K_V1", "_InvertedResidual"),
-                          ("ResNet50_Weights.IMAGENET1K_V1", "Bottleneck")):
+    for weight, block in (
+        ("EfficientNet_V2_S_Weights.IMAGENET1K_V1", "MBConv"),
+        ("MobileNet_V2_Weights.IMAGENET1K_V1", "InvertedResidual"),
+        ("MNASNet0_5_Weights.IMAGENET1K_V1", "_InvertedResidual"),
+        ("ResNet50_Weights.IMAGENET1K_V1", "Bottleneck"),
+    ):
         model = digits._model(weight).eval()
         inputs = {}
-        residual = [m for m in model.modules() if type(m).__name__ == block
-                    and getattr(m, "use_res_connect", getattr(m, "apply_residual", True)) and getattr(m, "downsample", None) is None]
+        residual = [
+            m
+            for m in model.modules()
+            if type(m).__name__ == block
+            and getattr(m, "use_res_connect", getattr(m, "apply_residual", True))
+            and getattr(m, "downsample", None) is None
+        ]
         hooks = [m.register_forward_hook(lambda m, args, out: inputs.__setitem__(m, (args[0], out))) for m in residual]
         assert digits.zero_residual_branches(model) >= len(residual) > 0, weight
         with torch.no_grad():
@@ -1052,8 +1387,14 @@ def test_a_cached_model_that_did_not_learn_goes_on_with_the_tries_added_since(tm
     checkpoint = tmp_path / "resnet18_digits.pth"
     torch.save(cached, checkpoint)
     info_file = tmp_path / "digits_resnet18.json"
-    info = {"recipe": digits.RECIPE_VERSION, "epochs": 4, "builder_kwargs": {}, "checkpoint": str(checkpoint),
-            "accuracy": 0.11, "recipe_tries": 3}
+    info = {
+        "recipe": digits.RECIPE_VERSION,
+        "epochs": 4,
+        "builder_kwargs": {},
+        "checkpoint": str(checkpoint),
+        "accuracy": 0.11,
+        "recipe_tries": 3,
+    }
     info_file.write_text(json.dumps(info))
     earlier = digits._earlier_tries(info_file, 4, {})
     assert earlier[0] == 3 and earlier[2] == 0.11
@@ -1064,8 +1405,13 @@ def test_a_cached_model_that_did_not_learn_goes_on_with_the_tries_added_since(tm
     monkeypatch.setattr(digits, "_accuracy", lambda model, x, y, idx: 0.09)
     state, accuracy, _data = digits.train(weight, 4, log=lambda _m: None, earlier=earlier)
     assert tries == [digits.ATTEMPTS[3].lr] and accuracy == 0.11 and state is earlier[1]
-    for changed in ({"accuracy": 0.5}, {"recipe_tries": 4}, {"epochs": 8}, {"builder_kwargs": {"x": 1}},
-                    {"until": 0.95, "epochs_trained": 16}):
+    for changed in (
+        {"accuracy": 0.5},
+        {"recipe_tries": 4},
+        {"epochs": 8},
+        {"builder_kwargs": {"x": 1}},
+        {"until": 0.95, "epochs_trained": 16},
+    ):
         info_file.write_text(json.dumps({**info, **changed}))
         assert digits._earlier_tries(info_file, 4, {}) is None, changed
 
@@ -1099,7 +1445,9 @@ def test_a_cached_digits_model_that_did_not_learn_before_the_last_try_existed_is
     info_file.write_text(json.dumps(info))
     assert digits._cached_info(info_file, 4, "checkpoint") is None
     info_file.write_text(json.dumps(dict(info, recipe_tries=len(digits.ATTEMPTS))))
-    assert digits._cached_info(info_file, 4, "checkpoint") is not None  # the recipe had every try: do not train it again
+    assert (
+        digits._cached_info(info_file, 4, "checkpoint") is not None
+    )  # the recipe had every try: do not train it again
     info_file.write_text(json.dumps(dict(info, accuracy=0.97)))
     assert digits._cached_info(info_file, 4, "checkpoint") is not None  # learned before: keeps its checkpoint
 
@@ -1184,7 +1532,9 @@ def test_a_cached_row_stopped_on_the_wall_clock_alone_is_built_again(tmp_path):
     assert rowcache.fetch(tmp_path, "cpu", 1800) is not None
     assert rowcache.fetch(tmp_path, "cpu", 3600) is None
     # the backstop stops a starved or blocked build: that says nothing about the weight either
-    rowcache.store(tmp_path, {"key": "wall", "timed_out": True, "stopped_by": "wall", "time_limit_s": 1800, "cells": []})
+    rowcache.store(
+        tmp_path, {"key": "wall", "timed_out": True, "stopped_by": "wall", "time_limit_s": 1800, "cells": []}
+    )
     assert rowcache.fetch(tmp_path, "wall", 1800) is None
 
 
@@ -1200,14 +1550,25 @@ def test_a_changed_target_profile_keys_its_rows_anew(tmp_path):
 
 def test_bad_output_directories_are_refused_before_any_build(tmp_path):
     (tmp_path / "a_file").write_text("")
-    for args in (["--out", tmp_path / "a_file"], ["--out", tmp_path / "o", "--builds", tmp_path / "a_file"],
-                 ["--merge", DOCS / "coverage-digits.json", "--out", tmp_path / "a_file"]):
+    for args in (
+        ["--out", tmp_path / "a_file"],
+        ["--out", tmp_path / "o", "--builds", tmp_path / "a_file"],
+        ["--merge", DOCS / "coverage-digits.json", "--out", tmp_path / "a_file"],
+    ):
         result = run_cli("coverage", "--models", SMALL[0], "--one-per-builder", *args)
-        assert result.exit_code == 2 and "cannot be a directory" in result.stderr.strip().splitlines()[-1], result.output
+        assert result.exit_code == 2 and "cannot be a directory" in result.stderr.strip().splitlines()[-1], (
+            result.output
+        )
 
 
-def _merge_doc(tmp_path, name: str, rows: list[dict], time_limit: float, torch_version: str = "2.14.1",
-               classifier_size: int | None = None) -> Path:
+def _merge_doc(
+    tmp_path,
+    name: str,
+    rows: list[dict],
+    time_limit: float,
+    torch_version: str = "2.14.1",
+    classifier_size: int | None = None,
+) -> Path:
     settings = sweep.Settings(targets=("android",), time_limit=time_limit, classifier_size=classifier_size).describe()
     doc = table.new_document("test", settings, {}, {"torch": torch_version})
     doc.update(rows=rows, planned_rows=len(rows), complete=True)
@@ -1226,8 +1587,9 @@ def test_a_merge_keeps_measured_rows_and_says_what_its_files_were_made_with(tmp_
     doc = coverage.merge([whole, small], tmp_path / "m", command="test")
     assert {r["weight"]: r["outcome"] for r in doc["rows"]} == {"W.V1": "built", "X.V1": "built"}
     # ...while a skipped row is replaced by one that was built
-    assert {r["weight"]: r["outcome"] for r in coverage.merge([small, whole], tmp_path / "n", command="test")["rows"]} == {
-        "W.V1": "built", "X.V1": "built"}
+    assert {
+        r["weight"]: r["outcome"] for r in coverage.merge([small, whole], tmp_path / "n", command="test")["rows"]
+    } == {"W.V1": "built", "X.V1": "built"}
     text = (tmp_path / "m" / "coverage.md").read_text()
     assert "time limit 900 to 3600 s per build" in text and "torch 2.14.1 / 2.15.0" in text
     # the sweeps merged are listed under the table, not in its header
@@ -1251,36 +1613,67 @@ def test_a_merge_keeps_measured_rows_and_says_what_its_files_were_made_with(tmp_
     again = coverage.merge([tmp_path / "two" / "coverage.json"], tmp_path / "again", command="test")
     assert sorted(h["cpu"] for h in again["hosts"]) == ["AMD EPYC", "Intel Xeon"]
     assert again["run"]["shards_wall_s"] == [10.0, 20.0] and again["run"]["wall_s"] == 20.0  # each shard's, still
-    host_line = next(line for line in (tmp_path / "again" / "coverage.md").read_text().splitlines() if line.startswith("| host |"))
+    host_line = next(
+        line for line in (tmp_path / "again" / "coverage.md").read_text().splitlines() if line.startswith("| host |")
+    )
     assert "AMD EPYC" in host_line and "Intel Xeon" in host_line
 
 
 def test_rows_built_at_a_classifier_size_merge_with_rows_at_the_crop_and_say_their_size(tmp_path):
-    row = {"weight": "W.V1", "model": "w", "task": "classification", "params": 4e6, "target": "android",
-           "outcome": "built", "reason": None, "seconds": 3.0, "time_limit_s": 900, "cells": []}
+    row = {
+        "weight": "W.V1",
+        "model": "w",
+        "task": "classification",
+        "params": 4e6,
+        "target": "android",
+        "outcome": "built",
+        "reason": None,
+        "seconds": 3.0,
+        "time_limit_s": 900,
+        "cells": [],
+    }
     whole = _merge_doc(tmp_path, "whole.json", [row], 900)
-    small = _merge_doc(tmp_path, "small.json", [dict(row, weight="X.V1", model="x", classifier_size=[96, 96])], 900,
-                       classifier_size=96)
+    small = _merge_doc(
+        tmp_path, "small.json", [dict(row, weight="X.V1", model="x", classifier_size=[96, 96])], 900, classifier_size=96
+    )
     doc = coverage.merge([whole, small], tmp_path / "m", command="test")
     assert {r["weight"]: r.get("classifier_size") for r in doc["rows"]} == {"W.V1": None, "X.V1": [96, 96]}
     text = (tmp_path / "m" / "coverage.md").read_text()
     assert "| X.V1 (96×96) |" in text and "| W.V1 |" in text and "or at the size their row names" in text
 
 
-MERGE_ROW = {"weight": "W.V1", "model": "w", "task": "classification", "params": 4e6, "target": "android",
-             "outcome": "built", "reason": None, "seconds": 3.0, "time_limit_s": 900, "cells": []}
+MERGE_ROW = {
+    "weight": "W.V1",
+    "model": "w",
+    "task": "classification",
+    "params": 4e6,
+    "target": "android",
+    "outcome": "built",
+    "reason": None,
+    "seconds": 3.0,
+    "time_limit_s": 900,
+    "cells": [],
+}
 
 
-@pytest.mark.parametrize("rows,needle", [
-    ([{"foo": 1}], "row 1 has no 'weight'"),
-    ([1], "row 1 is a number, not an object"),
-    ([MERGE_ROW, dict(MERGE_ROW, weight="X.V1", outcome="finished")], "row 2 (X.V1 × android) outcome 'finished'"),
-    ([dict(MERGE_ROW, cells=[{"name": "onnx_fp32", "outcome": "passed"}, "passed"])], "cell 2 is a string"),
-    ([dict(MERGE_ROW, params="4M")], "'params', not a number"),
-    ([dict(MERGE_ROW, cells=[{"name": "onnx_fp32", "outcome": "failed", "kind": "validation", "reasons": 5}])],
-     "row 1 (W.V1 × android) cell 1 (onnx_fp32): 'reasons' is not a list of strings"),
-    ([dict(MERGE_ROW, earlier_runs=[{"seconds": "1 h"}])], "row 1 (W.V1 × android) 'earlier_runs' is not a list of"),
-])
+@pytest.mark.parametrize(
+    "rows,needle",
+    [
+        ([{"foo": 1}], "row 1 has no 'weight'"),
+        ([1], "row 1 is a number, not an object"),
+        ([MERGE_ROW, dict(MERGE_ROW, weight="X.V1", outcome="finished")], "row 2 (X.V1 × android) outcome 'finished'"),
+        ([dict(MERGE_ROW, cells=[{"name": "onnx_fp32", "outcome": "passed"}, "passed"])], "cell 2 is a string"),
+        ([dict(MERGE_ROW, params="4M")], "'params', not a number"),
+        (
+            [dict(MERGE_ROW, cells=[{"name": "onnx_fp32", "outcome": "failed", "kind": "validation", "reasons": 5}])],
+            "row 1 (W.V1 × android) cell 1 (onnx_fp32): 'reasons' is not a list of strings",
+        ),
+        (
+            [dict(MERGE_ROW, earlier_runs=[{"seconds": "1 h"}])],
+            "row 1 (W.V1 × android) 'earlier_runs' is not a list of",
+        ),
+    ],
+)
 def test_a_coverage_file_with_a_bad_row_is_refused_in_one_line_naming_it(rows, needle, tmp_path):
     good = _merge_doc(tmp_path, "good.json", [dict(MERGE_ROW, weight="Y.V1")], 900)
     (tmp_path / "shards").mkdir()
@@ -1299,13 +1692,15 @@ def test_a_refused_merge_leaves_no_output_directory(tmp_path):
     (tmp_path / "garbage.json").write_text("{not json")
     (tmp_path / "nan.json").write_text(good.read_text().replace('"seconds": 3.0', '"seconds": NaN'))
     (tmp_path / "empty").mkdir()
-    for i, (paths, needle) in enumerate([
-        ([good, tmp_path / "missing.json"], "does not exist"),
-        ([good, tmp_path / "garbage.json"], "is not a coverage JSON file"),
-        ([tmp_path / "nan.json"], "is not a coverage JSON file"),  # json.loads reads NaN; the table never has it
-        ([tmp_path / "empty"], "no coverage JSON files"),
-        ([bad, good], "row 1 has no 'weight'"),
-    ]):
+    for i, (paths, needle) in enumerate(
+        [
+            ([good, tmp_path / "missing.json"], "does not exist"),
+            ([good, tmp_path / "garbage.json"], "is not a coverage JSON file"),
+            ([tmp_path / "nan.json"], "is not a coverage JSON file"),  # json.loads reads NaN; the table never has it
+            ([tmp_path / "empty"], "no coverage JSON files"),
+            ([bad, good], "row 1 has no 'weight'"),
+        ]
+    ):
         out = tmp_path / f"out{i}" / "table"
         result = run_cli("coverage", "--merge", *paths, "--out", out)
         assert_clean_refusal(result, out, needle)
@@ -1371,8 +1766,18 @@ def test_a_target_the_build_refuses_is_a_refused_row_without_a_build(tmp_path):
     """As `exporter build` refuses it (Faster R-CNN makes nothing for Android): ⛔ with each format's reason, no
     build process, and the row has its own progress line."""
     out = tmp_path / "out"
-    result = run_cli("coverage", "--models", "fasterrcnn_mobilenet_v3_large_320_fpn", "--task", "detection",
-                     "--one-per-builder", "--target", "android", "--out", out)
+    result = run_cli(
+        "coverage",
+        "--models",
+        "fasterrcnn_mobilenet_v3_large_320_fpn",
+        "--task",
+        "detection",
+        "--one-per-builder",
+        "--target",
+        "android",
+        "--out",
+        out,
+    )
     assert result.exit_code == 0, result.output
     (row,) = json.loads((out / "coverage.json").read_text())["rows"]
     assert row["outcome"] == "refused" and row["cells"] == [] and row["seconds"] == 0.0, row

@@ -30,8 +30,21 @@ def ssdlite() -> digits_detection.DetectionDigitsModel:
 
 
 def det_args(model, out, *extra):
-    return ["build", model.weight, "--checkpoint", model.checkpoint, "--data", model.data_dir, "--labels", model.labels_file,
-            "--out", out, "--quiet", *FAST, *extra]
+    return [
+        "build",
+        model.weight,
+        "--checkpoint",
+        model.checkpoint,
+        "--data",
+        model.data_dir,
+        "--labels",
+        model.labels_file,
+        "--out",
+        out,
+        "--quiet",
+        *FAST,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +74,14 @@ def test_ssdlite_builds_validates_and_bundles_on_every_target(ssdlite_all):
             if a["status"] == "unavailable":
                 assert a["reasons"], a
                 continue
-            assert set(a["thresholds"]) <= {"matched_recall", "matched_precision", "psnr_db", "cosine", "max_abs_error", "map_drop"}
+            assert set(a["thresholds"]) <= {
+                "matched_recall",
+                "matched_precision",
+                "psnr_db",
+                "cosine",
+                "max_abs_error",
+                "map_drop",
+            }
             assert (a["status"] == "passed") == (breaches(a, a["thresholds"]) == []), a
             fid = a["fidelity"]
             assert fid["eager_detections"] > 0 and fid["matched_recall"] is not None
@@ -87,8 +107,12 @@ def test_jetson_bundle_checks_detection_on_the_device_kit(ssdlite_all):
         pytest.skip("no bundle: an artifact failed its thresholds (asserted consistent elsewhere)")
     bundle = out / "bundle" / "jetson"
     assert (bundle / "detection_decode.py").is_file() and (bundle / "golden" / "anchors.npy").is_file()
-    checked = subprocess.run([sys.executable, bundle / "device_validate.py", bundle, "--runtime", "onnxruntime"],
-                             capture_output=True, text=True, timeout=300)
+    checked = subprocess.run(
+        [sys.executable, bundle / "device_validate.py", bundle, "--runtime", "onnxruntime"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "recall" in checked.stdout
     assert_device_reproduces_the_build(bundle)
@@ -102,13 +126,18 @@ def test_a_build_restored_from_the_cache_keeps_the_decode_it_validated_with(ssdl
         restored = json.loads((again / target / "manifest.json").read_text())
         assert restored["cache"]["events"][0].startswith("whole build reused from the cache"), restored["cache"]
         decode = again / target / "detection_decode.py"
-        assert files.sha256(decode) == doc["task"]["decode"]["code_sha256"] == files.sha256(out / target / "detection_decode.py")
+        assert (
+            files.sha256(decode)
+            == doc["task"]["decode"]["code_sha256"]
+            == files.sha256(out / target / "detection_decode.py")
+        )
     if docs["android"]["status"] == "passed":
         bundled = make_bundle(again / "android") / "detection_decode.py"
         assert bundled.read_bytes() == (again / "android" / "detection_decode.py").read_bytes()
 
 
 # --- bad input: one line, exit 2, nothing written ---
+
 
 def _coco(tmp_path, model, edit):
     root = tmp_path / "coco"
@@ -121,8 +150,20 @@ def _coco(tmp_path, model, edit):
 
 def _refused(tmp_path, model, root, *needles):
     out = tmp_path / "out"
-    result = run_cli("build", model.weight, "--checkpoint", model.checkpoint, "--data", root, "--target", "android",
-                     "--out", out, "--quiet", "--no-cache")
+    result = run_cli(
+        "build",
+        model.weight,
+        "--checkpoint",
+        model.checkpoint,
+        "--data",
+        root,
+        "--target",
+        "android",
+        "--out",
+        out,
+        "--quiet",
+        "--no-cache",
+    )
     assert_clean_refusal(result, out, *needles)
 
 
@@ -131,23 +172,29 @@ def test_missing_image_is_refused(tmp_path, ssdlite):
         name = doc["images"][0]["file_name"]
         for p in (root / name, root / "images" / name):
             p.unlink(missing_ok=True)
+
     _refused(tmp_path, ssdlite, _coco(tmp_path, ssdlite, edit), "is missing")
 
 
 def test_box_outside_its_image_is_refused(tmp_path, ssdlite):
     def edit(root, doc):
         doc["annotations"][0]["bbox"] = [300, 300, 50, 50]
+
     _refused(tmp_path, ssdlite, _coco(tmp_path, ssdlite, edit), "lies outside its image")
 
 
 def test_unknown_category_is_refused(tmp_path, ssdlite):
     def edit(root, doc):
         doc["annotations"][0]["category_id"] = 77
+
     _refused(tmp_path, ssdlite, _coco(tmp_path, ssdlite, edit), "unknown category 77")
 
 
 def test_mask_and_keypoint_rcnn_are_refused_in_one_line(tmp_path):
     out = tmp_path / "out"
-    for weight, extra in (("MaskRCNN_ResNet50_FPN_Weights.COCO_V1", "masks"), ("KeypointRCNN_ResNet50_FPN_Weights.COCO_V1", "keypoints")):
+    for weight, extra in (
+        ("MaskRCNN_ResNet50_FPN_Weights.COCO_V1", "masks"),
+        ("KeypointRCNN_ResNet50_FPN_Weights.COCO_V1", "keypoints"),
+    ):
         result = run_cli("build", weight, "--out", out, "--quiet")
         assert_clean_refusal(result, out, f"cannot be exported yet: its {extra} have no output layout")

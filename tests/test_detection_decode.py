@@ -34,8 +34,9 @@ def test_decode_reproduces_torchvision_postprocessing(ssdlite, seed):
     g = torch.Generator().manual_seed(seed)
     head = torch.cat([torch.randn(1, 3234, 4, generator=g), 4 * torch.randn(1, 3234, 11, generator=g)], -1)
     ours = detection_decode.decode(head[0].numpy(), task.anchors, (320, 320))
-    theirs = model.postprocess_detections({"bbox_regression": head[..., :4], "cls_logits": head[..., 4:]},
-                                          [torch.from_numpy(task.anchors)], [(320, 320)])[0]
+    theirs = model.postprocess_detections(
+        {"bbox_regression": head[..., :4], "cls_logits": head[..., 4:]}, [torch.from_numpy(task.anchors)], [(320, 320)]
+    )[0]
     theirs = {k: v.numpy() for k, v in theirs.items()}
     assert len(ours["boxes"]) == len(theirs["boxes"]) > 0
     ours, theirs = _ordered(ours), _ordered(theirs)  # tied scores may come in either order (the sort differs by CPU)
@@ -52,10 +53,16 @@ def _ordered(detections: dict) -> dict:
 
 
 def test_match_pairs_boxes_by_class_and_iou():
-    ref = {"boxes": np.array([[0, 0, 10, 10], [20, 20, 30, 30], [50, 50, 60, 60]], float),
-           "scores": np.array([0.9, 0.8, 0.1]), "labels": np.array([1, 2, 3])}
-    cand = {"boxes": np.array([[1, 0, 11, 10], [20, 20, 30, 30], [70, 70, 80, 80]], float),
-            "scores": np.array([0.85, 0.7, 0.9]), "labels": np.array([1, 1, 4])}
+    ref = {
+        "boxes": np.array([[0, 0, 10, 10], [20, 20, 30, 30], [50, 50, 60, 60]], float),
+        "scores": np.array([0.9, 0.8, 0.1]),
+        "labels": np.array([1, 2, 3]),
+    }
+    cand = {
+        "boxes": np.array([[1, 0, 11, 10], [20, 20, 30, 30], [70, 70, 80, 80]], float),
+        "scores": np.array([0.85, 0.7, 0.9]),
+        "labels": np.array([1, 1, 4]),
+    }
     m = detection_decode.match(ref, cand, min_score=0.3)
     # the low-score reference box is not compared; box 2 has the wrong class; the third candidate is extra
     assert (m["reference"], m["candidate"], m["matched"]) == (2, 3, 1)
@@ -79,9 +86,13 @@ def test_boxes_clipped_flat_against_the_image_edge_match_their_twins_and_only_th
 
 
 def test_coco_map_of_perfect_and_missing_detections():
-    labels = torch.tensor([[[1, 10, 10, 50, 50], [2, 60, 60, 100, 120]], [[3, 5, 5, 40, 40], [PAD, 0, 0, 0, 0]]], dtype=torch.float32)
-    perfect = [{"boxes": np.array(rows)[:, 1:], "scores": np.ones(len(rows)), "labels": np.array(rows)[:, 0].astype(int)}
-               for rows in ([r for r in image if r[0] != PAD] for image in labels.tolist())]
+    labels = torch.tensor(
+        [[[1, 10, 10, 50, 50], [2, 60, 60, 100, 120]], [[3, 5, 5, 40, 40], [PAD, 0, 0, 0, 0]]], dtype=torch.float32
+    )
+    perfect = [
+        {"boxes": np.array(rows)[:, 1:], "scores": np.ones(len(rows)), "labels": np.array(rows)[:, 0].astype(int)}
+        for rows in ([r for r in image if r[0] != PAD] for image in labels.tolist())
+    ]
     assert coco_map(perfect, labels, (320, 320), 11) == {"map": pytest.approx(100.0), "map50": pytest.approx(100.0)}
     half = [perfect[0], {k: v[:0] for k, v in perfect[1].items()}]  # the second image's box not found
     assert coco_map(half, labels, (320, 320), 11)["map"] < 100.0

@@ -20,9 +20,11 @@ from exporter.tasks.detection import RawHeads, _anchors, decode_params
 
 SIZE = (128, 128)
 NUM_CLASSES = 5
-WEIGHT = {"retinanet_resnet50_fpn": "RetinaNet_ResNet50_FPN_Weights.COCO_V1",
-          "retinanet_resnet50_fpn_v2": "RetinaNet_ResNet50_FPN_V2_Weights.COCO_V1",
-          "fcos_resnet50_fpn": "FCOS_ResNet50_FPN_Weights.COCO_V1"}
+WEIGHT = {
+    "retinanet_resnet50_fpn": "RetinaNet_ResNet50_FPN_Weights.COCO_V1",
+    "retinanet_resnet50_fpn_v2": "RetinaNet_ResNet50_FPN_V2_Weights.COCO_V1",
+    "fcos_resnet50_fpn": "FCOS_ResNet50_FPN_Weights.COCO_V1",
+}
 
 
 class Detector:
@@ -93,8 +95,11 @@ def test_heads_are_the_anchors_times_box_values_plus_classes(detector):
     assert detector.anchors.shape == (sum(detector.levels), 4)
 
 
-@pytest.mark.parametrize("settings", [{}, {"topk_candidates": 40, "detections_per_img": 25, "score_thresh": 0.3,
-                                           "nms_thresh": 0.4}], ids=["defaults", "tight"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"topk_candidates": 40, "detections_per_img": 25, "score_thresh": 0.3, "nms_thresh": 0.4}],
+    ids=["defaults", "tight"],
+)
 def test_decode_reproduces_torchvision_forward(detector, settings):
     """Same boxes, scores and labels as the model's own eval forward, with its defaults and with other values
     set on the model object (the decode reads them from there: decode_params)."""
@@ -115,16 +120,19 @@ def test_decode_reproduces_torchvision_forward(detector, settings):
     else:
         assert len({int(label) for d in theirs for label in d["labels"]}) > 1  # several classes
         # most boxes moved off their anchors (the regression head is not negligible)
-        on_an_anchor = np.concatenate([np.isclose(d["boxes"][:, None], detector.anchors[None], atol=0.5).all(-1).any(-1)
-                                       for d in theirs])
+        on_an_anchor = np.concatenate(
+            [np.isclose(d["boxes"][:, None], detector.anchors[None], atol=0.5).all(-1).any(-1) for d in theirs]
+        )
         assert on_an_anchor.mean() < 0.5, on_an_anchor.mean()
 
 
 def wrong_params(params: dict) -> dict[str, dict]:
     """Decodes that must not reproduce torchvision: each one parameter (or the kind) changed."""
-    wrong = {"kind": {**params, "kind": "fcos" if params["kind"] == "retinanet" else "retinanet"},
-             "one level": {**params, "levels": [sum(params["levels"])], "topk_candidates": 40},
-             "nms_thresh": {**params, "nms_thresh": params["nms_thresh"] + 0.2}}
+    wrong = {
+        "kind": {**params, "kind": "fcos" if params["kind"] == "retinanet" else "retinanet"},
+        "one level": {**params, "levels": [sum(params["levels"])], "topk_candidates": 40},
+        "nms_thresh": {**params, "nms_thresh": params["nms_thresh"] + 0.2},
+    }
     if params["kind"] == "retinanet":
         wrong["box_coder_weights"] = {**params, "box_coder_weights": [10.0, 10.0, 5.0, 5.0]}
         wrong["bbox_xform_clip"] = {**params, "bbox_xform_clip": 0.1}
@@ -168,7 +176,8 @@ def test_retinanet_v2_is_accepted_and_input_sizes_follow_torchvision():
     v2 = weights.bind_task(weights.resolve(WEIGHT["retinanet_resnet50_fpn_v2"]), 91, (160, 224))
     assert v2.params["kind"] == "retinanet" and v2.params["box_coder_weights"] == [1.0, 1.0, 1.0, 1.0]
     assert v2.input_size == (160, 224) and sum(v2.params["levels"]) == len(v2.anchors) == 9 * sum(
-        -(-160 // s) * -(-224 // s) for s in (8, 16, 32, 64, 128))
+        -(-160 // s) * -(-224 // s) for s in (8, 16, 32, 64, 128)
+    )
     fcos = weights.task_class(weights.resolve(WEIGHT["fcos_resnet50_fpn"]))
     assert fcos.input_size_of(None, "fcos_resnet50_fpn", None) == (800, 800)  # min_size, square
     with pytest.raises(UsageError, match="multiples of 32"):
@@ -195,7 +204,9 @@ def test_a_checkpoint_resolves_constructs_and_exports_raw_heads(tmp_path):
 
     path = tmp_path / "retinanet_random.pth"
     torch.manual_seed(1)
-    torch.save(get_model("retinanet_resnet50_fpn", weights=None, weights_backbone=None, num_classes=7).state_dict(), path)
+    torch.save(
+        get_model("retinanet_resnet50_fpn", weights=None, weights_backbone=None, num_classes=7).state_dict(), path
+    )
     loaded = weights.load(WEIGHT["retinanet_resnet50_fpn"], checkpoint=path, verify=False, offline=True)
     assert loaded.num_classes == 7 and isinstance(loaded.model, RawHeads)
     task = loaded.task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, SIZE)

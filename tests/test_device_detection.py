@@ -35,8 +35,14 @@ LABELS = ["__background__", "zero", "one", "two", "three", "four", "five", "six"
 SIZE = 320
 IMAGES = 3
 OBJECTS = 8
-THRESHOLDS = {"matched_recall": 0.99, "matched_precision": 0.99, "psnr_db": 60.0, "cosine": 0.999,
-              "max_abs_error": 0.05, "map_drop": 1.0}
+THRESHOLDS = {
+    "matched_recall": 0.99,
+    "matched_precision": 0.99,
+    "psnr_db": 60.0,
+    "cosine": 0.999,
+    "max_abs_error": 0.05,
+    "map_drop": 1.0,
+}
 DECODER = Path(detection_decode.__file__)
 
 # Per target, the artifacts of a hand-written build: (format, precision, file, input of a Core ML package).
@@ -48,13 +54,23 @@ TARGET_ARTIFACTS = {
 
 # Every file and JSON key each reference app reads for detection, beside what tests/test_bundle.py and
 # tests/test_device_segmentation.py check. A key path is dotted; "[]" is any element of a list.
-DECODE_PARAMS = ["task.decode.box_coder_weights", "task.decode.score_thresh", "task.decode.nms_thresh",
-                 "task.decode.topk_candidates", "task.decode.detections_per_img", "task.decode.bbox_xform_clip",
-                 "task.decode.match_score", "task.decode.anchors", "task.decode.kind"]
+DECODE_PARAMS = [
+    "task.decode.box_coder_weights",
+    "task.decode.score_thresh",
+    "task.decode.nms_thresh",
+    "task.decode.topk_candidates",
+    "task.decode.detections_per_img",
+    "task.decode.bbox_xform_clip",
+    "task.decode.match_score",
+    "task.decode.anchors",
+    "task.decode.kind",
+]
 DETECTION_READS = {
     "android": {
-        "sources": ["android/app/src/main/java/org/example/bundleclassifier/BundleClassifier.kt",
-                    "android/app/src/main/java/org/example/bundleclassifier/Detections.kt"],
+        "sources": [
+            "android/app/src/main/java/org/example/bundleclassifier/BundleClassifier.kt",
+            "android/app/src/main/java/org/example/bundleclassifier/Detections.kt",
+        ],
         "bundle.json": ["task.name", "task.input_size", "task.output.layout", *DECODE_PARAMS],
         "preprocessing.json": ["resize_size", "crop_size", "mean", "std"],
     },
@@ -67,8 +83,15 @@ DETECTION_READS = {
         # --golden hands artifacts[] records to the bundled device_validate.py, run on real bundles elsewhere
         "sources": ["jetson/app.py"],
         # hands every task.decode entry but the file names to the decode (test_jetson_app_hands_…)
-        "bundle.json": ["task.name", "task.input_size", "task.decode.code", "task.decode.anchors", "task.decode.match_score",
-                        "artifacts[].name", "device_kit.validator"],
+        "bundle.json": [
+            "task.name",
+            "task.input_size",
+            "task.decode.code",
+            "task.decode.anchors",
+            "task.decode.match_score",
+            "artifacts[].name",
+            "device_kit.validator",
+        ],
         "preprocessing.json": ["resize_size", "crop_size", "interpolation", "mean", "std", "dtype"],
     },
 }
@@ -82,8 +105,11 @@ def task():
 
 def _object_anchors(anchors: np.ndarray, rng) -> np.ndarray:
     """OBJECTS anchors inside the image, 16 pixels apart at least: boxes an overlay shows apart."""
-    inside = np.nonzero((anchors[:, :2] >= 4).all(1) & (anchors[:, 2:] <= SIZE - 4).all(1)
-                        & ((anchors[:, 2:] - anchors[:, :2]) <= 112).all(1))[0]
+    inside = np.nonzero(
+        (anchors[:, :2] >= 4).all(1)
+        & (anchors[:, 2:] <= SIZE - 4).all(1)
+        & ((anchors[:, 2:] - anchors[:, :2]) <= 112).all(1)
+    )[0]
     grown = anchors + np.array([-8, -8, 8, 8], dtype=np.float32)
     chosen = []
     for index in rng.permutation(inside):
@@ -114,15 +140,22 @@ def _onnx_model(path: Path, weight: np.ndarray, bias: np.ndarray) -> None:
     from onnx import TensorProto, helper, numpy_helper
 
     anchors, k = bias.shape
-    nodes = [helper.make_node("GlobalAveragePool", ["input"], ["pooled"]),
-             helper.make_node("Flatten", ["pooled"], ["features"]),
-             helper.make_node("Gemm", ["features", "weight", "bias"], ["flat"]),
-             helper.make_node("Reshape", ["flat", "shape"], ["logits"])]
+    nodes = [
+        helper.make_node("GlobalAveragePool", ["input"], ["pooled"]),
+        helper.make_node("Flatten", ["pooled"], ["features"]),
+        helper.make_node("Gemm", ["features", "weight", "bias"], ["flat"]),
+        helper.make_node("Reshape", ["flat", "shape"], ["logits"]),
+    ]
     graph = helper.make_graph(
-        nodes, "tiny_ssd", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, SIZE, SIZE])],
+        nodes,
+        "tiny_ssd",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, SIZE, SIZE])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", anchors, k])],
-        initializer=[numpy_helper.from_array(weight, "weight"), numpy_helper.from_array(bias.reshape(-1), "bias"),
-                     numpy_helper.from_array(np.array([-1, anchors, k], dtype=np.int64), "shape")],
+        initializer=[
+            numpy_helper.from_array(weight, "weight"),
+            numpy_helper.from_array(bias.reshape(-1), "bias"),
+            numpy_helper.from_array(np.array([-1, anchors, k], dtype=np.int64), "shape"),
+        ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
     onnx.checker.check_model(model)
@@ -134,8 +167,14 @@ def _eager(weight: np.ndarray, bias: np.ndarray, inputs: np.ndarray) -> np.ndarr
 
 
 # what the build measured on its own run (the device run is judged on its own)
-FIDELITY = {"samples": IMAGES, "psnr_db": 90.0, "cosine": 1.0, "max_abs_error": 0.0, "matched_recall": 1.0,
-            "matched_precision": 1.0}
+FIDELITY = {
+    "samples": IMAGES,
+    "psnr_db": 90.0,
+    "cosine": 1.0,
+    "max_abs_error": 0.0,
+    "matched_recall": 1.0,
+    "matched_precision": 1.0,
+}
 
 
 def make_build(out: Path, task, target: str = "jetson", perturb: float = 0.0, labeled: bool = True) -> Path:
@@ -149,13 +188,17 @@ def make_build(out: Path, task, target: str = "jetson", perturb: float = 0.0, la
 
     labels = None
     if labeled:  # eager's two best boxes per image, as if annotated
-        rows = [[[float(label), *map(float, box)] for box, label in zip(d["boxes"][:2], d["labels"][:2])]
-                for d in (detection_decode.decode(e, task.anchors, task.input_size, task.params) for e in eager)]
+        rows = [
+            [[float(label), *map(float, box)] for box, label in zip(d["boxes"][:2], d["labels"][:2])]
+            for d in (detection_decode.decode(e, task.anchors, task.input_size, task.params) for e in eager)
+        ]
         labels = torch.tensor(rows, dtype=torch.float32)
     for name, text in task.device_files().items():
         (out / name).write_text(text)
     (out / "golden").mkdir()
-    for name, content in task.golden(torch.from_numpy(inputs), torch.from_numpy(eager.reshape(IMAGES, -1)), labels).items():
+    for name, content in task.golden(
+        torch.from_numpy(inputs), torch.from_numpy(eager.reshape(IMAGES, -1)), labels
+    ).items():
         if name.endswith(".json"):
             (out / "golden" / name).write_text(json.dumps(content) + "\n")
         else:
@@ -172,9 +215,16 @@ def make_build(out: Path, task, target: str = "jetson", perturb: float = 0.0, la
         else:
             (out / name).write_bytes(b"not a real program: the apps are checked for what they read")
         entry = {
-            "name": f"{fmt}_{precision}", "format": fmt, "precision": precision, "path": name,
-            "sha256": files.sha256(out / name), "size_bytes": files.size(out / name), **verdict(fmt), "thresholds": THRESHOLDS,
-            "accuracy": None, "details": {"opset": 18},
+            "name": f"{fmt}_{precision}",
+            "format": fmt,
+            "precision": precision,
+            "path": name,
+            "sha256": files.sha256(out / name),
+            "size_bytes": files.size(out / name),
+            **verdict(fmt),
+            "thresholds": THRESHOLDS,
+            "accuracy": None,
+            "details": {"opset": 18},
         }
         if entry["status"] == "passed":
             entry["fidelity"] = FIDELITY
@@ -183,14 +233,28 @@ def make_build(out: Path, task, target: str = "jetson", perturb: float = 0.0, la
         artifacts.append(entry)
 
     doc = {
-        "schema_version": manifest.SCHEMA_VERSION, "exporter_version": "0.0.test", "created": "2026-01-01T00:00:00+00:00",
-        "status": "passed", "weight": {"name": "Tiny_SSD_Weights.TEST", "model": "tiny_ssd", "num_classes": len(LABELS)},
-        "task": task.describe(), "preprocessing": task.preprocessing(None), "labels": {"count": len(LABELS)},
-        "target": {"name": target, "artifacts": [{"format": f, "precision": p, "options": {}}
-                                                 for f, p, _, _ in TARGET_ARTIFACTS[target]]},
-        "tools": {"onnx": onnx.__version__, "onnxruntime": ort.__version__, "executorch": "1.5.1",
-                  "torch": "2.14.1", "coremltools": "9.0"},
-        "data": {"kind": "synthetic"}, "eager": {"accuracy": None}, "artifacts": artifacts,
+        "schema_version": manifest.SCHEMA_VERSION,
+        "exporter_version": "0.0.test",
+        "created": "2026-01-01T00:00:00+00:00",
+        "status": "passed",
+        "weight": {"name": "Tiny_SSD_Weights.TEST", "model": "tiny_ssd", "num_classes": len(LABELS)},
+        "task": task.describe(),
+        "preprocessing": task.preprocessing(None),
+        "labels": {"count": len(LABELS)},
+        "target": {
+            "name": target,
+            "artifacts": [{"format": f, "precision": p, "options": {}} for f, p, _, _ in TARGET_ARTIFACTS[target]],
+        },
+        "tools": {
+            "onnx": onnx.__version__,
+            "onnxruntime": ort.__version__,
+            "executorch": "1.5.1",
+            "torch": "2.14.1",
+            "coremltools": "9.0",
+        },
+        "data": {"kind": "synthetic"},
+        "eager": {"accuracy": None},
+        "artifacts": artifacts,
     }
     doc = complete(doc)
     if target == "jetson":
@@ -223,7 +287,9 @@ def _edit_manifest(build: Path, edit) -> None:
 
 def _artifact_heads(build: Path) -> np.ndarray:
     session = ort.InferenceSession(str(build / TARGET_ARTIFACTS["jetson"][0][2]), providers=["CPUExecutionProvider"])
-    return np.concatenate([session.run(["logits"], {"input": x[None]})[0] for x in np.load(build / "golden" / "inputs.npy")])
+    return np.concatenate(
+        [session.run(["logits"], {"input": x[None]})[0] for x in np.load(build / "golden" / "inputs.npy")]
+    )
 
 
 # device_validate.py
@@ -236,8 +302,10 @@ def test_faithful_detection_artifact_passes(tmp_path, task):
     (line,) = result.stdout.strip().splitlines()
     eager_boxes = sum(len(d["boxes"]) for d in json.loads((build / "golden" / "eager_detections.json").read_text()))
     assert eager_boxes >= IMAGES * OBJECTS // 2
-    assert line.startswith(f"PASSED onnx_fp32 (onnxruntime, {IMAGES} golden inputs): matched recall 1.0000, precision "
-                           f"1.0000, mean IoU 1.000 ({eager_boxes} eager boxes), psnr "), line
+    assert line.startswith(
+        f"PASSED onnx_fp32 (onnxruntime, {IMAGES} golden inputs): matched recall 1.0000, precision "
+        f"1.0000, mean IoU 1.000 ({eager_boxes} eager boxes), psnr "
+    ), line
     (checked,) = device_validate.validate(build, "onnxruntime")
     assert checked["task"] == "detection" and checked["fidelity"]["psnr_db"] > 80
     assert checked["thresholds"] == {k: v for k, v in THRESHOLDS.items() if k != "map_drop"}
@@ -248,8 +316,11 @@ def test_perturbed_heads_fail_matched_recall(tmp_path, task):
     result = _device_validate(build)
     assert result.returncode == 1, result.stdout + result.stderr
     (line,) = result.stdout.strip().splitlines()
-    assert line.startswith("FAILED onnx_fp32") and re.search(r"; matched_recall [\d.]+ \(\d+ of \d+ eager boxes unmatched; "
-                                                             r"0\.99 allows \d+ of \d+\)", line), line
+    assert line.startswith("FAILED onnx_fp32") and re.search(
+        r"; matched_recall [\d.]+ \(\d+ of \d+ eager boxes unmatched; "
+        r"0\.99 allows \d+ of \d+\)",
+        line,
+    ), line
     (checked,) = device_validate.validate(build, "onnxruntime")
     assert checked["fidelity"]["matched_recall"] < 0.9
 
@@ -263,8 +334,18 @@ def test_device_numbers_equal_the_tasks_on_the_same_arrays(tmp_path, task):
     (checked,) = device_validate.validate(build, "onnxruntime")
     theirs = checked["fidelity"]
     assert 0 < ours["matched_recall"] < 1 and ours["max_score_error"] > 0  # a case where the numbers say something
-    for key in ("matched_recall", "matched_precision", "mean_match_iou", "max_score_error", "eager_detections",
-                "artifact_detections", "psnr_db", "cosine", "max_abs_error", "samples"):
+    for key in (
+        "matched_recall",
+        "matched_precision",
+        "mean_match_iou",
+        "max_score_error",
+        "eager_detections",
+        "artifact_detections",
+        "psnr_db",
+        "cosine",
+        "max_abs_error",
+        "samples",
+    ):
         assert theirs[key] == pytest.approx(ours[key], rel=1e-6), key
 
 
@@ -289,21 +370,32 @@ def test_a_device_is_held_to_the_builds_own_run_on_the_golden_inputs(tmp_path, t
     _edit_manifest(build, lambda doc: doc["artifacts"][0].update(golden_fidelity=perfect))
     result = _device_validate(build)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert re.search(r"; matched_recall [\d.]+ \(\d+ of \d+ eager boxes unmatched; 0\.99 allows \d+ of \d+\)", result.stdout)
+    assert re.search(
+        r"; matched_recall [\d.]+ \(\d+ of \d+ eager boxes unmatched; 0\.99 allows \d+ of \d+\)", result.stdout
+    )
 
 
 @pytest.mark.parametrize(
     "damage, needles",
     [
         (lambda b: (b / "golden" / "anchors.npy").unlink(), ["golden/anchors.npy is missing", "task.decode.anchors"]),
-        (lambda b: np.save(b / "golden" / "anchors.npy", np.load(b / "golden" / "anchors.npy")[:-1]),
-         ["golden/anchors.npy has shape (3233, 4)", "(3234, 4) expected"]),
+        (
+            lambda b: np.save(b / "golden" / "anchors.npy", np.load(b / "golden" / "anchors.npy")[:-1]),
+            ["golden/anchors.npy has shape (3233, 4)", "(3234, 4) expected"],
+        ),
         (lambda b: (b / "detection_decode.py").unlink(), ["detection_decode.py is missing beside device_validate.py"]),
-        (lambda b: _edit_manifest(b, lambda d: d["task"].pop("decode")),
-         ["task 'detection' lacks task.decode box_coder_weights"]),
-        (lambda b: _edit_manifest(b, lambda d: d["task"]["decode"].pop("nms_thresh")), ["lacks task.decode nms_thresh"]),
-        (lambda b: np.save(b / "golden" / "eager_logits.npy", np.load(b / "golden" / "eager_logits.npy")[..., :-1]),
-         ["eager_logits.npy has shape (3, 3234, 14)", "task.output.shape is [1, 3234, 15]"]),
+        (
+            lambda b: _edit_manifest(b, lambda d: d["task"].pop("decode")),
+            ["task 'detection' lacks task.decode box_coder_weights"],
+        ),
+        (
+            lambda b: _edit_manifest(b, lambda d: d["task"]["decode"].pop("nms_thresh")),
+            ["lacks task.decode nms_thresh"],
+        ),
+        (
+            lambda b: np.save(b / "golden" / "eager_logits.npy", np.load(b / "golden" / "eager_logits.npy")[..., :-1]),
+            ["eager_logits.npy has shape (3, 3234, 14)", "task.output.shape is [1, 3234, 15]"],
+        ),
     ],
     ids=["no-anchors", "anchors-shape", "no-decode-code", "no-decode-params", "one-param-missing", "head-shape"],
 )
@@ -356,9 +448,13 @@ def test_detection_bundle_ships_the_decode_and_anchors(tmp_path, task, target):
     info = json.loads((directory / "bundle.json").read_text())
     doc = json.loads((build / "manifest.json").read_text())
     assert info["task"] == doc["task"] and info["task"]["decode"]["match_score"] == 0.3
-    assert info["golden"] == {"inputs": "golden/inputs.npy", "eager_logits": "golden/eager_logits.npy",
-                              "anchors": "golden/anchors.npy", "eager_detections": "golden/eager_detections.json",
-                              "boxes": "golden/boxes.json"}
+    assert info["golden"] == {
+        "inputs": "golden/inputs.npy",
+        "eager_logits": "golden/eager_logits.npy",
+        "anchors": "golden/anchors.npy",
+        "eager_detections": "golden/eager_detections.json",
+        "boxes": "golden/boxes.json",
+    }
     assert (directory / info["task"]["decode"]["code"]).read_bytes() == DECODER.read_bytes()
     np.testing.assert_array_equal(np.load(directory / info["task"]["decode"]["anchors"]), task.anchors)
     listed = {f["path"]: f["sha256"] for f in info["files"]}
@@ -409,13 +505,17 @@ def test_every_detection_key_an_app_reads_is_in_a_bundle(tmp_path, task, app):
     spec = json.loads((directory / info["preprocessing"]).read_text())
     for name, doc in (("bundle.json", info), ("preprocessing.json", spec)):
         for path in reads[name]:
-            assert all(f'"{key.removesuffix("[]")}"' in sources for key in path.split(".")), f"{app} does not read {path}"
+            assert all(f'"{key.removesuffix("[]")}"' in sources for key in path.split(".")), (
+                f"{app} does not read {path}"
+            )
             assert _has(doc, path), f"{app} reads {name}: {path}, which the bundle lacks"
     decode = info["task"]["decode"]
     for path in [decode["anchors"], decode["code"], *info["golden"].values(), *(a["file"] for a in info["artifacts"])]:
         assert (directory / path).exists(), path
     quoted = set(re.findall(r'"([\w./-]+\.(?:json|txt|npy|png|py))"', sources))
-    assert quoted <= {"bundle.json"}, f"{app} hard-codes {quoted - {'bundle.json'}}; it should take names from bundle.json"
+    assert quoted <= {"bundle.json"}, (
+        f"{app} hard-codes {quoted - {'bundle.json'}}; it should take names from bundle.json"
+    )
     assert '"detection"' in sources
 
 
@@ -442,11 +542,15 @@ def test_jetson_app_golden_on_detection(tmp_path, task):
     assert result.returncode == 0, result.stdout + result.stderr
     model, line = result.stdout.splitlines()
     assert model == "model: tiny_ssd_onnx_fp32.onnx (ONNX Runtime)"
-    assert line.startswith(f"PASSED onnx_fp32 (onnxruntime, {IMAGES} golden inputs): matched recall 1.0000, precision 1.0000"), line
+    assert line.startswith(
+        f"PASSED onnx_fp32 (onnxruntime, {IMAGES} golden inputs): matched recall 1.0000, precision 1.0000"
+    ), line
     perturbed = make_bundle(make_build(tmp_path / "perturbed", task, perturb=3.0))
     result = _app(perturbed, "--golden")
     assert result.returncode == 1, result.stdout + result.stderr
-    assert re.search(r"^FAILED onnx_fp32 .*; matched_recall 0\.\d+ \(\d+ of \d+ eager boxes unmatched", result.stdout, re.M), result.stdout
+    assert re.search(
+        r"^FAILED onnx_fp32 .*; matched_recall 0\.\d+ \(\d+ of \d+ eager boxes unmatched", result.stdout, re.M
+    ), result.stdout
 
 
 def test_jetson_app_hands_the_decode_every_parameter_the_build_used(tmp_path, task):
@@ -478,8 +582,10 @@ def test_jetson_app_prints_and_draws_boxes_at_the_image_size(tmp_path, task):
     shown = found["scores"] >= 0.3
     assert OBJECTS // 2 <= shown.sum() <= OBJECTS
     scale = np.array([400 / SIZE, 300 / SIZE] * 2)
-    expected = [f"  {score:7.2%}  {LABELS[label]}  [{', '.join(f'{v:.1f}' for v in box * scale)}]"
-                for box, score, label in zip(found["boxes"][shown], found["scores"][shown], found["labels"][shown])]
+    expected = [
+        f"  {score:7.2%}  {LABELS[label]}  [{', '.join(f'{v:.1f}' for v in box * scale)}]"
+        for box, score, label in zip(found["boxes"][shown], found["scores"][shown], found["labels"][shown])
+    ]
     assert rows == expected
 
     with Image.open(target) as overlay, Image.open(photo) as original:
@@ -518,7 +624,9 @@ def test_detector_scales_boxes_to_the_original_image(tmp_path, task):
     info, _, _ = app.load_bundle(directory)
     detector = app.Detector(directory, app.task_of(info))
     head = np.load(directory / "golden" / "eager_logits.npy")[0]
-    for (label, score, box), (label2, score2, box2) in zip(detector.shown(head, 640, 160), detector.shown(head, 320, 320)):
+    for (label, score, box), (label2, score2, box2) in zip(
+        detector.shown(head, 640, 160), detector.shown(head, 320, 320)
+    ):
         assert (label, score) == (label2, score2)
         assert box == pytest.approx([box2[0] * 2, box2[1] / 2, box2[2] * 2, box2[3] / 2])
     with pytest.raises(ValueError, match="3234 anchors"):

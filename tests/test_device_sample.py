@@ -13,30 +13,52 @@ CLASSIFICATION, DETECTION, SEGMENTATION = TASKS["classification"], TASKS["detect
 
 
 def _images(agreeing: int, total: int = 8, **extra) -> dict:
-    return {"samples": total, "top1_agreement": agreeing / total, "top5_agreement": 1.0, "psnr_db": 40.0, "cosine": 0.999,
-            "max_abs_error": 0.1, **extra}
+    return {
+        "samples": total,
+        "top1_agreement": agreeing / total,
+        "top5_agreement": 1.0,
+        "psnr_db": 40.0,
+        "cosine": 0.999,
+        "max_abs_error": 0.1,
+        **extra,
+    }
 
 
 def _boxes(eager: int, artifact: int, matched: int, **extra) -> dict:
-    return {"samples": 8, "eager_detections": eager, "artifact_detections": artifact,
-            "matched_recall": matched / eager, "matched_precision": matched / artifact, "psnr_db": 45.0, "cosine": 0.999,
-            "max_abs_error": 0.5, **extra}
+    return {
+        "samples": 8,
+        "eager_detections": eager,
+        "artifact_detections": artifact,
+        "matched_recall": matched / eager,
+        "matched_precision": matched / artifact,
+        "psnr_db": 45.0,
+        "cosine": 0.999,
+        "max_abs_error": 0.5,
+        **extra,
+    }
 
 
-@pytest.mark.parametrize("agreeing, threshold, broken", [
-    (8, 1.0, False), (7, 1.0, True),  # fp32: exact, as the build asks
-    (7, 0.97, False),  # one flip in 8 is what 3% allows, rounded up to a whole image
-    (6, 0.97, True),
-    (7, 0.99, False), (6, 0.99, True),
-])
+@pytest.mark.parametrize(
+    "agreeing, threshold, broken",
+    [
+        (8, 1.0, False),
+        (7, 1.0, True),  # fp32: exact, as the build asks
+        (7, 0.97, False),  # one flip in 8 is what 3% allows, rounded up to a whole image
+        (6, 0.97, True),
+        (7, 0.99, False),
+        (6, 0.99, True),
+    ],
+)
 def test_top1_agreement_is_judged_in_whole_images(agreeing, threshold, broken):
     reasons = breaches(_images(agreeing), {"top1_agreement": threshold}, CLASSIFICATION)
     assert bool(reasons) == broken, reasons
     if broken:
         (reason,) = reasons
         allowed = 0 if threshold == 1.0 else 1
-        assert reason == (f"top1_agreement {agreeing / 8:.4g} ({8 - agreeing} of 8 images with another top-1; "
-                          f"{threshold:g} allows {allowed} of 8)")
+        assert reason == (
+            f"top1_agreement {agreeing / 8:.4g} ({8 - agreeing} of 8 images with another top-1; "
+            f"{threshold:g} allows {allowed} of 8)"
+        )
 
 
 def test_the_weaker_second_detector_seen_failing_on_its_bundle_now_passes():
@@ -48,7 +70,8 @@ def test_the_weaker_second_detector_seen_failing_on_its_bundle_now_passes():
     # said, not hidden: so few boxes cannot resolve 0.85
     assert device_validate.unresolved(metrics, thresholds) == [
         "note: too few items to resolve matched_recall 0.85 (3 eager boxes), matched_precision 0.85 (4 artifact boxes): "
-        "one miss each is let through"]
+        "one miss each is let through"
+    ]
     lost_two = _boxes(eager=3, artifact=2, matched=1)
     (reason,) = breaches(lost_two, {"matched_recall": 0.85, "matched_precision": 0.85}, DETECTION)
     assert reason == "matched_recall 0.3333 (2 of 3 eager boxes unmatched; 0.85 allows 1 of 3)"
@@ -57,8 +80,15 @@ def test_the_weaker_second_detector_seen_failing_on_its_bundle_now_passes():
 def test_many_items_are_held_to_the_threshold_itself():
     pixels = 8 * 128 * 128  # 131072: 0.999 allows 132 (131.07 rounded up)
     for missed, broken in ((132, False), (133, True)):
-        metrics = {"samples": 8, "pixels": pixels, "pixel_agreement": 1 - missed / pixels, "miou_vs_eager": 0.99,
-                   "psnr_db": 40.0, "cosine": 0.999, "max_abs_error": 0.1}
+        metrics = {
+            "samples": 8,
+            "pixels": pixels,
+            "pixel_agreement": 1 - missed / pixels,
+            "miou_vs_eager": 0.99,
+            "psnr_db": 40.0,
+            "cosine": 0.999,
+            "max_abs_error": 0.1,
+        }
         assert bool(breaches(metrics, {"pixel_agreement": 0.999}, SEGMENTATION)) == broken
         assert device_validate.unresolved(metrics, {"pixel_agreement": 0.999}) == []
 
@@ -88,11 +118,15 @@ def test_continuous_keys_take_the_weaker_of_threshold_and_the_builds_run():
     host = _images(8, psnr_db=28.0, max_abs_error=1.5)  # these 8 inputs were worse than the whole set
     assert breaches(_images(8, psnr_db=28.0, max_abs_error=1.5), thresholds, CLASSIFICATION, host) == []
     assert breaches(_images(8, psnr_db=27.9, max_abs_error=1.6), thresholds, CLASSIFICATION, host) == [
-        "psnr_db 27.9 (needs >= 28)", "max_abs_error 1.6 (needs <= 1.5)"]
+        "psnr_db 27.9 (needs >= 28)",
+        "max_abs_error 1.6 (needs <= 1.5)",
+    ]
     # a build run better than the thresholds does not tighten them
     assert breaches(_images(8, psnr_db=30.5), thresholds, CLASSIFICATION, _images(8, psnr_db=45.0)) == []
     # as the manifest writes an infinite PSNR
-    assert breaches(_images(8, psnr_db=29.0), thresholds, CLASSIFICATION, {"psnr_db": "inf"}) == ["psnr_db 29 (needs >= 30)"]
+    assert breaches(_images(8, psnr_db=29.0), thresholds, CLASSIFICATION, {"psnr_db": "inf"}) == [
+        "psnr_db 29 (needs >= 30)"
+    ]
 
 
 def test_the_items_each_fraction_counts_are_in_the_metrics_the_kit_computes():
@@ -101,8 +135,10 @@ def test_the_items_each_fraction_counts_are_in_the_metrics_the_kit_computes():
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, 3, 5, 6))
-    by_task = {"classification": device_validate.fidelity(logits[:, :, 0, 0], logits[:, :, 0, 0]),
-               "segmentation": device_validate.segmentation_fidelity(logits, logits)}
+    by_task = {
+        "classification": device_validate.fidelity(logits[:, :, 0, 0], logits[:, :, 0, 0]),
+        "segmentation": device_validate.segmentation_fidelity(logits, logits),
+    }
     for task, metrics in by_task.items():
         for key in TASKS[task].min_keys:
             if key in device_validate.ITEMS:
@@ -131,7 +167,9 @@ def test_golden_rows_are_where_a_device_shows_first():
             heads[image, k * (anchors // 4), 4:] = torch.tensor([0.0, 10.0, 0.0])
     assert detector.golden_rows(heads.reshape(4, -1), 2) == [1, 3]
 
-    segmenter = weights.bind_task(weights.resolve("LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1"), 3, (8, 8))
+    segmenter = weights.bind_task(
+        weights.resolve("LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1"), 3, (8, 8)
+    )
     assert segmenter.golden_rows(torch.zeros(12, 3 * 8 * 8), 8) == list(range(8))
 
 

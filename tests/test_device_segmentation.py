@@ -30,10 +30,22 @@ APPS = ROOT / "apps"
 LABELS = ["__background__", "road", "car", "person", "sky"]
 H, W = 12, 20  # not square: a swapped H and W shows
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-SEGMENTATION_THRESHOLDS = {"pixel_agreement": 0.99, "miou_vs_eager": 0.98, "psnr_db": 40.0, "cosine": 0.999,
-                           "max_abs_error": 0.05, "miou_drop": 1.0}
-CLASSIFICATION_THRESHOLDS = {"top1_agreement": 0.99, "top5_agreement": 1.0, "psnr_db": 40.0, "cosine": 0.999,
-                             "max_abs_error": 0.05, "accuracy_drop": 1.0}
+SEGMENTATION_THRESHOLDS = {
+    "pixel_agreement": 0.99,
+    "miou_vs_eager": 0.98,
+    "psnr_db": 40.0,
+    "cosine": 0.999,
+    "max_abs_error": 0.05,
+    "miou_drop": 1.0,
+}
+CLASSIFICATION_THRESHOLDS = {
+    "top1_agreement": 0.99,
+    "top5_agreement": 1.0,
+    "psnr_db": 40.0,
+    "cosine": 0.999,
+    "max_abs_error": 0.05,
+    "accuracy_drop": 1.0,
+}
 
 # Every file and JSON key each reference app reads for the task, beside what tests/test_bundle.py
 # checks for classification. A key path is dotted; "[]" is any element of a list.
@@ -45,8 +57,14 @@ TASK_READS = {
     },
     "ios": {
         "sources": ["ios/Sources/ExporterBundle/BundleClassifier.swift"],
-        "bundle.json": ["task.name", "task.input_size", "task.output.name", "task.output.layout",
-                        "artifacts[].input.name", "artifacts[].input.type"],
+        "bundle.json": [
+            "task.name",
+            "task.input_size",
+            "task.output.name",
+            "task.output.layout",
+            "artifacts[].input.name",
+            "artifacts[].input.type",
+        ],
         "preprocessing.json": ["resize_size", "crop_size", "interpolation"],
     },
     "jetson": {
@@ -73,11 +91,15 @@ def _onnx_model(path: Path, weight: np.ndarray, bias: np.ndarray, pooled: bool) 
     nodes = [helper.make_node("Conv", ["input", "weight", "bias"], ["pixels" if pooled else "logits"])]
     output_shape = ["N", classes, H, W]
     if pooled:
-        nodes += [helper.make_node("GlobalAveragePool", ["pixels"], ["pooled"]),
-                  helper.make_node("Flatten", ["pooled"], ["logits"])]
+        nodes += [
+            helper.make_node("GlobalAveragePool", ["pixels"], ["pooled"]),
+            helper.make_node("Flatten", ["pooled"], ["logits"]),
+        ]
         output_shape = ["N", classes]
     graph = helper.make_graph(
-        nodes, "tiny", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, H, W])],
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, H, W])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, output_shape)],
         initializer=[numpy_helper.from_array(weight, "weight"), numpy_helper.from_array(bias, "bias")],
     )
@@ -94,31 +116,67 @@ def _eager(weight: np.ndarray, bias: np.ndarray, inputs: np.ndarray, pooled: boo
 def _task(name: str) -> dict:
     classes = len(LABELS)
     if name == "segmentation":
-        return {"name": name, "input_size": [H, W], "num_classes": classes,
-                "output": {"name": "logits", "layout": "NCHW", "shape": [1, classes, H, W]}}
-    return {"name": name, "input_size": [H, W], "num_classes": classes,
-            "output": {"name": "logits", "layout": "NC", "shape": [1, classes]}}
+        return {
+            "name": name,
+            "input_size": [H, W],
+            "num_classes": classes,
+            "output": {"name": "logits", "layout": "NCHW", "shape": [1, classes, H, W]},
+        }
+    return {
+        "name": name,
+        "input_size": [H, W],
+        "num_classes": classes,
+        "output": {"name": "logits", "layout": "NC", "shape": [1, classes]},
+    }
 
 
 def _preprocessing(task: str | None) -> dict:
-    spec = {"interpolation": "bilinear", "antialias": True, "mean": MEAN, "std": STD, "layout": "NCHW",
-            "dtype": "float32", "range": "RGB scaled to [0, 1] before normalization"}
+    spec = {
+        "interpolation": "bilinear",
+        "antialias": True,
+        "mean": MEAN,
+        "std": STD,
+        "layout": "NCHW",
+        "dtype": "float32",
+        "range": "RGB scaled to [0, 1] before normalization",
+    }
     if task == "segmentation":
-        return {**spec, "resize_size": [H, W], "crop_size": None, "task": task, "input_size": [H, W],
-                "output": _task(task)["output"]}
+        return {
+            **spec,
+            "resize_size": [H, W],
+            "crop_size": None,
+            "task": task,
+            "input_size": [H, W],
+            "output": _task(task)["output"],
+        }
     return {**spec, "resize_size": [H + 4], "crop_size": [H, W]}
 
 
 # what the build measured on its own run (the device run is judged on its own)
 FIDELITY = {
-    False: {"samples": 4, "psnr_db": 90.0, "cosine": 1.0, "max_abs_error": 0.0, "top1_agreement": 1.0, "top5_agreement": 1.0},
-    True: {"samples": 4, "pixels": 4 * H * W, "psnr_db": 90.0, "cosine": 1.0, "max_abs_error": 0.0, "pixel_agreement": 1.0,
-           "miou_vs_eager": 1.0},
+    False: {
+        "samples": 4,
+        "psnr_db": 90.0,
+        "cosine": 1.0,
+        "max_abs_error": 0.0,
+        "top1_agreement": 1.0,
+        "top5_agreement": 1.0,
+    },
+    True: {
+        "samples": 4,
+        "pixels": 4 * H * W,
+        "psnr_db": 90.0,
+        "cosine": 1.0,
+        "max_abs_error": 0.0,
+        "pixel_agreement": 1.0,
+        "miou_vs_eager": 1.0,
+    },
 }
 
 
-def make_build(out: Path, task: str | None = "segmentation", target: str = "jetson", perturb: float = 0.0,
-               labeled: bool = True) -> Path:
+def make_build(
+    out: Path, task: str | None = "segmentation", target: str = "jetson", perturb: float = 0.0, labeled: bool = True
+) -> Path:
     """A finished build directory as the pipeline writes it; task None is a manifest from before tasks.
     perturb adds noise of that scale to the artifact's weights (the eager reference keeps the true ones)."""
     out.mkdir(parents=True)
@@ -153,10 +211,16 @@ def make_build(out: Path, task: str | None = "segmentation", target: str = "jets
         else:
             (out / name).write_bytes(b"not a real program: the apps are checked for what they read")
         entry = {
-            "name": f"{fmt}_{precision}", "format": fmt, "precision": precision, "path": name,
-            "sha256": files.sha256(out / name), "size_bytes": files.size(out / name), **verdict(fmt),
+            "name": f"{fmt}_{precision}",
+            "format": fmt,
+            "precision": precision,
+            "path": name,
+            "sha256": files.sha256(out / name),
+            "size_bytes": files.size(out / name),
+            **verdict(fmt),
             "thresholds": SEGMENTATION_THRESHOLDS if task == "segmentation" else CLASSIFICATION_THRESHOLDS,
-            "accuracy": None, "details": {"opset": 18},
+            "accuracy": None,
+            "details": {"opset": 18},
         }
         if entry["status"] == "passed":
             entry["fidelity"] = FIDELITY[task == "segmentation"]
@@ -165,14 +229,27 @@ def make_build(out: Path, task: str | None = "segmentation", target: str = "jets
         artifacts.append(entry)
 
     doc = {
-        "schema_version": manifest.SCHEMA_VERSION, "exporter_version": "0.0.test", "created": "2026-01-01T00:00:00+00:00",
-        "status": "passed", "weight": {"name": "Tiny_Weights.TEST", "model": "tiny", "num_classes": len(LABELS)},
-        "preprocessing": _preprocessing(task), "labels": {"count": len(LABELS)},
-        "target": {"name": target, "artifacts": [{"format": f, "precision": p, "options": {}}
-                                                 for f, p, _, _ in TARGET_ARTIFACTS[target]]},
-        "tools": {"onnx": onnx.__version__, "onnxruntime": ort.__version__, "executorch": "1.5.1",
-                  "torch": "2.14.1", "coremltools": "9.0"},
-        "data": {"kind": "synthetic"}, "eager": {"accuracy": None}, "artifacts": artifacts,
+        "schema_version": manifest.SCHEMA_VERSION,
+        "exporter_version": "0.0.test",
+        "created": "2026-01-01T00:00:00+00:00",
+        "status": "passed",
+        "weight": {"name": "Tiny_Weights.TEST", "model": "tiny", "num_classes": len(LABELS)},
+        "preprocessing": _preprocessing(task),
+        "labels": {"count": len(LABELS)},
+        "target": {
+            "name": target,
+            "artifacts": [{"format": f, "precision": p, "options": {}} for f, p, _, _ in TARGET_ARTIFACTS[target]],
+        },
+        "tools": {
+            "onnx": onnx.__version__,
+            "onnxruntime": ort.__version__,
+            "executorch": "1.5.1",
+            "torch": "2.14.1",
+            "coremltools": "9.0",
+        },
+        "data": {"kind": "synthetic"},
+        "eager": {"accuracy": None},
+        "artifacts": artifacts,
     }
     doc = complete({**doc, "task": _task(task or "classification")})
     if task is None:  # as device_validate may still meet it in a bundle made before tasks
@@ -224,7 +301,9 @@ def test_faithful_segmentation_artifact_passes(tmp_path):
     result = _device_validate(build)
     assert result.returncode == 0, result.stdout + result.stderr
     (line,) = result.stdout.strip().splitlines()
-    assert line.startswith("PASSED onnx_fp32 (onnxruntime, 4 golden inputs): pixel agreement 1.0000, mIoU vs eager 1.0000")
+    assert line.startswith(
+        "PASSED onnx_fp32 (onnxruntime, 4 golden inputs): pixel agreement 1.0000, mIoU vs eager 1.0000"
+    )
     (checked,) = device_validate.validate(build, "onnxruntime")
     assert checked["task"] == "segmentation" and checked["fidelity"]["psnr_db"] > 80
     assert checked["thresholds"] == {k: v for k, v in SEGMENTATION_THRESHOLDS.items() if k != "miou_drop"}
@@ -259,7 +338,10 @@ def test_segmentation_threshold_breaks_alone(tmp_path):
     [
         (lambda g: np.zeros((4, len(LABELS)), np.float32), ["do not pair up for segmentation", "(4, 5)"]),
         (lambda g: g[:3], ["do not pair up", "(3, 5, 12, 20)"]),
-        (lambda g: g.transpose(0, 1, 3, 2), ["eager_logits.npy has shape (4, 5, 20, 12)", "task.output.shape is [1, 5, 12, 20]"]),
+        (
+            lambda g: g.transpose(0, 1, 3, 2),
+            ["eager_logits.npy has shape (4, 5, 20, 12)", "task.output.shape is [1, 5, 12, 20]"],
+        ),
     ],
     ids=["classification-shaped", "fewer-than-inputs", "h-w-swapped"],
 )
@@ -299,9 +381,12 @@ def test_classification_reads_as_before(tmp_path, task):
     build = make_build(tmp_path / "build", task=task)
     result = _device_validate(build)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert re.fullmatch(r"PASSED onnx_fp32 \(onnxruntime, 4 golden inputs\): top1 1\.000, psnr [\d.]+ dB, "
-                        r"cosine [\d.]+, max abs [^;\s]+; note: too few items to resolve top1_agreement 0\.99 \(4 images\): "
-                        r"one miss each is let through\n", result.stdout), result.stdout
+    assert re.fullmatch(
+        r"PASSED onnx_fp32 \(onnxruntime, 4 golden inputs\): top1 1\.000, psnr [\d.]+ dB, "
+        r"cosine [\d.]+, max abs [^;\s]+; note: too few items to resolve top1_agreement 0\.99 \(4 images\): "
+        r"one miss each is let through\n",
+        result.stdout,
+    ), result.stdout
     np.save(build / "golden" / "eager_logits.npy", np.zeros((4, 11), np.float32))
     _one_error_line(_device_validate(build), "shape")
 
@@ -321,8 +406,12 @@ def test_segmentation_bundle_carries_task_and_golden_masks(tmp_path):
     doc = json.loads((build / "manifest.json").read_text())
     assert info["bundle_version"] == BUNDLE_VERSION == 1
     assert info["task"] == doc["task"]
-    assert info["golden"] == {"inputs": "golden/inputs.npy", "eager_logits": "golden/eager_logits.npy",
-                              "eager_masks": "golden/eager_masks.npy", "masks": "golden/masks.npy"}
+    assert info["golden"] == {
+        "inputs": "golden/inputs.npy",
+        "eager_logits": "golden/eager_logits.npy",
+        "eager_masks": "golden/eager_masks.npy",
+        "masks": "golden/masks.npy",
+    }
     listed = {f["path"] for f in info["files"]}
     assert set(info["golden"].values()) | {"device_validate.py", "build_engine.sh"} <= listed
     assert info["artifacts"][0]["thresholds"] == SEGMENTATION_THRESHOLDS
@@ -354,12 +443,21 @@ def test_every_task_key_an_app_reads_is_in_a_bundle(tmp_path, app, task):
     spec = json.loads((directory / info["preprocessing"]).read_text())
     for name, doc in (("bundle.json", info), ("preprocessing.json", spec)):
         for path in reads[name]:
-            assert all(f'"{key.removesuffix("[]")}"' in sources for key in path.split(".")), f"{app} does not read {path}"
+            assert all(f'"{key.removesuffix("[]")}"' in sources for key in path.split(".")), (
+                f"{app} does not read {path}"
+            )
             assert _has(doc, path), f"{app} reads {name}: {path}, which the bundle lacks"
-    for path in [info["labels"], info["preprocessing"], *info["golden"].values(), *(a["file"] for a in info["artifacts"])]:
+    for path in [
+        info["labels"],
+        info["preprocessing"],
+        *info["golden"].values(),
+        *(a["file"] for a in info["artifacts"]),
+    ]:
         assert (directory / path).exists(), path
     quoted = set(re.findall(r'"([\w./-]+\.(?:json|txt|npy|png))"', sources))
-    assert quoted <= {"bundle.json"}, f"{app} hard-codes {quoted - {'bundle.json'}}; it should take names from bundle.json"
+    assert quoted <= {"bundle.json"}, (
+        f"{app} hard-codes {quoted - {'bundle.json'}}; it should take names from bundle.json"
+    )
     # both tasks are handled, and a task the app does not know is refused rather than misread
     assert '"segmentation"' in sources and '"classification"' in sources
 
@@ -399,12 +497,17 @@ def test_jetson_app_golden_on_segmentation(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     model, line = result.stdout.splitlines()
     assert model == "model: tiny_onnx_fp32.onnx (ONNX Runtime)"
-    assert line.startswith("PASSED onnx_fp32 (onnxruntime, 4 golden inputs): pixel agreement 1.0000, mIoU vs eager 1.0000")
+    assert line.startswith(
+        "PASSED onnx_fp32 (onnxruntime, 4 golden inputs): pixel agreement 1.0000, mIoU vs eager 1.0000"
+    )
     perturbed = make_bundle(make_build(tmp_path / "perturbed", perturb=0.5))
     result = _app(perturbed, "--golden")
     assert result.returncode == 1, result.stdout + result.stderr
-    assert re.search(r"^FAILED onnx_fp32 .*; pixel_agreement 0\.\d+ \(\d+ of \d+ pixels of another class; 0\.99 allows",
-                     result.stdout, re.M), result.stdout
+    assert re.search(
+        r"^FAILED onnx_fp32 .*; pixel_agreement 0\.\d+ \(\d+ of \d+ pixels of another class; 0\.99 allows",
+        result.stdout,
+        re.M,
+    ), result.stdout
 
 
 def test_jetson_app_writes_an_overlay_of_the_image_size(tmp_path):
@@ -465,8 +568,14 @@ def test_jetson_app_preprocessing_is_the_segmentation_transform(tmp_path):
 
     app = _jetson_app()
     spec = _preprocessing("segmentation")
-    transform = v2.Compose([v2.Resize([H, W], InterpolationMode.BILINEAR, antialias=True), v2.PILToTensor(),
-                            v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+    transform = v2.Compose(
+        [
+            v2.Resize([H, W], InterpolationMode.BILINEAR, antialias=True),
+            v2.PILToTensor(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(MEAN, STD),
+        ]
+    )
     rng = np.random.default_rng(0)
     for width, height in [(300, 200), (20, 12), (7, 99)]:
         image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
@@ -479,6 +588,10 @@ def test_jetson_app_classifies_and_refuses_overlay_for_a_classifier(tmp_path):
     result = _app(directory, photo)
     assert result.returncode == 0, result.stdout + result.stderr
     assert len(result.stdout.splitlines()) == 7  # model, image, top-5
-    assert _app(directory, "--golden").stdout.splitlines()[-1].startswith("PASSED onnx_fp32 (onnxruntime, 4 golden inputs): top1 1.000")
+    assert (
+        _app(directory, "--golden")
+        .stdout.splitlines()[-1]
+        .startswith("PASSED onnx_fp32 (onnxruntime, 4 golden inputs): top1 1.000")
+    )
     _one_error_line(_app(directory, photo, "--overlay", tmp_path / "o.png"), "--overlay", "classification")
     assert not (tmp_path / "o.png").exists()

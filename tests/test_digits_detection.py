@@ -71,8 +71,9 @@ def test_coco_files_are_consistent(tmp_path):
         png = Image.open(root / "images" / entry["file_name"])
         assert png.mode == "RGB" and np.array_equal(np.asarray(png), image)
         annotations = [a for a in doc["annotations"] if a["image_id"] == entry["id"]]
-        assert [(a["category_id"], *a["bbox"]) for a in annotations] == \
-            [(c, x0, y0, x1 - x0, y1 - y0) for c, x0, y0, x1, y1 in per_image]
+        assert [(a["category_id"], *a["bbox"]) for a in annotations] == [
+            (c, x0, y0, x1 - x0, y1 - y0) for c, x0, y0, x1, y1 in per_image
+        ]
         assert all(a["area"] == a["bbox"][2] * a["bbox"][3] and a["iscrowd"] == 0 for a in annotations)
     assert len(list((root / "images").iterdir())) == len(images)
 
@@ -83,9 +84,14 @@ def test_coco_files_are_consistent(tmp_path):
 def test_map_of_the_ground_truth_is_perfect():
     pytest.importorskip("pycocotools")
     images, boxes = digits_detection.make_detection_set(split()[1], 4, seed=5)
-    perfect = [{"boxes": torch.tensor([b[1:] for b in per_image], dtype=torch.float32),
-                "scores": torch.ones(len(per_image)), "labels": torch.tensor([b[0] for b in per_image])}
-               for per_image in boxes]
+    perfect = [
+        {
+            "boxes": torch.tensor([b[1:] for b in per_image], dtype=torch.float32),
+            "scores": torch.ones(len(per_image)),
+            "labels": torch.tensor([b[0] for b in per_image]),
+        }
+        for per_image in boxes
+    ]
     assert digits_detection.coco_map(perfect, images, boxes) == pytest.approx((1.0, 1.0))
     shifted = [dict(d, boxes=d["boxes"] + 8) for d in perfect]
     assert digits_detection.coco_map(shifted, images, boxes)[0] < 1.0

@@ -89,13 +89,17 @@ def _sections(text: str) -> dict[str, str]:
             if other and len(other.group(1)) <= level:
                 end = j
                 break
-        sections[match.group(2).strip("` ")] = "\n".join(lines[i + 1:end])
+        sections[match.group(2).strip("` ")] = "\n".join(lines[i + 1 : end])
     return sections
 
 
 def _options(command: click.Command) -> list[str]:
-    return [opt for param in command.params if isinstance(param, click.Option)
-            for opt in (*param.opts, *param.secondary_opts)]
+    return [
+        opt
+        for param in command.params
+        if isinstance(param, click.Option)
+        for opt in (*param.opts, *param.secondary_opts)
+    ]
 
 
 COMMANDS = sorted(main.commands.items())
@@ -110,12 +114,15 @@ def test_pages_exist():
 def test_every_command_is_documented(name):
     text = _all_text()
     assert _mentioned(f"exporter {name}", text), f"`exporter {name}` appears in neither README.md nor docs/*.md"
-    assert f"exporter {name}" in _sections("\n".join(p.read_text(encoding="utf-8") for p in PAGES[1:])), \
+    assert f"exporter {name}" in _sections("\n".join(p.read_text(encoding="utf-8") for p in PAGES[1:])), (
         f"docs/ has no heading `exporter {name}` (docs/cli.md has one per command)"
+    )
 
 
-@pytest.mark.parametrize("name,option", [(name, opt) for name, command in COMMANDS for opt in _options(command)]
-                         + [("", opt) for opt in _options(main)])
+@pytest.mark.parametrize(
+    "name,option",
+    [(name, opt) for name, command in COMMANDS for opt in _options(command)] + [("", opt) for opt in _options(main)],
+)
 def test_every_option_is_documented(name, option):
     text = _all_text()
     where = f"`exporter {name} {option}`" if name else f"`exporter {option}`"
@@ -141,7 +148,9 @@ def test_relative_links_resolve(path, number, target):
     assert resolved.exists(), f"{where}: {resolved} does not exist"
     if anchor and resolved.suffix == ".md" and resolved.is_file():
         anchors = _anchors(resolved)
-        assert anchor in anchors, f"{where}: no heading with anchor #{anchor} in {resolved.name} (has: {', '.join(sorted(anchors))})"
+        assert anchor in anchors, (
+            f"{where}: no heading with anchor #{anchor} in {resolved.name} (has: {', '.join(sorted(anchors))})"
+        )
 
 
 def test_there_are_links_to_check():
@@ -150,14 +159,19 @@ def test_there_are_links_to_check():
 
 def test_readme_is_short():
     lines = len(README.read_text(encoding="utf-8").splitlines())
-    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}); move detail into docs/"
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {README_MAX_LINES}); move detail into docs/"
+    )
 
 
-@pytest.mark.parametrize("heading,slug", [
-    ("What `device_validate.py` holds a device to", "what-device_validatepy-holds-a-device-to"),
-    ("Checkpoints: downloaded once, verified, or offline", "checkpoints-downloaded-once-verified-or-offline"),
-    ("Measured 2026-11-22", "measured-2026-11-22"),
-    ("Stand-in models (demo and tests)", "stand-in-models-demo-and-tests"),
-])
+@pytest.mark.parametrize(
+    "heading,slug",
+    [
+        ("What `device_validate.py` holds a device to", "what-device_validatepy-holds-a-device-to"),
+        ("Checkpoints: downloaded once, verified, or offline", "checkpoints-downloaded-once-verified-or-offline"),
+        ("Measured 2026-11-22", "measured-2026-11-22"),
+        ("Stand-in models (demo and tests)", "stand-in-models-demo-and-tests"),
+    ],
+)
 def test_slug_is_githubs(heading, slug):
     assert _slug(heading) == slug

@@ -71,8 +71,21 @@ def hub(tmp_path):
 
 
 def _build(model, out, home, *extra):
-    return run_cli("build", model.weight, "--data", model.data_dir, "--labels", model.labels_file, "--out", out,
-                   "--format", "torchscript_lite", *FAST, *extra, env={"TORCH_HOME": str(home)})
+    return run_cli(
+        "build",
+        model.weight,
+        "--data",
+        model.data_dir,
+        "--labels",
+        model.labels_file,
+        "--out",
+        out,
+        "--format",
+        "torchscript_lite",
+        *FAST,
+        *extra,
+        env={"TORCH_HOME": str(home)},
+    )
 
 
 def test_good_download_lands_verified_and_is_reused_offline(tmp_path, digits_model, server, hub):
@@ -83,7 +96,12 @@ def test_good_download_lands_verified_and_is_reused_offline(tmp_path, digits_mod
     assert [p.name for p in checkpoints.iterdir()] == [landed.name]  # no temporary file left beside it
     assert files.sha256(landed) == files.sha256(digits_model.checkpoint)
     doc = json.loads((tmp_path / "first" / "manifest.json").read_text())
-    assert doc["checkpoint"] == {"path": str(landed), "sha256": files.sha256(landed), "source": "download", "verified": True}
+    assert doc["checkpoint"] == {
+        "path": str(landed),
+        "sha256": files.sha256(landed),
+        "source": "download",
+        "verified": True,
+    }
     assert f"✓ download {landed.name}" in result.stderr  # the bar's line in a log
     assert server.requests == 1
 
@@ -149,18 +167,32 @@ def test_offline_never_connects(tmp_path, digits_model, server, hub, how):
     if how == "flag":
         result = _build(digits_model, out, home, "--offline")
     else:
-        result = run_cli("build", digits_model.weight, "--out", out, "--format", "torchscript_lite",
-                         env={"TORCH_HOME": str(home), "EXPORTER_OFFLINE": "1"})
-    assert_clean_refusal(result, out, "downloads are off", str(checkpoints / digits_model.checkpoint.name), "--checkpoint")
+        result = run_cli(
+            "build",
+            digits_model.weight,
+            "--out",
+            out,
+            "--format",
+            "torchscript_lite",
+            env={"TORCH_HOME": str(home), "EXPORTER_OFFLINE": "1"},
+        )
+    assert_clean_refusal(
+        result, out, "downloads are off", str(checkpoints / digits_model.checkpoint.name), "--checkpoint"
+    )
     assert server.requests == 0
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--input-size", "64", "48"], "a classifier's crop is square"),
-    (["--data", "/nonexistent/digits"], "--data /nonexistent/digits is not a directory"),
-    (["--format", "onnx"], "--format onnx matches nothing in target android"),
-])
-def test_a_bad_request_is_refused_before_the_checkpoint_is_downloaded(tmp_path, digits_model, server, hub, extra, needle):
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--input-size", "64", "48"], "a classifier's crop is square"),
+        (["--data", "/nonexistent/digits"], "--data /nonexistent/digits is not a directory"),
+        (["--format", "onnx"], "--format onnx matches nothing in target android"),
+    ],
+)
+def test_a_bad_request_is_refused_before_the_checkpoint_is_downloaded(
+    tmp_path, digits_model, server, hub, extra, needle
+):
     home, checkpoints = hub
     out = tmp_path / "out"
     result = run_cli("build", digits_model.weight, "--out", out, *extra, env={"TORCH_HOME": str(home)})
@@ -203,8 +235,9 @@ def test_disk_full_midway_leaves_nothing(tmp_path, digits_model, server, hub):
         "main()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "EXPORTER_OFFLINE"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**env, "TORCH_HOME": str(home)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**env, "TORCH_HOME": str(home)}
+    )
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: download of") and "nothing was kept" in line, line

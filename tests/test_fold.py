@@ -36,8 +36,11 @@ def test_what_depends_on_constants_and_shapes_alone_is_computed_once_with_the_sa
     module, folded = fold_constants(torch.export.export(model, (x,)).module())
     assert folded >= 4, folded  # the mask as `before` reads it and as the product does, the filled mask, the range
     targets = {n.target for n in module.graph.nodes if n.op == "call_function"}
-    assert not targets & {torch.ops.aten.new_zeros.default, torch.ops.aten.arange.default,
-                          torch.ops.aten.masked_fill.Scalar}, targets
+    assert not targets & {
+        torch.ops.aten.new_zeros.default,
+        torch.ops.aten.arange.default,
+        torch.ops.aten.masked_fill.Scalar,
+    }, targets
     assert torch.ops.aten.amax.default in targets  # what reads the input's values stays
     for _ in range(2):  # the folded mask is not changed by running the graph
         y = torch.randn(2, 3, 5, 4)
@@ -134,7 +137,7 @@ def test_an_int8_pte_of_a_tensor_the_input_is_written_into_is_the_int8_of_the_sa
         executorch.export(model, x[:1], "int8", calibration, tmp_path / "m.pte", {})
         runner = executorch.load(tmp_path / "m.pte", 1)
         with torch.no_grad():
-            outputs.append(torch.cat([runner(x[i:i + 1]) for i in range(len(x))]))
+            outputs.append(torch.cat([runner(x[i : i + 1]) for i in range(len(x))]))
     with torch.no_grad():
         scale = written(x).abs().max()
     torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0.05 * scale)
@@ -284,9 +287,17 @@ class CountedInNoGrad(nn.Module):
         return x + self.calls + m
 
 
-@pytest.mark.parametrize("model, shape", [(WrittenThroughDropout(), (4,)), (FilledThroughTypeAs(), (4,)),
-                                          (WrittenThroughOut(), (4,)), (Grid(), (4, 4)), (CountedInNoGrad(), (4,))],
-                         ids=["dropout", "type_as", "out", "meshgrid", "no_grad"])
+@pytest.mark.parametrize(
+    "model, shape",
+    [
+        (WrittenThroughDropout(), (4,)),
+        (FilledThroughTypeAs(), (4,)),
+        (WrittenThroughOut(), (4,)),
+        (Grid(), (4, 4)),
+        (CountedInNoGrad(), (4,)),
+    ],
+    ids=["dropout", "type_as", "out", "meshgrid", "no_grad"],
+)
 def test_writes_through_ops_that_hand_back_their_input_are_seen(model, shape):
     import copy
 

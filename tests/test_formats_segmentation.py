@@ -32,14 +32,32 @@ class SegmentationOutput(nn.Module):
 
 
 def _meta(layout: str | None, size: int = SIZE) -> dict:
-    pre = {"resize_size": [size, size], "crop_size": None, "input_size": [size, size], "interpolation": "bilinear",
-           "antialias": True, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
-    meta = {"weight": "Test.WEIGHT", "model": "test_model", "labels": LABELS, "preprocessing": pre,
-            "accuracy": {}, "recipe": "", "exporter_version": "0.0.test"}
+    pre = {
+        "resize_size": [size, size],
+        "crop_size": None,
+        "input_size": [size, size],
+        "interpolation": "bilinear",
+        "antialias": True,
+        "mean": [0.485, 0.456, 0.406],
+        "std": [0.229, 0.224, 0.225],
+    }
+    meta = {
+        "weight": "Test.WEIGHT",
+        "model": "test_model",
+        "labels": LABELS,
+        "preprocessing": pre,
+        "accuracy": {},
+        "recipe": "",
+        "exporter_version": "0.0.test",
+    }
     if layout is not None:
         shape = [1, CLASSES, size, size] if layout == "NCHW" else [1, CLASSES]
-        meta["task"] = {"name": "segmentation" if layout == "NCHW" else "classification", "input_size": [size, size],
-                        "num_classes": CLASSES, "output": {"name": "logits", "layout": layout, "shape": shape}}
+        meta["task"] = {
+            "name": "segmentation" if layout == "NCHW" else "classification",
+            "input_size": [size, size],
+            "num_classes": CLASSES,
+            "output": {"name": "logits", "layout": layout, "shape": shape},
+        }
     return meta
 
 
@@ -51,7 +69,9 @@ def _psnr(reference: torch.Tensor, output: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def segmentation_model() -> nn.Module:
     torch.manual_seed(0)
-    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=CLASSES)
+    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=CLASSES
+    )
     # BatchNorm statistics from data: at their defaults a random network's activations shrink to its
     # last biases, and any weights would reproduce "eager"
     for bn in model.modules():
@@ -111,8 +131,14 @@ def test_segmentation_proxies_reproduce_eager(package, segmentation_model, input
 
 class TinyClassifier(nn.Sequential):
     def __init__(self):
-        super().__init__(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(8, CLASSES))
+        super().__init__(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, CLASSES),
+        )
 
 
 def test_classifier_package_unchanged(tmp_path):
@@ -127,16 +153,23 @@ def test_classifier_package_unchanged(tmp_path):
     new = coreml.export(model, example, "fp16", [], tmp_path / "new.mlpackage", {**meta, "task": _meta("NC")["task"]})
     assert old == new
     assert new["outputs"] == {"classLabel": "label", "classLabel_probs": "probabilities", "logits": [1, CLASSES]}
-    old_spec, spec = (ct.models.MLModel(str(tmp_path / f"{name}.mlpackage"), skip_model_load=True).get_spec()
-                      for name in ("old", "new"))
+    old_spec, spec = (
+        ct.models.MLModel(str(tmp_path / f"{name}.mlpackage"), skip_model_load=True).get_spec()
+        for name in ("old", "new")
+    )
     assert spec.description == old_spec.description
     assert [op.type for op in coreml._main_ops(spec)] == [op.type for op in coreml._main_ops(old_spec)]
     assert {o.name: o.type.WhichOneof("Type") for o in spec.description.output} == {
-        "classLabel": "stringType", "classLabel_probs": "dictionaryType", "logits": "multiArrayType"}
+        "classLabel": "stringType",
+        "classLabel_probs": "dictionaryType",
+        "logits": "multiArrayType",
+    }
     assert spec.description.predictedFeatureName == "classLabel"
     assert coreml._classify_labels(spec) == LABELS
     assert spec.description.metadata.shortDescription.startswith("test_model classifier from")
-    assert not any(k.startswith("exporter.output") or k == "exporter.labels" for k in spec.description.metadata.userDefined)
+    assert not any(
+        k.startswith("exporter.output") or k == "exporter.labels" for k in spec.description.metadata.userDefined
+    )
 
 
 def test_refuses_unknown_layout_and_mismatched_input_size(tmp_path, segmentation_model):
@@ -145,6 +178,12 @@ def test_refuses_unknown_layout_and_mismatched_input_size(tmp_path, segmentation
     with pytest.raises(ValueError, match="output layout 'NHWC' is not supported"):
         coreml.export(segmentation_model, torch.rand(1, 3, SIZE, SIZE), "fp16", [], tmp_path / "a.mlpackage", meta)
     with pytest.raises(ValueError, match=r"input_size \[96, 96\] differs from the example's \[64, 64\]"):
-        coreml.export(segmentation_model, torch.rand(1, 3, SIZE, SIZE), "fp16", [], tmp_path / "b.mlpackage",
-                      _meta("NCHW", size=96))
+        coreml.export(
+            segmentation_model,
+            torch.rand(1, 3, SIZE, SIZE),
+            "fp16",
+            [],
+            tmp_path / "b.mlpackage",
+            _meta("NCHW", size=96),
+        )
     assert not list(tmp_path.iterdir())

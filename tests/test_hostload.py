@@ -33,8 +33,15 @@ def real_judge(monkeypatch):
 
 
 def _conditions(**changes) -> dict:
-    quiet = {"window_s": 1.0, "cpus": 2, "load_avg_1m": 1.9, "own_cpu_s": 1.9, "other_cpu_s": 0.05, "steal_s": 0.0,
-             "spread": {"eager": 1.1, "artifact": 1.05}}
+    quiet = {
+        "window_s": 1.0,
+        "cpus": 2,
+        "load_avg_1m": 1.9,
+        "own_cpu_s": 1.9,
+        "other_cpu_s": 0.05,
+        "steal_s": 0.0,
+        "spread": {"eager": 1.1, "artifact": 1.05},
+    }
     return {**quiet, **changes}
 
 
@@ -55,11 +62,15 @@ def test_others_on_cores_left_free_do_not_count():
 
 
 def test_load_steal_and_spread_each_say_why():
-    reliable, reasons = REAL_JUDGE(_conditions(load_avg_1m=3.9, steal_s=0.4, spread={"eager": 5.8, "artifact": 1.9}),
-                                   threads=2, max_spread=2.0)
+    reliable, reasons = REAL_JUDGE(
+        _conditions(load_avg_1m=3.9, steal_s=0.4, spread={"eager": 5.8, "artifact": 1.9}), threads=2, max_spread=2.0
+    )
     assert not reliable
-    assert reasons == ["load 3.9 on 2 cores, 2 threads timed", "the hypervisor took 20% of the CPU (steal time)",
-                       "eager p90/p50 5.8 (the profile allows 2)"]
+    assert reasons == [
+        "load 3.9 on 2 cores, 2 threads timed",
+        "the hypervisor took 20% of the CPU (steal time)",
+        "eager p90/p50 5.8 (the profile allows 2)",
+    ]
     assert REAL_JUDGE(_conditions(spread={"eager": 5.8}), threads=2, max_spread=6.0) == (True, [])
 
 
@@ -89,8 +100,15 @@ def test_conditions_from_two_samples():
     before = {"t": 10.0, "load_1m": 1.0, "stat": (100.0, 50.0, 1.0), "own_s": 10.0}
     after = {"t": 12.0, "load_1m": 3.9, "stat": (103.5, 50.5, 1.2), "own_s": 11.2}
     found = hostload.conditions(before, after, cpus=2)
-    assert found == {"window_s": 2.0, "cpus": 2, "load_avg_1m": 3.9, "own_cpu_s": 1.2, "other_cpu_s": 2.3,
-                     "other_cpu_share": 0.575, "steal_s": 0.2}
+    assert found == {
+        "window_s": 2.0,
+        "cpus": 2,
+        "load_avg_1m": 3.9,
+        "own_cpu_s": 1.2,
+        "other_cpu_s": 2.3,
+        "other_cpu_share": 0.575,
+        "steal_s": 0.2,
+    }
     assert hostload.conditions(before, {**after, "stat": None}, cpus=2)["other_cpu_s"] is None
 
 
@@ -101,7 +119,9 @@ def _busy(count: int, seconds: float) -> list[subprocess.Popen]:
 
 def test_a_loaded_host_is_measured_and_said_unreliable_and_the_verdict_ignores_it(real_judge):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(10)).eval()
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(10)
+    ).eval()
     inputs = torch.randn(8, 3, 32, 32)
     with torch.no_grad():
         reference = validation.run_all(model, inputs)
@@ -111,8 +131,9 @@ def test_a_loaded_host_is_measured_and_said_unreliable_and_the_verdict_ignores_i
     loops = _busy(3, 8.0)  # bounded by their own clock too, should terminate fail
     try:
         time.sleep(0.5)  # let them start
-        metrics, _ = validation.evaluate(task, model, model, inputs, reference, None, None, thresholds, warmup=5,
-                                         iterations=1000, max_spread=2.0)
+        metrics, _ = validation.evaluate(
+            task, model, model, inputs, reference, None, None, thresholds, warmup=5, iterations=1000, max_spread=2.0
+        )
     finally:
         for p in loops:
             p.terminate()
@@ -132,8 +153,13 @@ def _noisy(doc: dict, names=None) -> dict:
     doc = copy.deepcopy(doc)
     for a in doc["artifacts"]:
         if a.get("latency_conditions") and (names is None or a["name"] in names):
-            a["latency_conditions"].update(reliable=False, reasons=["load 3.9 on 2 cores, 2 threads timed",
-                                                                    "other processes took 61% of the CPU (1.2 of 2 cores) over the 0.90 s timed"])
+            a["latency_conditions"].update(
+                reliable=False,
+                reasons=[
+                    "load 3.9 on 2 cores, 2 threads timed",
+                    "other processes took 61% of the CPU (1.2 of 2 cores) over the 0.90 s timed",
+                ],
+            )
     return doc
 
 
@@ -183,7 +209,9 @@ def _mark_cached_validations_noisy(cache) -> int:
     return marked
 
 
-def test_a_cached_noisy_latency_is_timed_again_and_its_fidelity_reused(tmp_path, android_build, build_cache, digits_model):
+def test_a_cached_noisy_latency_is_timed_again_and_its_fidelity_reused(
+    tmp_path, android_build, build_cache, digits_model
+):
     out, _ = android_build
     first = json.loads((out / "manifest.json").read_text())
     cache = tmp_path / "cache"
@@ -191,13 +219,17 @@ def test_a_cached_noisy_latency_is_timed_again_and_its_fidelity_reused(tmp_path,
     assert _mark_cached_validations_noisy(cache) >= 1
     again = tmp_path / "again"
     # one artifact of the same build is enough: its cache entries are keyed on it alone
-    result = run_cli(*build_args(digits_model, again, "--target", "android", "--format", "torchscript_lite"),
-                     env={"EXPORTER_CACHE": str(cache)})
+    result = run_cli(
+        *build_args(digits_model, again, "--target", "android", "--format", "torchscript_lite"),
+        env={"EXPORTER_CACHE": str(cache)},
+    )
     assert result.exit_code in (0, 1), result.output
     second = json.loads((again / "manifest.json").read_text())
     timed = {a["name"]: a for a in first["artifacts"] if a.get("latency_ms") and a["format"] == "torchscript_lite"}
     retimed = [e for e in second["cache"]["events"] if "latency measured again" in e]
-    assert len(timed) == len(retimed) == 1 and all("the cached one was unreliable: load 3.9" in e for e in retimed), second["cache"]
+    assert len(timed) == len(retimed) == 1 and all("the cached one was unreliable: load 3.9" in e for e in retimed), (
+        second["cache"]
+    )
     assert [a["name"] for a in second["artifacts"]] == list(timed)
     for a in second["artifacts"]:
         if a["name"] in timed:

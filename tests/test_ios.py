@@ -43,7 +43,9 @@ def ios_build(tmp_path_factory, digits_model):
     out = root / "build"
     original = coreml.EagerFp16.__call__
     with pytest.MonkeyPatch.context() as patch:  # count the fp16 proxy's images: its outputs are every package's
-        patch.setattr(coreml.EagerFp16, "__call__", lambda self, x: EAGER_FP16_IMAGES.append(len(x)) or original(self, x))
+        patch.setattr(
+            coreml.EagerFp16, "__call__", lambda self, x: EAGER_FP16_IMAGES.append(len(x)) or original(self, x)
+        )
         result = run_cli(*build_args(digits_model, out, "--target", path))
     doc = json.loads((out / "manifest.json").read_text()) if (out / "manifest.json").exists() else None
     return out, result, doc
@@ -116,7 +118,9 @@ def test_folded_normalization_reproduces_eager_preprocessing(digits_model, ios_b
     with Image.open(image_path) as im:
         rgb = im.convert("RGB")
     eager_input = t(rgb)
-    crop = TF.center_crop(TF.resize(rgb, t.resize_size, interpolation=t.interpolation, antialias=t.antialias), t.crop_size)
+    crop = TF.center_crop(
+        TF.resize(rgb, t.resize_size, interpolation=t.interpolation, antialias=t.antialias), t.crop_size
+    )
     unnormalized = TF.convert_image_dtype(TF.pil_to_tensor(crop), torch.float32)
 
     wrapper = coreml.ImageClassifier(loaded.model, t.mean, t.std).eval()
@@ -139,7 +143,10 @@ def test_folded_normalization_reproduces_eager_preprocessing(digits_model, ios_b
     package = ct.models.MLModel(str(ios_build[0] / _entry(ios_build[2], "coreml_fp16")["path"]), skip_model_load=True)
     ops = [op for op in coreml._main_ops(package.get_spec()) if op.type in ("mul", "sub", "conv")][:4]
     assert [op.type for op in ops] == ["mul", "sub", "mul", "conv"]  # * 1/255, - mean, * 1/std, first conv
-    values = {name: torch.from_numpy(m.val.astype("float32")).flatten() for name, m in get_weights_metadata(package, weight_threshold=0).items()}
+    values = {
+        name: torch.from_numpy(m.val.astype("float32")).flatten()
+        for name, m in get_weights_metadata(package, weight_threshold=0).items()
+    }
     torch.testing.assert_close(values[coreml._argument(ops[1], "y")], torch.tensor(t.mean), rtol=1e-3, atol=0)
     torch.testing.assert_close(values[coreml._argument(ops[2], "y")], 1 / torch.tensor(t.std), rtol=1e-3, atol=0)
 
@@ -209,12 +216,19 @@ def test_nodes_coremltools_cannot_take_are_replaced_so_core_ml_converts_the_prog
 
     x = torch.randn(1, 3, 4, 4)
     with pytest.raises(Exception, match="alias|zero|reshape|0 in shape"):
-        ct.convert(torch.export.export(module(), (x,)).run_decompositions({}), convert_to="mlprogram",
-                   inputs=[ct.TensorType(name="x", shape=x.shape)])
+        ct.convert(
+            torch.export.export(module(), (x,)).run_decompositions({}),
+            convert_to="mlprogram",
+            inputs=[ct.TensorType(name="x", shape=x.shape)],
+        )
     replaced = _convertible(torch.export.export(module(), (x,)).run_decompositions({}))
-    assert not any(n.target in (torch.ops.aten.alias.default, torch.ops.aten.zero.default) for n in replaced.graph.nodes)
+    assert not any(
+        n.target in (torch.ops.aten.alias.default, torch.ops.aten.zero.default) for n in replaced.graph.nodes
+    )
     torch.testing.assert_close(replaced.module()(x), module()(x))
-    ct.convert(replaced, convert_to="mlprogram", inputs=[ct.TensorType(name="x", shape=x.shape)]).save(str(tmp_path / "m.mlpackage"))
+    ct.convert(replaced, convert_to="mlprogram", inputs=[ct.TensorType(name="x", shape=x.shape)]).save(
+        str(tmp_path / "m.mlpackage")
+    )
     assert (tmp_path / "m.mlpackage").is_dir()
 
 
@@ -238,8 +252,14 @@ def test_the_weights_proxy_pairs_layers_applied_through_their_weights():
 
     torch.manual_seed(0)
     model, x = Attention().eval(), torch.randn(2, 3, 16, 16)
-    layers = [{"op": type(m).__name__, "weight": (m.weight.detach() * 0.5).numpy().astype(np.float16),
-               "bias": m.bias.detach().numpy()} for m in (model.embed, model.qkv, model.head)]  # the package's, halved
+    layers = [
+        {
+            "op": type(m).__name__,
+            "weight": (m.weight.detach() * 0.5).numpy().astype(np.float16),
+            "bias": m.bias.detach().numpy(),
+        }
+        for m in (model.embed, model.qkv, model.head)
+    ]  # the package's, halved
     expected = Attention().eval()
     expected.load_state_dict(model.state_dict())
     with torch.no_grad():
@@ -258,12 +278,18 @@ def test_a_vit_package_is_read_back_and_its_weights_proxy_matches_eager(tmp_path
     from exporter.formats import coreml
 
     torch.manual_seed(0)
-    model = VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32,
-                              num_classes=5).eval()
+    model = VisionTransformer(
+        image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32, num_classes=5
+    ).eval()
     torch.nn.init.normal_(model.heads.head.weight)
     x = torch.randn(1, 3, 32, 32)
-    meta = {"preprocessing": {"mean": [0.5] * 3, "std": [0.25] * 3, "crop_size": [32]}, "labels": list("abcde"),
-            "model": "vit", "weight": "tiny", "exporter_version": "0"}
+    meta = {
+        "preprocessing": {"mean": [0.5] * 3, "std": [0.25] * 3, "crop_size": [32]},
+        "labels": list("abcde"),
+        "model": "vit",
+        "weight": "tiny",
+        "exporter_version": "0",
+    }
     details = coreml.export(model, x, "fp32", None, tmp_path / "vit.mlpackage", meta, input="tensor")
     matrices = [p for name, p in model.named_parameters() if name.endswith("weight") and p.dim() >= 2]
     assert len(matrices) == 6  # the patch conv, attention's in_proj_weight and out_proj, the MLP's two, the head
@@ -281,8 +307,11 @@ def test_coremltools_progress_bars_are_dropped_and_its_warnings_kept(capsys):
     from tqdm import tqdm
 
     with coreml._without_progress_bars():
-        print("Running MIL frontend_milinternal pipeline: 0 passes [00:00, ? passes/s]\r"
-              "Running MIL default pipeline:  30%|███       | 28/92 [00:00<00:00, 276.53 passes/s]", file=sys.stderr)
+        print(
+            "Running MIL frontend_milinternal pipeline: 0 passes [00:00, ? passes/s]\r"
+            "Running MIL default pipeline:  30%|███       | 28/92 [00:00<00:00, 276.53 passes/s]",
+            file=sys.stderr,
+        )
         print("WARNING: a real warning", file=sys.stderr)
         sys.stderr.write("\r⠋ export coreml_fp16 …")
         assert capsys.readouterr().err == "WARNING: a real warning\n\r⠋ export coreml_fp16 …"  # as they come
@@ -302,7 +331,9 @@ def test_fp16_proxy_rounds_like_half_precision_arithmetic(digits_model):
     on CPUs without AVX-512 FP16): on the trained digits model it lands no farther from float32 than running the model
     in half precision does, with the same top-1 on every held-out digit."""
     loaded = weights.load(digits_model.weight, digits_model.checkpoint, verify=False)
-    images = data.from_imagefolder(digits_model.data_dir, loaded.weights.transforms(), 0, 32, 0, num_classes=10).validation
+    images = data.from_imagefolder(
+        digits_model.data_dir, loaded.weights.transforms(), 0, 32, 0, num_classes=10
+    ).validation
     model = loaded.model.eval()
     with torch.no_grad():
         fp32 = model(images)
@@ -349,7 +380,9 @@ def test_fp16_proxy_rounds_inside_attention():
         return original(self, func, types, args, kwargs)
 
     attention = torch.nn.MultiheadAttention(16, 2, batch_first=True).eval()
-    module = type("SelfAttention", (torch.nn.Module,), {"forward": lambda self, x: attention(x, x, x, need_weights=False)[0]})()
+    module = type(
+        "SelfAttention", (torch.nn.Module,), {"forward": lambda self, x: attention(x, x, x, need_weights=False)[0]}
+    )()
     module.attention = attention
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(coreml._RoundedToHalf, "__torch_dispatch__", record)
@@ -370,11 +403,22 @@ def test_core_ml_leaves_no_package_in_the_temporary_directory(tmp_path, monkeypa
     temporary.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3),  # palettized
-                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 5)).eval()
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 32, 3),  # palettized
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32, 5),
+    ).eval()
     x = torch.randn(1, 3, 16, 16)
-    meta = {"preprocessing": {"mean": [0.5] * 3, "std": [0.25] * 3, "crop_size": [16]}, "labels": list("abcde"),
-            "model": "tiny", "weight": "tiny", "exporter_version": "0"}
+    meta = {
+        "preprocessing": {"mean": [0.5] * 3, "std": [0.25] * 3, "crop_size": [16]},
+        "labels": list("abcde"),
+        "model": "tiny",
+        "weight": "tiny",
+        "exporter_version": "0",
+    }
     out = tmp_path / "out"
     out.mkdir()
     coreml.export(model, x, "fp16", None, out / "m.mlpackage", meta, compression="palettize", nbits=4)

@@ -10,8 +10,14 @@ import shutil
 import numpy as np
 import pytest
 
-from .conftest import (INT8_SLACK, assert_clean_refusal, assert_device_reproduces_the_build, build_args, run_cli,
-                       run_without_torch)
+from .conftest import (
+    INT8_SLACK,
+    assert_clean_refusal,
+    assert_device_reproduces_the_build,
+    build_args,
+    run_cli,
+    run_without_torch,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +73,10 @@ def test_build_engine_script(jetson_build):
     script = (out / "build_engine.sh").read_text()
     trt11, trt10 = script.split("\nelse\n")
     for precision in ("fp32", "fp16", "int8"):
-        assert f"--onnx=mobilenet_v3_small_onnx_{precision}.onnx --saveEngine=mobilenet_v3_small_tensorrt_{precision}.engine" in script
+        assert (
+            f"--onnx=mobilenet_v3_small_onnx_{precision}.onnx --saveEngine=mobilenet_v3_small_tensorrt_{precision}.engine"
+            in script
+        )
     assert "--minShapes=input:1x3x224x224 --optShapes=input:1x3x224x224 --maxShapes=input:8x3x224x224" in script
     assert "--fp16" in trt10 and "--int8" in trt10
     assert "--fp16" not in trt11 and "--int8" not in trt11  # TensorRT 11: the graph's types decide
@@ -124,17 +133,25 @@ def test_device_validate_fails_an_artifact_its_runtime_fails_on_one_golden_input
         def fails_on_the_third(x):
             seen.append(x)
             if len(seen) == 3:
-                raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Reshape")
+                raise RuntimeError(
+                    "[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Reshape"
+                )
             return run(x)
+
         return fails_on_the_third
 
     monkeypatch.setattr(device_validate, "_ort_runner", runner)
     assert device_validate.main([str(out), "--runtime", "onnxruntime"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
     assert sorted(line.split()[0] + " " + line.split()[1] for line in lines) == [
-        "FAILED onnx_int8", "PASSED onnx_fp16", "PASSED onnx_fp32"], lines
-    assert ("FAILED onnx_int8 (onnxruntime): does not run on golden input 2: RuntimeError: [ONNXRuntimeError] : 1 : "
-            "FAIL : Non-zero status code returned while running Reshape") in lines
+        "FAILED onnx_int8",
+        "PASSED onnx_fp16",
+        "PASSED onnx_fp32",
+    ], lines
+    assert (
+        "FAILED onnx_int8 (onnxruntime): does not run on golden input 2: RuntimeError: [ONNXRuntimeError] : 1 : "
+        "FAIL : Non-zero status code returned while running Reshape"
+    ) in lines
 
 
 def test_validate_device_command(jetson_build):
@@ -152,7 +169,10 @@ def test_validate_device_command(jetson_build):
     [
         (["--target", "jetson", "--option", "opset=11"], "opset 11 is not supported"),
         (["--target", "jetson", "--batch", "4:2:8"], "1 <= MIN <= OPT <= MAX"),
-        (["--target", "jetson", "--option", "external_data=sometimes"], "external_data 'sometimes': expected auto or always"),
+        (
+            ["--target", "jetson", "--option", "external_data=sometimes"],
+            "external_data 'sometimes': expected auto or always",
+        ),
         (["--target", "android", "--dla-core", "0"], "dla_core apply to no format"),
         (["--target", "jetson", "--require-engine"], "--require-engine"),
     ],
@@ -173,14 +193,21 @@ def _has_gpu_tensorrt() -> bool:
 
 @pytest.mark.skipif(_has_gpu_tensorrt(), reason="this host can build engines")
 def test_an_engine_this_host_cannot_build_is_shown_unavailable_with_the_reason_not_failed(digits_model, tmp_path):
-    args = [a for a in build_args(digits_model, tmp_path / "out", "--target", "jetson", "--format", "tensorrt:fp32",
-                                  "--format", "onnx:fp32") if a != "--quiet"]
+    args = [
+        a
+        for a in build_args(
+            digits_model, tmp_path / "out", "--target", "jetson", "--format", "tensorrt:fp32", "--format", "onnx:fp32"
+        )
+        if a != "--quiet"
+    ]
     result = run_cli(*args)
     assert result.exit_code == 0, result.output
     reason = _artifact(json.loads((tmp_path / "out" / "manifest.json").read_text()), "tensorrt_fp32")["reasons"][0]
     stderr = result.stderr.splitlines()
     (line,) = [line for line in stderr if "export tensorrt_fp32" in line]
-    assert line == f"– export tensorrt_fp32: unavailable on this host ({reason.removeprefix('not built on this host: ')})"
+    assert (
+        line == f"– export tensorrt_fp32: unavailable on this host ({reason.removeprefix('not built on this host: ')})"
+    )
     assert any(line.startswith("✓ export onnx_fp32") for line in stderr) and not any("✗" in line for line in stderr)
 
 
@@ -209,7 +236,8 @@ def test_a_step_that_cannot_run_here_says_so_whether_it_raises_or_reports_it():
     lines = log.getvalue().splitlines()
     assert lines[0] == "– export tensorrt_fp32: unavailable on this host (no CUDA GPU [nvidia-smi found none])"
     assert lines[1].startswith("– validate coreml_fp16 (") and lines[1].endswith(
-        "): unavailable on this host (Core ML predict needs macOS; this host is linux)")
+        "): unavailable on this host (Core ML predict needs macOS; this host is linux)"
+    )
     assert lines[2].startswith("✗ export onnx_fp32 (") and lines[3].startswith("✓ validate onnx_fp32 (")
     assert len(lines) == 4 and "validate coreml_fp16" in progress.timings  # whole lines, never wrapped at 40
 
@@ -238,10 +266,17 @@ def test_fp16_onnx_folds_batchnorm_in_float32_before_the_cast(tmp_path):
     from exporter.formats import onnx as onnx_format
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval()
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+    ).eval()
     bn = model[1]
     with torch.no_grad():
-        bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.01, 3), bn.weight.uniform_(0.5, 2), bn.bias.uniform_(-1, 1)
+        (
+            bn.running_mean.uniform_(-1, 1),
+            bn.running_var.uniform_(0.01, 3),
+            bn.weight.uniform_(0.5, 2),
+            bn.bias.uniform_(-1, 1),
+        )
     example = torch.randn(1, 3, 16, 16)
     expected = fuse_conv_bn_eval(model[0], bn).weight.detach().half().numpy()
 
@@ -282,8 +317,15 @@ def test_a_transformer_onnx_graph_runs_at_every_batch_and_one_that_keeps_batch_1
         assert torch.allclose(onnx_format.load(tmp_path / "half.onnx", 1)(example), model(example), atol=0.05)
 
     with torch.no_grad():  # the batch-1 trace the exporter used before
-        torch.onnx.export(model, (example,), dynamo=True, dynamic_shapes=({0: "batch"},), input_names=["input"],
-                          output_names=["logits"], verbose=False).save(str(tmp_path / "batch1.onnx"))
+        torch.onnx.export(
+            model,
+            (example,),
+            dynamo=True,
+            dynamic_shapes=({0: "batch"},),
+            input_names=["input"],
+            output_names=["logits"],
+            verbose=False,
+        ).save(str(tmp_path / "batch1.onnx"))
     with pytest.raises(RuntimeError, match=r"runs at batch 1 but not at batch 8 .*--option batch=1") as refused:
         onnx_format._check_batch_axis(tmp_path / "batch1.onnx", example, (1, 1, 8))
     assert classify(f"export failed: {refused.value}") == "fixed batch"
@@ -303,8 +345,10 @@ def test_a_graph_whose_session_kills_onnx_runtime_is_run_without_the_pass_that_d
     assert "onnxruntime_nchwc" not in onnx_format.export(model, example, "fp32", None, path, {})
     made = []
     real_session = __import__("onnxruntime").InferenceSession
-    monkeypatch.setattr("onnxruntime.InferenceSession",
-                        lambda *a, **k: made.append(k.get("disabled_optimizers")) or real_session(*a, **k))
+    monkeypatch.setattr(
+        "onnxruntime.InferenceSession",
+        lambda *a, **k: made.append(k.get("disabled_optimizers")) or real_session(*a, **k),
+    )
     onnx_format.load(path, 1)
     monkeypatch.setattr(onnx_format, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     monkeypatch.setattr(onnx_format.platform, "machine", lambda: "x86_64")  # the pass exists only on x86
@@ -321,8 +365,19 @@ def test_onnx_with_external_data_is_one_artifact_everywhere(digits_model, tmp_pa
     from exporter import files
 
     out = tmp_path / "build"
-    args = build_args(digits_model, out, "--target", "jetson", "--format", "onnx:fp32", "--format", "onnx:int8",
-                      "--option", "external_data=always", *INT8_SLACK)
+    args = build_args(
+        digits_model,
+        out,
+        "--target",
+        "jetson",
+        "--format",
+        "onnx:fp32",
+        "--format",
+        "onnx:int8",
+        "--option",
+        "external_data=always",
+        *INT8_SLACK,
+    )
     result = run_cli(*args)
     assert result.exit_code == 0, result.output
     doc = json.loads((out / "manifest.json").read_text())
@@ -343,7 +398,7 @@ def test_onnx_with_external_data_is_one_artifact_everywhere(digits_model, tmp_pa
     bundled = {f["path"] for f in json.loads((out / "bundle" / "jetson" / "bundle.json").read_text())["files"]}
     assert {_artifact(doc, "onnx_fp32")["path"], _artifact(doc, "onnx_fp32")["path"] + ".data"} <= bundled
 
-    again = run_cli(*build_args(digits_model, tmp_path / "again", *args[args.index("--target"):]))
+    again = run_cli(*build_args(digits_model, tmp_path / "again", *args[args.index("--target") :]))
     assert again.exit_code == 0, again.output
     restored = json.loads((tmp_path / "again" / "manifest.json").read_text())
     assert "reused from the cache" in " ".join(restored["cache"]["events"])
@@ -373,27 +428,42 @@ def test_an_artifact_its_runtime_fails_on_one_input_is_failed_with_the_error(dig
             if next(calls) == 3:
                 raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Reshape: input {0,44} to {0,-1}\nsecond line")
             return run(x)
+
         return fails_on_the_fourth
 
     env = {"EXPORTER_CACHE": str(tmp_path / "cache")}
     monkeypatch.setattr(onnx_format, "load", load)
-    result = run_cli(*build_args(digits_model, tmp_path / "build", "--target", "jetson", "--format", "onnx:fp32"), env=env)
+    result = run_cli(
+        *build_args(digits_model, tmp_path / "build", "--target", "jetson", "--format", "onnx:fp32"), env=env
+    )
     assert result.exit_code == 1 and "Traceback" not in result.output, (result.output, result.exception)
     (entry,) = [a for a in json.loads((tmp_path / "build" / "manifest.json").read_text())["artifacts"] if a.get("path")]
     assert entry["status"] == "failed" and entry["reasons"] == [
         "does not run on every validation input: RuntimeError: [ONNXRuntimeError] : 1 : FAIL : Reshape: input {0,44} "
-        "to {0,-1}"], entry
+        "to {0,-1}"
+    ], entry
     assert (tmp_path / "build" / entry["path"]).exists() and entry["fidelity"] is None
     monkeypatch.undo()
-    result = run_cli(*build_args(digits_model, tmp_path / "again", "--target", "jetson", "--format", "onnx:fp32"), env=env)
+    result = run_cli(
+        *build_args(digits_model, tmp_path / "again", "--target", "jetson", "--format", "onnx:fp32"), env=env
+    )
     (entry,) = [a for a in json.loads((tmp_path / "again" / "manifest.json").read_text())["artifacts"] if a.get("path")]
-    assert result.exit_code == 0 and entry["status"] == "passed" and not entry.get("validation_reused_from_cache"), entry
+    assert result.exit_code == 0 and entry["status"] == "passed" and not entry.get("validation_reused_from_cache"), (
+        entry
+    )
     assert entry["artifact_reused_from_cache"] is True
     # `exporter validate` on that build, its runtime now refusing the file: failed, and none of the earlier numbers
-    monkeypatch.setattr(onnx_format, "load", lambda path, threads, **options: (_ for _ in ()).throw(
-        RuntimeError("[ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed")))
+    monkeypatch.setattr(
+        onnx_format,
+        "load",
+        lambda path, threads, **options: (_ for _ in ()).throw(
+            RuntimeError("[ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed")
+        ),
+    )
     result = run_cli("validate", tmp_path / "again", env=env)
     (entry,) = [a for a in json.loads((tmp_path / "again" / "manifest.json").read_text())["artifacts"] if a.get("path")]
     assert result.exit_code == 1 and entry["status"] == "failed", (result.output, entry)
-    assert entry["reasons"] == ["does not load: RuntimeError: [ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed"]
+    assert entry["reasons"] == [
+        "does not load: RuntimeError: [ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed"
+    ]
     assert entry["fidelity"] is entry["latency_ms"] is None and "golden_fidelity" not in entry, entry

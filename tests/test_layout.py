@@ -166,8 +166,19 @@ MAY_IMPORT = {
     "coverage": {"build", "engine", "weights", "tasks", "data", "release", "standins", "aarch64", *LEAVES, "exporter"},
     "aarch64": {"errors", "files", "progress"},
     "cli": {"build", "weights", "release", "device", "coverage", "aarch64", *LEAVES, "exporter"},
-    "bench": {"data", "formats", "validation", "quant", "tasks", "weights", "release", "device", "standins",
-              *LEAVES, "exporter"},
+    "bench": {
+        "data",
+        "formats",
+        "validation",
+        "quant",
+        "tasks",
+        "weights",
+        "release",
+        "device",
+        "standins",
+        *LEAVES,
+        "exporter",
+    },
 }
 
 

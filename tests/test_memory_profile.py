@@ -33,8 +33,11 @@ def _activation_bound(doc) -> int:
     model = getattr(torchvision.models, doc["weight"]["model"])(num_classes=doc["weight"]["num_classes"]).eval()
     x = torch.zeros(1, 3, *doc["task"]["input_size"])
     sizes = [x.numel() * 4]
-    hooks = [m.register_forward_hook(lambda _m, _i, o: sizes.append(o.numel() * 4))
-             for m in model.modules() if not list(m.children())]
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, o: sizes.append(o.numel() * 4))
+        for m in model.modules()
+        if not list(m.children())
+    ]
     with torch.no_grad():
         model(x)
     for hook in hooks:
@@ -51,7 +54,9 @@ def test_manifest_records_memory_for_every_artifact(doc):
         assert memory["available"], memory
         # the model's own share: loading and running it takes memory beyond the runtime's baseline
         assert memory["peak_rss_increase_bytes"] > 0, memory
-        assert memory["peak_rss_bytes"] >= memory["runtime_baseline_rss_bytes"] + memory["peak_rss_increase_bytes"] - 2**20
+        assert (
+            memory["peak_rss_bytes"] >= memory["runtime_baseline_rss_bytes"] + memory["peak_rss_increase_bytes"] - 2**20
+        )
     bound = _activation_bound(doc)
     for name in ("executorch_fp32", "executorch_int8"):
         memory = entries[name]["memory"]
@@ -61,7 +66,11 @@ def test_manifest_records_memory_for_every_artifact(doc):
     fp32, int8 = entries["executorch_fp32"]["memory"], entries["executorch_int8"]["memory"]
     assert int8["constants_bytes"] < fp32["constants_bytes"] / 2
     # the fp32 weights are in the file: constants within the file's size, and most of it
-    assert 0.8 * entries["executorch_fp32"]["size_bytes"] < fp32["constants_bytes"] <= entries["executorch_fp32"]["size_bytes"]
+    assert (
+        0.8 * entries["executorch_fp32"]["size_bytes"]
+        < fp32["constants_bytes"]
+        <= entries["executorch_fp32"]["size_bytes"]
+    )
 
 
 def test_profiles_name_the_programs_own_kernels(doc):
@@ -69,12 +78,16 @@ def test_profiles_name_the_programs_own_kernels(doc):
     for a in entries.values():
         profile = a["profile"]
         assert profile["available"], profile
-        assert 1 <= profile["runs"] <= memory_profile.PROFILE_RUNS and isinstance(profile["conditions"]["reliable"], bool)
+        assert 1 <= profile["runs"] <= memory_profile.PROFILE_RUNS and isinstance(
+            profile["conditions"]["reliable"], bool
+        )
         listed = sum(o["ms"] for o in profile["ops"])
         assert 0 < listed <= profile["ops_ms"] + 1e-3 <= profile["wall_ms"] + 2e-3, profile
         assert all(o["count"] > 0 for o in profile["ops"])
         shares = [o["share"] for o in profile["ops"]]
-        assert shares == sorted(shares, reverse=True) and sum(shares) + profile["others_share"] == pytest.approx(1, abs=0.01)
+        assert shares == sorted(shares, reverse=True) and sum(shares) + profile["others_share"] == pytest.approx(
+            1, abs=0.01
+        )
     # XNNPACK's own operators: float kernels in the fp32 program, int8 (QC8/QS8) kernels in the int8 one
     fp32_ops = [o["op"] for o in entries["executorch_fp32"]["profile"]["ops"]]
     int8_ops = [o["op"] for o in entries["executorch_int8"]["profile"]["ops"]]
@@ -109,8 +122,14 @@ def test_onnx_runtime_memory_and_profile(tmp_path):
     from exporter.formats import onnx as onnx_format
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 32, 3, stride=2),
-                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10)).eval()
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, stride=2),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32, 10),
+    ).eval()
     example = torch.randn(1, 3, 64, 64)
     path = tmp_path / "tiny.onnx"
     onnx_format.export(model, example, "fp32", None, path, {})
@@ -154,8 +173,13 @@ def test_the_lite_interpreter_profile_stops_adding_runs_once_its_trace_is_large(
     from exporter.formats import torchscript_lite
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, groups=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
-                                torch.nn.Flatten(), torch.nn.Linear(8, 10)).eval()
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, groups=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 10),
+    ).eval()
     example = torch.randn(1, 3, 16, 16)
     path = tmp_path / "tiny.ptl"
     torchscript_lite.export(model, example, "fp32", None, path, {})
@@ -169,7 +193,8 @@ def test_the_lite_interpreter_profile_stops_adding_runs_once_its_trace_is_large(
 
 
 def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_is_flagged_and_not_kept(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """RegNetY-128GF's .pte (13.6 s a run) spent ~15 min of a sweep build in ten profiled runs, each timed at
     88 s while the test suite had the host: the manifest said nothing of it, and the cache kept it."""
     from types import SimpleNamespace
@@ -180,11 +205,20 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
     from exporter.release.report import profile_line
 
     assert [memory_profile.profile_runs({"latency_ms": {"p50": p50}}) for p50 in (3.2, 2500.0, 4000.0, 13622.9)] == [
-        10, 4, 2, 1]
+        10,
+        4,
+        2,
+        1,
+    ]
     assert memory_profile.profile_runs({}) == memory_profile.PROFILE_RUNS  # no latency measured: the default
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
-                                torch.nn.Flatten(), torch.nn.Linear(8, 10)).eval()
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 10),
+    ).eval()
     example = torch.randn(1, 3, 32, 32)
     onnx_format.export(model, example, "fp32", None, tmp_path / "tiny.onnx", {})
 
@@ -201,10 +235,18 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
     profiles = []
     for busy in ([], ["load 9.0 on 2 cores, 1 threads timed"]):
         monkeypatch.setattr(hostload, "judge", lambda *args, reasons=busy, **kwargs: (not reasons, reasons))
-        session = SimpleNamespace(latency={"threads": 1}, inputs=SimpleNamespace(validation=example), cache=Cache(),
-                                  digests={"tools": "test"})
-        entry = {"name": "onnx_fp32", "format": "onnx", "path": "tiny.onnx", "sha256": "0" * 64, "status": "passed",
-                 "fidelity": {"psnr_db": 90.0}, "latency_ms": {"p50": 4000.0}}
+        session = SimpleNamespace(
+            latency={"threads": 1}, inputs=SimpleNamespace(validation=example), cache=Cache(), digests={"tools": "test"}
+        )
+        entry = {
+            "name": "onnx_fp32",
+            "format": "onnx",
+            "path": "tiny.onnx",
+            "sha256": "0" * 64,
+            "status": "passed",
+            "fidelity": {"psnr_db": 90.0},
+            "latency_ms": {"p50": 4000.0},
+        }
         memory_profile.add(session, entry, tmp_path, Progress(quiet=True))
         profile = entry["profile"]
         assert profile["available"] and profile["runs"] == 2, profile

@@ -10,9 +10,24 @@ from .conftest import FAST, run_cli
 def test_two_targets_share_one_eager_reference(tmp_path, digits_model):
     out = tmp_path / "multi"
     result = run_cli(
-        "build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--data", digits_model.data_dir,
-        "--out", out, "--target", "android", "--target", "jetson",
-        "--format", "torchscript_lite", "--format", "onnx:fp32", "--quiet", *FAST,
+        "build",
+        digits_model.weight,
+        "--checkpoint",
+        digits_model.checkpoint,
+        "--data",
+        digits_model.data_dir,
+        "--out",
+        out,
+        "--target",
+        "android",
+        "--target",
+        "jetson",
+        "--format",
+        "torchscript_lite",
+        "--format",
+        "onnx:fp32",
+        "--quiet",
+        *FAST,
     )
     assert result.exit_code == 0, result.output
     android, jetson = (json.loads((out / t / "manifest.json").read_text()) for t in ("android", "jetson"))
@@ -30,8 +45,18 @@ def test_all_expands_to_every_target(tmp_path, digits_model):
     from exporter.build import expand_targets
 
     assert expand_targets(["all"]) == ["android", "ios", "jetson"]
-    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--out", tmp_path / "o",
-                     "--target", "all", "--format", "executorch:int4")
+    result = run_cli(
+        "build",
+        digits_model.weight,
+        "--checkpoint",
+        digits_model.checkpoint,
+        "--out",
+        tmp_path / "o",
+        "--target",
+        "all",
+        "--format",
+        "executorch:int4",
+    )
     assert result.exit_code == 2 and "matches nothing in target" in result.stderr
 
 
@@ -41,8 +66,18 @@ def _matrix(*args):
 
 
 def test_matrix_lists_each_pair_once_and_takes_all():
-    result, include = _matrix("--weight", "resnet18", "--weight", "ResNet18_Weights.IMAGENET1K_V1",
-                              "--target", "android", "--target", "android", "--target", PROFILE_DIR / "android.toml")
+    result, include = _matrix(
+        "--weight",
+        "resnet18",
+        "--weight",
+        "ResNet18_Weights.IMAGENET1K_V1",
+        "--target",
+        "android",
+        "--target",
+        "android",
+        "--target",
+        PROFILE_DIR / "android.toml",
+    )
     assert include == [{"weight": "ResNet18_Weights.IMAGENET1K_V1", "target": "android"}], result.output
     _, include = _matrix("--weight", "resnet18", "--target", "all")
     assert [job["target"] for job in include] == ["android", "ios", "jetson"]

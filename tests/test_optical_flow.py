@@ -47,7 +47,9 @@ def test_resized_flow_scales_its_vectors_and_keeps_unknown_pixels_out():
     twice = resized_flow(flow, (8, 16))  # a hole stays within its own 2x2 footprint (NaN through bilinear: 16 pixels)
     unknown = twice.isnan().any(0)
     assert 0 < unknown.sum() <= 4 and unknown[0, 0]
-    assert torch.allclose(twice[0][~unknown], torch.tensor(4.0)) and torch.allclose(twice[1][~unknown], torch.tensor(-2.0))
+    assert torch.allclose(twice[0][~unknown], torch.tensor(4.0)) and torch.allclose(
+        twice[1][~unknown], torch.tensor(-2.0)
+    )
     sparse = np.full((8, 8, 2), 2e9, dtype=np.float32)
     sparse[::2, ::2] = (1.0, 3.0)  # a quarter of the pixels known, as LiDAR-based ground truth has it
     sparse[1, 1] = np.nan  # a file that marks a hole with NaN: unknown too
@@ -63,9 +65,14 @@ def test_a_stand_in_run_that_did_not_learn_is_trained_once_more_from_another_see
     def train(steps, log, seed=digits_flow.SEED):
         seeds.append(seed)
         stalled = seed == digits_flow.SEED  # as some runs of the recipe do near the zero-flow error
-        return {"seed": torch.tensor(seed)}, {"seed": seed, "held_out_epe": 4.5 if stalled else 1.5,
-                                                "zero_flow_epe": 4.8, "train_seconds": 1.0,
-                                                "train_cpu_seconds": 1.0, "steps_per_cpu_second": 1.0}
+        return {"seed": torch.tensor(seed)}, {
+            "seed": seed,
+            "held_out_epe": 4.5 if stalled else 1.5,
+            "zero_flow_epe": 4.8,
+            "train_seconds": 1.0,
+            "train_cpu_seconds": 1.0,
+            "steps_per_cpu_second": 1.0,
+        }
 
     monkeypatch.setattr(digits_flow, "train", train)
     model = digits_flow.prepare(tmp_path, log=lambda _m: None, steps=2)
@@ -87,7 +94,9 @@ def test_end_point_error_and_agreement_are_measured_per_pixel():
     labeled = task.labeled(artifact.reshape(1, -1), truth.reshape(1, -1))
     assert labeled["epe"] == pytest.approx(1.0)  # 0, 0, 3 over the three known pixels
     assert labeled["fl_all"] == pytest.approx(0.0)  # 3 px is not above 3 px
-    assert task.vs_eager(task.labeled(eager.reshape(1, -1), truth.reshape(1, -1)), labeled)["epe_increase"] == pytest.approx(1.0)
+    assert task.vs_eager(task.labeled(eager.reshape(1, -1), truth.reshape(1, -1)), labeled)[
+        "epe_increase"
+    ] == pytest.approx(1.0)
 
 
 @pytest.fixture(scope="session")
@@ -96,8 +105,22 @@ def raft() -> digits_flow.FlowDigitsModel:
 
 
 def args(model, out, *extra, data=None):
-    return ["build", model.weight, "--checkpoint", model.checkpoint, "--data", data or model.data_dir, "--input-size",
-            model.size, model.size, "--out", out, "--quiet", *FAST, *extra]
+    return [
+        "build",
+        model.weight,
+        "--checkpoint",
+        model.checkpoint,
+        "--data",
+        data or model.data_dir,
+        "--input-size",
+        model.size,
+        model.size,
+        "--out",
+        out,
+        "--quiet",
+        *FAST,
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -141,8 +164,9 @@ def test_raft_onnx_and_ptl_match_eager_and_the_device_kit_agrees(raft, builds, t
         assert entry["status"] == "unavailable" and entry["reasons"][0].startswith("cannot take an optical_flow graph")
     assert "XNNPACK lowering of RAFT" in android["executorch_fp32"]["reasons"][0]
     assert "rank-6" in docs["ios"]["artifacts"][0]["reasons"][0]
-    assert result.exit_code == (0 if all(a["status"] in ("passed", "unavailable") for d in docs.values()
-                                         for a in d["artifacts"]) else 1), result.output
+    assert result.exit_code == (
+        0 if all(a["status"] in ("passed", "unavailable") for d in docs.values() for a in d["artifacts"]) else 1
+    ), result.output
     # golden files and the device kit, from a copy of the Jetson build, without torch or the exporter
     assert np.load(out / "jetson" / "golden" / "flows.npy").shape[1] == 2
     copy = tmp_path / "kit"
@@ -157,13 +181,32 @@ def test_bad_flow_data_and_sizes_exit_2(raft, tmp_path):
     first = sorted(data.glob("*_img2.*"))[0]
     first.unlink()
     out = tmp_path / "out"
-    assert_clean_refusal(run_cli(*args(raft, out, "--target", "jetson", "--format", "onnx:fp32", data=data)), out,
-                         "has no second frame")
-    assert_clean_refusal(run_cli("build", raft.weight, "--checkpoint", raft.checkpoint, "--input-size", "100", "100",
-                                 "--target", "jetson", "--out", out), out, "multiples of 8")
+    assert_clean_refusal(
+        run_cli(*args(raft, out, "--target", "jetson", "--format", "onnx:fp32", data=data)), out, "has no second frame"
+    )
+    assert_clean_refusal(
+        run_cli(
+            "build",
+            raft.weight,
+            "--checkpoint",
+            raft.checkpoint,
+            "--input-size",
+            "100",
+            "100",
+            "--target",
+            "jetson",
+            "--out",
+            out,
+        ),
+        out,
+        "multiples of 8",
+    )
     unknown = tmp_path / "unknown"
     shutil.copytree(raft.data_dir, unknown)
     for flo in unknown.glob("*_flow.flo"):
         write_flo(flo, np.full_like(read_flo(flo), 2e9))
-    assert_clean_refusal(run_cli(*args(raft, out, "--target", "jetson", "--format", "onnx:fp32", data=unknown)), out,
-                         "no pixel of the validation pairs' flow is known")
+    assert_clean_refusal(
+        run_cli(*args(raft, out, "--target", "jetson", "--format", "onnx:fp32", data=unknown)),
+        out,
+        "no pixel of the validation pairs' flow is known",
+    )

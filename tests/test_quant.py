@@ -20,7 +20,14 @@ from exporter.quant.search import _steps
 from .conftest import FAST, assert_clean_refusal, build_args, run_cli
 
 INT8 = ["--target", "android", "--target", "jetson", "--format", "executorch:int8", "--format", "onnx:int8"]
-STRICT = ["--threshold", "int8.top1_agreement=0.99", "--threshold", "int8.psnr_db=30", "--threshold", "int8.accuracy_drop=0.5"]
+STRICT = [
+    "--threshold",
+    "int8.top1_agreement=0.99",
+    "--threshold",
+    "int8.psnr_db=30",
+    "--threshold",
+    "int8.accuracy_drop=0.5",
+]
 
 
 def _int8_artifacts(out):
@@ -65,24 +72,36 @@ def test_fallback_steps_grow_and_stop_at_the_cap():
 
 
 def test_budget_follows_int8_thresholds_unless_overridden():
-    profile = profiles.with_overrides(profiles.load("jetson"), thresholds=["int8.psnr_db=33"],
-                                      quant_budget=["top1_agreement=0.995", "max_float_fraction=0.1",
-                                                    "dynamic_ranges=False"], fallback=False)
+    profile = profiles.with_overrides(
+        profiles.load("jetson"),
+        thresholds=["int8.psnr_db=33"],
+        quant_budget=["top1_agreement=0.995", "max_float_fraction=0.1", "dynamic_ranges=False"],
+        fallback=False,
+    )
     plan = make_plan(profile, "classification")
     budget, settings = plan.quant_budget, plan.quant_settings
     assert budget["psnr_db"] == 33 and budget["top1_agreement"] == 0.995
     assert settings["max_float_fraction"] == 0.1 and settings["fallback"] is False
-    assert settings["dynamic_ranges"] is False and make_plan(profiles.load("android"), "classification").quant_settings[
-        "dynamic_ranges"] is True
+    assert (
+        settings["dynamic_ranges"] is False
+        and make_plan(profiles.load("android"), "classification").quant_settings["dynamic_ranges"] is True
+    )
     with pytest.raises(UsageError, match="unknown key"):
         profiles.check({**profile, "quantization": {"bogus": 1}}, "test")
     with pytest.raises(UsageError, match="onnx_calibration"):
         profiles.check({**profile, "quantization": {"onnx_calibration": "entropy"}}, "test")
 
 
-@pytest.mark.parametrize("budget, message", [("psnr=30", "unknown key 'psnr'"), ("psnr_db=high", "not a number"),
-                                             ("max_float_fraction=2", "fraction"), ("fallback=1", "unknown key"),
-                                             ("dynamic_ranges=maybe", "true or false")])
+@pytest.mark.parametrize(
+    "budget, message",
+    [
+        ("psnr=30", "unknown key 'psnr'"),
+        ("psnr_db=high", "not a number"),
+        ("max_float_fraction=2", "fraction"),
+        ("fallback=1", "unknown key"),
+        ("dynamic_ranges=maybe", "true or false"),
+    ],
+)
 def test_bad_quant_budget_exits_2_and_writes_nothing(digits_model, tmp_path, budget, message):
     out = tmp_path / "out"
     assert_clean_refusal(run_cli(*build_args(digits_model, out, "--quant-budget", budget)), out, message)
@@ -126,8 +145,12 @@ class _FakeBackend:
         return {"linear": len(float_layers)} if float_layers else {}
 
     def quantize(self, float_layers, range_images, method):
-        return _FakeCandidate(self.model, 0.0 if self.culprit in float_layers else (0.5 if method == "coarse" else 0.2),
-                              list(float_layers), method)
+        return _FakeCandidate(
+            self.model,
+            0.0 if self.culprit in float_layers else (0.5 if method == "coarse" else 0.2),
+            list(float_layers),
+            method,
+        )
 
 
 class _FakeCandidate:
@@ -154,12 +177,16 @@ def _search_candidate(monkeypatch, culprit, ranking, **settings):
     from exporter.quant import SETTINGS, search
     from exporter.quant.sensitivity import Sensitivity
 
-    monkeypatch.setattr(search, "layer_sensitivity", lambda *a, **k: Sensitivity(
-        {n: 10.0 + i for i, n in enumerate(ranking)}, {n: 5.0 + i for i, n in enumerate(ranking)}))
+    monkeypatch.setattr(
+        search,
+        "layer_sensitivity",
+        lambda *a, **k: Sensitivity(
+            {n: 10.0 + i for i, n in enumerate(ranking)}, {n: 5.0 + i for i, n in enumerate(ranking)}
+        ),
+    )
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 10)
-    calibration = Calibration([torch.randn(1, 4) for _ in range(20)], None, {"psnr_db": 30.0},
-                              {**SETTINGS, **settings})
+    calibration = Calibration([torch.randn(1, 4) for _ in range(20)], None, {"psnr_db": 30.0}, {**SETTINGS, **settings})
     _FakeCandidate.most_alive = _FakeCandidate.alive
     return search.quantize_with_budget(model, _FakeBackend(model, culprit), calibration)
 
@@ -205,8 +232,11 @@ def test_a_candidate_that_cannot_run_a_check_image_is_the_worst_and_the_search_g
 
     monkeypatch.setattr(_FakeCandidate, "__call__", failing_until_fixed)
     report = _search(monkeypatch, "layer1", list(_FakeBackend.LAYERS), max_float_fraction=1.0)
-    assert report["before"]["psnr_db"] is None and "does not run on every check image" in \
-        report["before"]["reasons"][0] and "Reshape of 0 rows" in report["before"]["reasons"][0]
+    assert (
+        report["before"]["psnr_db"] is None
+        and "does not run on every check image" in report["before"]["reasons"][0]
+        and "Reshape of 0 rows" in report["before"]["reasons"][0]
+    )
     assert report["meets_budget"] and [f["name"] for f in report["float_layers"]] == ["layer0", "layer1"]
     never = _search(monkeypatch, "no-such-layer", list(_FakeBackend.LAYERS), max_float_fraction=1.0)
     assert not never["meets_budget"] and "does not run on every check image" in never["note"]
@@ -224,8 +254,11 @@ def test_the_cap_and_the_steps_count_the_layers_floated_beside_a_layer(monkeypat
     output): a step of one layer can be two in float. The cap holds for all of them, and a layer already float
     beside another is not a step of its own."""
     producer = {"layer7": "layer6", "layer5": "layer4"}
-    monkeypatch.setattr(_FakeBackend, "float_closure", lambda self, layers: list(dict.fromkeys(
-        [*layers, *(producer[n] for n in layers if n in producer)])))
+    monkeypatch.setattr(
+        _FakeBackend,
+        "float_closure",
+        lambda self, layers: list(dict.fromkeys([*layers, *(producer[n] for n in layers if n in producer)])),
+    )
     # ranking: layer7 (floats layer6 with it), layer6 (already float: no step), layer5 (+ layer4), ...
     ranking = ["layer7", "layer6", "layer5", "layer0", "layer1", "layer2", "layer3", "layer4"]
     report = _search(monkeypatch, "layer3", ranking, max_float_fraction=0.5)  # cap: 4 layers
@@ -241,8 +274,11 @@ def test_a_missed_budget_says_when_the_model_itself_amplifies_small_errors(monke
     from exporter.quant import SETTINGS, search
     from exporter.quant.sensitivity import Sensitivity
 
-    monkeypatch.setattr(search, "layer_sensitivity", lambda *a, **k: Sensitivity(
-        {n: 10.0 for n in _FakeBackend.LAYERS}, {n: 5.0 for n in _FakeBackend.LAYERS}))
+    monkeypatch.setattr(
+        search,
+        "layer_sensitivity",
+        lambda *a, **k: Sensitivity({n: 10.0 for n in _FakeBackend.LAYERS}, {n: 5.0 for n in _FakeBackend.LAYERS}),
+    )
     torch.manual_seed(0)
     images = [torch.cat([torch.randn(1, 3), torch.zeros(1, 1)], 1) for _ in range(20)]
     reports = {}
@@ -275,8 +311,9 @@ class _KindsBackend(_FakeBackend):
         return {**super().float_ops(float_layers), **({"add": 3} if "add" in float_kinds else {})}
 
     def quantize(self, float_layers, range_images, method, float_kinds=()):
-        error = (0.0 if "add" in float_kinds else self.add_error) + \
-            (0.0 if self.culprit in float_layers else self.layer_error)
+        error = (0.0 if "add" in float_kinds else self.add_error) + (
+            0.0 if self.culprit in float_layers else self.layer_error
+        )
         candidate = _FakeCandidate(self.model, error, list(float_layers), method)
         candidate.kinds = tuple(float_kinds)
         return candidate
@@ -288,12 +325,21 @@ def _search_fake(monkeypatch, make_backend, max_float_fraction=1.0, **settings):
     from exporter.quant.sensitivity import Sensitivity
 
     ranking = list(_FakeBackend.LAYERS)
-    monkeypatch.setattr(search, "layer_sensitivity", lambda *a, **k: Sensitivity(
-        {n: 10.0 + i for i, n in enumerate(ranking)}, {n: 5.0 + i for i, n in enumerate(ranking)}))
+    monkeypatch.setattr(
+        search,
+        "layer_sensitivity",
+        lambda *a, **k: Sensitivity(
+            {n: 10.0 + i for i, n in enumerate(ranking)}, {n: 5.0 + i for i, n in enumerate(ranking)}
+        ),
+    )
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 10)
-    calibration = Calibration([torch.randn(1, 4) for _ in range(20)], None, {"psnr_db": 30.0},
-                              {**SETTINGS, "max_float_fraction": max_float_fraction, **settings})
+    calibration = Calibration(
+        [torch.randn(1, 4) for _ in range(20)],
+        None,
+        {"psnr_db": 30.0},
+        {**SETTINGS, "max_float_fraction": max_float_fraction, **settings},
+    )
     _FakeCandidate.most_alive = _FakeCandidate.alive
     return search.quantize_with_budget(model, make_backend(model), calibration)
 
@@ -379,10 +425,15 @@ class _DynamicBackend(_FakeBackend):
         return _FakeCandidate(self.model, error, list(float_layers), method)
 
 
-def _search_dynamic(monkeypatch, static_error, dynamic_error, layer_error=0.0, unquantized=(), fraction=1.0,
-                    **settings):
-    return _search_fake(monkeypatch, lambda model: _DynamicBackend(
-        model, "layer1", static_error, dynamic_error, layer_error, unquantized), fraction, **settings)
+def _search_dynamic(
+    monkeypatch, static_error, dynamic_error, layer_error=0.0, unquantized=(), fraction=1.0, **settings
+):
+    return _search_fake(
+        monkeypatch,
+        lambda model: _DynamicBackend(model, "layer1", static_error, dynamic_error, layer_error, unquantized),
+        fraction,
+        **settings,
+    )
 
 
 def test_ranges_chosen_per_inference_are_tried_only_when_static_ranges_miss_and_kept_when_they_gain(monkeypatch):
@@ -415,11 +466,21 @@ def test_ranges_chosen_per_inference_are_tried_only_when_static_ranges_miss_and_
 
     # layers it cannot quantize (a depthwise conv) are float layers: reported, and counted against the cap
     candidate, report = _search_dynamic(monkeypatch, static_error=0.2, dynamic_error=0.0, unquantized=["layer5"])
-    assert report["after"]["ranges"] == "dynamic" and report["int8_layers"] == 7 and report["steps"][1]["float_layers"] == 1
+    assert (
+        report["after"]["ranges"] == "dynamic"
+        and report["int8_layers"] == 7
+        and report["steps"][1]["float_layers"] == 1
+    )
     assert [(f["name"], "why" in f) for f in report["float_layers"]] == [("layer5", True)]
     del candidate
-    candidate, report = _search_dynamic(monkeypatch, static_error=0.2, dynamic_error=0.0, layer_error=0.0,
-                                        unquantized=["layer3", "layer4", "layer5"], fraction=0.25)
+    candidate, report = _search_dynamic(
+        monkeypatch,
+        static_error=0.2,
+        dynamic_error=0.0,
+        layer_error=0.0,
+        unquantized=["layer3", "layer4", "layer5"],
+        fraction=0.25,
+    )
     assert report["steps"][1]["ranges"] == "dynamic" and report["steps"][1]["over_cap"]
     assert report["after"]["ranges"] == "histogram" and candidate.method == "histogram"
     del candidate
@@ -440,18 +501,26 @@ def test_a_build_whose_calibrated_ranges_failed_validation_starts_from_ranges_ch
     assert report["after"]["ranges"] == "dynamic" and report["meets_budget"] and report["static_ranges"] is False
     del candidate
     # missing the budget with them goes on to layers in float, with the same ranges
-    candidate, report = _search_dynamic(monkeypatch, static_error=0.0, dynamic_error=0.0, layer_error=0.2,
-                                        static_ranges=False)
+    candidate, report = _search_dynamic(
+        monkeypatch, static_error=0.0, dynamic_error=0.0, layer_error=0.2, static_ranges=False
+    )
     assert {s["ranges"] for s in report["steps"]} == {"dynamic"} and candidate.float_layers == ["layer0", "layer1"]
     del candidate
-    candidate, report = _search_dynamic(monkeypatch, static_error=0.0, dynamic_error=0.001, static_ranges=False,
-                                        dynamic_ranges=False)
+    candidate, report = _search_dynamic(
+        monkeypatch, static_error=0.0, dynamic_error=0.001, static_ranges=False, dynamic_ranges=False
+    )
     assert [s["ranges"] for s in report["steps"]] == ["histogram"] and candidate.method == "histogram"
     del candidate
     # a per-inference candidate over the cap on float layers is not made (the build keeps its first artifact)
     with pytest.raises(ValueError, match="over the cap of 2"):
-        _search_dynamic(monkeypatch, static_error=0.0, dynamic_error=0.0, unquantized=["layer3", "layer4", "layer5"],
-                        fraction=0.25, static_ranges=False)
+        _search_dynamic(
+            monkeypatch,
+            static_error=0.0,
+            dynamic_error=0.0,
+            unquantized=["layer3", "layer4", "layer5"],
+            fraction=0.25,
+            static_ranges=False,
+        )
     candidate, report = _search_fake(monkeypatch, lambda model: _FakeBackend(model, "layer1"), static_ranges=False)
     assert report["steps"][0]["ranges"] == "coarse" and "static_ranges" not in report  # a backend without them
     del candidate
@@ -487,8 +556,10 @@ def test_every_add_kept_float_leaves_no_add_int8_and_lowers_whole(tmp_path, digi
     eager, images = loaded.eager.float().eval(), inputs.validation
     reference = validation.run_all(eager, images)
     backend = Pt2eBackend(eager, images[:1])
-    qdq = {torch.ops.quantized_decomposed.quantize_per_tensor.default,
-           torch.ops.quantized_decomposed.dequantize_per_tensor.default}
+    qdq = {
+        torch.ops.quantized_decomposed.quantize_per_tensor.default,
+        torch.ops.quantized_decomposed.dequantize_per_tensor.default,
+    }
     psnr = {}
     for kinds in ((), ("add",)):
         quantized = backend.quantize([], inputs.calibration, "histogram", kinds)
@@ -499,7 +570,9 @@ def test_every_add_kept_float_leaves_no_add_int8_and_lowers_whole(tmp_path, digi
         assert (backend.float_ops([], kinds).get("add_", 0) == len(adds)) == bool(kinds)  # the in-place add
         psnr[kinds] = task.fidelity(reference, validation.run_all(quantized, images))["psnr_db"]
     # lowered with the adds float only (plain PTQ's delegation: test_android; each lowering here took 50 s)
-    edge = to_edge_transform_and_lower(torch.export.export(quantized, (images[:1],)), partitioner=[XnnpackPartitioner()])
+    edge = to_edge_transform_and_lower(
+        torch.export.export(quantized, (images[:1],)), partitioner=[XnnpackPartitioner()]
+    )
     delegation = executorch._delegation(edge.exported_program())
     assert delegation["ops_outside_on_tensors"] == {} and delegation["delegated_subgraphs"] == 1, delegation
     path = tmp_path / "adds_float.pte"
@@ -517,8 +590,9 @@ class _ResidualBlocks(torch.nn.Module):
         super().__init__()
         nn = torch.nn
         self.stem = nn.Conv2d(3, 8, 3, padding=1)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
-                                    for _ in range(2))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)) for _ in range(2)
+        )
 
     def forward(self, x):
         x = self.stem(x).relu()
@@ -538,8 +612,10 @@ def test_every_add_kept_float_takes_the_relu_fused_after_it_and_lowers_whole(tmp
 
     torch.manual_seed(0)
     model, example = _ResidualBlocks().eval(), torch.randn(1, 3, 12, 12)
-    qdq = {torch.ops.quantized_decomposed.quantize_per_tensor.default,
-           torch.ops.quantized_decomposed.dequantize_per_tensor.default}
+    qdq = {
+        torch.ops.quantized_decomposed.quantize_per_tensor.default,
+        torch.ops.quantized_decomposed.dequantize_per_tensor.default,
+    }
     backend = Pt2eBackend(model, example)
     for kinds in ((), ("add",)):
         quantized = backend.quantize([], [torch.randn(1, 3, 12, 12) for _ in range(4)], "histogram", kinds)
@@ -612,8 +688,8 @@ def test_the_report_names_the_ops_int8_leaves_in_float(tmp_path):
     graph = onnx.load(str(candidate.path)).graph
     producers = {o: n.op_type for n in graph.node for o in n.output}
     fed_by_dq = {n.name: [producers.get(i) for i in n.input[:2]] for n in graph.node if n.op_type == "MatMul"}
-    (mlp_in, _), = qdq._nodes["mlp.0"]
-    (mlp_out, _), = qdq._nodes["mlp.2"]
+    ((mlp_in, _),) = qdq._nodes["mlp.0"]
+    ((mlp_out, _),) = qdq._nodes["mlp.2"]
     assert fed_by_dq[mlp_in] == ["DequantizeLinear", "DequantizeLinear"], fed_by_dq
     assert "DequantizeLinear" not in fed_by_dq[mlp_out] and set(qdq._unmapped) <= set(fed_by_dq)
     assert all("DequantizeLinear" not in fed_by_dq[n] for n in qdq._unmapped)
@@ -656,7 +732,8 @@ def test_ort_calibration_holds_one_image_at_a_time(tmp_path, monkeypatch):
     fp32 = tmp_path / "fp32.onnx"
     _export_graph(model, example, 18, fp32)
     candidate = OnnxQdqBackend(model, fp32, INPUT, "percentile", tmp_path).quantize(
-        [], [torch.randn(1, 3, 16, 16) for _ in range(5)], "percentile")
+        [], [torch.randn(1, 3, 16, 16) for _ in range(5)], "percentile"
+    )
     assert windows == [1] * 5
     with torch.no_grad():
         x = torch.randn(1, 3, 16, 16)
@@ -664,7 +741,6 @@ def test_ort_calibration_holds_one_image_at_a_time(tmp_path, monkeypatch):
 
 
 # --- whole builds ------------------------------------------------------------------------------------
-
 
 
 @pytest.fixture(scope="module")
@@ -703,8 +779,9 @@ def fragile_builds(tmp_path_factory, digits_model, fragile_checkpoint):
     root = tmp_path_factory.mktemp("fragile_builds")
     plain = run_cli(*_fragile_args(digits_model, fragile_checkpoint, root / "plain", "--no-fallback"))
     # static ranges only: the layer search is what this build tests (ranges chosen per inference: the next one)
-    budgeted = run_cli(*_fragile_args(digits_model, fragile_checkpoint, root / "budgeted",
-                                      "--quant-budget", "dynamic_ranges=false"))
+    budgeted = run_cli(
+        *_fragile_args(digits_model, fragile_checkpoint, root / "budgeted", "--quant-budget", "dynamic_ranges=false")
+    )
     args = build_args(digits_model, root / "dynamic", "--target", "android", "--format", "executorch:int8")
     args[args.index("--checkpoint") + 1] = fragile_checkpoint
     dynamic = run_cli(*args)
@@ -779,8 +856,21 @@ def test_a_second_trained_architecture_gets_an_honest_verdict_and_report(tmp_pat
 
     out = tmp_path / "shufflenet"
     weight = "ShuffleNet_V2_X0_5_Weights.IMAGENET1K_V1"
-    args = ["build", weight, "--checkpoint", quantized_digits.float_checkpoint, "--data", quantized_digits.data_dir,
-            "--labels", quantized_digits.labels_file, "--out", out, "--quiet", *FAST, *INT8]
+    args = [
+        "build",
+        weight,
+        "--checkpoint",
+        quantized_digits.float_checkpoint,
+        "--data",
+        quantized_digits.data_dir,
+        "--labels",
+        quantized_digits.labels_file,
+        "--out",
+        out,
+        "--quiet",
+        *FAST,
+        *INT8,
+    ]
     result = run_cli(*args)
     artifacts = _int8_artifacts(out)
     assert result.exit_code == (1 if any(a["status"] == "failed" for a in artifacts.values()) else 0), result.output
@@ -796,9 +886,27 @@ def test_a_second_trained_architecture_gets_an_honest_verdict_and_report(tmp_pat
 @pytest.mark.slow
 def test_json_stdout_stays_a_manifest_through_onnx_calibration(tmp_path, digits_model):
     # ONNX Runtime's percentile calibrator prints to stdout, which carries the manifest under --json
-    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--out", tmp_path / "out",
-                     "--target", "jetson", "--format", "onnx:int8", "--calib-size", "16", "--val-size", "16",
-                     "--iterations", "3", "--quant-budget", "onnx_calibration=percentile", "--json")
+    result = run_cli(
+        "build",
+        digits_model.weight,
+        "--checkpoint",
+        digits_model.checkpoint,
+        "--out",
+        tmp_path / "out",
+        "--target",
+        "jetson",
+        "--format",
+        "onnx:int8",
+        "--calib-size",
+        "16",
+        "--val-size",
+        "16",
+        "--iterations",
+        "3",
+        "--quant-budget",
+        "onnx_calibration=percentile",
+        "--json",
+    )
     doc = json.loads(result.stdout)
     (entry,) = doc["artifacts"]
     q = entry["details"]["quantization"]
@@ -845,8 +953,9 @@ def test_an_int8_pad_before_a_float_op_loads_and_matches_its_quantized_graph(tmp
     """Unannotated, a pad of an int8 tensor before a float op was lowered with an int8 input and a float output,
     and the .pte failed to load (XNNPACK: StaticConstantPad invalid parameter; Swin-T's int8 .pte)."""
     torch.manual_seed(0)
-    out, expected, _ = _int8_pte_against_its_quantized_graph(_PatchMerging(pad, then).eval(), torch.randn(1, 3, 15, 15),
-                                                             tmp_path)
+    out, expected, _ = _int8_pte_against_its_quantized_graph(
+        _PatchMerging(pad, then).eval(), torch.randn(1, 3, 15, 15), tmp_path
+    )
     # the same int8 graph: at most a rounding step apart
     assert (out - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
 
@@ -858,10 +967,19 @@ class _ReluNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
         nn = torch.nn
-        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                                  nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.ReLU(),
-                                  nn.Conv2d(16, 32, 1), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
-                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1, groups=16),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(32, 10),
+        )
 
     def forward(self, x):
         return self.body(x)
@@ -1002,7 +1120,9 @@ class _SharedHead(torch.nn.Module):
         super().__init__()
         nn = torch.nn
         self.stem, self.down = nn.Conv2d(3, 64, 3, 2, 1), nn.Conv2d(64, 64, 3, 2, 1)
-        self.tower = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU())
+        self.tower = nn.Sequential(
+            nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU()
+        )
         self.out = nn.Conv2d(64, 8, 3, padding=1)
 
     def forward(self, x):
@@ -1049,11 +1169,15 @@ def test_a_head_shared_by_levels_gets_q_dq_at_every_call_in_onnx(tmp_path):
         graph = onnx.load(str(candidate.path)).graph
         producers = {o: n.op_type for n in graph.node for o in n.output}
         # by the weight: an input tensor shared with a quantized layer comes through its Q/DQ either way
-        return sorted(n.name for n in graph.node if n.op_type == "Conv" and producers.get(n.input[1]) == "DequantizeLinear")
+        return sorted(
+            n.name for n in graph.node if n.op_type == "Conv" and producers.get(n.input[1]) == "DequantizeLinear"
+        )
 
     every = [node for name in qdq.layers() for node, _ in qdq._nodes[name]]
     assert int8_convs(qdq.quantize([], images, "mse")) == sorted(every)
-    assert int8_convs(qdq.quantize(["tower.0"], images, "mse")) == sorted(set(every) - {n for n, _ in qdq._nodes["tower.0"]})
+    assert int8_convs(qdq.quantize(["tower.0"], images, "mse")) == sorted(
+        set(every) - {n for n, _ in qdq._nodes["tower.0"]}
+    )
     assert qdq.float_ops(["tower.0"]) == {"Conv": 2, **qdq.float_ops([])}
     with torch.no_grad():  # the range of the shared layer's input: the larger of its two calls' inputs
         first, second = model.stem(example), model.down(model.stem(example))
@@ -1118,6 +1242,7 @@ def test_a_batchnorm_on_a_conv_read_elsewhere_is_not_folded_into_the_other_reade
 def test_a_range_method_that_cannot_measure_the_model_is_left_out_and_said(monkeypatch):
     """ONNX Runtime's percentile calibrator raised on a random RetinaNet (a histogram of a tensor with no range)
     and the whole ONNX int8 export failed, though its other two range methods work."""
+
     def quantize(self, float_layers, range_images, method):
         if method == "coarse":
             raise ValueError("Too many bins for data range. Cannot create 2048 finite-sized bins.")
@@ -1139,11 +1264,29 @@ def test_the_report_says_when_the_check_images_are_too_few_to_resolve_the_accura
     172 validation images: one of 64 images is 1.6 points, so the check could not see a 1-point drop."""
     from exporter.release.report import quantization_summary
 
-    step = {"float_layers": 0, "ranges": "histogram", "agreement": 0.984, "psnr_db": 46.7, "drop": 0.0,
-            "meets_budget": True, "reasons": []}
-    q = {"check_images": 64, "check_labeled": True, "budget": {"accuracy_drop": 1.0, "psnr_db": 32.0},
-         "int8_layers": 26, "layers": 26, "before": step, "after": step, "steps": [step], "meets_budget": True,
-         "float_layers": [], "calibration_method": "histogram", "seconds": 1.0}
+    step = {
+        "float_layers": 0,
+        "ranges": "histogram",
+        "agreement": 0.984,
+        "psnr_db": 46.7,
+        "drop": 0.0,
+        "meets_budget": True,
+        "reasons": [],
+    }
+    q = {
+        "check_images": 64,
+        "check_labeled": True,
+        "budget": {"accuracy_drop": 1.0, "psnr_db": 32.0},
+        "int8_layers": 26,
+        "layers": 26,
+        "before": step,
+        "after": step,
+        "steps": [step],
+        "meets_budget": True,
+        "float_layers": [],
+        "calibration_method": "histogram",
+        "seconds": 1.0,
+    }
     assert "one of 64 check images is 1.6 points of acc@1, coarser than the 1-point budget" in quantization_summary(q)
     assert "coarser" not in quantization_summary({**q, "check_images": 200})
     assert "coarser" not in quantization_summary({**q, "check_labeled": False})
@@ -1187,7 +1330,11 @@ class _SharedOutlierInput(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.stem, self.a, self.b = torch.nn.Conv2d(3, 8, 1), torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 1)
+        self.stem, self.a, self.b = (
+            torch.nn.Conv2d(3, 8, 1),
+            torch.nn.Conv2d(8, 8, 3, padding=1),
+            torch.nn.Conv2d(8, 8, 1),
+        )
         self.fc = torch.nn.Linear(8, 10)
         with torch.no_grad():
             self.stem.weight[0] *= 1000
@@ -1228,8 +1375,8 @@ def test_a_layer_kept_float_reads_a_float_input_even_where_a_quantized_layer_sha
     assert kept > plain + 20 and kept > 40, (plain, kept)
     graph = onnx.load(str(candidate.path)).graph
     producers = {o: n for n in graph.node for o in n.output}
-    (a_node, _), = qdq._nodes["a"]
-    (b_node, _), = qdq._nodes["b"]
+    ((a_node, _),) = qdq._nodes["a"]
+    ((b_node, _),) = qdq._nodes["b"]
     inputs = {n.name: [producers[i].op_type if i in producers else "initializer" for i in n.input] for n in graph.node}
     assert "DequantizeLinear" not in inputs[a_node] and inputs[b_node][:2] == ["DequantizeLinear", "DequantizeLinear"]
     # no Q/DQ left without a reader, and no int32 (quantized) bias
@@ -1252,13 +1399,28 @@ def test_calibrated_ranges_that_fail_validation_are_made_again_per_inference(tmp
     from exporter.formats import executorch
 
     load = pipeline._load_inputs
-    monkeypatch.setattr(pipeline, "_load_inputs", lambda *args: (lambda inputs: dataclasses.replace(
-        inputs, validation=inputs.validation * 4))(load(*args)))
+    monkeypatch.setattr(
+        pipeline,
+        "_load_inputs",
+        lambda *args: (lambda inputs: dataclasses.replace(inputs, validation=inputs.validation * 4))(load(*args)),
+    )
     # judged on PSNR only: at 4x contrast the stand-in's top-1 is near chance (a fresh clone's: eager acc@1 12.5 %),
     # so its logits are near ties and top-1 agreement says little. The clipping shows in PSNR: 9-12 dB with static
     # ranges, about 40 dB per inference; 20 dB sits far from both, so neither verdict hangs on the host's training
-    args = ("--target", "android", "--format", "executorch:int8", "--val-size", "40", "--threshold", "int8.psnr_db=20",
-            "--threshold", "int8.top1_agreement=0", "--threshold", "int8.accuracy_drop=100")
+    args = (
+        "--target",
+        "android",
+        "--format",
+        "executorch:int8",
+        "--val-size",
+        "40",
+        "--threshold",
+        "int8.psnr_db=20",
+        "--threshold",
+        "int8.top1_agreement=0",
+        "--threshold",
+        "int8.accuracy_drop=100",
+    )
 
     out = tmp_path / "kept"
     result = run_cli(*build_args(digits_model, out, *args))
@@ -1276,9 +1438,14 @@ def test_calibrated_ranges_that_fail_validation_are_made_again_per_inference(tmp
 
     # the remade artifact fails too (plain static PTQ, no margin: the same clipping): the first is put back
     hook = executorch.per_inference_ranges
-    monkeypatch.setattr(executorch, "per_inference_ranges", lambda calib, details: dataclasses.replace(
-        hook(calib, details),
-        settings={**calib.settings, "dynamic_ranges": False, "fallback": False, "psnr_margin_db": 0.0}))
+    monkeypatch.setattr(
+        executorch,
+        "per_inference_ranges",
+        lambda calib, details: dataclasses.replace(
+            hook(calib, details),
+            settings={**calib.settings, "dynamic_ranges": False, "fallback": False, "psnr_margin_db": 0.0},
+        ),
+    )
     out = tmp_path / "restored"
     result = run_cli(*build_args(digits_model, out, *args, "--iterations", "9"))  # not the first build's replay
     assert result.exit_code == 1, result.output

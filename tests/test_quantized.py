@@ -16,13 +16,16 @@ from exporter.formats import FORMATS
 
 from exporter.thresholds import breaches
 
-from .conftest import FAST, QUANTIZED_WEIGHT, assert_clean_refusal, run_cli
+from .conftest import FAST, assert_clean_refusal, run_cli
 
 
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("MobileNet_V3_Large_QuantizedWeights.IMAGENET1K_QNNPACK_V1", "MobileNet_V3_Large_QuantizedWeights.IMAGENET1K_QNNPACK_V1"),
+        (
+            "MobileNet_V3_Large_QuantizedWeights.IMAGENET1K_QNNPACK_V1",
+            "MobileNet_V3_Large_QuantizedWeights.IMAGENET1K_QNNPACK_V1",
+        ),
         ("quantized_mobilenet_v3_large", "MobileNet_V3_Large_QuantizedWeights.IMAGENET1K_QNNPACK_V1"),
         ("quantized_resnet50:IMAGENET1K_FBGEMM_V2", "ResNet50_QuantizedWeights.IMAGENET1K_FBGEMM_V2"),
         ("quantized_shufflenet_v2_x0_5", "ShuffleNet_V2_X0_5_QuantizedWeights.IMAGENET1K_FBGEMM_V1"),
@@ -47,8 +50,11 @@ def _tsv(result):
 
 def test_list_quantization_has_every_weight_with_its_engine():
     header, rows = _tsv(run_cli("list", "--task", "quantization"))
-    expected = {f"{type(w).__name__}.{w.name}": w.meta["backend"]
-                for m in list_models(module=tv_quantization) for w in get_model_weights(m)}
+    expected = {
+        f"{type(w).__name__}.{w.name}": w.meta["backend"]
+        for m in list_models(module=tv_quantization)
+        for w in get_model_weights(m)
+    }
     assert {r[0]: r[header.index("backend")] for r in rows} == expected
 
 
@@ -62,7 +68,9 @@ def test_list_piped_prints_whole_names():
     assert all(name.count(".") == 1 and "Weights." in name for name in names)
 
 
-@pytest.mark.parametrize("task, metric", [("segmentation", "miou"), ("detection", "box_map"), ("classification", "acc@1")])
+@pytest.mark.parametrize(
+    "task, metric", [("segmentation", "miou"), ("detection", "box_map"), ("classification", "acc@1")]
+)
 def test_list_tasks_show_their_metric(task, metric):
     header, rows = _tsv(run_cli("list", "--task", task))
     assert rows and {r[header.index("metric")] for r in rows} == {metric}
@@ -133,13 +141,30 @@ def test_float_reference_from_the_hub_cache_is_verified(quantized_digits, tmp_pa
     loaded = weights.load(quantized_digits.weight, quantized_digits.checkpoint, verify=False)
     assert loaded.reference["kind"] == "unquantized float"
     assert loaded.reference["checkpoint"]["source"] == "torch-hub-cache"
-    assert loaded.eager is loaded.reference_model and not any(p.is_quantized for p in loaded.eager.state_dict().values()
-                                                              if isinstance(p, torch.Tensor))
+    assert loaded.eager is loaded.reference_model and not any(
+        p.is_quantized for p in loaded.eager.state_dict().values() if isinstance(p, torch.Tensor)
+    )
 
 
 def _build(model, out, *extra, env=None):
-    return run_cli("build", model.weight, "--checkpoint", model.checkpoint, "--data", model.data_dir,
-                   "--labels", model.labels_file, "--out", out, "--target", "android", "--quiet", *FAST, *extra, env=env)
+    return run_cli(
+        "build",
+        model.weight,
+        "--checkpoint",
+        model.checkpoint,
+        "--data",
+        model.data_dir,
+        "--labels",
+        model.labels_file,
+        "--out",
+        out,
+        "--target",
+        "android",
+        "--quiet",
+        *FAST,
+        *extra,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +200,9 @@ def test_android_build_writes_a_validated_int8_ptl(android_int8, quantized_digit
     # (a model loaded wrongly is caught below, where the .ptl must reproduce the quantized eager model)
     assert ptl["status"] in ("passed", "failed")
     assert all(r.split()[0] in ("top1_agreement", "psnr_db", "accuracy_drop") for r in ptl["reasons"]), ptl["reasons"]
-    assert ptl["reasons"] == breaches(ptl, ptl["thresholds"])  # the verdict follows the thresholds, whatever the stand-in's PTQ cost
+    assert ptl["reasons"] == breaches(
+        ptl, ptl["thresholds"]
+    )  # the verdict follows the thresholds, whatever the stand-in's PTQ cost
     assert ptl["latency_ms"]["p50"] > 0 and ptl["eager_latency_ms"]["p50"] > 0
     assert "unquantized float" in (out / "report.md").read_text()
 
@@ -213,6 +240,14 @@ def test_float_checkpoint_for_the_quantized_weight_is_refused(tmp_path, quantize
 
 def test_float_checkpoint_option_on_a_float_weight_is_refused(tmp_path, digits_model):
     out = tmp_path / "out"
-    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint,
-                     "--float-checkpoint", digits_model.checkpoint, "--out", out)
+    result = run_cli(
+        "build",
+        digits_model.weight,
+        "--checkpoint",
+        digits_model.checkpoint,
+        "--float-checkpoint",
+        digits_model.checkpoint,
+        "--out",
+        out,
+    )
     assert_clean_refusal(result, out, "--float-checkpoint is for quantized weights")

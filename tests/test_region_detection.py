@@ -40,8 +40,24 @@ def faster_rcnn() -> digits_detection.DetectionDigitsModel:
 
 
 def args(model, out, *extra):
-    return ["build", model.weight, "--checkpoint", model.checkpoint, "--data", model.data_dir, "--labels",
-            model.labels_file, "--input-size", model.size, model.size, "--out", out, "--quiet", *FAST, *extra]
+    return [
+        "build",
+        model.weight,
+        "--checkpoint",
+        model.checkpoint,
+        "--data",
+        model.data_dir,
+        "--labels",
+        model.labels_file,
+        "--input-size",
+        model.size,
+        model.size,
+        "--out",
+        out,
+        "--quiet",
+        *FAST,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +113,14 @@ def test_faster_rcnn_onnx_matches_eager_and_the_device_kit_agrees(jetson, tmp_pa
     # the device kit, from a copy of the build directory, without torch or the exporter
     copy = tmp_path / "kit"
     shutil.copytree(out, copy)
-    checked = subprocess.run([sys.executable, copy / "device_validate.py", copy, "--runtime", "onnxruntime"],
-                             capture_output=True, text=True)
+    checked = subprocess.run(
+        [sys.executable, copy / "device_validate.py", copy, "--runtime", "onnxruntime"], capture_output=True, text=True
+    )
     # the kit reproduces the build (below) and exits 1 only where an artifact fails on the golden inputs too
     device_failed = [line.split()[1] for line in checked.stdout.splitlines() if line.startswith("FAILED")]
-    assert checked.returncode == (1 if device_failed else 0) and set(device_failed) <= {"onnx_int8"}, checked.stdout + checked.stderr
+    assert checked.returncode == (1 if device_failed else 0) and set(device_failed) <= {"onnx_int8"}, (
+        checked.stdout + checked.stderr
+    )
     assert "recall" in checked.stdout
     assert_device_reproduces_the_build(copy)
 
@@ -124,8 +143,19 @@ def test_the_graphs_rows_are_torchvisions_detections(faster_rcnn):
     graph = FinalDetections(model).eval()
     mean, std = (torch.tensor(v)[:, None, None] for v in (model.transform.image_mean, model.transform.image_std))
     files = sorted((faster_rcnn.data_dir / "images").iterdir())[:3]
-    images = [(torch.from_numpy(np.asarray(Image.open(f).convert("RGB").resize((model_size := int(faster_rcnn.size),) * 2),
-                                           dtype=np.float32) / 255).permute(2, 0, 1) - mean) / std for f in files]
+    images = [
+        (
+            torch.from_numpy(
+                np.asarray(
+                    Image.open(f).convert("RGB").resize((model_size := int(faster_rcnn.size),) * 2), dtype=np.float32
+                )
+                / 255
+            ).permute(2, 0, 1)
+            - mean
+        )
+        / std
+        for f in files
+    ]
     frames = [*images, torch.zeros_like(images[0]), torch.full_like(images[0], float("nan"))]
     with torch.no_grad():
         for x in [*(f[None] for f in frames), torch.stack(images[:2])]:
@@ -135,7 +165,7 @@ def test_the_graphs_rows_are_torchvisions_detections(faster_rcnn):
             own, _ = model.roi_heads(features, proposals, sizes)
             for rows, d in zip(graph(x), own):
                 expected = torch.cat([d["boxes"], d["scores"][:, None], d["labels"][:, None].float()], 1)
-                assert torch.equal(rows[:len(expected)], expected) and not rows[len(expected):].any()
+                assert torch.equal(rows[: len(expected)], expected) and not rows[len(expected) :].any()
     assert sum(int(graph(i[None])[0, :, 5].gt(0).sum()) for i in images) > 0  # real detections were compared
 
 
@@ -163,15 +193,33 @@ def test_a_target_without_the_route_is_refused_saying_why(tmp_path):
     """Android makes nothing from a two-stage detector: refused before any file (or download), each format's reason
     in the line, rather than a build that passes with nothing to ship."""
     out = tmp_path / "android"
-    result = run_cli("build", "FasterRCNN_MobileNet_V3_Large_320_FPN_Weights.COCO_V1", "--offline", "--out", out,
-                     "--target", "android", "--format", "executorch:fp32", "--format", "torchscript_lite:fp32")
-    assert_clean_refusal(result, out, "makes no artifact for target android",
-                         "torch.export stops in the region proposal step", "nms and roi_align")
+    result = run_cli(
+        "build",
+        "FasterRCNN_MobileNet_V3_Large_320_FPN_Weights.COCO_V1",
+        "--offline",
+        "--out",
+        out,
+        "--target",
+        "android",
+        "--format",
+        "executorch:fp32",
+        "--format",
+        "torchscript_lite:fp32",
+    )
+    assert_clean_refusal(
+        result,
+        out,
+        "makes no artifact for target android",
+        "torch.export stops in the region proposal step",
+        "nms and roi_align",
+    )
 
 
 def test_options_the_route_cannot_take_are_refused(faster_rcnn, tmp_path):
-    for option, message in (("exporter=dynamo", "exported with exporter=torchscript only"),
-                            ("batch=1:1:8", "exported with batch=1:1:1 only")):
+    for option, message in (
+        ("exporter=dynamo", "exported with exporter=torchscript only"),
+        ("batch=1:1:8", "exported with batch=1:1:1 only"),
+    ):
         out = tmp_path / option.split("=")[0]
         result = run_cli(*args(faster_rcnn, out, "--target", "jetson", "--format", "onnx:fp32", "--option", option))
         assert_clean_refusal(result, out, message)
@@ -197,7 +245,10 @@ def test_rows_no_app_would_show_are_not_compared():
     eager = np.zeros((4, 6), dtype=np.float32)
     eager[0], eager[1] = (0, 0, 10, 10, 0.9, 1), (20, 20, 30, 30, 0.1, 2)
     tail = eager.copy()
-    tail[1], tail[2] = (60, 60, 90, 90, 0.2, 2), (27, 38, 61, 103, 0.05, 4)  # another weak box, one more at the threshold
+    tail[1], tail[2] = (
+        (60, 60, 90, 90, 0.2, 2),
+        (27, 38, 61, 103, 0.05, 4),
+    )  # another weak box, one more at the threshold
     assert np.array_equal(detection_decode.aligned(eager, tail, params), eager)
     shown = eager.copy()
     shown[2] = (27, 38, 61, 103, 0.35, 4)

@@ -61,7 +61,9 @@ def test_warm_rerun_reuses_artifacts_and_validation_and_rebuilds_a_corrupt_entry
     stored.write_bytes(stored.read_bytes()[:1000])  # a truncated cache entry
     (repaired / "golden").mkdir(parents=True)
     (repaired / "golden" / "eager_masks.npy").write_text("")  # an earlier build's, which --force must not leave behind
-    assert run_cli(*build_args(digits_model, repaired, "--format", "torchscript_lite", "--force"), env=env).exit_code == 0
+    assert (
+        run_cli(*build_args(digits_model, repaired, "--format", "torchscript_lite", "--force"), env=env).exit_code == 0
+    )
     assert not (repaired / "golden" / "eager_masks.npy").exists()
     third = _manifest(repaired)
     assert any(e.startswith("corrupt cache entry") for e in third["cache"]["events"])
@@ -73,11 +75,19 @@ def test_warm_rerun_reuses_artifacts_and_validation_and_rebuilds_a_corrupt_entry
     labels = tmp_path / "labels.txt"
     labels.write_text(digits_model.labels_file.read_text().replace("digit", "Ziffer"))
     relabeled = tmp_path / "relabeled"
-    assert run_cli(*build_args(digits_model, relabeled, "--format", "torchscript_lite", "--labels", labels), env=env).exit_code == 0
+    assert (
+        run_cli(
+            *build_args(digits_model, relabeled, "--format", "torchscript_lite", "--labels", labels), env=env
+        ).exit_code
+        == 0
+    )
     assert _manifest(relabeled)["cache"]["events"] == ["eager reference reused from the cache"]  # labels: not its
 
     nocache = tmp_path / "nocache"
-    assert run_cli(*build_args(digits_model, nocache, "--format", "torchscript_lite", "--no-cache"), env=env).exit_code == 0
+    assert (
+        run_cli(*build_args(digits_model, nocache, "--format", "torchscript_lite", "--no-cache"), env=env).exit_code
+        == 0
+    )
     assert _manifest(nocache)["cache"] == {"root": None, "events": []}
 
 
@@ -99,7 +109,9 @@ def test_a_full_cache_disk_costs_the_cache_not_the_artifact(tmp_path, digits_mod
 
     monkeypatch.setattr(files, "copy", full_under_the_cache)
     out = tmp_path / "build"
-    result = run_cli(*build_args(digits_model, out, "--format", "torchscript_lite"), env={"EXPORTER_CACHE": str(cache_root)})
+    result = run_cli(
+        *build_args(digits_model, out, "--format", "torchscript_lite"), env={"EXPORTER_CACHE": str(cache_root)}
+    )
     assert result.exit_code == 0, result.output
     doc = _manifest(out)
     (artifact,) = doc["artifacts"]
@@ -158,15 +170,19 @@ def test_a_whole_build_not_recorded_for_a_full_disk_says_so(tmp_path, android_bu
     record.store(out, docs, Progress())
     assert record.cache.fetch_json("builds", record.key) is None
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # neither the blobs stored nor a partial
-    assert (f"– this build, for an unchanged re-run, not cached: No space left on device ({tmp_path / 'cache'})"
-            in capsys.readouterr().err)
+    assert (
+        f"– this build, for an unchanged re-run, not cached: No space left on device ({tmp_path / 'cache'})"
+        in capsys.readouterr().err
+    )
 
 
 def _tree(directory):
     return {p.relative_to(directory).as_posix(): files.sha256(p) for p in directory.rglob("*") if p.is_file()}
 
 
-def test_unchanged_rerun_is_restored_whole_without_torch_and_any_input_change_is_seen(tmp_path, digits_model, monkeypatch):
+def test_unchanged_rerun_is_restored_whole_without_torch_and_any_input_change_is_seen(
+    tmp_path, digits_model, monkeypatch
+):
     cache, data, labels = tmp_path / "cache", tmp_path / "data", tmp_path / "labels.txt"
     shutil.copytree(digits_model.data_dir, data)
     shutil.copy(digits_model.labels_file, labels)
@@ -174,8 +190,25 @@ def test_unchanged_rerun_is_restored_whole_without_torch_and_any_input_change_is
     cold, warm = tmp_path / "cold", tmp_path / "warm"
 
     def args(out):
-        return [str(a) for a in ["build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--data", data,
-                                 "--labels", labels, "--out", out, "--quiet", *FAST, "--format", "torchscript_lite"]]
+        return [
+            str(a)
+            for a in [
+                "build",
+                digits_model.weight,
+                "--checkpoint",
+                digits_model.checkpoint,
+                "--data",
+                data,
+                "--labels",
+                labels,
+                "--out",
+                out,
+                "--quiet",
+                *FAST,
+                "--format",
+                "torchscript_lite",
+            ]
+        ]
 
     assert run_cli(*args(cold), env={"EXPORTER_CACHE": str(cache)}).exit_code == 0
     proc = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args(warm)], capture_output=True, text=True, env=env)
@@ -184,15 +217,27 @@ def test_unchanged_rerun_is_restored_whole_without_torch_and_any_input_change_is
     assert second["cache"]["events"][0].startswith("whole build reused from the cache")
     assert second["artifacts"] == first["artifacts"]
     rendered = {"manifest.json", "report.md", "report.html"}
-    assert {k: v for k, v in _tree(warm).items() if k not in rendered} == {k: v for k, v in _tree(cold).items() if k not in rendered}
+    assert {k: v for k, v in _tree(warm).items() if k not in rendered} == {
+        k: v for k, v in _tree(cold).items() if k not in rendered
+    }
     assert "whole build reused" in (warm / "report.md").read_text()
 
     again = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args(warm)], capture_output=True, text=True, env=env)
     assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].startswith("error: --out"), again.stderr
 
-    request = BuildRequest(digits_model.weight, out=tmp_path / "probe", checkpoint=digits_model.checkpoint, data=data,
-                           labels=labels, calib_size=64, val_size=120, warmup=2, iterations=10, formats=["torchscript_lite"],
-                           cache_dir=cache)
+    request = BuildRequest(
+        digits_model.weight,
+        out=tmp_path / "probe",
+        checkpoint=digits_model.checkpoint,
+        data=data,
+        labels=labels,
+        calib_size=64,
+        val_size=120,
+        warmup=2,
+        iterations=10,
+        formats=["torchscript_lite"],
+        cache_dir=cache,
+    )
     plans = [target_profile(request, "android")]
 
     def restored():
@@ -235,9 +280,24 @@ def test_clean_builds_are_byte_identical(tmp_path, digits_model):
     shas = []
     for name in ("one", "two"):
         out = tmp_path / name
-        args = build_args(digits_model, out, "--target", "android", "--target", "jetson", "--no-cache",
-                          "--format", "torchscript_lite", "--format", "executorch:fp32",
-                          "--format", "onnx:fp32", "--format", "onnx:int8", *INT8_SLACK)
+        args = build_args(
+            digits_model,
+            out,
+            "--target",
+            "android",
+            "--target",
+            "jetson",
+            "--no-cache",
+            "--format",
+            "torchscript_lite",
+            "--format",
+            "executorch:fp32",
+            "--format",
+            "onnx:fp32",
+            "--format",
+            "onnx:int8",
+            *INT8_SLACK,
+        )
         proc = subprocess.run([sys.executable, "-m", "exporter.cli", *map(str, args)], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         shas.append({a["name"]: a["sha256"] for t in ("android", "jetson") for a in _manifest(out / t)["artifacts"]})
@@ -248,8 +308,12 @@ def test_killed_build_leaves_only_complete_artifacts_and_a_rerun_completes(tmp_p
     out = tmp_path / "killed"
     formats = ("--format", "executorch:fp32", "--format", "executorch:int8")
     args = [str(a) for a in build_args(digits_model, out, *formats, "--no-cache")]
-    proc = subprocess.Popen([sys.executable, "-m", "exporter.cli", *args], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exporter.cli", *args],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 600
     # kill it while the int8 program is being lowered, once the fp32 one is listed
     while time.time() < deadline and not (out.joinpath("manifest.json").is_file() and _manifest(out)["artifacts"]):
@@ -261,12 +325,16 @@ def test_killed_build_leaves_only_complete_artifacts_and_a_rerun_completes(tmp_p
     assert doc["status"] == "building"
     assert [a["name"] for a in doc["artifacts"]] == ["executorch_fp32"]
     assert files.sha256(out / doc["artifacts"][0]["path"]) == doc["artifacts"][0]["sha256"]
-    assert [p.name for p in out.glob("*.pte")] == [doc["artifacts"][0]["path"]]  # nothing half-written under a final name
+    assert [p.name for p in out.glob("*.pte")] == [
+        doc["artifacts"][0]["path"]
+    ]  # nothing half-written under a final name
 
     rerun = run_cli(*build_args(digits_model, out, *formats, "--force"))
     assert rerun.exit_code == 0, rerun.output
     assert {a["name"]: a["status"] for a in _manifest(out)["artifacts"]} == {
-        "executorch_fp32": "passed", "executorch_int8": "passed"}
+        "executorch_fp32": "passed",
+        "executorch_int8": "passed",
+    }
     assert not list(out.glob(".*partial"))
 
 

@@ -34,34 +34,62 @@ def _latency(p50):
 def _artifact(name, status="passed", size=2_000_000, p50=4.0, acc1=97.0, **extra):
     fmt, precision = name.rsplit("_", 1) if name.rsplit("_", 1)[-1] in ("fp32", "fp16", "int8") else (name, "fp32")
     entry = {
-        "name": name, "path": f"{name}.pte", "format": fmt, "precision": precision, "sha256": "0" * 64,
-        "size_bytes": size, "status": status,
+        "name": name,
+        "path": f"{name}.pte",
+        "format": fmt,
+        "precision": precision,
+        "sha256": "0" * 64,
+        "size_bytes": size,
+        "status": status,
         "reasons": [] if status == "passed" else ["top1_agreement 0.91 < 0.97"],
-        "fidelity": {"samples": 12, "psnr_db": 41.0, "cosine": 0.999, "max_abs_error": 0.2, "top1_agreement": 0.99,
-                     "top5_agreement": 1.0},
+        "fidelity": {
+            "samples": 12,
+            "psnr_db": 41.0,
+            "cosine": 0.999,
+            "max_abs_error": 0.2,
+            "top1_agreement": 0.99,
+            "top5_agreement": 1.0,
+        },
         "accuracy": {"acc1": acc1, "acc5": 99.0, "eager_acc1": 98.0, "eager_acc5": 99.0, "drop_points": 98.0 - acc1},
         "latency_ms": _latency(p50) if p50 is not None else None,
-        "eager_latency_ms": _latency(9.0), "speedup_vs_eager": 9.0 / p50 if p50 else None,
+        "eager_latency_ms": _latency(9.0),
+        "speedup_vs_eager": 9.0 / p50 if p50 else None,
         "thresholds": {"top1_agreement": 0.97, "psnr_db": 30.0},
     }
     if status == "unavailable":
-        entry.update(fidelity=None, accuracy=None, latency_ms=None, eager_latency_ms=None, speedup_vs_eager=None,
-                     reasons=["not validated: no Core ML runtime on Linux"])
+        entry.update(
+            fidelity=None,
+            accuracy=None,
+            latency_ms=None,
+            eager_latency_ms=None,
+            speedup_vs_eager=None,
+            reasons=["not validated: no Core ML runtime on Linux"],
+        )
     return {**entry, **extra}
 
 
 def _doc(artifacts, target="android", task="classification"):
     doc = {
-        "schema_version": manifest.SCHEMA_VERSION, "exporter_version": "0.1.0", "created": "2024-05-01T12:00:00+00:00",
+        "schema_version": manifest.SCHEMA_VERSION,
+        "exporter_version": "0.1.0",
+        "created": "2024-05-01T12:00:00+00:00",
         "status": "failed" if any(a["status"] == "failed" for a in artifacts) else "passed",
         "weight": {"name": "ResNet18_Weights.IMAGENET1K_V1", "model": "resnet18", "num_classes": 10, "meta": {}},
-        "task": {"name": task, "input_size": [8, 8], "num_classes": 10,
-                 "output": {"name": "logits", "layout": "NC", "shape": [1, 10]}},
+        "task": {
+            "name": task,
+            "input_size": [8, 8],
+            "num_classes": 10,
+            "output": {"name": "logits", "layout": "NC", "shape": [1, 10]},
+        },
         "checkpoint": {"path": "/c/resnet18.pth", "sha256": "a" * 64, "source": "checkpoint", "verified": False},
         "preprocessing": {"task": task, "input_size": [8, 8], "resize_size": [8], "crop_size": [8], **PRE},
         "labels": {"file": "labels.txt", "count": 10},
-        "target": {"name": target, "profile": f"targets/{target}.toml", "latency": {"threads": 2},
-                   "thresholds": {"fp32": {"top1_agreement": 1.0}, "int8": {"top1_agreement": 0.97}}},
+        "target": {
+            "name": target,
+            "profile": f"targets/{target}.toml",
+            "latency": {"threads": 2},
+            "thresholds": {"fp32": {"top1_agreement": 1.0}, "int8": {"top1_agreement": 0.97}},
+        },
         "tools": {"torch": "2.5.0", "torchvision": "0.20.0"},
         "host": {"platform": "Linux", "cpu": "Test CPU", "cores": 2, "threads": 2},
         "data": {"source": "/data/digits", "labeled": True, "calibration": 8, "validation": 12, "seed": 0},
@@ -81,7 +109,9 @@ def _texts(svg: str):
     for element in root.iter("text"):
         shown = "".join(element.itertext())
         title = parents[element].find("title") if parents[element] is not root else None
-        box = svg_text.text_box(float(element.get("x")), float(element.get("y")), shown, element.get("text-anchor", "start"))
+        box = svg_text.text_box(
+            float(element.get("x")), float(element.get("y")), shown, element.get("text-anchor", "start")
+        )
         found.append((box, shown, title.text if title is not None else shown))
     return svg_text.Box(view[0], view[1], view[0] + view[2], view[1] + view[3]), found
 
@@ -108,8 +138,14 @@ def test_estimated_text_widths_cover_the_real_font():
     from PIL import ImageFont
 
     font = ImageFont.truetype(str(font_file), svg_text.FONT_PX)
-    for text in ["android/executorch_int8", "WWWMMM@@%%", "eager (vs jetson/tensorrt_fp16)", "0123456789.–×…",
-                 "ResNet18 ~ {x} <= y ^ 2", "features.3.conv.0.0"]:
+    for text in [
+        "android/executorch_int8",
+        "WWWMMM@@%%",
+        "eager (vs jetson/tensorrt_fp16)",
+        "0123456789.–×…",
+        "ResNet18 ~ {x} <= y ^ 2",
+        "features.3.conv.0.0",
+    ]:
         assert svg_text.text_width(text) >= font.getlength(text), text
 
 
@@ -123,19 +159,33 @@ def test_fit_keeps_both_ends_and_the_width():
 @pytest.mark.parametrize("case", ["real", "identical", "long names", "corners", "crowded"])
 def test_accuracy_vs_size_labels_never_overlap_and_stay_inside(case):
     if case == "real":  # one android build: fp32 and int8 ExecuTorch, TorchScript-lite at fp32's point
-        artifacts = [_artifact("executorch_fp32", size=44_800_000, acc1=98.0), _artifact("executorch_int8", size=11_300_000, acc1=97.6),
-                     _artifact("torchscript_lite_fp32", size=44_800_000, acc1=98.0)]
+        artifacts = [
+            _artifact("executorch_fp32", size=44_800_000, acc1=98.0),
+            _artifact("executorch_int8", size=11_300_000, acc1=97.6),
+            _artifact("torchscript_lite_fp32", size=44_800_000, acc1=98.0),
+        ]
     elif case == "identical":  # the same size and accuracy, many times: the old chart drew them on each other
         artifacts = [_artifact(f"executorch_int8_variant_{i:02d}", size=2_000_000, acc1=97.5) for i in range(18)]
     elif case == "long names":
-        artifacts = [_artifact("a_really_long_artifact_name_that_goes_on_" * 4 + f"{i}_int8", size=2_000_000 + i, acc1=97.5)
-                     for i in range(6)] + [_artifact("WWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWW_fp32", size=9_000_000, acc1=90.0)]
+        artifacts = [
+            _artifact("a_really_long_artifact_name_that_goes_on_" * 4 + f"{i}_int8", size=2_000_000 + i, acc1=97.5)
+            for i in range(6)
+        ] + [_artifact("WWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWW_fp32", size=9_000_000, acc1=90.0)]
     elif case == "corners":  # points on every edge of the plot
-        artifacts = [_artifact(f"{n}_fp32", size=s, acc1=a) for n, s, a in
-                     [("smallest", 1, 99.9), ("largest", 90_000_000, 99.9), ("worst", 1, 10.0), ("biggest_worst", 90_000_000, 10.0),
-                      ("middle", 45_000_000, 55.0)]]
+        artifacts = [
+            _artifact(f"{n}_fp32", size=s, acc1=a)
+            for n, s, a in [
+                ("smallest", 1, 99.9),
+                ("largest", 90_000_000, 99.9),
+                ("worst", 1, 10.0),
+                ("biggest_worst", 90_000_000, 10.0),
+                ("middle", 45_000_000, 55.0),
+            ]
+        ]
     else:  # 40 points close together
-        artifacts = [_artifact(f"m{i}_int8", size=3_000_000 + 40_000 * (i % 7), acc1=97.0 + 0.05 * (i // 7)) for i in range(40)]
+        artifacts = [
+            _artifact(f"m{i}_int8", size=3_000_000 + 40_000 * (i % 7), acc1=97.0 + 0.05 * (i // 7)) for i in range(40)
+        ]
     doc = _doc(artifacts)
     chart = html_report.accuracy_size_chart([doc])
     full = _assert_clear(chart)
@@ -145,8 +195,10 @@ def test_accuracy_vs_size_labels_never_overlap_and_stay_inside(case):
 
 def test_the_old_merged_label_layout_would_fail_this_check():
     """The check above can fail: two labels side by side at the same baseline do overlap."""
-    svg = ('<svg viewBox="0 0 200 50"><text x="10" y="20">executorch_int8</text>'
-           '<text x="60" y="24">executorch_fp32</text></svg>')
+    svg = (
+        '<svg viewBox="0 0 200 50"><text x="10" y="20">executorch_int8</text>'
+        '<text x="60" y="24">executorch_fp32</text></svg>'
+    )
     with pytest.raises(AssertionError):
         _assert_clear(svg)
     with pytest.raises(AssertionError):  # and a label past the right edge
@@ -155,23 +207,56 @@ def test_the_old_merged_label_layout_would_fail_this_check():
 
 def _quantization() -> dict:
     """An int8 artifact's quantization record with a layer kept in float, long layer names among them."""
-    step = lambda floats, psnr: {"float_layers": floats, "ranges": "minmax", "agreement": 0.99, "drop": 0.3,  # noqa: E731
-                                 "psnr_db": psnr, "meets_budget": psnr >= 32}
+
+    def step(floats, psnr):
+        return {
+            "float_layers": floats,
+            "ranges": "minmax",
+            "agreement": 0.99,
+            "drop": 0.3,
+            "psnr_db": psnr,
+            "meets_budget": psnr >= 32,
+        }
+
     layers = {f"layer{i}.0.conv{i}" * (1 + i % 5): 20.0 + i for i in range(30)}
-    return {"calibration_method": "minmax, per-channel weights", "layers": 60, "int8_layers": 59,
-            "float_layers": [{"name": next(iter(layers)), "output_psnr_db": 20.0, "local_sqnr_db": 11.0}],
-            "budget": {"psnr_db": 32.0, "top1_agreement": 0.97}, "range_images": 16, "check_images": 16, "check_labeled": True,
-            "fallback": True, "meets_budget": True, "psnr_margin_db": 2.0, "before": step(0, 28.0), "after": step(1, 33.0),
-            "steps": [step(0, 28.0), step(1, 33.0)], "sensitivity": {"output_psnr_db": layers}, "seconds": 4.2}
+    return {
+        "calibration_method": "minmax, per-channel weights",
+        "layers": 60,
+        "int8_layers": 59,
+        "float_layers": [{"name": next(iter(layers)), "output_psnr_db": 20.0, "local_sqnr_db": 11.0}],
+        "budget": {"psnr_db": 32.0, "top1_agreement": 0.97},
+        "range_images": 16,
+        "check_images": 16,
+        "check_labeled": True,
+        "fallback": True,
+        "meets_budget": True,
+        "psnr_margin_db": 2.0,
+        "before": step(0, 28.0),
+        "after": step(1, 33.0),
+        "steps": [step(0, 28.0), step(1, 33.0)],
+        "sensitivity": {"output_psnr_db": layers},
+        "seconds": 4.2,
+    }
 
 
 def test_every_chart_of_a_two_target_page_keeps_its_text_clear(tmp_path):
     long = "torchscript_lite_with_an_unreasonably_long_name_for_a_chart_label_fp32"
-    android = _doc([_artifact("executorch_fp32", size=44_800_000, p50=30.1, acc1=98.0),
-                    _artifact("executorch_int8", size=11_300_000, p50=12.2, acc1=97.6, details={"quantization": _quantization()}),
-                    _artifact(long, size=44_800_000, p50=2500.0, acc1=98.0)])
-    jetson = _doc([_artifact("onnx_fp32", size=44_800_000, p50=28.0, acc1=98.0),
-                   _artifact("tensorrt_fp16", status="unavailable", size=22_000_000, p50=None)], target="jetson")
+    android = _doc(
+        [
+            _artifact("executorch_fp32", size=44_800_000, p50=30.1, acc1=98.0),
+            _artifact(
+                "executorch_int8", size=11_300_000, p50=12.2, acc1=97.6, details={"quantization": _quantization()}
+            ),
+            _artifact(long, size=44_800_000, p50=2500.0, acc1=98.0),
+        ]
+    )
+    jetson = _doc(
+        [
+            _artifact("onnx_fp32", size=44_800_000, p50=28.0, acc1=98.0),
+            _artifact("tensorrt_fp16", status="unavailable", size=22_000_000, p50=None),
+        ],
+        target="jetson",
+    )
     page = html_report.render([android, jetson], [tmp_path, tmp_path])
     charts = _charts(page)
     assert len(charts) == 3  # latency, accuracy vs size, one int8 sensitivity
@@ -256,7 +341,9 @@ def test_detection_ranks_by_unmatched_boxes():
     outputs[5, 3, 6] = 12.0  # ... and another one appears: 2 unmatched
     outputs[2, 1, 6] = 12.0  # one extra box
     outputs[1] += 0.05  # the boxes move a little only
-    picture, rows = previews.draw(task, torch.zeros(6, 3, 64, 64), reference.reshape(6, -1), outputs.reshape(6, -1), PRE)
+    picture, rows = previews.draw(
+        task, torch.zeros(6, 3, 64, 64), reference.reshape(6, -1), outputs.reshape(6, -1), PRE
+    )
     assert [r["row"] for r in rows] == [5, 2]
     assert [r["departure"]["unmatched_boxes"] for r in rows] == [2.0, 1.0]
     assert picture.height == 2 * (64 + previews.TITLE) + previews.GAP
@@ -268,8 +355,12 @@ class _Task(Classification):
 
 
 def _session(reference):
-    return SimpleNamespace(task=_Task(10, (8, 8)), inputs=SimpleNamespace(validation=torch.zeros(len(reference), 3, 8, 8)),
-                           reference=reference, loaded=SimpleNamespace(weights=None, labels=[f"digit {i}" for i in range(10)]))
+    return SimpleNamespace(
+        task=_Task(10, (8, 8)),
+        inputs=SimpleNamespace(validation=torch.zeros(len(reference), 3, 8, 8)),
+        reference=reference,
+        loaded=SimpleNamespace(weights=None, labels=[f"digit {i}" for i in range(10)]),
+    )
 
 
 def test_the_build_writes_the_picture_and_the_rows(tmp_path):
@@ -296,21 +387,33 @@ def _png(directory: Path, name: str) -> str:
 
 
 def test_the_page_shows_departures_folds_raw_ones_and_collapses_identical_ones(tmp_path):
-    flipped = [{"row": 5, "departure": {"top1_flipped": 1.0, "margin_change": 9.0, "logit_rmse": 2.1}},
-               {"row": 2, "departure": {"top1_flipped": 1.0, "margin_change": 4.0, "logit_rmse": 1.2}}]
+    flipped = [
+        {"row": 5, "departure": {"top1_flipped": 1.0, "margin_change": 9.0, "logit_rmse": 2.1}},
+        {"row": 2, "departure": {"top1_flipped": 1.0, "margin_change": 4.0, "logit_rmse": 1.2}},
+    ]
     raw = [{"row": 8, "departure": {"top1_flipped": 0.0, "margin_change": 0.5, "logit_rmse": 0.16}}]
-    doc = _doc([_artifact("executorch_int8", preview=_png(tmp_path, "executorch_int8"), preview_rows=flipped),
-                _artifact("executorch_fp32", preview=_png(tmp_path, "executorch_fp32"), preview_rows=raw),
-                _artifact("torchscript_lite_fp32", preview_rows=[]), _artifact("xnnpack_fp32", preview_rows=[])])
+    doc = _doc(
+        [
+            _artifact("executorch_int8", preview=_png(tmp_path, "executorch_int8"), preview_rows=flipped),
+            _artifact("executorch_fp32", preview=_png(tmp_path, "executorch_fp32"), preview_rows=raw),
+            _artifact("torchscript_lite_fp32", preview_rows=[]),
+            _artifact("xnnpack_fp32", preview_rows=[]),
+        ]
+    )
     page = html_report.render([doc], [tmp_path])
     section = page.split("Where the artifacts depart from eager")[1].split("<h2>")[0]
     assert section.count("<img") == 2
     assert "<b>executorch_int8</b>: the only 2 inputs of 12 where it departs visibly from eager" in section
     folded = section.split("<details>")[1]
-    assert folded.startswith("<summary><b>executorch_fp32</b>: the same top-1 class as eager on all 12 validation inputs")
+    assert folded.startswith(
+        "<summary><b>executorch_fp32</b>: the same top-1 class as eager on all 12 validation inputs"
+    )
     assert "only raw numbers differ (furthest: input 8, top-2 margin moved 0.5, logit RMSE 0.16)" in folded
     assert section.count("Bit-identical to eager") == 1
-    assert "Bit-identical to eager on all 12 validation inputs, nothing to show: <b>torchscript_lite_fp32, xnnpack_fp32</b>" in section
+    assert (
+        "Bit-identical to eager on all 12 validation inputs, nothing to show: <b>torchscript_lite_fp32, xnnpack_fp32</b>"
+        in section
+    )
     assert previews.describe(flipped[0]) == "input 5: top-1 flipped, top-2 margin moved 9, logit RMSE 2.1"
 
 
@@ -322,46 +425,74 @@ def test_an_older_manifest_without_rows_still_shows_its_picture(tmp_path):
 
 # --- (c) ship this ---
 def test_ship_names_the_fastest_and_the_smallest_that_passed():
-    doc = _doc([
-        _artifact("executorch_fp32", p50=3.0, size=44_000_000),
-        _artifact("executorch_int8", p50=5.0, size=11_000_000),
-        _artifact("onnx_int8", status="failed", p50=1.0, size=10_000_000),  # fastest and smallest, but failed
-        _artifact("coreml_fp16", status="unavailable", p50=None, size=5_000_000),  # never validated
-    ])
+    doc = _doc(
+        [
+            _artifact("executorch_fp32", p50=3.0, size=44_000_000),
+            _artifact("executorch_int8", p50=5.0, size=11_000_000),
+            _artifact("onnx_int8", status="failed", p50=1.0, size=10_000_000),  # fastest and smallest, but failed
+            _artifact("coreml_fp16", status="unavailable", p50=None, size=5_000_000),  # never validated
+        ]
+    )
     pick = recommend.choose(doc)
     assert pick["fastest"]["name"] == "executorch_fp32" and pick["smallest"]["name"] == "executorch_int8"
     text = recommend.line(doc)
-    assert text.startswith("Ship for android (2 passed): fastest executorch_fp32 (p50 3.00 ms); smallest executorch_int8 (11.00 MB).")
+    assert text.startswith(
+        "Ship for android (2 passed): fastest executorch_fp32 (p50 3.00 ms); smallest executorch_int8 (11.00 MB)."
+    )
     assert "onnx_int8" not in text and "Not validated on this host (runtime unavailable): coreml_fp16." in text
     # the line is on the page and in report.md
-    assert f"<b>Ship for android (2 passed):</b> fastest executorch_fp32" in html_report.render([doc], [])
-    assert "**Ship for android (2 passed):** fastest `executorch_fp32` (p50 3.00 ms); smallest `executorch_int8`" in report.markdown(doc)
+    assert "<b>Ship for android (2 passed):</b> fastest executorch_fp32" in html_report.render([doc], [])
+    assert (
+        "**Ship for android (2 passed):** fastest `executorch_fp32` (p50 3.00 ms); smallest `executorch_int8`"
+        in report.markdown(doc)
+    )
 
 
 def test_an_untimed_artifact_can_be_the_smallest_but_not_the_fastest():
-    doc = _doc([_artifact("executorch_fp32", p50=3.0, size=44_000_000),
-                _artifact("executorch_int8", p50=None, size=11_000_000, latency_ms=None)])
+    doc = _doc(
+        [
+            _artifact("executorch_fp32", p50=3.0, size=44_000_000),
+            _artifact("executorch_int8", p50=None, size=11_000_000, latency_ms=None),
+        ]
+    )
     pick = recommend.choose(doc)
     assert pick["fastest"]["name"] == "executorch_fp32" and pick["smallest"]["name"] == "executorch_int8"
     only = _doc([_artifact("executorch_int8", p50=None, size=11_000_000, latency_ms=None)])
-    assert recommend.line(only) == "Ship for android (1 passed): fastest: none was timed on this host; smallest executorch_int8 (11.00 MB)."
+    assert (
+        recommend.line(only)
+        == "Ship for android (1 passed): fastest: none was timed on this host; smallest executorch_int8 (11.00 MB)."
+    )
 
 
 def test_one_artifact_fastest_and_smallest_and_ties():
-    doc = _doc([_artifact("executorch_int8", p50=2.0, size=11_000_000), _artifact("executorch_fp32", p50=3.0, size=44_000_000),
-                _artifact("xnnpack_int8", p50=2.0, size=12_000_000)])
-    assert recommend.line(doc) == ("Ship for android: executorch_int8, the fastest (p50 2.00 ms) and the smallest (11.00 MB) "
-                              "of the 3 that passed.")
+    doc = _doc(
+        [
+            _artifact("executorch_int8", p50=2.0, size=11_000_000),
+            _artifact("executorch_fp32", p50=3.0, size=44_000_000),
+            _artifact("xnnpack_int8", p50=2.0, size=12_000_000),
+        ]
+    )
+    assert recommend.line(doc) == (
+        "Ship for android: executorch_int8, the fastest (p50 2.00 ms) and the smallest (11.00 MB) of the 3 that passed."
+    )
     alone = _doc([_artifact("onnx_fp32", p50=7.9, size=3_400_000)], target="jetson")
     assert recommend.line(alone) == "Ship for jetson: onnx_fp32, the only one that passed (p50 7.90 ms, 3.40 MB)."
 
 
 def test_nothing_passed_says_so():
-    doc = _doc([_artifact("executorch_fp32", status="failed"), _artifact("executorch_int8", status="failed"),
-                _artifact("coreml_fp16", status="unavailable", p50=None)], target="ios")
+    doc = _doc(
+        [
+            _artifact("executorch_fp32", status="failed"),
+            _artifact("executorch_int8", status="failed"),
+            _artifact("coreml_fp16", status="unavailable", p50=None),
+        ],
+        target="ios",
+    )
     pick = recommend.choose(doc)
     assert pick["fastest"] is None and pick["smallest"] is None
-    assert recommend.line(doc) == ("Nothing to ship for ios: no artifact passed (2 failed). "
-                              "Not validated on this host (runtime unavailable): coreml_fp16.")
+    assert recommend.line(doc) == (
+        "Nothing to ship for ios: no artifact passed (2 failed). "
+        "Not validated on this host (runtime unavailable): coreml_fp16."
+    )
     page = html_report.render([doc, _doc([_artifact("onnx_fp32")], target="jetson")], [])
     assert "<b>Nothing to ship for ios:</b>" in page and "<b>Ship for jetson:</b> onnx_fp32, the only one" in page

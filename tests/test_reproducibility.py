@@ -19,9 +19,11 @@ from .conftest import ROOT, build_args
 pytest.importorskip("executorch")
 ct = pytest.importorskip("coremltools")
 
-IOS_ARTIFACTS = {a.get("name") or f"{a['format']}_{a['precision']}"
-                 for a in tomllib.loads((ROOT / "targets" / "ios.toml").read_text())["artifacts"]
-                 if a["format"] == "coreml" or (a["format"], a["precision"]) == ("executorch", "int8")}
+IOS_ARTIFACTS = {
+    a.get("name") or f"{a['format']}_{a['precision']}"
+    for a in tomllib.loads((ROOT / "targets" / "ios.toml").read_text())["artifacts"]
+    if a["format"] == "coreml" or (a["format"], a["precision"]) == ("executorch", "int8")
+}
 
 
 def _file_hashes(path: Path) -> dict[str, str]:
@@ -35,15 +37,44 @@ def test_int8_pte_and_core_ml_packages_are_byte_identical(tmp_path, digits_model
     # about as long as one build. They run with 1 and 2 threads, as a laptop and a CI runner
     # would: int8 calibration once gave a different .pte per thread count. Bytes are under test,
     # not accuracy: few images, one timed iteration, thresholds that cannot fail.
-    cheap = ["--val-size", "8", "--warmup", "0", "--iterations", "1",
-             "--threshold", "top1_agreement=0", "--threshold", "psnr_db=0", "--threshold", "accuracy_drop=100"]
+    cheap = [
+        "--val-size",
+        "8",
+        "--warmup",
+        "0",
+        "--iterations",
+        "1",
+        "--threshold",
+        "top1_agreement=0",
+        "--threshold",
+        "psnr_db=0",
+        "--threshold",
+        "accuracy_drop=100",
+    ]
     procs = {}
     for name, threads in (("one", 1), ("two", 2)):
-        args = build_args(digits_model, tmp_path / name / "build", "--target", "ios", "--no-cache", "--threads", threads,
-                          "--format", "executorch:int8", "--format", "coreml", *cheap)
+        args = build_args(
+            digits_model,
+            tmp_path / name / "build",
+            "--target",
+            "ios",
+            "--no-cache",
+            "--threads",
+            threads,
+            "--format",
+            "executorch:int8",
+            "--format",
+            "coreml",
+            *cheap,
+        )
         env = dict(os.environ, EXPORTER_CACHE=str(tmp_path / name / "cache"))
-        procs[name] = subprocess.Popen([sys.executable, "-m", "exporter.cli", *map(str, args)], env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "exporter.cli", *map(str, args)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     builds = {}
     for name, proc in procs.items():
         _, stderr = proc.communicate(timeout=900)

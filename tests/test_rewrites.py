@@ -5,9 +5,18 @@ import random
 import torch
 from torch import nn
 
-from exporter.formats.rewrites import (DEPTHWISE_TAPS, GlobalMean3d, RegionConv, SplitDepthwise, drop_padding_taps,
-                                      global_pool3d_as_mean, input_transform_as_affine, kernel_parts,
-                                      padded_avg_pools_as_pad, split_large_depthwise)
+from exporter.formats.rewrites import (
+    DEPTHWISE_TAPS,
+    GlobalMean3d,
+    RegionConv,
+    SplitDepthwise,
+    drop_padding_taps,
+    global_pool3d_as_mean,
+    input_transform_as_affine,
+    kernel_parts,
+    padded_avg_pools_as_pad,
+    split_large_depthwise,
+)
 
 
 class Head(nn.Module):
@@ -16,7 +25,9 @@ class Head(nn.Module):
     def __init__(self, dilations=(1, 12, 24), channels=8):
         super().__init__()
         self.stem = nn.Conv2d(3, channels, 3, stride=2, padding=1)
-        self.branches = nn.ModuleList(nn.Conv2d(channels, channels, 3, padding=d, dilation=d, bias=False) for d in dilations)
+        self.branches = nn.ModuleList(
+            nn.Conv2d(channels, channels, 3, padding=d, dilation=d, bias=False) for d in dilations
+        )
 
     def forward(self, x):
         x = self.stem(x)
@@ -49,7 +60,9 @@ def test_taps_that_read_the_input_near_the_edges_only_are_computed_there_only():
     assert isinstance(split[0], RegionConv) and done[0]["kernel"] == [3, 3]
     # rows: [0, 4) taps 1-2, [4, 12) tap 1, [12, 16) taps 0-1; columns: [0, 8) 1-2, [8, 12) 1, [12, 20) 0-1
     assert [r.stop for r in split[0].rows] == [4, 12, 16] and [c.stop for c in split[0].cols] == [8, 12, 20]
-    assert sorted(map(tuple, done[0]["parts"])) == sorted([(2, 2), (2, 1), (2, 2), (1, 2), (1, 1), (1, 2), (2, 2), (2, 1), (2, 2)])
+    assert sorted(map(tuple, done[0]["parts"])) == sorted(
+        [(2, 2), (2, 1), (2, 2), (1, 2), (1, 1), (1, 2), (2, 2), (2, 1), (2, 2)]
+    )
     with torch.no_grad():
         torch.testing.assert_close(split(x), model(x), rtol=1e-5, atol=1e-5)
 
@@ -87,8 +100,16 @@ def test_any_trim_gives_the_same_output():
         stride = (rng.randint(1, 3), rng.randint(1, 3))
         size = tuple(max(d * (k - 1) + 1 - 2 * p, rng.randint(1, 24)) for k, d, p in zip(kernel, dilation, padding))
         torch.manual_seed(seed)
-        conv = nn.Conv2d(2 * groups, 2 * groups, kernel, stride=stride, padding=padding, dilation=dilation,
-                         groups=groups, bias=rng.random() < 0.5)
+        conv = nn.Conv2d(
+            2 * groups,
+            2 * groups,
+            kernel,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=groups,
+            bias=rng.random() < 0.5,
+        )
         model, x = nn.Sequential(conv).eval(), torch.randn(1, 2 * groups, *size)
         trimmed, done = drop_padding_taps(model, x)
         with torch.no_grad():
@@ -138,7 +159,10 @@ def test_googlenets_input_transform_is_one_multiply_and_add_delegated_whole_with
     from exporter.formats import executorch
 
     torch.manual_seed(0)
-    model, x = get_model("googlenet", weights=None, transform_input=True, init_weights=True).eval(), torch.rand(2, 3, 64, 64)
+    model, x = (
+        get_model("googlenet", weights=None, transform_input=True, init_weights=True).eval(),
+        torch.rand(2, 3, 64, 64),
+    )
     rewritten, changed = input_transform_as_affine(model)
     assert changed == [""] and model._transform_input.__func__ is not rewritten._transform_input.__func__
     with torch.no_grad():
@@ -178,7 +202,9 @@ def test_a_concatenation_of_one_tensor_is_dropped_and_the_pte_is_one_delegate(tm
         calibration = [torch.randn(1, 3, 16, 16) for _ in range(8)] if precision == "int8" else None
         details = executorch.export(model, x, precision, calibration, path, {})
         assert details["rewrites"]["single_tensor_cats_dropped"] == 1, details
-        assert details["delegation"]["delegated_subgraphs"] == 1 and set(details["delegation"]["ops_outside_delegate"]) <= {"getitem"}
+        assert details["delegation"]["delegated_subgraphs"] == 1 and set(
+            details["delegation"]["ops_outside_delegate"]
+        ) <= {"getitem"}
         if precision == "fp32":
             with torch.no_grad():
                 torch.testing.assert_close(executorch.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)
@@ -201,11 +227,14 @@ def test_any_padded_pool_that_counts_its_padding_becomes_a_pad_and_an_unpadded_p
     rewritten = 0
     for _ in range(40):
         kernel = (random.randint(1, 5), random.randint(1, 5))
-        pool = {"kernel_size": kernel if random.random() < 0.5 else kernel[0],
-                "stride": random.choice([None, 1, 2, (1, 2)]),
-                "padding": random.choice([0, 1, (kernel[0] // 2, kernel[1] // 2)]),
-                "ceil_mode": random.random() < 0.2, "count_include_pad": random.random() < 0.8,
-                "divisor_override": random.choice([None] * 4 + [3])}
+        pool = {
+            "kernel_size": kernel if random.random() < 0.5 else kernel[0],
+            "stride": random.choice([None, 1, 2, (1, 2)]),
+            "padding": random.choice([0, 1, (kernel[0] // 2, kernel[1] // 2)]),
+            "ceil_mode": random.random() < 0.2,
+            "count_include_pad": random.random() < 0.8,
+            "divisor_override": random.choice([None] * 4 + [3]),
+        }
         square = isinstance(pool["kernel_size"], int)
         padding = (pool["padding"],) * 2 if isinstance(pool["padding"], int) else pool["padding"]
         if any(p > (pool["kernel_size"] if square else k) // 2 for p, k in zip(padding, kernel)):
@@ -213,8 +242,9 @@ def test_any_padded_pool_that_counts_its_padding_becomes_a_pad_and_an_unpadded_p
         x = torch.randn(2, 3, random.randint(6, 12), random.randint(6, 12))
         model = Pool(**pool).eval()
         exported, changed = padded_avg_pools_as_pad(torch.export.export(model, (x,)))
-        expected = int(any(padding) and pool["count_include_pad"] and not pool["ceil_mode"]
-                       and pool["divisor_override"] is None)
+        expected = int(
+            any(padding) and pool["count_include_pad"] and not pool["ceil_mode"] and pool["divisor_override"] is None
+        )
         assert changed == expected, pool
         ops = [n.target for n in exported.graph.nodes if n.op == "call_function"]
         assert (torch.ops.aten.constant_pad_nd.default in ops) == bool(expected), pool
@@ -252,7 +282,9 @@ def test_inceptions_padded_pool_lowers_into_xnnpack_with_the_same_output(tmp_pat
         path = tmp_path / f"{precision}.pte"
         details = executorch.export(model, x, precision, calibration, path, {})
         assert details["rewrites"]["padded_avg_pools_as_pad"] == 1, details
-        assert details["delegation"]["delegated_subgraphs"] == 1 and set(details["delegation"]["ops_outside_delegate"]) <= {"getitem"}
+        assert details["delegation"]["delegated_subgraphs"] == 1 and set(
+            details["delegation"]["ops_outside_delegate"]
+        ) <= {"getitem"}
         with torch.no_grad():
             if precision == "fp32":
                 torch.testing.assert_close(executorch.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)
@@ -290,8 +322,16 @@ def test_any_split_depthwise_convolution_gives_the_same_output():
         size = tuple(max(d * (k - 1) + 1 - 2 * p, rng.randint(1, 20)) for k, d, p in zip(kernel, dilation, padding))
         channels, multiplier = rng.choice([2, 4]), rng.choice([1, 1, 2])
         torch.manual_seed(seed)
-        conv = nn.Conv2d(channels, channels * multiplier, kernel, stride=stride, padding=padding,
-                         dilation=dilation, groups=channels, bias=rng.random() < 0.5)
+        conv = nn.Conv2d(
+            channels,
+            channels * multiplier,
+            kernel,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=channels,
+            bias=rng.random() < 0.5,
+        )
         model, x = nn.Sequential(conv).eval(), torch.randn(2, channels, *size)
         rewritten, done = split_large_depthwise(model)
         with torch.no_grad():
@@ -322,8 +362,12 @@ def test_a_split_keeps_the_weights_dtype_and_a_model_that_is_the_convolution_is_
 
 
 def test_small_and_ordinary_convolutions_are_not_split():
-    model = nn.Sequential(nn.Conv2d(4, 4, 5, padding=2, groups=4), nn.Conv2d(4, 4, 7, padding=3),
-                          nn.Conv2d(4, 4, 7, padding=3, groups=2), nn.Conv2d(4, 4, 7, padding=0, groups=4))
+    model = nn.Sequential(
+        nn.Conv2d(4, 4, 5, padding=2, groups=4),
+        nn.Conv2d(4, 4, 7, padding=3),
+        nn.Conv2d(4, 4, 7, padding=3, groups=2),
+        nn.Conv2d(4, 4, 7, padding=0, groups=4),
+    )
     assert split_large_depthwise(model) == (model, [])  # the last: no padding to give its centre
 
 
@@ -333,8 +377,9 @@ def test_a_7x7_depthwise_runs_on_xnnpacks_depthwise_kernels_with_eagers_output(t
     from exporter.formats import executorch
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 16, 4, stride=4), nn.Conv2d(16, 16, 7, padding=3, groups=16),
-                          nn.Conv2d(16, 8, 1)).eval()
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 4, stride=4), nn.Conv2d(16, 16, 7, padding=3, groups=16), nn.Conv2d(16, 8, 1)
+    ).eval()
     x = torch.randn(1, 3, 32, 32)
     kept = executorch.export(model, x, "fp32", None, tmp_path / "kept.pte", {}, rewrites=False)
     assert "large_depthwise_split" not in kept.get("rewrites", {})
@@ -343,8 +388,9 @@ def test_a_7x7_depthwise_runs_on_xnnpacks_depthwise_kernels_with_eagers_output(t
         path = tmp_path / f"{precision}.pte"
         calibration = [torch.randn(1, 3, 32, 32) for _ in range(8)] if precision == "int8" else None
         details = executorch.export(model, x, precision, calibration, path, {})
-        assert details["rewrites"]["large_depthwise_split"] == [{"module": "1", "kernel": [7, 7],
-                                                                  "parts": [[5, 5], [2, 7], [5, 2]]}]
+        assert details["rewrites"]["large_depthwise_split"] == [
+            {"module": "1", "kernel": [7, 7], "parts": [[5, 5], [2, 7], [5, 2]]}
+        ]
         assert details["delegation"]["delegated_subgraphs"] == 1
         assert _convolutions(path, x) == {"IGEMM": 1, "DWConv": 3}, precision  # the stem; the 7x7's three parts
         if precision == "fp32":
@@ -376,7 +422,9 @@ def test_a_channels_last_example_exports_a_pte_that_computes_the_model(tmp_path)
     from exporter.formats import executorch
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, 2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).eval()
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, 2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)
+    ).eval()
     x = torch.randn(1, 3, 16, 16)
     executorch.export(model, x.to(memory_format=torch.channels_last), "fp32", None, tmp_path / "m.pte", {})
     with torch.no_grad():
@@ -465,8 +513,12 @@ def test_the_rewrites_compute_what_the_graph_did_on_uneven_pieces_and_keep_the_p
     assert done == {"adaptive_pools_as_pools": 1, "means_keeping_dims": 1, "chunks_as_slices": 2}, done
     exported.validate()  # the output signature still names the program's outputs
     targets = {n.target for n in exported.graph.nodes if n.op == "call_function"}
-    assert not targets & {torch.ops.aten.chunk.default, torch.ops.aten.split.Tensor,
-                          torch.ops.aten._adaptive_avg_pool2d.default, torch.ops.aten.adaptive_avg_pool2d.default}
+    assert not targets & {
+        torch.ops.aten.chunk.default,
+        torch.ops.aten.split.Tensor,
+        torch.ops.aten._adaptive_avg_pool2d.default,
+        torch.ops.aten.adaptive_avg_pool2d.default,
+    }
     with torch.no_grad():
         for got, want in zip(exported.module()(x), model(x)):
             torch.testing.assert_close(got, want)
@@ -569,7 +621,7 @@ def test_nearest_upsampling_by_whole_factors_lowers_into_xnnpack_with_the_same_o
             assert ("upsample_nearest2d" in outside) != rewrites, outside
             runner = executorch.load(tmp_path / "m.pte", 1)
             with torch.no_grad():
-                outputs[precision, rewrites] = torch.cat([runner(x[i:i + 1]) for i in range(len(x))])
+                outputs[precision, rewrites] = torch.cat([runner(x[i : i + 1]) for i in range(len(x))])
         assert details["rewrites"]["nearest_upsamples_as_deconvs"] == 1
     with torch.no_grad():
         eager = model(x)
@@ -582,8 +634,12 @@ def test_nearest_upsampling_by_other_factors_is_left_as_it_is():
 
     torch.manual_seed(0)
     # (whole factors, 2x3) counts; 4 -> 7 is not whole; a scale of 2.05 makes 10 -> 20 but picks pixels by 1/2.05
-    for model, shape, count in ((Pyramid(size=(8, 9)), (1, 3, 16, 12), 1), (Pyramid(size=(7, 7)), (1, 3, 16, 16), 0),
-                                (Pyramid(scale=2.05), (1, 3, 40, 40), 0), (Pyramid(scale=2.0), (1, 3, 40, 40), 1)):
+    for model, shape, count in (
+        (Pyramid(size=(8, 9)), (1, 3, 16, 12), 1),
+        (Pyramid(size=(7, 7)), (1, 3, 16, 16), 0),
+        (Pyramid(scale=2.05), (1, 3, 40, 40), 0),
+        (Pyramid(scale=2.0), (1, 3, 40, 40), 1),
+    ):
         model.eval()
         x = torch.randn(shape)
         module, changed = nearest_upsamples_as_deconvs(torch.export.export(model, (x,)).module())

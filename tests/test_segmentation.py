@@ -36,8 +36,24 @@ def deeplab() -> digits_segmentation.SegmentationDigitsModel:
 
 def seg_args(model, out, *extra):
     side = str(model.size)
-    return ["build", model.weight, "--checkpoint", model.checkpoint, "--data", model.data_dir, "--labels", model.labels_file,
-            "--input-size", side, side, "--out", out, "--quiet", *FAST, *extra]
+    return [
+        "build",
+        model.weight,
+        "--checkpoint",
+        model.checkpoint,
+        "--data",
+        model.data_dir,
+        "--labels",
+        model.labels_file,
+        "--input-size",
+        side,
+        side,
+        "--out",
+        out,
+        "--quiet",
+        *FAST,
+        *extra,
+    ]
 
 
 def _build_all(tmp_path_factory, model, name):
@@ -73,11 +89,22 @@ def _check_build(out, result, docs, model, single=None):
         assert set(docs) == {"android", "ios", "jetson"}, result.output
     for target, doc in docs.items():
         build = single or out / target
-        assert doc["task"] == {"name": "segmentation", "input_size": [model.size, model.size], "num_classes": 11,
-                               "output": doc["task"]["output"]}
-        assert doc["task"]["output"]["layout"] == "NCHW" and doc["task"]["output"]["shape"] == [1, 11, model.size, model.size]
+        assert doc["task"] == {
+            "name": "segmentation",
+            "input_size": [model.size, model.size],
+            "num_classes": 11,
+            "output": doc["task"]["output"],
+        }
+        assert doc["task"]["output"]["layout"] == "NCHW" and doc["task"]["output"]["shape"] == [
+            1,
+            11,
+            model.size,
+            model.size,
+        ]
         pre = json.loads((build / "preprocessing.json").read_text())
-        assert pre["task"] == "segmentation" and pre["input_size"] == [model.size, model.size] and pre["crop_size"] is None
+        assert (
+            pre["task"] == "segmentation" and pre["input_size"] == [model.size, model.size] and pre["crop_size"] is None
+        )
         eager = doc["eager"]["accuracy"]
         assert eager["miou"] > 0 and eager["pixel_acc"] > 0, eager  # labeled metrics measured on held-out canvases
         for a in doc["artifacts"]:
@@ -85,10 +112,19 @@ def _check_build(out, result, docs, model, single=None):
                 assert a["reasons"], a
                 if a["format"] == "coreml":
                     proxies = a["proxy"].values()
-                    assert proxies and all((p["status"] == "passed") == (breaches(p, a["thresholds"]) == []) for p in proxies)
+                    assert proxies and all(
+                        (p["status"] == "passed") == (breaches(p, a["thresholds"]) == []) for p in proxies
+                    )
                 continue
             # the verdict follows the target's segmentation thresholds, and only them
-            assert set(a["thresholds"]) <= {"pixel_agreement", "miou_vs_eager", "psnr_db", "cosine", "max_abs_error", "miou_drop"}
+            assert set(a["thresholds"]) <= {
+                "pixel_agreement",
+                "miou_vs_eager",
+                "psnr_db",
+                "cosine",
+                "max_abs_error",
+                "miou_drop",
+            }
             assert (a["status"] == "passed") == (breaches(a, a["thresholds"]) == []), a
             assert a["fidelity"]["pixel_agreement"] is not None and a["accuracy"]["miou_drop_points"] is not None
             assert_preview(build, a, model.size)
@@ -132,8 +168,12 @@ def test_jetson_bundle_checks_segmentation_on_the_device_kit(lraspp_all):
     bundle = out / "bundle" / "jetson"
     spec = json.loads((bundle / "bundle.json").read_text())
     assert spec["task"]["name"] == "segmentation"
-    checked = subprocess.run([sys.executable, bundle / "device_validate.py", bundle, "--runtime", "onnxruntime"],
-                             capture_output=True, text=True, timeout=300)
+    checked = subprocess.run(
+        [sys.executable, bundle / "device_validate.py", bundle, "--runtime", "onnxruntime"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "pixel" in checked.stdout
     assert_device_reproduces_the_build(bundle)
@@ -171,17 +211,35 @@ def test_a_perturbed_artifact_fails_on_masks(tmp_path, lraspp_all):
 
 # --- bad input: one line, exit 2, nothing written ---
 
+
 def _voc(tmp_path, lraspp, count=4):
     root = tmp_path / "voc"
-    shutil.copytree(lraspp.data_dir, root, ignore=lambda d, names: sorted(names)[count:] if d.endswith(("images", "masks")) else [])
+    shutil.copytree(
+        lraspp.data_dir, root, ignore=lambda d, names: sorted(names)[count:] if d.endswith(("images", "masks")) else []
+    )
     return root
 
 
 def _refused(tmp_path, lraspp, data, *needles):
     out = tmp_path / "out"
     side = str(lraspp.size)
-    result = run_cli("build", lraspp.weight, "--checkpoint", lraspp.checkpoint, "--data", data, "--input-size", side, side,
-                     "--target", "android", "--out", out, "--quiet", "--no-cache")
+    result = run_cli(
+        "build",
+        lraspp.weight,
+        "--checkpoint",
+        lraspp.checkpoint,
+        "--data",
+        data,
+        "--input-size",
+        side,
+        side,
+        "--target",
+        "android",
+        "--out",
+        out,
+        "--quiet",
+        "--no-cache",
+    )
     assert_clean_refusal(result, out, *needles)
 
 
@@ -217,8 +275,18 @@ def test_task_mismatches_are_refused(tmp_path, lraspp, digits_model):
     out = tmp_path / "out"
     result = run_cli(*seg_args(lraspp, out, "--target", "android", "--threshold", "int8.accuracy_drop=1", "--no-cache"))
     assert_clean_refusal(result, out, "accuracy_drop does not apply to segmentation")
-    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--input-size", "64", "48",
-                     "--out", out, "--quiet")
+    result = run_cli(
+        "build",
+        digits_model.weight,
+        "--checkpoint",
+        digits_model.checkpoint,
+        "--input-size",
+        "64",
+        "48",
+        "--out",
+        out,
+        "--quiet",
+    )
     assert_clean_refusal(result, out, "a classifier's crop is square")
     result = run_cli("build", "MaskRCNN_ResNet50_FPN_Weights.COCO_V1", "--out", out, "--quiet")
     assert_clean_refusal(result, out, "its masks have no output layout")

@@ -29,8 +29,10 @@ class FakeArm:
         self.before_run = lambda: None
 
     def prepare(self, cache_dir=None, progress=None, offline=None, root=None):
-        return Runner(cache_dir or aarch64.cache_root(), {"key": self.key, "qemu": "fake", "seconds": 0.0,
-                                                          "size_bytes": 0, "packages": {}})
+        return Runner(
+            cache_dir or aarch64.cache_root(),
+            {"key": self.key, "qemu": "fake", "seconds": 0.0, "size_bytes": 0, "packages": {}},
+        )
 
     def run(self, runner, artifacts, inputs, cpus, threads=1, timeout=1800, bundled=None):
         import torch
@@ -44,19 +46,25 @@ class FakeArm:
             fmt = {".pte": "executorch", ".ptl": "torchscript_lite", ".onnx": "onnx"}[artifact.suffix]
             forward = FORMATS[fmt].load_module().load(artifact, threads)
             with torch.no_grad():
-                outputs = np.concatenate([forward(torch.from_numpy(inputs[i:i + 1])).float().numpy()
-                                          for i in range(len(inputs))])
+                outputs = np.concatenate(
+                    [forward(torch.from_numpy(inputs[i : i + 1])).float().numpy() for i in range(len(inputs))]
+                )
             self.calls.append((artifact.name, tuple(cpus), len(inputs)))
             for cpu in cpus:
                 if (artifact.suffix, cpu) in self.broken:
-                    results.append(aarch64.Result(artifact, cpu, seconds=1.0, error=self.broken[(artifact.suffix, cpu)]))
+                    results.append(
+                        aarch64.Result(artifact, cpu, seconds=1.0, error=self.broken[(artifact.suffix, cpu)])
+                    )
                     continue
                 changed = self.perturb.get((artifact.suffix, cpu), lambda a: a)(outputs.copy())
                 info = {"runtime": "fake"}
                 if (bundled or {}).get(artifact):  # the real verifier, here: passes as on x86 unless perturbed
                     bpte, rtol, atol = bundled[artifact]
-                    info["bundled"] = (bundled_program.verify(bpte, rtol, atol) if np.array_equal(changed, outputs)
-                                       else {"passed": False, "cases": 8, "error": "perturbed"})
+                    info["bundled"] = (
+                        bundled_program.verify(bpte, rtol, atol)
+                        if np.array_equal(changed, outputs)
+                        else {"passed": False, "cases": 8, "error": "perturbed"}
+                    )
                 results.append(aarch64.Result(artifact, cpu, outputs=[changed], seconds=1.0, info=info))
         return results
 
@@ -107,14 +115,20 @@ def test_every_pte_and_ptl_gets_a_row_per_cpu_judged_like_x86(monkeypatch, tmp_p
     again = run_cli("validate", out, "--quiet")  # re-validation judges the rows again (from the row cache here)
     assert again.exit_code == result.exit_code, again.output
     revalidated = json.loads((out / "manifest.json").read_text())
-    assert [[r["cpu"] for r in a["aarch64"]] for a in revalidated["artifacts"] if a.get("path")] == \
-        [["cortex-a53", "cortex-a76"]] * len(run)
-    assert all(set(a["bundled_program"]["verified"]) == {"x86_64", "cortex-a53", "cortex-a76"}
-               for a in revalidated["artifacts"] if a["format"] == "executorch")
+    assert [[r["cpu"] for r in a["aarch64"]] for a in revalidated["artifacts"] if a.get("path")] == [
+        ["cortex-a53", "cortex-a76"]
+    ] * len(run)
+    assert all(
+        set(a["bundled_program"]["verified"]) == {"x86_64", "cortex-a53", "cortex-a76"}
+        for a in revalidated["artifacts"]
+        if a["format"] == "executorch"
+    )
     assert run_cli("bundle", out, "--allow-failed").exit_code == 0
     bundled = json.loads((out / "bundle" / "android" / "bundle.json").read_text())["artifacts"]
-    assert bundled and all([r["cpu"] for r in a["aarch64"]] == ["cortex-a53", "cortex-a76"] and
-                           all(r["emulated"] for r in a["aarch64"]) for a in bundled)
+    assert bundled and all(
+        [r["cpu"] for r in a["aarch64"]] == ["cortex-a53", "cortex-a76"] and all(r["emulated"] for r in a["aarch64"])
+        for a in bundled
+    )
 
 
 def test_an_artifact_that_departs_from_eager_on_one_cpu_fails(monkeypatch, tmp_path, digits_model):
@@ -125,8 +139,11 @@ def test_an_artifact_that_departs_from_eager_on_one_cpu_fails(monkeypatch, tmp_p
         logits[rows] = rng.permutation(logits[rows], axis=1)
         return logits
 
-    fake = FakeArm("fake-perturbed", perturb={(".pte", "neoverse-n2"): noisy},
-                   broken={(".ptl", "cortex-a53"): "RuntimeError: illegal instruction (cortex-a53)"})
+    fake = FakeArm(
+        "fake-perturbed",
+        perturb={(".pte", "neoverse-n2"): noisy},
+        broken={(".ptl", "cortex-a53"): "RuntimeError: illegal instruction (cortex-a53)"},
+    )
     result, doc, _ = _build(monkeypatch, tmp_path, digits_model, fake, "cortex-a53", "neoverse-n2")
     assert result.exit_code == 1 and doc["status"] == "failed"
     for entry in (a for a in doc["artifacts"] if a.get("path")):
@@ -153,10 +170,17 @@ def test_arch_and_cpu_are_checked_before_anything_is_written(tmp_path, digits_mo
     assert_clean_refusal(result, out, "unknown aarch64 CPU 'cortex-x9'")
 
 
-@pytest.mark.parametrize("outputs,x86,expected", [
-    ([[1.0, 2.0]], [[1.0, 2.0]], {"max_abs_diff": 0.0, "bit_identical": True, "rows_differing": 0}),
-    ([[1.0, 2.5], [0.0, 0.0]], [[1.0, 2.0], [0.0, 0.0]], {"max_abs_diff": 0.5, "bit_identical": False, "rows_differing": 1}),
-])
+@pytest.mark.parametrize(
+    "outputs,x86,expected",
+    [
+        ([[1.0, 2.0]], [[1.0, 2.0]], {"max_abs_diff": 0.0, "bit_identical": True, "rows_differing": 0}),
+        (
+            [[1.0, 2.5], [0.0, 0.0]],
+            [[1.0, 2.0], [0.0, 0.0]],
+            {"max_abs_diff": 0.5, "bit_identical": False, "rows_differing": 1},
+        ),
+    ],
+)
 def test_distance_to_x86(outputs, x86, expected):
     import torch
 

@@ -99,15 +99,23 @@ def test_segmentation_fidelity_and_labeled_metrics():
     assert f["pixel_agreement"] == pytest.approx(5 / 6)
     assert f["miou_vs_eager"] == pytest.approx((1 + 2 / 3 + 1 / 2) / 3)
     labels = torch.tensor([[0, 0, 1, 1, 2, 255]])
-    eager, artifact = task.labeled(_pixel_logits(eager_masks, 3), labels), task.labeled(_pixel_logits(artifact_masks, 3), labels)
+    eager, artifact = (
+        task.labeled(_pixel_logits(eager_masks, 3), labels),
+        task.labeled(_pixel_logits(artifact_masks, 3), labels),
+    )
     assert eager["pixel_acc"] == pytest.approx(100.0) and eager["miou"] == pytest.approx(100.0)
     assert artifact["pixel_acc"] == pytest.approx(100.0)  # the flipped pixel is ignored in the labels
     worse = task.labeled(_pixel_logits(torch.tensor([[[0, 1, 1], [1, 2, 2]]]), 3), labels)
     assert worse["pixel_acc"] == pytest.approx(80.0)
     drop = task.vs_eager(eager, worse)
     assert drop["miou_drop_points"] == pytest.approx(100.0 - 100.0 * (1 / 2 + 2 / 3 + 1) / 3)
-    metrics = task.quality(_pixel_logits(artifact_masks, 3), _pixel_logits(eager_masks, 3), None, None,
-                           {"pixel_agreement": 0.9, "psnr_db": 10.0})
+    metrics = task.quality(
+        _pixel_logits(artifact_masks, 3),
+        _pixel_logits(eager_masks, 3),
+        None,
+        None,
+        {"pixel_agreement": 0.9, "psnr_db": 10.0},
+    )
     assert metrics["reasons"] and metrics["reasons"][0].startswith("pixel_agreement 0.833")
 
 
@@ -117,8 +125,19 @@ def test_a_constant_reference_cannot_pass_anything():
     zeros = torch.zeros(8, 10)
     reason = validation.blind_spot(task, zeros, {"top1_agreement": 1.0, "psnr_db": 60.0})
     assert reason and "degenerate eager reference" in reason
-    metrics, _ = validation.evaluate(task, lambda x: torch.zeros(1, 10), None, torch.zeros(8, 3, 8, 8), zeros,
-                                     None, None, {"top1_agreement": 1.0, "psnr_db": 60.0}, 0, 1, timed=False)
+    metrics, _ = validation.evaluate(
+        task,
+        lambda x: torch.zeros(1, 10),
+        None,
+        torch.zeros(8, 3, 8, 8),
+        zeros,
+        None,
+        None,
+        {"top1_agreement": 1.0, "psnr_db": 60.0},
+        0,
+        1,
+        timed=False,
+    )
     assert metrics["status"] == "failed" and metrics["reasons"] == [reason]
 
 
@@ -146,8 +165,14 @@ def test_outputs_that_are_not_finite_fail_saying_so_and_the_manifest_still_write
     reference = torch.randn(2, 32, generator=torch.Generator().manual_seed(1))
     outputs = reference.clone()
     outputs[0, :3] = bad
-    metrics = validation.judge(flow, outputs, reference, reference, {"epe": 0.0, "fl_all": 0.0},
-                               {"flow_agreement": 0.5, "epe_vs_eager": 1.0, "epe_increase": 1.0})
+    metrics = validation.judge(
+        flow,
+        outputs,
+        reference,
+        reference,
+        {"epe": 0.0, "fl_all": 0.0},
+        {"flow_agreement": 0.5, "epe_vs_eager": 1.0, "epe_increase": 1.0},
+    )
     assert metrics["status"] == "failed" and metrics["fidelity"]["epe_vs_eager"] is None, metrics
     assert breaches({"fidelity": {"psnr_db": float("nan")}}, {"psnr_db": 30.0}) == ["psnr_db nan (needs >= 30)"]
 
@@ -176,8 +201,11 @@ def test_a_trained_reference_is_judgeable(digits_model):
     task = weights.bind_task(loaded.weights, loaded.num_classes)
     images = task.load_data(digits_model.data_dir, task.transform(loaded.weights), 0, 32, 0).validation
     reference = validation.run_all(loaded.eager, images)
-    for thresholds in ({"top1_agreement": 1.0, "psnr_db": 60.0}, {"top1_agreement": 0.97, "psnr_db": 30.0},
-                       {"psnr_db": 20.0}):
+    for thresholds in (
+        {"top1_agreement": 1.0, "psnr_db": 60.0},
+        {"top1_agreement": 0.97, "psnr_db": 30.0},
+        {"psnr_db": 20.0},
+    ):
         assert validation.blind_spot(task, reference, thresholds) is None, thresholds
 
 
@@ -193,9 +221,29 @@ def test_a_build_on_a_zero_initialised_head_fails_saying_why(tmp_path):
     checkpoint = tmp_path / "zero_head.pth"
     torch.save(model.state_dict(), checkpoint)
     out = tmp_path / "build"
-    result = run_cli("build", "MobileNet_V3_Small_Weights.IMAGENET1K_V1", "--checkpoint", checkpoint, "--no-verify",
-                     "--target", "jetson", "--format", "onnx:fp32", "--calib-size", "4", "--val-size", "8",
-                     "--warmup", "1", "--iterations", "2", "--out", out, "--quiet", "--no-cache")
+    result = run_cli(
+        "build",
+        "MobileNet_V3_Small_Weights.IMAGENET1K_V1",
+        "--checkpoint",
+        checkpoint,
+        "--no-verify",
+        "--target",
+        "jetson",
+        "--format",
+        "onnx:fp32",
+        "--calib-size",
+        "4",
+        "--val-size",
+        "8",
+        "--warmup",
+        "1",
+        "--iterations",
+        "2",
+        "--out",
+        out,
+        "--quiet",
+        "--no-cache",
+    )
     assert result.exit_code == 1, result.output
     import json
 
@@ -228,7 +276,9 @@ def test_a_few_inputs_past_the_calibration_ranges_are_named_and_the_rest_judged(
     judged = validation.judge(task, outputs, reference, None, None, thresholds)
     assert judged["status"] == "failed" and any(r.startswith("psnr_db") for r in judged["reasons"])
     outliers, clipped = judged["outlier_inputs"], ((reference < low) | (reference > high)).any(1)
-    assert set(bright) <= set(outliers["rows"]) and all(clipped[r] for r in outliers["rows"])  # others: clipped a little
+    assert set(bright) <= set(outliers["rows"]) and all(
+        clipped[r] for r in outliers["rows"]
+    )  # others: clipped a little
     assert outliers["of"] == 64 and outliers["error_share"] > 0.9 and outliers["thresholds_met_without"]
     assert outliers["fidelity_without"]["samples"] == 64 - len(outliers["rows"])
     assert outliers["rms_over_median"]["max"] > validation.OUTLIER_RATIO and outliers["peak_over_median"] > 2
@@ -236,12 +286,16 @@ def test_a_few_inputs_past_the_calibration_ranges_are_named_and_the_rest_judged(
     count = len(outliers["rows"])
     assert line.startswith(f"{count} of 64 validation inputs carry") and f"the other {64 - count} meet the" in line
     assert "calibration" in line  # eager's outputs on them peak far past the median input's: the likely cause named
-    dynamic = {"details": {"quantization": {"after": {"ranges": "dynamic"}}}}  # ranges chosen per inference clip nothing
-    assert "calibration" not in outliers_summary({"outlier_inputs": outliers, "thresholds": thresholds,
-                                                  "precision": "int8", **dynamic})
+    dynamic = {
+        "details": {"quantization": {"after": {"ranges": "dynamic"}}}
+    }  # ranges chosen per inference clip nothing
+    assert "calibration" not in outliers_summary(
+        {"outlier_inputs": outliers, "thresholds": thresholds, "precision": "int8", **dynamic}
+    )
 
     spread = reference + torch.randn(reference.shape, generator=torch.Generator().manual_seed(0)) * (
-        (outputs - reference).pow(2).mean().sqrt())
+        (outputs - reference).pow(2).mean().sqrt()
+    )
     judged = validation.judge(task, spread, reference, None, None, thresholds)
     assert judged["status"] == "failed" and "outlier_inputs" not in judged
     passed = validation.judge(task, reference.clone(), reference, None, None, thresholds)
@@ -250,7 +304,11 @@ def test_a_few_inputs_past_the_calibration_ranges_are_named_and_the_rest_judged(
     exact_but_two = reference.clone()
     exact_but_two[[7, 30]] += 5.0  # most inputs exact: the median error is 0, and the two are still named
     judged = validation.judge(task, exact_but_two, reference, None, None, {"psnr_db": 80.0})
-    assert judged["status"] == "failed" and sorted(judged["outlier_inputs"]["rows"]) == [7, 30] and judged["outlier_inputs"]["thresholds_met_without"]
+    assert (
+        judged["status"] == "failed"
+        and sorted(judged["outlier_inputs"]["rows"]) == [7, 30]
+        and judged["outlier_inputs"]["thresholds_met_without"]
+    )
     flipped, labels = reference.clone(), reference.argmax(1)
     for row in (7, 30):
         flipped[row, (labels[row] + 1) % reference.shape[1]] = reference[row].max() + 1

@@ -14,7 +14,7 @@ import pytest
 from exporter import aarch64
 
 from .conftest import ARM_CACHE as RUNNER_CACHE, ARM_E2E as E2E
-from .test_bundled_program import golden_program  # noqa: F401  (a fixture)
+from .test_bundled_program import golden_program  # noqa: F401, F811  (a fixture)
 
 E2E_CPUS = ["cortex-a53", "cortex-a76"]
 
@@ -27,16 +27,31 @@ def arm_runner():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not E2E, reason="set EXPORTER_TEST_AARCH64=1: sets up the aarch64 runner (minutes, ~1.5 GB) once")
-def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(arm_runner, android_build, tmp_path,
-                                                                                 digits_model, monkeypatch):
+def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
+    arm_runner, android_build, tmp_path, digits_model, monkeypatch
+):
     from .conftest import INT8_SLACK, build_args, run_cli
 
     _, baseline = android_build  # its artifacts and x86 validations come back from the suite's cache
     assert baseline.exit_code == 0, baseline.output
     monkeypatch.setenv("EXPORTER_AARCH64_CACHE", str(arm_runner.path.parent))
     out = tmp_path / "build"
-    result = run_cli(*build_args(digits_model, out, "--target", "android", "--target", "jetson", "--format", "executorch",
-                                 "--format", "onnx:int8", *INT8_SLACK, *(a for cpu in E2E_CPUS for a in ("--cpu", cpu))))
+    result = run_cli(
+        *build_args(
+            digits_model,
+            out,
+            "--target",
+            "android",
+            "--target",
+            "jetson",
+            "--format",
+            "executorch",
+            "--format",
+            "onnx:int8",
+            *INT8_SLACK,
+            *(a for cpu in E2E_CPUS for a in ("--cpu", cpu)),
+        )
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     entries = {}
     for target in ("android", "jetson"):
@@ -45,8 +60,11 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
         # set up (or found) once, before anything is written: one step, not one more per target
         assert [step for step in doc["timings_s"] if "aarch64 runner" in step] == ["aarch64 runner"], doc["timings_s"]
         entries.update({e["path"]: e for e in doc["artifacts"] if e.get("path")})
-    assert sorted(entries) == ["mobilenet_v3_small_executorch_fp32.pte", "mobilenet_v3_small_executorch_int8.pte",
-                               "mobilenet_v3_small_onnx_int8.onnx"], sorted(entries)
+    assert sorted(entries) == [
+        "mobilenet_v3_small_executorch_fp32.pte",
+        "mobilenet_v3_small_executorch_int8.pte",
+        "mobilenet_v3_small_onnx_int8.onnx",
+    ], sorted(entries)
     for path, entry in entries.items():
         rows = {r["cpu"]: r for r in entry["aarch64"]}
         if path.endswith(".pte"):  # its golden program, verified by ExecuTorch on x86 and on each CPU
@@ -61,8 +79,11 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
             # stand-in (trained on the host) may flip either way; each row is held to the thresholds, as asserted above
             if path.endswith(".pte"):
                 assert row["runtime"]["delegate"] == "XnnpackBackend", where
-                assert {k: row["bundled_program"][k] for k in ("passed", "cases", "error")} == \
-                    {"passed": True, "cases": 8, "error": None}, where
+                assert {k: row["bundled_program"][k] for k in ("passed", "cases", "error")} == {
+                    "passed": True,
+                    "cases": 8,
+                    "error": None,
+                }, where
             # the distance to x86 is recorded, not held to bit-identity: x86's own int8 kernels differ by ISA (AVX2,
             # AVX-512, VNNI), and SSDlite's int8 .pte already differs on ARM (measured); the verdict is the contract's
             assert row["vs_x86"] is not None and row["vs_x86"]["max_abs_diff"] >= 0, where
@@ -72,7 +93,7 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
 
 @pytest.mark.slow
 @pytest.mark.skipif(not E2E, reason="set EXPORTER_TEST_AARCH64=1: sets up the aarch64 runner (minutes, ~1.5 GB) once")
-def test_a_bpte_that_departs_is_refused_inside_the_aarch64_runner(arm_runner, golden_program):
+def test_a_bpte_that_departs_is_refused_inside_the_aarch64_runner(arm_runner, golden_program):  # noqa: F811
     from exporter.aarch64.execute import verify_bundled
 
     runner, g = arm_runner, golden_program
@@ -89,9 +110,21 @@ def test_the_coverage_sweep_validates_on_an_arm_core_too(arm_runner, tmp_path):
     from .conftest import run_cli
 
     out = tmp_path / "table"
-    result = run_cli("coverage", "--target", "jetson", "--format", "onnx:fp32", "--models", "mobilenet_v3_small",
-                     "--one-per-builder", "--cpu", "cortex-a76", "--out", out,
-                     env={"EXPORTER_CACHE": str(tmp_path / "cache"), "EXPORTER_AARCH64_CACHE": str(arm_runner.path.parent)})
+    result = run_cli(
+        "coverage",
+        "--target",
+        "jetson",
+        "--format",
+        "onnx:fp32",
+        "--models",
+        "mobilenet_v3_small",
+        "--one-per-builder",
+        "--cpu",
+        "cortex-a76",
+        "--out",
+        out,
+        env={"EXPORTER_CACHE": str(tmp_path / "cache"), "EXPORTER_AARCH64_CACHE": str(arm_runner.path.parent)},
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     assert "aarch64 onnx_fp32 on cortex-a76 (emulated)" in result.stderr
     doc = json.loads((out / "coverage-aarch64.json").read_text())

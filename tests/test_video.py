@@ -26,10 +26,39 @@ def clips_model() -> digit_clips.DigitClipsModel:
 def video_build(tmp_path_factory, clips_model):
     out = tmp_path_factory.mktemp("video") / "build"
     h, w = clips_model.input_size
-    result = run_cli("build", clips_model.weight, "--checkpoint", clips_model.checkpoint, "--data", clips_model.data_dir,
-                     "--labels", clips_model.labels_file, "--input-size", h, w, "--target", "jetson", "--target", "android",
-                     "--target", "ios", "--format", "onnx:fp32", "--format", "onnx:int8", "--format", "torchscript_lite:fp32",
-                     "--format", "executorch:fp32", "--format", "coreml:fp32", "--out", out, "--quiet", *SMALL)
+    result = run_cli(
+        "build",
+        clips_model.weight,
+        "--checkpoint",
+        clips_model.checkpoint,
+        "--data",
+        clips_model.data_dir,
+        "--labels",
+        clips_model.labels_file,
+        "--input-size",
+        h,
+        w,
+        "--target",
+        "jetson",
+        "--target",
+        "android",
+        "--target",
+        "ios",
+        "--format",
+        "onnx:fp32",
+        "--format",
+        "onnx:int8",
+        "--format",
+        "torchscript_lite:fp32",
+        "--format",
+        "executorch:fp32",
+        "--format",
+        "coreml:fp32",
+        "--out",
+        out,
+        "--quiet",
+        *SMALL,
+    )
     return out, result
 
 
@@ -72,8 +101,24 @@ def test_video_input_that_cannot_work_is_refused_in_one_line(tmp_path, clips_mod
     images.mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(images / "a.png")  # an ImageFolder: images, no clips
     out = tmp_path / "out"
-    result = run_cli("build", clips_model.weight, "--checkpoint", clips_model.checkpoint, "--data", tmp_path / "images",
-                     "--input-size", "16", "16", "--target", "jetson", "--format", "onnx:fp32", "--out", out, "--quiet")
+    result = run_cli(
+        "build",
+        clips_model.weight,
+        "--checkpoint",
+        clips_model.checkpoint,
+        "--data",
+        tmp_path / "images",
+        "--input-size",
+        "16",
+        "16",
+        "--target",
+        "jetson",
+        "--format",
+        "onnx:fp32",
+        "--out",
+        out,
+        "--quiet",
+    )
     assert_clean_refusal(result, out, "no clips in class folders")
     with pytest.raises(UsageError, match="mvit_v2_s takes frames of at least 224x224"):
         weights.bind_task(weights.resolve("mvit_v2_s"), input_size=(112, 112))
@@ -95,11 +140,23 @@ def _mini_mvit_v2(classes: int) -> torch.nn.Module:
     """MViT-V2's attention in miniature: relative positions, keys and values pooled more than queries."""
     from torchvision.models.video import mvit
 
-    blocks = [mvit.MSBlockConfig(1, 16, 16, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 4, 4]),
-              mvit.MSBlockConfig(2, 16, 32, [3, 3, 3], [3, 3, 3], [1, 2, 2], [1, 2, 2])]
-    return mvit.MViT(spatial_size=(32, 32), temporal_size=4, block_setting=blocks, residual_pool=True,
-                     residual_with_cls_embed=False, rel_pos_embed=True, proj_after_attn=True, num_classes=classes,
-                     patch_embed_kernel=(3, 7, 7), patch_embed_stride=(2, 4, 4), patch_embed_padding=(1, 3, 3)).eval()
+    blocks = [
+        mvit.MSBlockConfig(1, 16, 16, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 4, 4]),
+        mvit.MSBlockConfig(2, 16, 32, [3, 3, 3], [3, 3, 3], [1, 2, 2], [1, 2, 2]),
+    ]
+    return mvit.MViT(
+        spatial_size=(32, 32),
+        temporal_size=4,
+        block_setting=blocks,
+        residual_pool=True,
+        residual_with_cls_embed=False,
+        rel_pos_embed=True,
+        proj_after_attn=True,
+        num_classes=classes,
+        patch_embed_kernel=(3, 7, 7),
+        patch_embed_stride=(2, 4, 4),
+        patch_embed_padding=(1, 3, 3),
+    ).eval()
 
 
 def test_mvit_v2s_relative_positions_convert_to_core_ml_within_rank_5(tmp_path, monkeypatch):

@@ -67,7 +67,9 @@ def test_inspect_reads_preprocessing_from_transforms(tmp_path):
 
 
 def test_unexportable_weights_are_refused_clearly():
-    with pytest.raises(UsageError, match="maskrcnn_resnet50_fpn cannot be exported yet: its masks have no output layout"):
+    with pytest.raises(
+        UsageError, match="maskrcnn_resnet50_fpn cannot be exported yet: its masks have no output layout"
+    ):
         weights.load("maskrcnn_resnet50_fpn", checkpoint=None)
     with pytest.raises(UsageError, match="keypointrcnn_resnet50_fpn cannot be exported yet: its keypoints"):
         weights.load("keypointrcnn_resnet50_fpn", checkpoint=None)
@@ -105,10 +107,13 @@ def test_hub_cache_is_used(torch_home, digits_model, monkeypatch):
     assert loaded.num_classes == 10
 
 
-@pytest.mark.parametrize("weight, arch, size", [
-    ("ViT_B_16_Weights.IMAGENET1K_SWAG_E2E_V1", {"image_size": 384}, 384),  # its position embeddings are for 384 px
-    ("GoogLeNet_Weights.IMAGENET1K_V1", {"transform_input": True}, 224),  # re-normalizes its input inside
-])
+@pytest.mark.parametrize(
+    "weight, arch, size",
+    [
+        ("ViT_B_16_Weights.IMAGENET1K_SWAG_E2E_V1", {"image_size": 384}, 384),  # its position embeddings are for 384 px
+        ("GoogLeNet_Weights.IMAGENET1K_V1", {"transform_input": True}, 224),  # re-normalizes its input inside
+    ],
+)
 def test_a_weight_is_built_as_its_torchvision_builder_builds_it(weight, arch, size, tmp_path, monkeypatch):
     """torchvision's builders set some architecture arguments from the weight they are given; the exporter builds
     every model without its weight (to load a checkpoint of its own), so it must set them too. Before: ViT-B/16's
@@ -143,9 +148,26 @@ def test_a_classifier_builds_at_a_smaller_input_size(tmp_path, digits_model):
     from .conftest import FAST, assert_device_reproduces_the_build
 
     out = tmp_path / "out"
-    result = run_cli("build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--data", digits_model.data_dir,
-                     "--target", "jetson", "--format", "onnx:fp32", "--input-size", "112", "112", "--out", out, "--quiet",
-                     "--no-cache", *FAST)
+    result = run_cli(
+        "build",
+        digits_model.weight,
+        "--checkpoint",
+        digits_model.checkpoint,
+        "--data",
+        digits_model.data_dir,
+        "--target",
+        "jetson",
+        "--format",
+        "onnx:fp32",
+        "--input-size",
+        "112",
+        "112",
+        "--out",
+        out,
+        "--quiet",
+        "--no-cache",
+        *FAST,
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads((out / "manifest.json").read_text())
     preprocessing = json.loads((out / "preprocessing.json").read_text())
@@ -154,15 +176,20 @@ def test_a_classifier_builds_at_a_smaller_input_size(tmp_path, digits_model):
     (entry,) = doc["artifacts"]
     shape = onnx.load(out / entry["path"]).graph.input[0].type.tensor_type.shape
     assert [d.dim_value for d in shape.dim][1:] == [3, 112, 112]
-    assert entry["status"] == "passed"  # against eager at 112 (the stand-in learned the digits at 224: acc@1 is not the point)
+    assert (
+        entry["status"] == "passed"
+    )  # against eager at 112 (the stand-in learned the digits at 224: acc@1 is not the point)
     assert_device_reproduces_the_build(out)
 
 
-@pytest.mark.parametrize("weight, size, needle", [
-    ("ViT_B_16_Weights.IMAGENET1K_V1", (160, 160), "vit_b_16 takes only its weights' crop, 224x224"),
-    ("Inception_V3_Weights.IMAGENET1K_V1", (64, 64), "inception_v3 takes at least 75x75"),
-    ("ResNet18_Weights.IMAGENET1K_V1", (64, 48), "a classifier's crop is square"),
-])
+@pytest.mark.parametrize(
+    "weight, size, needle",
+    [
+        ("ViT_B_16_Weights.IMAGENET1K_V1", (160, 160), "vit_b_16 takes only its weights' crop, 224x224"),
+        ("Inception_V3_Weights.IMAGENET1K_V1", (64, 64), "inception_v3 takes at least 75x75"),
+        ("ResNet18_Weights.IMAGENET1K_V1", (64, 48), "a classifier's crop is square"),
+    ],
+)
 def test_a_classifier_input_size_its_graph_cannot_take_is_refused(weight, size, needle):
     with pytest.raises(UsageError, match=needle):
         weights.bind_task(weights.resolve(weight), 10, size)

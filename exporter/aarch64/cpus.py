@@ -14,7 +14,7 @@ WHY = {
     "cortex-a53": "ARMv8.0, no dotprod: the little core of older and budget Android phones (plain NEON int8 kernels)",
     "cortex-a55": "ARMv8.2 + dotprod: the little core of most current Android phones",
     "cortex-a76": "ARMv8.2 + dotprod: a typical Android big core (dotprod int8 kernels); also the stand-in for "
-                  "Jetson Orin's Cortex-A78AE (the same ISA: v8.2, dotprod, no SVE, no i8mm), which qemu does not model",
+    "Jetson Orin's Cortex-A78AE (the same ISA: v8.2, dotprod, no SVE, no i8mm), which qemu does not model",
     "neoverse-n2": "ARMv9 + i8mm + SVE2: the newest phones' int8 matrix-multiply kernels",
     "cortex-a57": "ARMv8.0, no dotprod: the Jetson Nano's core",
     "cortex-a72": "ARMv8.0, no dotprod: Raspberry Pi 4 class",
@@ -32,11 +32,15 @@ def check(names: list[str] | tuple[str, ...], available: list[str] | None = None
     """The CPU names, refused (UsageError) when one is `max`, unknown here, or not modelled by this qemu."""
     for name in names:
         if name == "max" or name.startswith("max,"):
-            raise UsageError("--cpu max is refused: qemu's 'max' models no real core (and qemu 7.2's computes "
-                             f"wrong int8); name one, e.g. {', '.join(FOR_TARGET['android'])}")
+            raise UsageError(
+                "--cpu max is refused: qemu's 'max' models no real core (and qemu 7.2's computes "
+                f"wrong int8); name one, e.g. {', '.join(FOR_TARGET['android'])}"
+            )
         if name not in WHY:
             raise UsageError(f"unknown aarch64 CPU '{name}'; choose from {', '.join(sorted(WHY))}")
         if available is not None and name not in available:
-            raise UsageError(f"this qemu does not model '{name}' (it lists {', '.join(available)}); "
-                             "rebuild the runner with a newer qemu (exporter arm-setup --rebuild) or pick another")
+            raise UsageError(
+                f"this qemu does not model '{name}' (it lists {', '.join(available)}); "
+                "rebuild the runner with a newer qemu (exporter arm-setup --rebuild) or pick another"
+            )
     return list(dict.fromkeys(names))

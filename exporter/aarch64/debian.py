@@ -34,8 +34,9 @@ SKIP_CPUS = {"max", "a64fx"}  # max: no real core (and wrong int8 in qemu 7.2); 
 
 def _run(command: list, what: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 1800) -> str:
     try:
-        result = subprocess.run([str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True,
-                                timeout=timeout)
+        result = subprocess.run(
+            [str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
     except FileNotFoundError:
         raise UsageError(f"{what}: {command[0]} is not installed") from None
     except subprocess.TimeoutExpired:
@@ -56,11 +57,15 @@ class DebianBuilder:
     def check_host(self) -> None:
         for tool in ("apt-get", "apt-cache", "dpkg-deb"):
             if not shutil.which(tool):
-                raise UsageError(f"the aarch64 runner is set up with Debian's tools and '{tool}' is missing: "
-                                 "run `exporter arm-setup` on a Debian or Ubuntu x86_64 host")
+                raise UsageError(
+                    f"the aarch64 runner is set up with Debian's tools and '{tool}' is missing: "
+                    "run `exporter arm-setup` on a Debian or Ubuntu x86_64 host"
+                )
         if os.geteuid() != 0:
-            raise UsageError("setting up the aarch64 runner needs root once (debootstrap creates device nodes): "
-                             "run `sudo -E exporter arm-setup` (keeps $EXPORTER_CACHE); later runs need no root")
+            raise UsageError(
+                "setting up the aarch64 runner needs root once (debootstrap creates device nodes): "
+                "run `sudo -E exporter arm-setup` (keeps $EXPORTER_CACHE); later runs need no root"
+            )
         if not shutil.which("wget"):
             raise UsageError("debootstrap needs wget: apt-get install wget, then run `exporter arm-setup` again")
 
@@ -69,9 +74,18 @@ class DebianBuilder:
         if not private:
             return []
         d = self._apt_dir
-        return ["-o", f"Dir::Etc::SourceList={d / 'sources.list'}", "-o", "Dir::Etc::SourceParts=/dev/null",
-                "-o", f"Dir::State::Lists={d / 'lists'}", "-o", f"Dir::Cache={d / 'cache'}",
-                "-o", "APT::Sandbox::User=root"]
+        return [
+            "-o",
+            f"Dir::Etc::SourceList={d / 'sources.list'}",
+            "-o",
+            "Dir::Etc::SourceParts=/dev/null",
+            "-o",
+            f"Dir::State::Lists={d / 'lists'}",
+            "-o",
+            f"Dir::Cache={d / 'cache'}",
+            "-o",
+            "APT::Sandbox::User=root",
+        ]
 
     def _apt(self, *args: str, private: bool = True) -> list[str]:
         return ["apt-get", "-q", *self._options(private), *args]
@@ -94,15 +108,18 @@ class DebianBuilder:
             if self._qemu is None:
                 version = self._candidate("qemu-user-static", private=False)
                 if not version:
-                    raise UsageError("no qemu-user package reachable (offline, or no Debian/Ubuntu apt sources) and "
-                                     "no aarch64 runner cached: connect to a Debian mirror and run `exporter arm-setup`")
+                    raise UsageError(
+                        "no qemu-user package reachable (offline, or no Debian/Ubuntu apt sources) and "
+                        "no aarch64 runner cached: connect to a Debian mirror and run `exporter arm-setup`"
+                    )
                 self._qemu = ("qemu-user-static", version)
         return f"{self._qemu[0]}={self._qemu[1]}"
 
     def _candidate(self, package: str, private: bool) -> str | None:
         try:
-            out = _run(["apt-cache", *self._options(private), "policy", package], f"apt-cache policy {package}",
-                       timeout=60)
+            out = _run(
+                ["apt-cache", *self._options(private), "policy", package], f"apt-cache policy {package}", timeout=60
+            )
         except UsageError:
             return None
         for line in out.splitlines():
@@ -119,7 +136,9 @@ class DebianBuilder:
             work.mkdir()
             with progress.step(f"aarch64: qemu-user ({self._qemu[0]} {self._qemu[1]})"):
                 info["qemu_version"] = self._get_qemu(tmp, work)
-            with progress.step(f"aarch64: arm64 Debian {pins.SUITE} root with Python {pins.PYTHON} (debootstrap, ~1 min)"):
+            with progress.step(
+                f"aarch64: arm64 Debian {pins.SUITE} root with Python {pins.PYTHON} (debootstrap, ~1 min)"
+            ):
                 self._root(tmp / "root", work)
             with progress.step("aarch64: aarch64 wheels (" + ", ".join(f"{k} {v}" for k, v in wanted.items()) + ")"):
                 info["support"] = self._wheels(tmp / "root" / "opt" / "site", wanted, work)
@@ -141,8 +160,12 @@ class DebianBuilder:
 
     def _download(self, package: str, version: str, into: Path, private: bool) -> Path:
         into.mkdir(parents=True, exist_ok=True)
-        _run(self._apt("download", f"{package}={version}", private=private), f"apt-get download {package}",
-             cwd=into, timeout=900)
+        _run(
+            self._apt("download", f"{package}={version}", private=private),
+            f"apt-get download {package}",
+            cwd=into,
+            timeout=900,
+        )
         debs = sorted(into.glob(f"{package}_*.deb"))
         if not debs:
             raise UsageError(f"apt-get download {package}: no .deb written")
@@ -156,8 +179,9 @@ class DebianBuilder:
         deb = self._download(package, version, work / "debs", private=package == "qemu-user")
         wanted = {"./usr/bin/qemu-aarch64", "./usr/bin/qemu-aarch64-static"}
         # stops reading once the binary is out: dpkg-deb then dies of a broken pipe, quietly
-        with subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL) as unpack:
+        with subprocess.Popen(
+            ["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        ) as unpack:
             with tarfile.open(fileobj=unpack.stdout, mode="r|") as archive:
                 for member in archive:
                     if member.name in wanted and member.isfile():
@@ -185,8 +209,21 @@ class DebianBuilder:
 
     def _root(self, root: Path, work: Path) -> None:
         command, env = self._debootstrap(work)
-        _run([*command, "--foreign", "--arch=arm64", "--variant=minbase", "--include=python3", pins.SUITE, root,
-              self.mirror], "debootstrap (arm64 root)", env=env, timeout=1800)
+        _run(
+            [
+                *command,
+                "--foreign",
+                "--arch=arm64",
+                "--variant=minbase",
+                "--include=python3",
+                pins.SUITE,
+                root,
+                self.mirror,
+            ],
+            "debootstrap (arm64 root)",
+            env=env,
+            timeout=1800,
+        )
         archives = root / "var" / "cache" / "apt" / "archives"
         debs = sorted(archives.glob("*.deb"))
         if not any(d.name.startswith("python3.11_") or d.name.startswith("python3.11-minimal_") for d in debs):
@@ -220,27 +257,56 @@ class DebianBuilder:
                 _run(self._pip("download", "-q", "-d", cache, *common, name), f"pip download {name}", timeout=900)
                 support[name] = None
             requirements.append(pinned if support[name] else name)
-        _run(self._pip("download", "-q", "-d", cache, *common, *[f"{k}=={v}" for k, v in wanted.items()]),
-             "pip download (aarch64 wheels; offline?)", timeout=1800)
-        _run(self._pip("install", "-q", "--no-index", "--find-links", cache, "--target", site, "--no-compile",
-                       *common, *requirements), "pip install --target (aarch64 wheels)", timeout=1800)
+        _run(
+            self._pip("download", "-q", "-d", cache, *common, *[f"{k}=={v}" for k, v in wanted.items()]),
+            "pip download (aarch64 wheels; offline?)",
+            timeout=1800,
+        )
+        _run(
+            self._pip(
+                "install",
+                "-q",
+                "--no-index",
+                "--find-links",
+                cache,
+                "--target",
+                site,
+                "--no-compile",
+                *common,
+                *requirements,
+            ),
+            "pip install --target (aarch64 wheels)",
+            timeout=1800,
+        )
         return support
 
     def _compile(self, site: Path) -> None:
         """Byte code for the guest's Python 3.11 (imports under emulation are slow: torch's 30 s instead of
         55 s); written by the host's Python when it is 3.11 (the same byte code), else left to the guest."""
         if sys.version_info[:2] == tuple(int(x) for x in pins.PYTHON.split(".")):
-            subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "2", str(site)], capture_output=True,
-                           timeout=1800)
+            subprocess.run(
+                [sys.executable, "-m", "compileall", "-q", "-j", "2", str(site)], capture_output=True, timeout=1800
+            )
 
     def _cpus(self, tmp: Path) -> dict:
         out = subprocess.run([tmp / "qemu-aarch64", "-cpu", "help"], capture_output=True, text=True).stdout
         names = [w for line in out.splitlines()[1:] for w in line.split() if w not in SKIP_CPUS]
         cpus = {}
         for name in names:
-            cpuinfo = subprocess.run([tmp / "qemu-aarch64", "-cpu", name, "-L", tmp / "root",
-                                      tmp / "root" / "usr" / "bin" / "cat", "/proc/cpuinfo"],
-                                     capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}).stdout
+            cpuinfo = subprocess.run(
+                [
+                    tmp / "qemu-aarch64",
+                    "-cpu",
+                    name,
+                    "-L",
+                    tmp / "root",
+                    tmp / "root" / "usr" / "bin" / "cat",
+                    "/proc/cpuinfo",
+                ],
+                capture_output=True,
+                text=True,
+                env={"PATH": "/usr/bin:/bin"},
+            ).stdout
             try:
                 midr = sysfs.midr(cpuinfo)
             except (KeyError, ValueError):
@@ -258,8 +324,13 @@ class DebianBuilder:
 
         runner = Runner(tmp, {"cpus": cpus})
         cpu = "cortex-a53" if "cortex-a53" in cpus else next(iter(cpus))
-        result = subprocess.run(runner.python(cpu, "/opt/exporter/inside.py", "--check"), capture_output=True,
-                                text=True, env=Runner.environment(), timeout=900)
+        result = subprocess.run(
+            runner.python(cpu, "/opt/exporter/inside.py", "--check"),
+            capture_output=True,
+            text=True,
+            env=Runner.environment(),
+            timeout=900,
+        )
         lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
         if result.returncode != 0 or not lines:
             tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]

@@ -40,7 +40,7 @@ class Library:
             if m[:4] != b"\x7fELF" or m[4] != 2 or m[5] != 1:
                 raise ValueError(f"{self.path}: not an ELF64 little-endian file")
             self.machine = struct.unpack_from("<H", m, 18)[0]
-            shoff, = struct.unpack_from("<Q", m, 0x28)
+            (shoff,) = struct.unpack_from("<Q", m, 0x28)
             shentsize, shnum = struct.unpack_from("<HH", m, 0x3A)
             sections = [struct.unpack_from("<IIQQQQIIQQ", m, shoff + i * shentsize) for i in range(shnum)]
             dynsym = next((i for i, s in enumerate(sections) if s[1] == SHT_DYNSYM), None)
@@ -51,7 +51,7 @@ class Library:
 
             def name(offset: int) -> str:
                 end = m.find(b"\0", stroff + offset)
-                return m[stroff + offset:end].decode()
+                return m[stroff + offset : end].decode()
 
             required = {}  # version index -> (file, version name)
             for s in sections:
@@ -147,12 +147,34 @@ def write_stub(path: Path, soname: str, symbols: dict[str, str | None], objects:
     end = dyn_at + 16 * len(dynamic)
 
     out = bytearray(end)
-    struct.pack_into("<4sBBBB8xHHIQQQIHHHHHH", out, 0, b"\x7fELF", 2, 1, 1, 0, 3, EM_AARCH64, 1, 0, header, 0, 0,
-                     64, 56, phnum, 64, 0, 0)
+    struct.pack_into(
+        "<4sBBBB8xHHIQQQIHHHHHH",
+        out,
+        0,
+        b"\x7fELF",
+        2,
+        1,
+        1,
+        0,
+        3,
+        EM_AARCH64,
+        1,
+        0,
+        header,
+        0,
+        0,
+        64,
+        56,
+        phnum,
+        64,
+        0,
+        0,
+    )
     # PT_LOAD (everything, read-write-execute), PT_DYNAMIC, PT_GNU_STACK (no executable stack)
     struct.pack_into("<IIQQQQQQ", out, header, 1, 7, 0, 0, 0, end, end, page)
-    struct.pack_into("<IIQQQQQQ", out, header + 56, 2, 6, dyn_at, dyn_at, dyn_at, 16 * len(dynamic),
-                     16 * len(dynamic), 8)
+    struct.pack_into(
+        "<IIQQQQQQ", out, header + 56, 2, 6, dyn_at, dyn_at, dyn_at, 16 * len(dynamic), 16 * len(dynamic), 8
+    )
     struct.pack_into("<IIQQQQQQ", out, header + 112, 0x6474E551, 6, 0, 0, 0, 0, 0, 16)
     buckets, chains = [0] * nbucket, [0] * nsyms
     for i, sym in enumerate(names, 1):
@@ -163,8 +185,17 @@ def write_stub(path: Path, soname: str, symbols: dict[str, str | None], objects:
     for i, sym in enumerate(names, 1):
         function = sym not in objects and not sym.startswith("_ZTI")
         # STB_GLOBAL | STT_FUNC or STT_OBJECT, default visibility, an ordinary section index (not UNDEF/ABS)
-        struct.pack_into("<IBBHQQ", out, sym_at + 24 * i, offsets[sym], 0x12 if function else 0x11, 0, DATA_SECTION,
-                         data_at + where[sym], slot[sym])
+        struct.pack_into(
+            "<IBBHQQ",
+            out,
+            sym_at + 24 * i,
+            offsets[sym],
+            0x12 if function else 0x11,
+            0,
+            DATA_SECTION,
+            data_at + where[sym],
+            slot[sym],
+        )
         struct.pack_into("<H", out, versym_at + 2 * i, index.get(symbols[sym], 1))
         if function:  # adr x0, .+32; ret
             struct.pack_into("<II", out, data_at + where[sym], 0x10000100, 0xD65F03C0)
@@ -174,21 +205,25 @@ def write_stub(path: Path, soname: str, symbols: dict[str, str | None], objects:
             last = n == len(versions)
             struct.pack_into("<HHHHIII", out, at, 1, flags, ndx, 1, _elf_hash(text.encode()), 20, 0 if last else 28)
             struct.pack_into("<II", out, at + 20, offsets[text], 0)
-    out[str_at:str_at + len(strtab)] = strtab
-    out[blob_at:blob_at + len(blob)] = blob
+    out[str_at : str_at + len(strtab)] = strtab
+    out[blob_at : blob_at + len(blob)] = blob
     for i, (where, target) in enumerate(relocs):
         struct.pack_into("<QQq", out, rela_at + 24 * i, where, R_AARCH64_RELATIVE, target)
     for i, (tag, val) in enumerate(dynamic):
         struct.pack_into("<qQ", out, dyn_at + 16 * i, tag, val)
     # section headers, for tools (readelf, this module's reader); the loader needs none
-    sections = [(".hash", 5, 2, hash_at, 4 * (2 + nbucket + nsyms), 2, 0, 4, 4),
-                (".dynsym", 11, 2, sym_at, 24 * nsyms, 3, 1, 8, 24),
-                (".dynstr", 3, 2, str_at, len(strtab), 0, 0, 1, 0),
-                (".gnu.version", 0x6FFFFFFF, 2, versym_at, 2 * nsyms, 2, 0, 2, 2),
-                (".data", 1, 7, data_at, at, 0, 0, 16, 0),  # DATA_SECTION
-                (".dynamic", 6, 3, dyn_at, 16 * len(dynamic), 3, 0, 8, 16)]
+    sections = [
+        (".hash", 5, 2, hash_at, 4 * (2 + nbucket + nsyms), 2, 0, 4, 4),
+        (".dynsym", 11, 2, sym_at, 24 * nsyms, 3, 1, 8, 24),
+        (".dynstr", 3, 2, str_at, len(strtab), 0, 0, 1, 0),
+        (".gnu.version", 0x6FFFFFFF, 2, versym_at, 2 * nsyms, 2, 0, 2, 2),
+        (".data", 1, 7, data_at, at, 0, 0, 16, 0),  # DATA_SECTION
+        (".dynamic", 6, 3, dyn_at, 16 * len(dynamic), 3, 0, 8, 16),
+    ]
     if versions:
-        sections.append((".gnu.version_d", 0x6FFFFFFD, 2, verdef_at, 28 * (len(versions) + 1), 3, len(versions) + 1, 4, 0))
+        sections.append(
+            (".gnu.version_d", 0x6FFFFFFD, 2, verdef_at, 28 * (len(versions) + 1), 3, len(versions) + 1, 4, 0)
+        )
     if relocs:
         sections.append((".rela.dyn", 4, 2, rela_at, 24 * len(relocs), 2, 0, 8, 24))
     shstrtab = b"\0" + b"".join(name.encode() + b"\0" for name, *_ in sections) + b".shstrtab\0"
@@ -201,7 +236,11 @@ def write_stub(path: Path, soname: str, symbols: dict[str, str | None], objects:
     shoff = (len(out) + 7) & ~7
     out += bytes(shoff - len(out) + 64 * (len(sections) + 2))
     for i, ((_, kind, flags, addr, size, link, info, align, entsize), name_at) in enumerate(zip(sections, names_at), 1):
-        struct.pack_into("<IIQQQQIIQQ", out, shoff + 64 * i, name_at, kind, flags, addr, addr, size, link, info, align, entsize)
-    struct.pack_into("<IIQQQQIIQQ", out, shoff + 64 * (len(sections) + 1), cursor, 3, 0, 0, shstr_at, len(shstrtab), 0, 0, 1, 0)
+        struct.pack_into(
+            "<IIQQQQIIQQ", out, shoff + 64 * i, name_at, kind, flags, addr, addr, size, link, info, align, entsize
+        )
+    struct.pack_into(
+        "<IIQQQQIIQQ", out, shoff + 64 * (len(sections) + 1), cursor, 3, 0, 0, shstr_at, len(shstrtab), 0, 0, 1, 0
+    )
     struct.pack_into("<QIHHHHHH", out, 0x28, shoff, 0, 64, 56, phnum, 64, len(sections) + 2, len(sections) + 1)
     Path(path).write_bytes(bytes(out))

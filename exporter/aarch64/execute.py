@@ -43,8 +43,15 @@ class Result:
         return self.error is None
 
 
-def run(runner: Runner, artifacts: list[Path], inputs, cpus: list[str], threads: int = 1,
-        timeout: float = 1800, bundled: dict | None = None) -> list[Result]:
+def run(
+    runner: Runner,
+    artifacts: list[Path],
+    inputs,
+    cpus: list[str],
+    threads: int = 1,
+    timeout: float = 1800,
+    bundled: dict | None = None,
+) -> list[Result]:
     """Each artifact on each CPU, returned artifact-major; one process per CPU runs them all. `inputs`: an
     N x C x H x W float32 array or a .npy path. `bundled`: artifact -> (its .bpte, rtol, atol), verified in the
     same process (`info["bundled"]`, as verify_bundled answers). `timeout` is per artifact. A failure to run
@@ -81,8 +88,9 @@ def run(runner: Runner, artifacts: list[Path], inputs, cpus: list[str], threads:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _on_cpu(runner: Runner, jobs: list[dict], batch: Path, work: Path, cpu: str, threads: int,
-            timeout: float) -> list[Result]:
+def _on_cpu(
+    runner: Runner, jobs: list[dict], batch: Path, work: Path, cpu: str, threads: int, timeout: float
+) -> list[Result]:
     """Every job on `cpu`, in as few qemu processes as the jobs allow: one, unless one of them ends it. A job that
     ends a process it was not the first of is run once more at the head of the next (a crash can come from what
     an earlier job left behind) before it is blamed."""
@@ -93,8 +101,18 @@ def _on_cpu(runner: Runner, jobs: list[dict], batch: Path, work: Path, cpu: str,
     while pending:
         spec = work / f"jobs-{cpu}-{pending[0]}.json"
         spec.write_text(json.dumps([{**jobs[i], "out": str(work / f"{i}-{cpu}.npz")} for i in pending]))
-        command = runner.python(cpu, str(INSIDE), "--jobs", str(spec), "--inputs", str(batch),
-                                "--threads", str(threads), "--timeout", repr(float(timeout)))
+        command = runner.python(
+            cpu,
+            str(INSIDE),
+            "--jobs",
+            str(spec),
+            "--inputs",
+            str(batch),
+            "--threads",
+            str(threads),
+            "--timeout",
+            repr(float(timeout)),
+        )
         started, used = time.perf_counter(), _children_cpu()
         limit = timeout * (len(pending) + 1)  # each job has its own limit inside; this one is for the start-up
         try:
@@ -126,7 +144,9 @@ def _on_cpu(runner: Runner, jobs: list[dict], batch: Path, work: Path, cpu: str,
             out = work / f"{i}-{cpu}.npz"
             if answer.get("error") or not out.exists():
                 error = answer.get("error") or "no outputs written"
-                results[i] = Result(artifact, cpu, seconds=seconds, cpu_seconds=cpu_seconds, error=f"{error[:300]} ({cpu})")
+                results[i] = Result(
+                    artifact, cpu, seconds=seconds, cpu_seconds=cpu_seconds, error=f"{error[:300]} ({cpu})"
+                )
                 continue
             with np.load(out) as saved:
                 outputs = [saved[f"out{k}"] for k in range(len(saved.files))]
@@ -136,16 +156,26 @@ def _on_cpu(runner: Runner, jobs: list[dict], batch: Path, work: Path, cpu: str,
         reason = _reason(returncode, stderr, limit, timeout)
         if ended is None:  # the process ended before it began any of them: each fails with its reason
             for i in unanswered:
-                results[i] = Result(Path(jobs[i]["artifact"]), cpu, seconds=round(rest, 3) if i == charged else 0.0,
-                                    cpu_seconds=cpu_seconds, error=f"{reason[:300]} ({cpu})")
+                results[i] = Result(
+                    Path(jobs[i]["artifact"]),
+                    cpu,
+                    seconds=round(rest, 3) if i == charged else 0.0,
+                    cpu_seconds=cpu_seconds,
+                    error=f"{reason[:300]} ({cpu})",
+                )
             break
-        after = unanswered[unanswered.index(ended) + 1:]
+        after = unanswered[unanswered.index(ended) + 1 :]
         if ended != pending[0] and ended not in suspects:
             suspects.add(ended)
             pending = [ended, *after]
             continue
-        results[ended] = Result(Path(jobs[ended]["artifact"]), cpu, seconds=round(rest, 3), cpu_seconds=cpu_seconds,
-                                error=f"{reason[:300]} ({cpu})")
+        results[ended] = Result(
+            Path(jobs[ended]["artifact"]),
+            cpu,
+            seconds=round(rest, 3),
+            cpu_seconds=cpu_seconds,
+            error=f"{reason[:300]} ({cpu})",
+        )
         pending = after
     return [results[i] for i in range(len(jobs))]
 
@@ -189,8 +219,9 @@ def _text(output) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else output
 
 
-def verify_bundled(runner: Runner, bpte: Path, cpus: list[str], rtol: float, atol: float, threads: int = 1,
-                   timeout: float = 1800) -> list[dict]:
+def verify_bundled(
+    runner: Runner, bpte: Path, cpus: list[str], rtol: float, atol: float, threads: int = 1, timeout: float = 1800
+) -> list[dict]:
     """ExecuTorch's verifier on every test case of `bpte`, one qemu process per CPU, in the order given:
     [{"cpu", "passed", "cases", "error", "seconds", "cpu_seconds"}]. A mismatch, or a CPU the program cannot
     run on, is passed False with the reason, not an exception; a bad request is a UsageError."""
@@ -202,14 +233,32 @@ def verify_bundled(runner: Runner, bpte: Path, cpus: list[str], rtol: float, ato
         raise UsageError(f"rtol {rtol} and atol {atol} must be non-negative")
     results = []
     for cpu in cpus:
-        command = runner.python(cpu, str(INSIDE), "--bundled", str(bpte), "--rtol", repr(float(rtol)),
-                                "--atol", repr(float(atol)), "--threads", str(threads))
+        command = runner.python(
+            cpu,
+            str(INSIDE),
+            "--bundled",
+            str(bpte),
+            "--rtol",
+            repr(float(rtol)),
+            "--atol",
+            repr(float(atol)),
+            "--threads",
+            str(threads),
+        )
         started, used = time.perf_counter(), _children_cpu()
         try:
             done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=timeout)
         except subprocess.TimeoutExpired:
-            results.append({"cpu": cpu, "passed": False, "cases": 0, "seconds": timeout, "cpu_seconds": None,
-                            "error": f"timed out after {timeout:.0f} s under qemu ({cpu})"})
+            results.append(
+                {
+                    "cpu": cpu,
+                    "passed": False,
+                    "cases": 0,
+                    "seconds": timeout,
+                    "cpu_seconds": None,
+                    "error": f"timed out after {timeout:.0f} s under qemu ({cpu})",
+                }
+            )
             continue
         measured = {"seconds": round(time.perf_counter() - started, 2), "cpu_seconds": round(_children_cpu() - used, 2)}
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -219,8 +268,15 @@ def verify_bundled(runner: Runner, bpte: Path, cpus: list[str], rtol: float, ato
             results.append({"cpu": cpu, "passed": False, "cases": 0, "error": f"{reason[:300]} ({cpu})", **measured})
             continue
         answer = json.loads(lines[-1])
-        results.append({"cpu": cpu, "passed": bool(answer.get("passed")), "cases": int(answer.get("cases", 0)),
-                        "error": answer.get("error"), **measured})
+        results.append(
+            {
+                "cpu": cpu,
+                "passed": bool(answer.get("passed")),
+                "cases": int(answer.get("cases", 0)),
+                "error": answer.get("error"),
+                **measured,
+            }
+        )
     return results
 
 

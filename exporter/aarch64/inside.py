@@ -43,7 +43,13 @@ class _NoCuda(importlib.abc.MetaPathFinder):
         if core is not None and not self.done:
             self.done = True
             core._has_cuda = False
-            for attr in ("_cuda_getDeviceCount", "_c10d_init", "_rpc_init", "_dist_autograd_init", "_faulty_agent_init"):
+            for attr in (
+                "_cuda_getDeviceCount",
+                "_c10d_init",
+                "_rpc_init",
+                "_dist_autograd_init",
+                "_faulty_agent_init",
+            ):
                 if hasattr(core, attr):
                     delattr(core, attr)
         return None
@@ -92,8 +98,11 @@ def _lite(path, threads):
     if "qnnpack" in torch.backends.quantized.supported_engines:
         torch.backends.quantized.engine = "qnnpack"
     module = _load_for_lite_interpreter(str(path))
-    return (lambda x: module(torch.from_numpy(x))), {"runtime": "lite interpreter", "threads": 1,
-                                                     "quantized_engine": torch.backends.quantized.engine}
+    return (lambda x: module(torch.from_numpy(x))), {
+        "runtime": "lite interpreter",
+        "threads": 1,
+        "quantized_engine": torch.backends.quantized.engine,
+    }
 
 
 def _onnx(path, threads):
@@ -107,7 +116,10 @@ def _onnx(path, threads):
     first = session.get_inputs()[0]
     dtype = np.float16 if first.type == "tensor(float16)" else np.float32
     return (lambda x: session.run(None, {first.name: x.astype(dtype)})), {
-        "runtime": "onnxruntime", "version": ort.__version__, "providers": session.get_providers()}
+        "runtime": "onnxruntime",
+        "version": ort.__version__,
+        "providers": session.get_providers(),
+    }
 
 
 LOADERS = {".pte": _executorch, ".ptl": _lite, ".onnx": _onnx}
@@ -121,9 +133,14 @@ def check():
     from executorch.extension.pybindings import _C
     from torch.jit.mobile import _load_for_lite_interpreter  # noqa: F401
 
-    return {"numpy": numpy.__version__, "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-            "onnxruntime": onnxruntime.__version__, "executorch_backends": list(_C._get_registered_backend_names()),
-            "seconds": round(time.time() - started, 1)}
+    return {
+        "numpy": numpy.__version__,
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "onnxruntime": onnxruntime.__version__,
+        "executorch_backends": list(_C._get_registered_backend_names()),
+        "seconds": round(time.time() - started, 1),
+    }
 
 
 def run(artifact, inputs, out, threads):
@@ -138,10 +155,14 @@ def run(artifact, inputs, out, threads):
     loaded = time.time()
     outputs = []
     for i in range(x.shape[0]):
-        outputs.append(_flatten(forward(np.ascontiguousarray(x[i:i + 1], dtype=np.float32))))
+        outputs.append(_flatten(forward(np.ascontiguousarray(x[i : i + 1], dtype=np.float32))))
     ran = time.time()
-    stacked = {f"out{k}": np.concatenate([o[k] for o in outputs]) if outputs[0][k].ndim and outputs[0][k].shape[0] == 1
-               else np.stack([o[k] for o in outputs]) for k in range(len(outputs[0]))}
+    stacked = {
+        f"out{k}": np.concatenate([o[k] for o in outputs])
+        if outputs[0][k].ndim and outputs[0][k].shape[0] == 1
+        else np.stack([o[k] for o in outputs])
+        for k in range(len(outputs[0]))
+    }
     np.savez(out, **stacked)
     info.update(images=int(x.shape[0]), load_seconds=round(loaded - started, 3), run_seconds=round(ran - loaded, 3))
     return info
@@ -218,13 +239,13 @@ def _bpte_cases(data):
         start, n = vector(t, 1)
         sizes = struct.unpack_from(f"<{n}i", data, start)
         start, n = vector(t, 2)
-        return np.frombuffer(data[start:start + n], dtype=_SCALAR_TYPES[scalar]).reshape(sizes)
+        return np.frombuffer(data[start : start + n], dtype=_SCALAR_TYPES[scalar]).reshape(sizes)
 
     if data[4:8] != b"BP08":
         raise ValueError("not a bundled program (file identifier BP08 missing)")
     suite = tables(u32(0), 1)[0]
     name = ref(field(suite, 0))
-    method = data[name + 4:name + 4 + u32(name)].decode()
+    method = data[name + 4 : name + 4 + u32(name)].decode()
     return method, [([tensor(v) for v in tables(c, 0)], [tensor(v) for v in tables(c, 1)]) for c in tables(suite, 1)]
 
 
@@ -253,10 +274,16 @@ def bundled(path, rtol, atol, threads):
                 program = _C._load_for_executorch_from_bundled_program(bundle)
                 got = program.run_method(method, tuple(torch.from_numpy(x.copy()) for x in inputs))
                 worst = max(
-                    (float(np.max(np.abs(o.numpy().astype(np.float64) - w) - (atol + np.abs(rtol * o.numpy())))), k,
-                     float(np.max(np.abs(o.numpy().astype(np.float64) - w))))
-                    for k, (o, w) in enumerate(zip(got, expected)))
-                detail = f"; output {worst[1]}: max |out - expected| {worst[2]:.3g}, {worst[0]:.3g} beyond what is allowed"
+                    (
+                        float(np.max(np.abs(o.numpy().astype(np.float64) - w) - (atol + np.abs(rtol * o.numpy())))),
+                        k,
+                        float(np.max(np.abs(o.numpy().astype(np.float64) - w))),
+                    )
+                    for k, (o, w) in enumerate(zip(got, expected))
+                )
+                detail = (
+                    f"; output {worst[1]}: max |out - expected| {worst[2]:.3g}, {worst[0]:.3g} beyond what is allowed"
+                )
             except Exception as inner:  # noqa: BLE001  (the verifier's own word stands)
                 detail = f"; (no detail: {inner})"
             info.update(passed=False, error=f"case {i} of {len(cases)}: {e}{detail} (rtol {rtol:.3g}, atol {atol:.3g})")

@@ -30,12 +30,28 @@ class Runner:
     def python(self, cpu: str, script: str, *args: str) -> list[str]:
         """The command running `script` (a path inside the root) with the runner's Python on `cpu`."""
         prefix = self.path / "cpus" / cpu
-        return [str(self.qemu), "-cpu", cpu, "-L", str(prefix), str(prefix / "usr" / "bin" / "python3"),
-                "-s", script, *args]
+        return [
+            str(self.qemu),
+            "-cpu",
+            cpu,
+            "-L",
+            str(prefix),
+            str(prefix / "usr" / "bin" / "python3"),
+            "-s",
+            script,
+            *args,
+        ]
 
     @staticmethod
     def environment() -> dict[str, str]:
         """The guest's whole environment (qemu passes its own on): nothing of the host's (no x86
         LD_LIBRARY_PATH), the installed wheels on the path, CUDA off, no byte code written."""
-        return {"PATH": "/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "PYTHONPATH": "/opt/site",
-                "PYTHONDONTWRITEBYTECODE": "1", "EXPORTER_AARCH64_NO_CUDA": "1", "OMP_NUM_THREADS": "1"}
+        return {
+            "PATH": "/usr/bin:/bin",
+            "HOME": "/root",
+            "LANG": "C.UTF-8",
+            "PYTHONPATH": "/opt/site",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "EXPORTER_AARCH64_NO_CUDA": "1",
+            "OMP_NUM_THREADS": "1",
+        }

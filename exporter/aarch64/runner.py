@@ -40,7 +40,9 @@ def _read_ready(path: Path) -> dict | None:
     return info if isinstance(info, dict) else None
 
 
-def find(cache_dir: Path | None = None, wanted: dict[str, str] | None = None, root: Path | None = None) -> Runner | None:
+def find(
+    cache_dir: Path | None = None, wanted: dict[str, str] | None = None, root: Path | None = None
+) -> Runner | None:
     """The newest complete runner for these package versions (whatever its qemu), or None. Temporary and
     READY-less directories are never returned. `root`: the runners' directory, instead of cache_root(cache_dir)."""
     wanted = pins.wanted() if wanted is None else wanted
@@ -70,17 +72,26 @@ class Builder(Protocol):
 
 def check_platform() -> None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        raise UsageError(f"the aarch64 runner needs a Linux x86_64 host (this is {platform.system()} "
-                         f"{platform.machine()}); run the aarch64 step on Linux x86_64 CI")
+        raise UsageError(
+            f"the aarch64 runner needs a Linux x86_64 host (this is {platform.system()} "
+            f"{platform.machine()}); run the aarch64 step on Linux x86_64 CI"
+        )
 
 
 def offline_by_environment() -> bool:
     return os.environ.get("EXPORTER_OFFLINE", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def prepare(cache_dir: Path | None = None, progress: Progress | None = None, rebuild: bool = False,
-            offline: bool | None = None, builder: Builder | None = None, wanted: dict[str, str] | None = None,
-            clock: Callable[[], float] = time.time, root: Path | None = None) -> Runner:
+def prepare(
+    cache_dir: Path | None = None,
+    progress: Progress | None = None,
+    rebuild: bool = False,
+    offline: bool | None = None,
+    builder: Builder | None = None,
+    wanted: dict[str, str] | None = None,
+    clock: Callable[[], float] = time.time,
+    root: Path | None = None,
+) -> Runner:
     """A ready runner: an existing complete one for these versions, else one built now (in a temporary
     directory, renamed into place when complete). UsageError (one line) when it cannot be."""
     progress = progress or Progress()
@@ -101,8 +112,10 @@ def prepare(cache_dir: Path | None = None, progress: Progress | None = None, reb
             return existing
         if offline:
             versions = ", ".join(f"{k} {v}" for k, v in wanted.items())
-            raise UsageError(f"offline, and no aarch64 runner for {versions} is cached in {root}: "
-                             "run `exporter arm-setup` once with network access")
+            raise UsageError(
+                f"offline, and no aarch64 runner for {versions} is cached in {root}: "
+                "run `exporter arm-setup` once with network access"
+            )
         builder.check_host()
         qemu = builder.qemu_version(progress)
         final = root / pins.key(wanted, qemu)
@@ -113,8 +126,15 @@ def prepare(cache_dir: Path | None = None, progress: Progress | None = None, reb
         started = clock()
         try:
             info = builder.build(tmp, wanted, progress)
-            info.update(packages=wanted, qemu=qemu, layout=pins.LAYOUT, key=final.name,
-                        seconds=round(clock() - started, 1), finished=clock(), size_bytes=tree_size(tmp))
+            info.update(
+                packages=wanted,
+                qemu=qemu,
+                layout=pins.LAYOUT,
+                key=final.name,
+                seconds=round(clock() - started, 1),
+                finished=clock(),
+                size_bytes=tree_size(tmp),
+            )
             (tmp / READY).write_text(json.dumps(info, indent=2, sort_keys=True))
             os.replace(tmp, final)
         finally:

@@ -23,8 +23,11 @@ def slim(root: Path, site: Path) -> dict:
     removed = sorted(p for p in torch_lib.iterdir() if CUDA_LIBRARY.search(p.name) and p.is_file())
     real = {p.name: elf.Library(p) for p in removed}
     search = [torch_lib, site / "executorch" / "lib", root / "usr" / "lib" / "aarch64-linux-gnu", root / "usr" / "lib"]
-    roots = [p for p in sorted((site / "torch").rglob("*.so*")) + sorted((site / "executorch").rglob("*.so*"))
-             if p.name not in real and p.is_file() and not p.is_symlink()]
+    roots = [
+        p
+        for p in sorted((site / "torch").rglob("*.so*")) + sorted((site / "executorch").rglob("*.so*"))
+        if p.name not in real and p.is_file() and not p.is_symlink()
+    ]
     kept: dict[str, elf.Library] = {}
     missing: set[str] = set()
     todo = list(roots)
@@ -60,5 +63,8 @@ def slim(root: Path, site: Path) -> dict:
         path.unlink()
     for name, symbols in sorted(wanted.items()):
         elf.write_stub(torch_lib / name, name, symbols, real[name].objects if name in real else None)
-    return {"removed": [p.name for p in removed], "stubs": {n: len(s) for n, s in sorted(wanted.items())},
-            "saved_bytes": saved}
+    return {
+        "removed": [p.name for p in removed],
+        "stubs": {n: len(s) for n, s in sorted(wanted.items())},
+        "saved_bytes": saved,
+    }

@@ -22,8 +22,13 @@ def midr(cpuinfo: str) -> int:
         if ":" in line:
             k, _, v = line.partition(":")
             fields.setdefault(k.strip(), v.strip())
-    return (int(fields["CPU implementer"], 16) << 24 | int(fields["CPU variant"], 16) << 20 | 0xF << 16
-            | int(fields["CPU part"], 16) << 4 | int(fields["CPU revision"], 0))
+    return (
+        int(fields["CPU implementer"], 16) << 24
+        | int(fields["CPU variant"], 16) << 20
+        | 0xF << 16
+        | int(fields["CPU part"], 16) << 4
+        | int(fields["CPU revision"], 0)
+    )
 
 
 def write_prefix(prefix: Path, root: Path, midr_value: int, count: int | None = None) -> None:
@@ -42,9 +47,16 @@ def write_prefix(prefix: Path, root: Path, midr_value: int, count: int | None = 
     for i in range(count):
         topology = cpu / f"cpu{i}" / "topology"
         topology.mkdir(parents=True)
-        for name, value in (("physical_package_id", "0"), ("cluster_id", "0"), ("core_id", str(i)),
-                            ("core_siblings_list", span), ("package_cpus_list", span), ("cluster_cpus_list", span),
-                            ("thread_siblings_list", str(i)), ("core_cpus_list", str(i))):
+        for name, value in (
+            ("physical_package_id", "0"),
+            ("cluster_id", "0"),
+            ("core_id", str(i)),
+            ("core_siblings_list", span),
+            ("package_cpus_list", span),
+            ("cluster_cpus_list", span),
+            ("thread_siblings_list", str(i)),
+            ("core_cpus_list", str(i)),
+        ):
             (topology / name).write_text(value + "\n")
         regs = cpu / f"cpu{i}" / "regs" / "identification"
         regs.mkdir(parents=True)

@@ -18,8 +18,19 @@ PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 # the packages validated on aarch64 (import name -> distribution)
 PACKAGES = ("torch", "executorch", "onnxruntime", "numpy")
 # what those need to import (pure Python, or small wheels), at the host's versions where installed
-SUPPORT = ("typing_extensions", "sympy", "mpmath", "filelock", "networkx", "jinja2", "markupsafe", "fsspec",
-           "flatbuffers", "packaging", "protobuf")
+SUPPORT = (
+    "typing_extensions",
+    "sympy",
+    "mpmath",
+    "filelock",
+    "networkx",
+    "jinja2",
+    "markupsafe",
+    "fsspec",
+    "flatbuffers",
+    "packaging",
+    "protobuf",
+)
 SUITE, PYTHON = "bookworm", "3.11"
 LAYOUT = 1  # bump when the runner's layout or set-up changes
 
@@ -68,6 +79,7 @@ def support() -> dict[str, str | None]:
 
 
 def key(versions: dict[str, str], qemu: str) -> str:
-    text = json.dumps({"packages": versions, "qemu": qemu, "suite": SUITE, "python": PYTHON, "layout": LAYOUT},
-                      sort_keys=True)
+    text = json.dumps(
+        {"packages": versions, "qemu": qemu, "suite": SUITE, "python": PYTHON, "layout": LAYOUT}, sort_keys=True
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]

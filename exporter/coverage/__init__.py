@@ -31,8 +31,9 @@ def _command() -> str:
     return shlex.join(["exporter", *args])
 
 
-def output_paths(out: Path, shard: tuple[int, int] | None, weights: str = "random",
-                 aarch64: bool = False) -> tuple[Path, Path]:
+def output_paths(
+    out: Path, shard: tuple[int, int] | None, weights: str = "random", aarch64: bool = False
+) -> tuple[Path, Path]:
     """OUT/coverage.json and .md, or OUT/coverage-shard-I-of-N.json and .md for a shard (a shard never
     overwrites the whole table); the trained tier's are OUT/coverage-digits*.json and .md; a sweep validated on
     aarch64 too adds -aarch64 (its verdicts are another table's)."""
@@ -52,9 +53,19 @@ def _directory(path: Path, option: str) -> None:
         raise UsageError(f"{option} {path}: cannot be a directory ({e.strerror or e})") from None
 
 
-def run(settings: Settings, models=(), tasks=(), one_per_builder: bool = False, max_params: int | None = None,
-        shard: str | None = None, out: Path = Path("docs"), cache: bool = True, cache_dir: Path | None = None,
-        builds_dir: Path | None = None, command: str | None = None) -> dict:
+def run(
+    settings: Settings,
+    models=(),
+    tasks=(),
+    one_per_builder: bool = False,
+    max_params: int | None = None,
+    shard: str | None = None,
+    out: Path = Path("docs"),
+    cache: bool = True,
+    cache_dir: Path | None = None,
+    builds_dir: Path | None = None,
+    command: str | None = None,
+) -> dict:
     """Run the sweep (or one shard of it, "I/N"); writes the table after every build and returns the document."""
     from .sweep import Sweep
 
@@ -68,8 +79,14 @@ def run(settings: Settings, models=(), tasks=(), one_per_builder: bool = False, 
         _directory(builds_dir, "--builds")
     _directory(out, "--out")
     json_path, md_path = output_paths(out, which, settings.weights, settings.on_aarch64)
-    selection = {"models": select.patterns(models), "tasks": list(tasks), "one_per_builder": one_per_builder,
-                 "max_params": max_params, "shard": shard, "weights": len(found)}
+    selection = {
+        "models": select.patterns(models),
+        "tasks": list(tasks),
+        "one_per_builder": one_per_builder,
+        "max_params": max_params,
+        "shard": shard,
+        "weights": len(found),
+    }
     sweep = Sweep(settings, found, json_path, md_path, command or _command(), selection, cache, cache_dir, builds_dir)
     return sweep.run()
 
@@ -83,12 +100,16 @@ def merge(paths, out: Path = Path("docs"), command: str | None = None) -> dict:
     from . import table
 
     doc, texts = table.merged(paths, command or _command())
-    json_path, md_path = output_paths(out, None, doc["settings"].get("weights", "random"), bool(doc["settings"].get("cpus")))
+    json_path, md_path = output_paths(
+        out, None, doc["settings"].get("weights", "random"), bool(doc["settings"].get("cpus"))
+    )
     _directory(out, "--out")
     try:
         table.write_texts(zip((json_path, md_path), texts))
     except OSError as e:
-        raise UsageError(f"--out {out}: cannot write {json_path.name} and {md_path.name} there ({e.strerror or e})") from None
+        raise UsageError(
+            f"--out {out}: cannot write {json_path.name} and {md_path.name} there ({e.strerror or e})"
+        ) from None
     return doc
 
 

@@ -138,8 +138,15 @@ def outputs(model: nn.Module, images: torch.Tensor, precision: str, calibration=
     return torch.cat(rows)
 
 
-def floor(task, model: nn.Module, images: torch.Tensor, reference: torch.Tensor, thresholds: dict,
-          calibration=None, labels=None) -> dict:
+def floor(
+    task,
+    model: nn.Module,
+    images: torch.Tensor,
+    reference: torch.Tensor,
+    thresholds: dict,
+    calibration=None,
+    labels=None,
+) -> dict:
     """Per precision in `thresholds` (and STATIC, given `calibration` and int8 thresholds): the fidelity metrics
     eager rounded that way reaches against `reference` (eager's own float32 outputs on `images`) and the
     thresholds it breaks; with `labels` (the trained tier), the labeled ones (accuracy_drop) too."""
@@ -166,8 +173,9 @@ def floor(task, model: nn.Module, images: torch.Tensor, reference: torch.Tensor,
     return result
 
 
-def weight_row(task, quantized: nn.Module, images: torch.Tensor, reference: torch.Tensor, labels,
-               thresholds: dict) -> dict:
+def weight_row(
+    task, quantized: nn.Module, images: torch.Tensor, reference: torch.Tensor, labels, thresholds: dict
+) -> dict:
     """An eager-quantized weight (torchvision's int8 models) run as it is and judged against its float model
     (`reference`, on `images`) with the int8 thresholds, labeled ones included: what the weight itself loses,
     which no artifact of it can win back."""
@@ -175,8 +183,10 @@ def weight_row(task, quantized: nn.Module, images: torch.Tensor, reference: torc
         outputs = torch.cat([quantized(x[None]) for x in images]).float()
     eager_labeled = task.labeled(reference, labels) if labels is not None else None
     quality = task.quality(outputs, reference, labels, eager_labeled, thresholds)
-    return {"fidelity": {k: _finite(v) for k, v in quality["fidelity"].items() if isinstance(v, (int, float))},
-            "reasons": quality["reasons"]}
+    return {
+        "fidelity": {k: _finite(v) for k, v in quality["fidelity"].items() if isinstance(v, (int, float))},
+        "reasons": quality["reasons"],
+    }
 
 
 def top1_margins(reference: torch.Tensor) -> list[float] | None:
@@ -190,4 +200,3 @@ def top1_margins(reference: torch.Tensor) -> list[float] | None:
 
 def _finite(value):
     return "inf" if isinstance(value, float) and math.isinf(value) else value
-

@@ -24,8 +24,11 @@ def sample(group: int, before: dict | None = None) -> dict | None:
     if not build or not {"MemTotal", "MemAvailable"} <= host.keys():
         return None
     peak = max(build, (before or {}).get("build_peak_bytes", 0))
-    return {"build_peak_bytes": peak, "host_bytes": host["MemTotal"],
-            "others_bytes": max(0, host["MemTotal"] - host["MemAvailable"] - build)}
+    return {
+        "build_peak_bytes": peak,
+        "host_bytes": host["MemTotal"],
+        "others_bytes": max(0, host["MemTotal"] - host["MemAvailable"] - build),
+    }
 
 
 def others_to_blame(memory: dict | None) -> bool:
@@ -36,8 +39,10 @@ def oom_text(memory: dict | None) -> str:
     """Why the kernel killed the build, with the memory last sampled before it did."""
     if not memory:
         return "out of memory (killed by the kernel)"
-    text = (f"out of memory (killed by the kernel; the build held at least {_gb(memory['build_peak_bytes'])} "
-            f"of this host's {_gb(memory['host_bytes'])}")
+    text = (
+        f"out of memory (killed by the kernel; the build held at least {_gb(memory['build_peak_bytes'])} "
+        f"of this host's {_gb(memory['host_bytes'])}"
+    )
     if others_to_blame(memory):
         return f"{text}, other processes {_gb(memory['others_bytes'])} when last sampled: built again next time)"
     return f"{text})"

@@ -26,25 +26,44 @@ import re
 from ..release.recommend import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
 from .memory import oom_text, others_to_blame
 
-SYMBOLS = {"passed": "✅", "failed": "❎", "export": "❌", "unavailable": "⚪", "refused": "⛔", "time": "⏱",
-           "skipped": "⏭", "not_run": "·"}
+SYMBOLS = {
+    "passed": "✅",
+    "failed": "❎",
+    "export": "❌",
+    "unavailable": "⚪",
+    "refused": "⛔",
+    "time": "⏱",
+    "skipped": "⏭",
+    "not_run": "·",
+}
 ORDER = tuple(SYMBOLS)
 
 # first match wins; tested against the first line of the error (lower case)
 CLASSIFIERS = (
     ("degenerate reference", re.compile(r"degenerate")),
     ("disk full", re.compile(r"no space left on device|disk quota exceeded")),  # the host's, not_a_verdict
-    ("out of memory", re.compile(r"out of memory|outofmemory|memoryerror|can't allocate memory|cannot allocate memory|"
-                                 r"std::bad_alloc|killed by the kernel|\boom\b")),
+    (
+        "out of memory",
+        re.compile(
+            r"out of memory|outofmemory|memoryerror|can't allocate memory|cannot allocate memory|"
+            r"std::bad_alloc|killed by the kernel|\boom\b"
+        ),
+    ),
     ("time limit", re.compile(r"time limit|timed out|timeout")),
     ("fixed batch", re.compile(r"runs at batch 1 but not at batch")),
     ("delegate fallback", re.compile(r"xnnpack|delegate|partition|lowered|backend_details")),
-    ("unsupported op", re.compile(r"unsupported|not supported|not implemented|notimplementederror|no decomposition|"
-                                  r"no kernel|could not find .*(op|kernel)|unknown (op|operator|builtin)|"
-                                  r"exporting the operator|is not a registered|missing .*(op|lowering)|"
-                                  r"cannot convert|unable to convert|no (converter|translation)|"
-                                  r"dynamic shape|data-dependent|guardonDataDependent|constraint|"
-                                  r"opset|onnxruntime.*(invalid_graph|not_implemented)", re.I)),
+    (
+        "unsupported op",
+        re.compile(
+            r"unsupported|not supported|not implemented|notimplementederror|no decomposition|"
+            r"no kernel|could not find .*(op|kernel)|unknown (op|operator|builtin)|"
+            r"exporting the operator|is not a registered|missing .*(op|lowering)|"
+            r"cannot convert|unable to convert|no (converter|translation)|"
+            r"dynamic shape|data-dependent|guardonDataDependent|constraint|"
+            r"opset|onnxruntime.*(invalid_graph|not_implemented)",
+            re.I,
+        ),
+    ),
 )
 
 
@@ -78,8 +97,14 @@ def _broken_value(reasons, key: str) -> float | None:
 
 
 # decisions taken from margins (argmax, mask, matched boxes): on a random model's near-ties any rounding flips some
-DECISION_KEYS = {"top1_agreement", "top5_agreement", "pixel_agreement", "miou_vs_eager", "matched_recall",
-                 "matched_precision"}
+DECISION_KEYS = {
+    "top1_agreement",
+    "top5_agreement",
+    "pixel_agreement",
+    "miou_vs_eager",
+    "matched_recall",
+    "matched_precision",
+}
 
 
 # the floors an artifact of a precision is judged against (coverage.conditioning): int8 has a dynamic and a static one
@@ -93,16 +118,19 @@ JUDGED_KINDS = ("validation", "ill-conditioned reference", "quantized weight")
 NEAR_TIE = 2 * math.sqrt(2)
 
 
-def floor_explains(floor: dict | None, precision: str, reasons, psnr_db: float | None = None,
-                   flipped_rows=None) -> bool:
+def floor_explains(
+    floor: dict | None, precision: str, reasons, psnr_db: float | None = None, flipped_rows=None
+) -> bool:
     """True when eager with its tensors rounded to `precision` (coverage.conditioning; for int8, either of its
     floors) already broke every threshold the artifact broke, and the artifact's PSNR is not far below the
     floor's: the failure is the random reference's conditioning, not the export. Measured over the 2026-11
     table, artifacts the floor explains sit within 3.5 dB of it; MaxViT-T's int8 .pte sat 17 dB below, which no
     rounding explains."""
     margins = (floor or {}).get("margins")
-    return any(_one_floor_explains((floor or {}).get(name), reasons, psnr_db, margins, flipped_rows)
-               for name in FLOORS.get(precision, (precision,)))
+    return any(
+        _one_floor_explains((floor or {}).get(name), reasons, psnr_db, margins, flipped_rows)
+        for name in FLOORS.get(precision, (precision,))
+    )
 
 
 def _one_floor_explains(row: dict | None, reasons, psnr_db: float | None, margins=None, flipped_rows=None) -> bool:
@@ -117,8 +145,7 @@ def _one_floor_explains(row: dict | None, reasons, psnr_db: float | None, margin
     if kept:
         # closer to eager than eager's own rounding: the decisions it flips sit on margins no rounding keeps
         # (measured: Wide-ResNet50-2's ONNX fp16 at 47.4 dB against a 44.2 dB floor that happened to flip none)
-        closer = (isinstance(psnr_db, (int, float)) and isinstance(floor_psnr, (int, float))
-                  and psnr_db >= floor_psnr)
+        closer = isinstance(psnr_db, (int, float)) and isinstance(floor_psnr, (int, float)) and psnr_db >= floor_psnr
         return closer or (kept == {"top1_agreement"} and near_ties(row, reasons, psnr_db, margins, flipped_rows))
     artifact_psnr = _broken_value(reasons, "psnr_db")
     if artifact_psnr is not None and isinstance(floor_psnr, (int, float)):
@@ -134,13 +161,22 @@ def near_ties(row: dict, reasons, psnr_db, margins, flipped_rows) -> bool:
     rms = row.get("rms")
     agreement = _broken_value(reasons, "top1_agreement")
     floor_psnr = (row.get("fidelity") or {}).get("psnr_db")
-    if not (margins and rms and flipped_rows and agreement is not None and isinstance(psnr_db, (int, float))
-            and isinstance(floor_psnr, (int, float))):
+    if not (
+        margins
+        and rms
+        and flipped_rows
+        and agreement is not None
+        and isinstance(psnr_db, (int, float))
+        and isinstance(floor_psnr, (int, float))
+    ):
         return False
     flips = round((1 - agreement) * len(margins))
     images = [r["row"] for r in flipped_rows]
-    return (len(images) == flips and psnr_db >= floor_psnr - FLOOR_PSNR_MARGIN_DB
-            and all(0 <= i < len(margins) and margins[i] < NEAR_TIE * rms[i] for i in images))
+    return (
+        len(images) == flips
+        and psnr_db >= floor_psnr - FLOOR_PSNR_MARGIN_DB
+        and all(0 <= i < len(margins) and margins[i] < NEAR_TIE * rms[i] for i in images)
+    )
 
 
 # thresholds on labeled data: a floor measured without the labels cannot have broken them
@@ -154,10 +190,21 @@ def floor_wanted(row: dict) -> bool:
     if measured is not None and "error" in measured:
         return False
     wanted = set(FLOORS.get("int8")) | ({WEIGHT_FLOOR} if row.get("quantized") else set())
-    return any(c.get("outcome") == "failed" and c.get("kind") != "runtime error" and (measured is None or (
-        c.get("kind") == "validation" and (not (wanted if c.get("precision") == "int8" else set()) <= set(measured)
-                                           or (broken_keys(c.get("reasons")) & LABELED_KEYS and not measured.get("labeled")))))
-        for c in row.get("cells", []))
+    return any(
+        c.get("outcome") == "failed"
+        and c.get("kind") != "runtime error"
+        and (
+            measured is None
+            or (
+                c.get("kind") == "validation"
+                and (
+                    not (wanted if c.get("precision") == "int8" else set()) <= set(measured)
+                    or (broken_keys(c.get("reasons")) & LABELED_KEYS and not measured.get("labeled"))
+                )
+            )
+        )
+        for c in row.get("cells", [])
+    )
 
 
 def cell_from_artifact(artifact: dict) -> dict:
@@ -176,23 +223,39 @@ def cell_from_artifact(artifact: dict) -> dict:
         "size_bytes": artifact.get("size_bytes"),
         "export_s": artifact.get("export_s"),
     }
-    reused = [step for step, key in (("export", "artifact_reused_from_cache"), ("validation", "validation_reused_from_cache"))
-              if artifact.get(key)]
+    reused = [
+        step
+        for step, key in (("export", "artifact_reused_from_cache"), ("validation", "validation_reused_from_cache"))
+        if artifact.get(key)
+    ]
     if reused:  # done by another build of the weight (another target's, or an earlier one kept in --builds)
         cell["reused"] = reused
     if "delegation" in details:
         delegation = details["delegation"]
-        cell["delegation"] = {k: delegation.get(k) for k in ("delegated_nodes", "non_delegated_nodes",
-                                                             "delegated_subgraphs", "ops_outside_delegate",
-                                                             "ops_outside_on_tensors")}
-    flipped = [{"row": r["row"], **r["departure"]} for r in artifact.get("preview_rows") or []
-               if (r.get("departure") or {}).get("top1_flipped")]
+        cell["delegation"] = {
+            k: delegation.get(k)
+            for k in (
+                "delegated_nodes",
+                "non_delegated_nodes",
+                "delegated_subgraphs",
+                "ops_outside_delegate",
+                "ops_outside_on_tensors",
+            )
+        }
+    flipped = [
+        {"row": r["row"], **r["departure"]}
+        for r in artifact.get("preview_rows") or []
+        if (r.get("departure") or {}).get("top1_flipped")
+    ]
     if flipped and artifact["status"] == "failed":  # the images where its top-1 flipped (outcome.near_ties)
         cell["flipped_rows"] = flipped
     outliers = artifact.get("outlier_inputs")
     if outliers:  # a few inputs carry the error (validation.outlier_inputs)
-        cell["outlier_inputs"] = {"count": len(outliers["rows"]), "of": outliers["of"],
-                                  "thresholds_met_without": outliers["thresholds_met_without"]}
+        cell["outlier_inputs"] = {
+            "count": len(outliers["rows"]),
+            "of": outliers["of"],
+            "thresholds_met_without": outliers["thresholds_met_without"],
+        }
     if "quantization" in details and isinstance(details["quantization"], dict):
         q = details["quantization"]
         cell["quantization"] = {k: q[k] for k in ("float_layers", "layers", "meets_budget", "perturbation") if k in q}
@@ -267,8 +330,12 @@ def not_a_verdict(row: dict) -> bool:
         return True
     if any(c.get("kind") == "disk full" for c in row.get("cells", [])):
         return True
-    return (row.get("outcome") == "stopped" and not row.get("timed_out") and row.get("returncode") == -9
-            and others_to_blame(row.get("memory")))
+    return (
+        row.get("outcome") == "stopped"
+        and not row.get("timed_out")
+        and row.get("returncode") == -9
+        and others_to_blame(row.get("memory"))
+    )
 
 
 def death_reason(returncode: int | None, memory: dict | None = None) -> str:
@@ -281,16 +348,25 @@ def death_reason(returncode: int | None, memory: dict | None = None) -> str:
     return why
 
 
-def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: bool, error: str | None,
-                  limit: str | None, memory: dict | None = None) -> list[dict]:
+def stopped_cells(
+    planned: list[dict],
+    done: list[dict],
+    returncode,
+    timed_out: bool,
+    error: str | None,
+    limit: str | None,
+    memory: dict | None = None,
+) -> list[dict]:
     """Cells for a build that did not finish, in the target's order: those it completed, the one it was at (the first
     not completed in the order the build makes them, build.plan.export_order), and those not reached.
     `limit` says what the time limit stopped, e.g. "900 s of CPU time (1210 s wall clock)"."""
     from ..engine.plan import export_order
 
     made = {c["name"]: c for c in done}
-    at = next((planned[i]["name"] for i in export_order([s["precision"] for s in planned])
-               if planned[i]["name"] not in made), None)  # the build makes its int8 artifacts last
+    at = next(
+        (planned[i]["name"] for i in export_order([s["precision"] for s in planned]) if planned[i]["name"] not in made),
+        None,
+    )  # the build makes its int8 artifacts last
     cells = []
     outcome, kind = kill_kind(returncode, timed_out, error)
     if timed_out:
@@ -304,8 +380,14 @@ def stopped_cells(planned: list[dict], done: list[dict], returncode, timed_out: 
         if spec["name"] in made:
             cells.append(made.pop(spec["name"]))
             continue
-        cell = {"name": spec["name"], "format": spec["format"], "precision": spec["precision"], "status": None,
-                "size_bytes": None, "export_s": None}
+        cell = {
+            "name": spec["name"],
+            "format": spec["format"],
+            "precision": spec["precision"],
+            "status": None,
+            "size_bytes": None,
+            "export_s": None,
+        }
         if spec["name"] == at or whole:
             cell.update(outcome=outcome, kind=kind, reason=why)
         elif timed_out:
@@ -322,15 +404,20 @@ def reclassify(row: dict) -> dict:
     for cell in row.get("cells", []):
         if cell.get("outcome") == "failed" and cell.get("reasons") and all(map(_emulator_timeout, cell["reasons"])):
             cell.update(outcome="time", kind="time limit")
-        elif cell.get("outcome") == "export" and cell.get("reason") and cell.get("kind") not in ("out of memory", "time limit", "killed"):
+        elif (
+            cell.get("outcome") == "export"
+            and cell.get("reason")
+            and cell.get("kind") not in ("out of memory", "time limit", "killed")
+        ):
             cell["kind"] = classify(cell["reason"].removeprefix("export failed: "))
         elif cell.get("outcome") == "failed" and cell.get("kind") in JUDGED_KINDS:
             reasons = cell.get("reasons") or [cell.get("reason")]
             if _one_floor_explains((row.get("floor") or {}).get(WEIGHT_FLOOR), reasons, cell.get("psnr_db")):
                 cell["kind"] = "quantized weight"
                 continue
-            explained = floor_explains(row.get("floor"), cell["precision"], reasons, cell.get("psnr_db"),
-                                       cell.get("flipped_rows"))
+            explained = floor_explains(
+                row.get("floor"), cell["precision"], reasons, cell.get("psnr_db"), cell.get("flipped_rows")
+            )
             cell["kind"] = "ill-conditioned reference" if explained else "validation"
     return row
 

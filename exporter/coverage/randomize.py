@@ -67,7 +67,7 @@ def _settle(graph: nn.Module, images: torch.Tensor) -> int:
         bn.train()
     with torch.no_grad():
         for start in range(0, len(images), SETTLE_BATCH):
-            graph(images[start:start + SETTLE_BATCH])
+            graph(images[start : start + SETTLE_BATCH])
     graph.eval()
     return len(norms)
 
@@ -91,8 +91,10 @@ def _unit_variance(graph: nn.Module, images: torch.Tensor) -> list[str]:
         bn.train()
     reached: list[str] = []
     layers = {m: n for n, m in graph.named_modules() if isinstance(m, _WEIGHTED) and m.weight.is_floating_point()}
-    hooks = [m.register_forward_hook(lambda m, i, o: reached.append(layers[m]) if layers[m] not in reached else None)
-             for m in layers]
+    hooks = [
+        m.register_forward_hook(lambda m, i, o: reached.append(layers[m]) if layers[m] not in reached else None)
+        for m in layers
+    ]
     with torch.no_grad():
         graph(batch)
     for h in hooks:
@@ -100,8 +102,11 @@ def _unit_variance(graph: nn.Module, images: torch.Tensor) -> list[str]:
     modules = dict(graph.named_modules())
     for name in reached:
         layer, seen = modules[name], []
-        hook = layer.register_forward_hook(lambda m, i, o: seen.append(
-            (o if m.bias is None else o - m.bias.view(-1, *[1] * (o.dim() - 2))).detach().flatten()))
+        hook = layer.register_forward_hook(
+            lambda m, i, o: seen.append(
+                (o if m.bias is None else o - m.bias.view(-1, *[1] * (o.dim() - 2))).detach().flatten()
+            )
+        )
         with torch.no_grad():
             graph(batch)
             hook.remove()
@@ -119,8 +124,11 @@ def _spread(graph: nn.Module, images: torch.Tensor) -> dict:
         out = graph(images[:SETTLE_BATCH]).flatten(1).double()
     std = out.std(0).mean().item()
     scale = out.abs().mean().item()
-    return {"output_std": std, "relative_std": std / scale if scale > 0 else 0.0,
-            "finite": bool(math.isfinite(std) and torch.isfinite(out).all())}
+    return {
+        "output_std": std,
+        "relative_std": std / scale if scale > 0 else 0.0,
+        "finite": bool(math.isfinite(std) and torch.isfinite(out).all()),
+    }
 
 
 def _synthetic_images(w, task, count: int, seed: int) -> torch.Tensor:
@@ -137,8 +145,14 @@ def _float_model(w, model_name: str, num_classes: int, input_size, seed: int) ->
     reinitialised = _reinit_zero_layers(model)
     images = _synthetic_images(w, task, SETTLE_IMAGES, seed % (2**31))
     settled = _settle(graph, images)
-    info = {"seed": seed, "num_classes": num_classes, "batchnorms_settled": settled, "settle_images": len(images),
-            "reinitialised_zero_layers": reinitialised, "params": sum(p.numel() for p in model.parameters())}
+    info = {
+        "seed": seed,
+        "num_classes": num_classes,
+        "batchnorms_settled": settled,
+        "settle_images": len(images),
+        "reinitialised_zero_layers": reinitialised,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     if _near_constant(graph, images):
         info["unit_variance_layers"] = len(_unit_variance(graph, images))
         _settle(graph, images)
@@ -165,16 +179,19 @@ def _quantized_state(w, float_model: nn.Module, model_name: str, num_classes: in
         model.eval()
         with torch.no_grad():
             for start in range(0, len(images), SETTLE_BATCH):
-                model(images[start:start + SETTLE_BATCH])
+                model(images[start : start + SETTLE_BATCH])
         return model.state_dict()
-    observer = (torch.ao.quantization.default_per_channel_weight_observer if backend == "fbgemm"
-                else torch.ao.quantization.default_weight_observer)
+    observer = (
+        torch.ao.quantization.default_per_channel_weight_observer
+        if backend == "fbgemm"
+        else torch.ao.quantization.default_weight_observer
+    )
     model.qconfig = torch.ao.quantization.QConfig(activation=torch.ao.quantization.default_observer, weight=observer)
     model.fuse_model()
     torch.ao.quantization.prepare(model, inplace=True)
     with torch.no_grad():
         for start in range(0, len(images), SETTLE_BATCH):
-            model(images[start:start + SETTLE_BATCH])
+            model(images[start : start + SETTLE_BATCH])
     torch.ao.quantization.convert(model, inplace=True)
     return model.state_dict()
 

@@ -27,8 +27,16 @@ def key(weight: str, target: str, settings: dict, tools: dict) -> str:
     from ..engine import profiles
     from ..engine.cache import source_digest
 
-    parts = {"row_version": ROW_VERSION, "exporter": __version__, "exporter_source": source_digest(),
-             "weight": weight, "target": target, "profile": profiles.load(target), "settings": settings, "tools": tools}
+    parts = {
+        "row_version": ROW_VERSION,
+        "exporter": __version__,
+        "exporter_source": source_digest(),
+        "weight": weight,
+        "target": target,
+        "profile": profiles.load(target),
+        "settings": settings,
+        "tools": tools,
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 

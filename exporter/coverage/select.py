@@ -74,8 +74,10 @@ def candidates(models=(), tasks=(), one_per_builder: bool = False, max_params: i
                 found.append(_candidate(w, model, task, max_params))
     unmatched = [p for p in wanted if p not in matched]
     if unmatched:
-        raise UsageError(f"--models {', '.join(unmatched)} matches no weight of the chosen tasks "
-                         f"({', '.join(tasks)}); see 'exporter list --task TASK'")
+        raise UsageError(
+            f"--models {', '.join(unmatched)} matches no weight of the chosen tasks "
+            f"({', '.join(tasks)}); see 'exporter list --task TASK'"
+        )
     return found
 
 
@@ -99,7 +101,7 @@ def shard(found: list[Candidate], which: tuple[int, int] | None) -> list[Candida
     if which is None:
         return found
     i, n = which
-    return found[i - 1::n]
+    return found[i - 1 :: n]
 
 
 def planned_artifacts(weight: str, target: str, formats=(), quantized: bool = False) -> list[dict]:
@@ -112,8 +114,10 @@ def planned_artifacts(weight: str, target: str, formats=(), quantized: bool = Fa
         for a in artifacts:
             seen.setdefault(a["format"], {"format": a["format"], "precision": "int8"})
         artifacts = list(seen.values())
-    return [{"name": a.get("name") or f"{a['format']}_{a['precision']}", "format": a["format"],
-             "precision": a["precision"]} for a in artifacts]
+    return [
+        {"name": a.get("name") or f"{a['format']}_{a['precision']}", "format": a["format"], "precision": a["precision"]}
+        for a in artifacts
+    ]
 
 
 def targets_for(targets, formats=()) -> list[str]:

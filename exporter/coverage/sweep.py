@@ -39,10 +39,15 @@ class Settings:
     warmup: int = 1
     iterations: int = 2
     threads: int = 1
-    input_size: tuple[int, int] = (128, 128)  # graphs that take one: segmentation, RetinaNet/FCOS, video frames (not classifiers, SSD)
+    input_size: tuple[int, int] = (
+        128,
+        128,
+    )  # graphs that take one: segmentation, RetinaNet/FCOS, video frames (not classifiers, SSD)
     classifier_size: int | None = None  # classifiers built (and in the trained tier, trained) at this square where
     # their graph takes it (not ViT, MaxViT, Swin: their crop), instead of their weight's crop
-    time_limit: float | None = 900.0  # CPU seconds per build (weight x target), WALL_FACTOR x on the wall clock; None: none
+    time_limit: float | None = (
+        900.0  # CPU seconds per build (weight x target), WALL_FACTOR x on the wall clock; None: none
+    )
     weights: str = "random"  # or "digits": each architecture trained on the digits (coverage.trained)
     train_epochs: int = trained.EPOCHS  # the digits tier's training: these epochs, then more while its acc@1
     train_until: float = trained.UNTIL  # on its own training digits is under this, up to train_max_epochs
@@ -145,12 +150,18 @@ class Sweep:
         return self._write(doc, rows, started, complete=True)
 
     def _write(self, doc: dict, rows: list[dict], started: float, complete: bool, interrupted: bool = False) -> dict:
-        doc = dict(doc, rows=table.sorted_rows(rows), complete=complete and len(rows) == doc["planned_rows"],
-                   interrupted=interrupted)
-        doc["run"] = {"started": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(timespec="seconds"),
-                      "wall_s": round(time.time() - started, 1),
-                      "rows_built": sum(1 for r in rows if r.get("built_now")),
-                      "rows_from_cache": sum(1 for r in rows if r.get("from_cache"))}
+        doc = dict(
+            doc,
+            rows=table.sorted_rows(rows),
+            complete=complete and len(rows) == doc["planned_rows"],
+            interrupted=interrupted,
+        )
+        doc["run"] = {
+            "started": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(timespec="seconds"),
+            "wall_s": round(time.time() - started, 1),
+            "rows_built": sum(1 for r in rows if r.get("built_now")),
+            "rows_from_cache": sum(1 for r in rows if r.get("from_cache")),
+        }
         if self._earlier:  # this run resumed an interrupted one of the same sweep: its clock counts too
             doc["run"]["earlier_runs"] = self._earlier
             doc["run"]["total_wall_s"] = round(doc["run"]["wall_s"] + sum(r["wall_s"] for r in self._earlier), 1)
@@ -167,8 +178,14 @@ class Sweep:
     def _row(self, candidate: Candidate, target: str, tools: dict, cache_root: Path, weight_dir: Path, stop) -> dict:
         if stop.signalled:
             raise KeyboardInterrupt
-        row = {"weight": candidate.weight, "model": candidate.model, "task": candidate.task, "params": candidate.params,
-               "quantized": candidate.quantized, "target": target}
+        row = {
+            "weight": candidate.weight,
+            "model": candidate.model,
+            "task": candidate.task,
+            "params": candidate.params,
+            "quantized": candidate.quantized,
+            "target": target,
+        }
         if candidate.refused:
             return dict(row, outcome="refused", reason=candidate.refused, cells=[], seconds=0.0)
         if candidate.skipped:
@@ -189,8 +206,15 @@ class Sweep:
                     if not stop.signalled:
                         rowcache.store(cache_root, cached)
                 return dict(outcome.reclassify(cached), from_cache=True, built_now=False)
-        row = outcome.reclassify(dict(row, key=key, input_size=input_size, **self._resized(candidate, input_size),
-                                      **self._build(candidate, target, weight_dir, stop)))
+        row = outcome.reclassify(
+            dict(
+                row,
+                key=key,
+                input_size=input_size,
+                **self._resized(candidate, input_size),
+                **self._build(candidate, target, weight_dir, stop),
+            )
+        )
         row["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         if not stop.signalled and _cacheable(row):
             rowcache.store(cache_root, row)
@@ -211,25 +235,41 @@ class Sweep:
 
         if candidate.task not in CLASSIFIER_TASKS or not self.settings.classifier_size:
             return {}
-        return {"classifier_size": input_size} if input_size != randomize.built_input_size(candidate.weight, None) else {}
+        return (
+            {"classifier_size": input_size} if input_size != randomize.built_input_size(candidate.weight, None) else {}
+        )
 
     def _spec(self, candidate: Candidate, target: str, weight_dir: Path) -> dict:
         s = self.settings
         return {
-            "weight": candidate.weight, "task": candidate.task, "target": target, "formats": list(s.formats),
-            "calib_size": s.calib_size, "val_size": s.val_size, "warmup": s.warmup, "iterations": s.iterations,
-            "threads": s.threads, "input_size": list(s.input_size) if s.input_size else None,
+            "weight": candidate.weight,
+            "task": candidate.task,
+            "target": target,
+            "formats": list(s.formats),
+            "calib_size": s.calib_size,
+            "val_size": s.val_size,
+            "warmup": s.warmup,
+            "iterations": s.iterations,
+            "threads": s.threads,
+            "input_size": list(s.input_size) if s.input_size else None,
             "classifier_size": s.classifier_size,
-            "checkpoints": str(weight_dir / "checkpoints"), "build_cache": str(weight_dir / "cache"),
-            "out": str(weight_dir / target), "result": str(weight_dir / f"{target}.result.json"),
-            "weights": s.weights, "train_epochs": s.train_epochs, "train_until": s.train_until,
-            "train_max_epochs": s.train_max_epochs, "trained": str(trained.directory(self.cache_dir)),
+            "checkpoints": str(weight_dir / "checkpoints"),
+            "build_cache": str(weight_dir / "cache"),
+            "out": str(weight_dir / target),
+            "result": str(weight_dir / f"{target}.result.json"),
+            "weights": s.weights,
+            "train_epochs": s.train_epochs,
+            "train_until": s.train_until,
+            "train_max_epochs": s.train_max_epochs,
+            "trained": str(trained.directory(self.cache_dir)),
             "cpu_limit_s": s.time_limit,
             "aarch64_cpus": [c for c in s.cpus if c != "target"] if s.on_aarch64 else None,
             "aarch64_runners": str(self._runners) if s.on_aarch64 else None,
         }
 
-    def _run_worker(self, spec: dict, weight_dir: Path, stop) -> tuple[subprocess.Popen, str | None, float, Path, dict | None]:
+    def _run_worker(
+        self, spec: dict, weight_dir: Path, stop
+    ) -> tuple[subprocess.Popen, str | None, float, Path, dict | None]:
         """One worker process on `spec`, under the time limit; (process, what stopped it at the limit: "cpu",
         "wall" or None, seconds, log path, its memory last sampled: exporter.coverage.memory). The limit is the
         worker's CPU time (RLIMIT_CPU, set by the worker), so that builds sharing a busy host are not stopped where
@@ -241,8 +281,13 @@ class Sweep:
         spec_path.write_text(json.dumps(spec, indent=2))
         Path(spec["result"]).unlink(missing_ok=True)
         log_path = weight_dir / f"{name}.log"
-        env = dict(os.environ, EXPORTER_OFFLINE="1", PYTHONWARNINGS="ignore", TQDM_DISABLE="1",
-                   **{k: str(s.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
+        env = dict(
+            os.environ,
+            EXPORTER_OFFLINE="1",
+            PYTHONWARNINGS="ignore",
+            TQDM_DISABLE="1",
+            **{k: str(s.threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
+        )
         start, cpu_before = time.perf_counter(), _children_cpu_seconds()
         stopped_by, memory = None, None
         relay = _LogRelay(log_path, f"  {spec['weight']} {name}: ", self.log)
@@ -268,16 +313,20 @@ class Sweep:
             _kill_group(proc)
             proc.wait()
         cpu = _children_cpu_seconds() - cpu_before  # the worker's and its waited-for children's (one worker at a time)
-        if s.time_limit is not None and (proc.returncode == -signal.SIGXCPU
-                                         or proc.returncode == -signal.SIGKILL and cpu > s.time_limit):
+        if s.time_limit is not None and (
+            proc.returncode == -signal.SIGXCPU or proc.returncode == -signal.SIGKILL and cpu > s.time_limit
+        ):
             stopped_by = "cpu"  # SIGXCPU at the soft limit; SIGKILL at the hard one (10 s on), if it survived the first
         return proc, stopped_by, round(time.perf_counter() - start, 1), log_path, memory
 
     def _floor_only(self, candidate: Candidate, row: dict, weight_dir: Path, stop) -> dict:
         """The precision floors for a cached row that has validation failures but was built before (some of)
         them were measured (the checkpoint is deterministic, so it is remade as the build made it)."""
-        spec = dict(self._spec(candidate, row["target"], weight_dir), floor_only=True,
-                    result=str(weight_dir / f"{row['target']}.floor.json"))
+        spec = dict(
+            self._spec(candidate, row["target"], weight_dir),
+            floor_only=True,
+            result=str(weight_dir / f"{row['target']}.floor.json"),
+        )
         self._run_worker(spec, weight_dir, stop)
         result = _read_json(Path(spec["result"])) or {}
         return result.get("floor") or {"error": result.get("error") or "the floor was not measured"}
@@ -307,15 +356,26 @@ class Sweep:
             floor_stopped = f"the time limit ({_limit_text(stopped_by, s.time_limit, seconds)}) stopped the floor"
             result.setdefault("floor", {"error": floor_stopped})
             timed_out, stopped_by = False, None
-        info = {"seconds": seconds, "returncode": proc.returncode, "timed_out": timed_out, "stopped_by": stopped_by,
-                "usage_error": result.get("usage_error"), "time_limit_s": s.time_limit, "checkpoint": _checkpoint_summary(result.get("checkpoint")),
-                "checkpoint_s": result.get("checkpoint_s"), "floor": result.get("floor")}
+        info = {
+            "seconds": seconds,
+            "returncode": proc.returncode,
+            "timed_out": timed_out,
+            "stopped_by": stopped_by,
+            "usage_error": result.get("usage_error"),
+            "time_limit_s": s.time_limit,
+            "checkpoint": _checkpoint_summary(result.get("checkpoint")),
+            "checkpoint_s": result.get("checkpoint_s"),
+            "floor": result.get("floor"),
+        }
         if killed_by_kernel and not finished:
             info["memory"] = memory  # whether the build had the host to itself
         if manifest:
             info["status"] = manifest.get("status")
-            info["timings_s"] = {k: v for k, v in (manifest.get("timings_s") or {}).items()
-                                 if k in ("load weights", "load data", "eager reference")}
+            info["timings_s"] = {
+                k: v
+                for k, v in (manifest.get("timings_s") or {}).items()
+                if k in ("load weights", "load data", "eager reference")
+            }
         if finished:
             row = dict(info, outcome="built", reason=None, cells=done)
         else:
@@ -357,8 +417,12 @@ class _BuildRuns:
 
     @staticmethod
     def _run(seconds, outcome_: str, reason) -> dict:
-        return {"seconds": seconds, "outcome": outcome_, "reason": reason,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        return {
+            "seconds": seconds,
+            "outcome": outcome_,
+            "reason": reason,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
 
     def _write(self, runs: list[dict]) -> None:
         files.write_text(self.path, json.dumps(runs, indent=2) + "\n")
@@ -368,7 +432,12 @@ def _earlier_runs(json_path: Path, doc: dict) -> list[dict]:
     """The runs of the same sweep (settings and selection) that an unfinished table at `json_path` records:
     a resumed sweep reports the wall clock of all of them."""
     old = _read_json(json_path)
-    if not old or old.get("complete") or old.get("settings") != doc["settings"] or old.get("selection") != doc["selection"]:
+    if (
+        not old
+        or old.get("complete")
+        or old.get("settings") != doc["settings"]
+        or old.get("selection") != doc["selection"]
+    ):
         return []
     run = old.get("run") or {}
     earlier = list(run.get("earlier_runs") or [])
@@ -384,7 +453,12 @@ def _cacheable(row: dict) -> bool:
     nothing about the weight (outcome.not_a_verdict)."""
     if outcome.not_a_verdict(row):
         return False
-    if row.get("outcome") != "stopped" or row.get("timed_out") or row.get("usage_error") or row.get("returncode", 0) < 0:
+    if (
+        row.get("outcome") != "stopped"
+        or row.get("timed_out")
+        or row.get("usage_error")
+        or row.get("returncode", 0) < 0
+    ):
         return True
     return any(c.get("status") for c in row.get("cells", []))  # an artifact was done: the error came from the build
 
@@ -468,8 +542,22 @@ def _tail(path: Path, lines: int = 6) -> list[str]:
 def _checkpoint_summary(info: dict | None) -> dict | None:
     if not info:
         return None
-    keep = ("seed", "num_classes", "params", "batchnorms_settled", "reinitialised_zero_layers", "reference_spread",
-            "quantized", "recipe", "epochs", "until_train_acc1", "epochs_trained", "held_out_acc1", "quantized_held_out_acc1", "prepare_s")
+    keep = (
+        "seed",
+        "num_classes",
+        "params",
+        "batchnorms_settled",
+        "reinitialised_zero_layers",
+        "reference_spread",
+        "quantized",
+        "recipe",
+        "epochs",
+        "until_train_acc1",
+        "epochs_trained",
+        "held_out_acc1",
+        "quantized_held_out_acc1",
+        "prepare_s",
+    )
     return {k: info[k] for k in keep if k in info}
 
 
@@ -500,7 +588,7 @@ class _LogRelay:
                 data = f.read()
         except OSError:
             return
-        complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next call
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next call
         self.offset += len(complete)
         for line in complete.decode("utf-8", "replace").splitlines():
             if line.startswith(PROGRESS_MARKS):

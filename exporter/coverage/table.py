@@ -58,8 +58,16 @@ def _order(value, order) -> int:
 
 
 def sorted_rows(rows: list[dict]) -> list[dict]:
-    return sorted(rows, key=lambda r: (_order(r["task"], TASK_ORDER), r["model"], r["weight"],
-                                       _order(r["target"], TARGET_ORDER), r["target"]))
+    return sorted(
+        rows,
+        key=lambda r: (
+            _order(r["task"], TASK_ORDER),
+            r["model"],
+            r["weight"],
+            _order(r["target"], TARGET_ORDER),
+            r["target"],
+        ),
+    )
 
 
 def sorted_keys(keys) -> list[list[str]]:
@@ -71,16 +79,25 @@ def summary(rows: list[dict]) -> list[dict]:
     """Per target and task: how many builds and weights ended how, and how many artifacts per outcome."""
     groups: dict[tuple[str, str], dict] = {}
     for row in rows:
-        group = groups.setdefault((row["target"], row["task"]), {
-            "target": row["target"], "task": row["task"], **{k: 0 for k in ROW_OUTCOMES},
-            "artifacts": {k: 0 for k in ORDER}, "failures": {}})
+        group = groups.setdefault(
+            (row["target"], row["task"]),
+            {
+                "target": row["target"],
+                "task": row["task"],
+                **{k: 0 for k in ROW_OUTCOMES},
+                "artifacts": {k: 0 for k in ORDER},
+                "failures": {},
+            },
+        )
         group[row["outcome"]] += 1
         for cell in row["cells"]:
             group["artifacts"][cell["outcome"]] += 1
             if cell["outcome"] in ("failed", "export", "time"):
                 label = f"{SYMBOLS[cell['outcome']]} {cell.get('kind') or ''}".strip()
                 group["failures"][label] = group["failures"].get(label, 0) + 1
-    return [groups[k] for k in sorted(groups, key=lambda k: (_order(k[0], TARGET_ORDER), k[0], _order(k[1], TASK_ORDER)))]
+    return [
+        groups[k] for k in sorted(groups, key=lambda k: (_order(k[0], TARGET_ORDER), k[0], _order(k[1], TASK_ORDER)))
+    ]
 
 
 def render(doc: dict, md: bool = True) -> tuple[str, str | None]:
@@ -109,6 +126,7 @@ def write_texts(pairs) -> None:
 
 
 # --- merge ---------------------------------------------------------------------------------------------------
+
 
 def _row_files(paths) -> list[tuple[Path, bool]]:
     """(file, named on the command line) for each file to merge; a directory's are found in it."""
@@ -139,8 +157,15 @@ def _coverage_doc(path: Path) -> dict | None:
     return doc
 
 
-_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
-               bool: "a boolean", type(None): "null"}
+_JSON_TYPES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 def _json_type(value) -> str:
@@ -172,8 +197,14 @@ def _row_problem(row) -> str | None:
                 problem = f"has {_json_type(row[key])} for {key!r}, not a number"
                 break
         runs = row.get("earlier_runs")
-        if not problem and runs is not None and not (isinstance(runs, list) and all(
-                isinstance(r, dict) and (r.get("seconds") is None or _is_number(r["seconds"])) for r in runs)):
+        if (
+            not problem
+            and runs is not None
+            and not (
+                isinstance(runs, list)
+                and all(isinstance(r, dict) and (r.get("seconds") is None or _is_number(r["seconds"])) for r in runs)
+            )
+        ):
             problem = "'earlier_runs' is not a list of builds with their seconds"
         for j, cell in enumerate(row["cells"], 1):
             if problem:
@@ -184,7 +215,9 @@ def _row_problem(row) -> str | None:
                 problem = f"cell {j} has no 'name' string"
             elif cell.get("outcome") not in ORDER:
                 problem = f"cell {j} ({cell['name']}): outcome {cell.get('outcome')!r} is not one of {', '.join(ORDER)}"
-            elif not (isinstance(cell.get("reasons", []), list) and all(isinstance(r, str) for r in cell.get("reasons", []))):
+            elif not (
+                isinstance(cell.get("reasons", []), list) and all(isinstance(r, str) for r in cell.get("reasons", []))
+            ):
                 problem = f"cell {j} ({cell['name']}): 'reasons' is not a list of strings"
     return f"({row['weight']} × {row['target']}) {problem}" if problem else None
 
@@ -204,6 +237,7 @@ def _doc_problem(doc: dict) -> str | None:
 def _kept(old: dict | None, new: dict) -> bool:
     """Whether `new` replaces `old` for one weight x target: the later file's, except that a row skipped for
     size, or ended by something other than its weight (outcome.not_a_verdict), never hides one that was built."""
+
     def stands_in(row: dict) -> bool:
         return row.get("outcome") == "skipped" or not_a_verdict(row)
 
@@ -243,8 +277,10 @@ def merge(paths, command: str) -> dict:
 
     for path, doc in docs[1:]:
         if comparable(doc["settings"]) != comparable(first["settings"]):
-            raise UsageError(f"--merge: {path} was made with other settings than {docs[0][0]}; "
-                             f"merge rows of one sweep (same targets, formats, sizes)")
+            raise UsageError(
+                f"--merge: {path} was made with other settings than {docs[0][0]}; "
+                f"merge rows of one sweep (same targets, formats, sizes)"
+            )
     rows = {}
     for _, doc in docs:
         for row in map(reclassify, doc["rows"]):  # by today's rules, before one row stands in for another
@@ -267,18 +303,43 @@ def merge(paths, command: str) -> dict:
         merged["planned_rows"] = sum(d.get("planned_rows", 0) for _, d in docs)
     merged["rows"] = sorted_rows(list(rows.values()))
     # an interrupted sweep is completed by another run's rows when the plans are known
-    merged["complete"] = (known or all(d.get("complete") for _, d in docs)) and len(merged["rows"]) >= merged["planned_rows"]
+    merged["complete"] = (known or all(d.get("complete") for _, d in docs)) and len(merged["rows"]) >= merged[
+        "planned_rows"
+    ]
     # a merged file brings the files it was merged from (their selections and commands), not only its first's
-    merged["merged_from"] = [entry for p, d in docs for entry in (d.get("merged_from") or [{
-        "file": str(p), "created": d.get("created"), "command": d.get("command"),
-        "exporter_commit": d.get("exporter_commit"), "host": d.get("host"), "selection": d.get("selection"),
-        "shard": (d.get("selection") or {}).get("shard"), "rows": len(d["rows"]), "complete": d.get("complete"),
-        "run": d.get("run")}])]
+    merged["merged_from"] = [
+        entry
+        for p, d in docs
+        for entry in (
+            d.get("merged_from")
+            or [
+                {
+                    "file": str(p),
+                    "created": d.get("created"),
+                    "command": d.get("command"),
+                    "exporter_commit": d.get("exporter_commit"),
+                    "host": d.get("host"),
+                    "selection": d.get("selection"),
+                    "shard": (d.get("selection") or {}).get("shard"),
+                    "rows": len(d["rows"]),
+                    "complete": d.get("complete"),
+                    "run": d.get("run"),
+                }
+            ]
+        )
+    ]
     # a merged file's own shards stay shards (its wall_s is only their longest)
-    walls = [w for _, d in docs for w in (d.get("run") or {}).get("shards_wall_s")
-             or [(d.get("run") or {}).get("total_wall_s") or (d.get("run") or {}).get("wall_s") or 0]]
-    merged["run"] = {"wall_s": max(walls), "shards_wall_s": walls, "started": min(((d.get("run") or {}).get("started") or "")
-                                                                                  for _, d in docs) or None}
+    walls = [
+        w
+        for _, d in docs
+        for w in (d.get("run") or {}).get("shards_wall_s")
+        or [(d.get("run") or {}).get("total_wall_s") or (d.get("run") or {}).get("wall_s") or 0]
+    ]
+    merged["run"] = {
+        "wall_s": max(walls),
+        "shards_wall_s": walls,
+        "started": min(((d.get("run") or {}).get("started") or "") for _, d in docs) or None,
+    }
     return merged
 
 
@@ -300,8 +361,12 @@ def _planned(doc: dict) -> set | None:
         return {(r["weight"], r["target"]) for r in doc.get("rows", [])}
     selection = doc.get("selection") or {}
     try:
-        found = select.candidates(selection.get("models") or (), selection.get("tasks") or (),
-                                  bool(selection.get("one_per_builder")), selection.get("max_params"))
+        found = select.candidates(
+            selection.get("models") or (),
+            selection.get("tasks") or (),
+            bool(selection.get("one_per_builder")),
+            selection.get("max_params"),
+        )
         found = select.shard(found, select.parse_shard(selection.get("shard")))
     except UsageError:
         return None
@@ -310,6 +375,7 @@ def _planned(doc: dict) -> set | None:
 
 
 # --- Markdown ------------------------------------------------------------------------------------------------
+
 
 def _esc(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
@@ -338,8 +404,12 @@ def _host_line(host: dict) -> str:
 
 def _provenance(merged_file: dict) -> str:
     commit, host = merged_file.get("exporter_commit"), merged_file.get("host") or {}
-    return (f"`{merged_file.get('command') or '?'}`" + (f" at `{commit[:12]}`" if commit else "")
-            + (f" on {host['cpu']}" if host.get("cpu") else "") + f" ({(merged_file.get('created') or '?')[:10]})")
+    return (
+        f"`{merged_file.get('command') or '?'}`"
+        + (f" at `{commit[:12]}`" if commit else "")
+        + (f" on {host['cpu']}" if host.get("cpu") else "")
+        + f" ({(merged_file.get('created') or '?')[:10]})"
+    )
 
 
 def _short_reason(reason: str) -> str:
@@ -375,7 +445,10 @@ def cell_text(cell: dict) -> str:
         if kind == "runtime error":  # "does not run …: <Error>: <message>": the error's name says most
             error = (cell.get("reason") or "").partition(": ")[2].partition(":")[0]
             return f"{symbol} runtime error ({error})" if error else f"{symbol} runtime error"
-        suffix = {"ill-conditioned reference": " · ill-conditioned", "quantized weight": " · the int8 weight's own"}.get(kind, "")
+        suffix = {
+            "ill-conditioned reference": " · ill-conditioned",
+            "quantized weight": " · the int8 weight's own",
+        }.get(kind, "")
         reason, where = cell.get("reason") or "", ""
         if reason.startswith("aarch64 "):  # "aarch64 <cpu> (emulated): <the reason there>"
             where, _, reason = reason.removeprefix("aarch64 ").partition(" (emulated): ")
@@ -399,21 +472,28 @@ def floor_text(row: dict, cell: dict) -> str:
     parts = []
     for name in FLOORS.get(cell.get("precision"), (cell.get("precision"),)):
         measured = (row.get("floor") or {}).get(name) or {}
-        found = {k: (measured.get(THRESHOLD_KEYS[k][0][0]) or {}).get(THRESHOLD_KEYS[k][0][1])
-                 for k in broken_keys(cell.get("reasons") or [cell.get("reason") or ""]) if k in THRESHOLD_KEYS}
+        found = {
+            k: (measured.get(THRESHOLD_KEYS[k][0][0]) or {}).get(THRESHOLD_KEYS[k][0][1])
+            for k in broken_keys(cell.get("reasons") or [cell.get("reason") or ""])
+            if k in THRESHOLD_KEYS
+        }
         values = ", ".join(f"{k} {_number(v)}" for k, v in sorted(found.items()) if v is not None)
         if values:
             parts.append(f"{FLOOR_NAMES.get(name, 'eager rounded to ' + name)}: {values}")
-    moved = ((cell.get("quantization") or {}).get("perturbation") or {})
+    moved = (cell.get("quantization") or {}).get("perturbation") or {}
     if moved.get("output_psnr_db") is not None:
-        parts.append(f"eager, its input perturbed at {_number(moved['input_snr_db'])} dB SNR: "
-                     f"psnr_db {_number(moved['output_psnr_db'])}")
+        parts.append(
+            f"eager, its input perturbed at {_number(moved['input_snr_db'])} dB SNR: "
+            f"psnr_db {_number(moved['output_psnr_db'])}"
+        )
     margins = (row.get("floor") or {}).get("margins")
-    rms = (((row.get("floor") or {}).get(cell.get("precision")) or {}).get("rms"))
+    rms = ((row.get("floor") or {}).get(cell.get("precision")) or {}).get("rms")
     flips = [r["row"] for r in cell.get("flipped_rows") or [] if margins and rms and r["row"] < len(margins)]
     if flips:
-        parts.append("top-1 flipped where eager's margin was " + ", ".join(
-            f"{_number(margins[i])} (rounding's RMS error there {_number(rms[i])})" for i in flips))
+        parts.append(
+            "top-1 flipped where eager's margin was "
+            + ", ".join(f"{_number(margins[i])} (rounding's RMS error there {_number(rms[i])})" for i in flips)
+        )
     return "; ".join(parts)
 
 
@@ -449,24 +529,47 @@ def _settings_line(settings: dict, rows: list[dict]) -> str:
     parts = [
         f"targets {', '.join(settings['targets'])}",
         f"formats {', '.join(settings['formats'])}" if settings.get("formats") else "every artifact of each target",
-        (f"{settings['calib_size']} calibration + {settings['val_size']} validation synthetic images"
-         if settings.get("weights") != "digits" else
-         f"held-out digits, labeled: the target's calibration and validation sizes"
-         + (f" ({settings['calib_size']} + {settings['val_size']})" if settings.get("calib_size") is not None else "")
-         + f"; trained {settings.get('train_epochs')} epochs"
-         + (f", then more while under {100 * settings['train_until']:g} % acc@1 on its training digits (up to "
-            f"{settings['train_max_epochs']})" if settings.get("train_until") else "")),
+        (
+            f"{settings['calib_size']} calibration + {settings['val_size']} validation synthetic images"
+            if settings.get("weights") != "digits"
+            else "held-out digits, labeled: the target's calibration and validation sizes"
+            + (
+                f" ({settings['calib_size']} + {settings['val_size']})"
+                if settings.get("calib_size") is not None
+                else ""
+            )
+            + f"; trained {settings.get('train_epochs')} epochs"
+            + (
+                f", then more while under {100 * settings['train_until']:g} % acc@1 on its training digits (up to "
+                f"{settings['train_max_epochs']})"
+                if settings.get("train_until")
+                else ""
+            )
+        ),
         f"latency {settings['warmup']} warm-up + {settings['iterations']} timed iterations",
         f"{settings['threads']} thread{'s' if settings['threads'] != 1 else ''}",
-        *(["classifiers at their weights' crop, or at the size their row names"]
-          if any(r.get("classifier_size") for r in rows) else []),
-        "segmentation, RetinaNet, FCOS and video-frame input " + (
-            "×".join(map(str, settings["input_size"])) + ", or the weight's own where that is smaller or its minimum larger"
-            if settings.get("input_size") else "the weight's"),
+        *(
+            ["classifiers at their weights' crop, or at the size their row names"]
+            if any(r.get("classifier_size") for r in rows)
+            else []
+        ),
+        "segmentation, RetinaNet, FCOS and video-frame input "
+        + (
+            "×".join(map(str, settings["input_size"]))
+            + ", or the weight's own where that is smaller or its minimum larger"
+            if settings.get("input_size")
+            else "the weight's"
+        ),
         _time_limit_line(settings, rows),
-        *([f"every .pte, .ptl and ONNX also validated on emulated aarch64 ("
-           + ("each target's own CPUs" if settings["cpus"] == ["target"] else ", ".join(settings["cpus"]))
-           + "): a cell passes only where it passes on every CPU"] if settings.get("cpus") else []),
+        *(
+            [
+                "every .pte, .ptl and ONNX also validated on emulated aarch64 ("
+                + ("each target's own CPUs" if settings["cpus"] == ["target"] else ", ".join(settings["cpus"]))
+                + "): a cell passes only where it passes on every CPU"
+            ]
+            if settings.get("cpus")
+            else []
+        ),
     ]
     return "; ".join(parts)
 
@@ -487,10 +590,13 @@ def _selection_line(selection: dict) -> str:
     return "; ".join(parts)
 
 
-LEGEND = ("✅ passed · ❎ built, failed validation (first reason) · ❌ export failed (kind: unsupported op, delegate "
-          "fallback, converter crash, out of memory, degenerate reference, killed from outside the sweep, …) · ⚪ unavailable on this host (Core ML "
-          "predicts only on macOS, TensorRT needs a CUDA GPU; the size when it was built) · ⛔ refused by design · "
-          "⏱ time limit · · not reached (the build stopped earlier) · ⏭ skipped for size")
+LEGEND = (
+    "✅ passed · ❎ built, failed validation (first reason) · ❌ export failed (kind: unsupported op, delegate "
+    "fallback, converter crash, out of memory, degenerate reference, killed from outside the sweep, …) · "
+    "⚪ unavailable on this host (Core ML "
+    "predicts only on macOS, TensorRT needs a CUDA GPU; the size when it was built) · ⛔ refused by design · "
+    "⏱ time limit · · not reached (the build stopped earlier) · ⏭ skipped for size"
+)
 
 HOW = """## How this table is made
 
@@ -550,7 +656,7 @@ and marked ⏱), offline and without `--data`:
   its JSON row lists the earlier builds (`earlier_runs`) and each cell what it reused (`reused`).
 - "ops outside XNNPACK" lists the `.pte` graphs' ops that touch tensors and were left outside the XNNPACK
   delegate (the manifest's `details.delegation.ops_outside_on_tensors`; scalar casts are not counted).
-"""
+"""  # noqa: E501  (the page's text, as written to docs)
 
 
 HOW_TRAINED = """## How this table is made
@@ -601,23 +707,37 @@ def markdown(doc: dict) -> str:
         status = f"complete: {done} of {doc.get('planned_rows', done)} builds (weight × target)"
     else:
         have = {(r["weight"], r["target"]) for r in rows}
-        missing = [f"{weight} × {target}" for weight, target in doc.get("planned") or () if (weight, target) not in have]
-        status = (f"**partial**: {done} of {doc.get('planned_rows', '?')} builds (weight × target) done"
-                  + (" — the sweep was interrupted" if doc.get("interrupted") else " — the sweep is running or was stopped")
-                  + (f"; not built: {', '.join(missing)}" if 0 < len(missing) <= 10 else ""))
+        missing = [
+            f"{weight} × {target}" for weight, target in doc.get("planned") or () if (weight, target) not in have
+        ]
+        status = (
+            f"**partial**: {done} of {doc.get('planned_rows', '?')} builds (weight × target) done"
+            + (" — the sweep was interrupted" if doc.get("interrupted") else " — the sweep is running or was stopped")
+            + (f"; not built: {', '.join(missing)}" if 0 < len(missing) <= 10 else "")
+        )
     built_s = sum((r.get("seconds") or 0) + _earlier_s(r) for r in rows)
     trained = settings.get("weights") == "digits"
-    intro = (("Every chosen classifier's architecture **trained from scratch on scikit-learn's digits** (nothing "
-              "downloaded), built for each target by the real `exporter build` and validated against its eager reference "
-              "and the labels of held-out digits; a cell shows the artifact's acc@1.") if trained else
-             ("Every chosen torchvision weight with **random weights** (nothing downloaded), built for each target by the "
-              "real `exporter build` and validated against its eager reference on synthetic inputs."))
+    intro = (
+        (
+            "Every chosen classifier's architecture **trained from scratch on scikit-learn's digits** (nothing "
+            "downloaded), built for each target by the real `exporter build` and validated against its eager reference "
+            "and the labels of held-out digits; a cell shows the artifact's acc@1."
+        )
+        if trained
+        else (
+            "Every chosen torchvision weight with **random weights** (nothing downloaded), built for each target by the "
+            "real `exporter build` and validated against its eager reference on synthetic inputs."
+        )
+    )
     if settings.get("cpus"):
-        intro += (" Every `.pte`, `.ptl` and ONNX artifact also ran on **emulated aarch64 cores** (qemu-user, the "
-                  "aarch64 wheels of the same versions), judged by the same contract: a cell passes only where it "
-                  "passes on every core, and names them.")
+        intro += (
+            " Every `.pte`, `.ptl` and ONNX artifact also ran on **emulated aarch64 cores** (qemu-user, the "
+            "aarch64 wheels of the same versions), judged by the same contract: a cell passes only where it "
+            "passes on every core, and names them."
+        )
     lines = [
-        "# torchvision coverage" + (", trained on the digits" if trained else "")
+        "# torchvision coverage"
+        + (", trained on the digits" if trained else "")
         + (", on x86 and emulated aarch64" if settings.get("cpus") else ""),
         "",
         intro + " [How this table is made](#how-this-table-is-made).",
@@ -626,23 +746,42 @@ def markdown(doc: dict) -> str:
         "|---|---|",
         f"| made | {_esc(doc.get('created'))} |",
         f"| command | `{_esc(doc.get('command'))}`"
-        + (f" at exporter commit `{doc['exporter_commit'][:12]}{'-dirty' if doc['exporter_commit'].endswith('-dirty') else ''}`"
-           if doc.get("exporter_commit") else "") + " |",
-        *([f"| merged from | {len(doc['merged_from'])} file(s): [the commands that made them](#merged-from) |"]
-          if doc.get("merged_from") else []),
+        + (
+            f" at exporter commit `{doc['exporter_commit'][:12]}{'-dirty' if doc['exporter_commit'].endswith('-dirty') else ''}`"
+            if doc.get("exporter_commit")
+            else ""
+        )
+        + " |",
+        *(
+            [f"| merged from | {len(doc['merged_from'])} file(s): [the commands that made them](#merged-from) |"]
+            if doc.get("merged_from")
+            else []
+        ),
         f"| status | {status} |",
         f"| run time | {_duration(run.get('total_wall_s', run.get('wall_s')))} wall clock"
-        + (f" over {len(run['earlier_runs']) + 1} runs (resumed after an interruption; this one {_duration(run.get('wall_s'))})"
-           if run.get("earlier_runs") else "")
-        + (f" (merged: the longest of its files' runs)" if doc.get("merged_from") else "")
+        + (
+            f" over {len(run['earlier_runs']) + 1} runs (resumed after an interruption; this one {_duration(run.get('wall_s'))})"
+            if run.get("earlier_runs")
+            else ""
+        )
+        + (" (merged: the longest of its files' runs)" if doc.get("merged_from") else "")
         + f"; {_duration(built_s)} of builds in all"
-        + (f" ({run.get('rows_from_cache')} rows from the row cache, timed when first built)" if run.get("rows_from_cache") else "")
+        + (
+            f" ({run.get('rows_from_cache')} rows from the row cache, timed when first built)"
+            if run.get("rows_from_cache")
+            else ""
+        )
         + " |",
         "| host | " + "; ".join(_esc(_host_line(h)) for h in (doc.get("hosts") or [host])) + " |",
         "| tools | " + ", ".join(f"{name} {tools.get(name) or '—'}" for name in SHOWN_TOOLS) + " |",
         f"| settings | {_esc(_settings_line(settings, rows))} |",
-        "| selection | " + ("each merged file's, [with its command](#merged-from)" if doc.get("merged_from")
-                            else _esc(_selection_line(doc.get("selection") or {}))) + " |",
+        "| selection | "
+        + (
+            "each merged file's, [with its command](#merged-from)"
+            if doc.get("merged_from")
+            else _esc(_selection_line(doc.get("selection") or {}))
+        )
+        + " |",
         "",
         LEGEND,
         "",
@@ -650,27 +789,39 @@ def markdown(doc: dict) -> str:
         "",
         "Builds (weight × target) by how they ended, and artifacts by outcome.",
         "",
-        "| target | task | built | stopped | ⛔ refused | ⏭ skipped | " + " | ".join(SYMBOLS[k] for k in ORDER if k != "skipped") + " |",
+        "| target | task | built | stopped | ⛔ refused | ⏭ skipped | "
+        + " | ".join(SYMBOLS[k] for k in ORDER if k != "skipped")
+        + " |",
         "|---|---|---:|---:|---:|---:|" + "---:|" * (len(ORDER) - 1),
     ]
     groups = summary(rows)
     for g in groups:
         a = g["artifacts"]
-        lines.append(f"| {g['target']} | {g['task']} | {g['built']} | {g['stopped']} | {g['refused']} | {g['skipped']} | "
-                     + " | ".join(str(a[k]) for k in ORDER if k != "skipped") + " |")
+        lines.append(
+            f"| {g['target']} | {g['task']} | {g['built']} | {g['stopped']} | {g['refused']} | {g['skipped']} | "
+            + " | ".join(str(a[k]) for k in ORDER if k != "skipped")
+            + " |"
+        )
     kinds = Counter()
     for g in groups:
         for kind, n in g["failures"].items():
             kinds[(g["target"], kind)] += n
     if kinds:
-        lines += ["", "Failures by kind (❎ validation: a threshold broken; ❎ ill-conditioned reference: eager itself, its "
-                  "tensors rounded to the artifact's precision, breaks the same thresholds, so the failure is the random "
-                  "model's, not the export's; ❎ quantized weight: a torchvision int8 weight, run as it is in eager PyTorch, "
-                  "breaks the same thresholds against its float model; ❎ degenerate reference: eager's outputs barely "
-                  "vary across the inputs, so agreement with it proves nothing; ❎ runtime error: made, but its runtime fails on "
-                  "a validation input):", "",
-                  "| target | kind | artifacts |", "|---|---|---:|"]
-        for (target, kind), n in sorted(kinds.items(), key=lambda kv: (_order(kv[0][0], TARGET_ORDER), -kv[1], kv[0][1])):
+        lines += [
+            "",
+            "Failures by kind (❎ validation: a threshold broken; ❎ ill-conditioned reference: eager itself, its "
+            "tensors rounded to the artifact's precision, breaks the same thresholds, so the failure is the random "
+            "model's, not the export's; ❎ quantized weight: a torchvision int8 weight, run as it is in eager PyTorch, "
+            "breaks the same thresholds against its float model; ❎ degenerate reference: eager's outputs barely "
+            "vary across the inputs, so agreement with it proves nothing; ❎ runtime error: made, but its runtime fails on "
+            "a validation input):",
+            "",
+            "| target | kind | artifacts |",
+            "|---|---|---:|",
+        ]
+        for (target, kind), n in sorted(
+            kinds.items(), key=lambda kv: (_order(kv[0][0], TARGET_ORDER), -kv[1], kv[0][1])
+        ):
             lines.append(f"| {target} | {kind} | {n} |")
 
     targets = sorted({r["target"] for r in rows}, key=lambda t: (_order(t, TARGET_ORDER), t))
@@ -680,23 +831,34 @@ def markdown(doc: dict) -> str:
             continue
         columns = list(dict.fromkeys(c["name"] for r in built for c in r["cells"]))
         has_pte = any(c.get("delegation") for r in built for c in r["cells"])
-        lines += ["", f"## {target}", "",
-                  "| weight | task | params (M) | build s | " + ("eager acc@1 | " if trained else "") + " | ".join(columns)
-                  + (" | ops outside XNNPACK |" if has_pte else " |"),
-                  "|---|---|---:|---:|" + ("---:|" if trained else "") + "---|" * len(columns) + ("---|" if has_pte else "")]
+        lines += [
+            "",
+            f"## {target}",
+            "",
+            "| weight | task | params (M) | build s | "
+            + ("eager acc@1 | " if trained else "")
+            + " | ".join(columns)
+            + (" | ops outside XNNPACK |" if has_pte else " |"),
+            "|---|---|---:|---:|" + ("---:|" if trained else "") + "---|" * len(columns) + ("---|" if has_pte else ""),
+        ]
         for r in built:
             by_name = {c["name"]: c for c in r["cells"]}
             cells = [cell_text(by_name[name]) if name in by_name else "" for name in columns]
             params = f"{r['params'] / 1e6:.1f}" if r.get("params") else "—"
             eager = next(((c.get("accuracy") or {}).get("eager_acc1") for c in r["cells"] if c.get("accuracy")), None)
             size = r.get("classifier_size")
-            lines.append(f"| {_esc(r['weight'])}{f' ({size[0]}×{size[1]})' if size else ''} | {r['task']} | {params} | "
-                         f"{_build_s_text(r)} | "
-                         + ((f"{eager:.1f} | " if eager is not None else "— | ") if trained else "")
-                         + " | ".join(_esc(c) for c in cells)
-                         + (f" | {_esc(_outside_xnnpack(r['cells']))} |" if has_pte else " |"))
+            lines.append(
+                f"| {_esc(r['weight'])}{f' ({size[0]}×{size[1]})' if size else ''} | {r['task']} | {params} | "
+                f"{_build_s_text(r)} | "
+                + ((f"{eager:.1f} | " if eager is not None else "— | ") if trained else "")
+                + " | ".join(_esc(c) for c in cells)
+                + (f" | {_esc(_outside_xnnpack(r['cells']))} |" if has_pte else " |")
+            )
 
-    for label, kind, heading in (("refused", "refused", "Refused by design (⛔)"), ("skipped", "skipped", "Skipped (⏭)")):
+    for label, kind, heading in (
+        ("refused", "refused", "Refused by design (⛔)"),
+        ("skipped", "skipped", "Skipped (⏭)"),
+    ):
         seen = {}
         for r in rows:
             if r["outcome"] == kind:
@@ -709,20 +871,37 @@ def markdown(doc: dict) -> str:
 
     failures = [(r, c) for r in rows for c in r["cells"] if c["outcome"] in ("failed", "export", "time")]
     if failures:
-        lines += ["", "## Failures", "", "Every ❎, ❌ and ⏱ artifact with the first line of its reason and, for ❎, what "
-                  "eager reaches with its tensors rounded to the artifact's precision (its floor).", "",
-                  "| weight | target | artifact | | kind | first line | floor |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Failures",
+            "",
+            "Every ❎, ❌ and ⏱ artifact with the first line of its reason and, for ❎, what "
+            "eager reaches with its tensors rounded to the artifact's precision (its floor).",
+            "",
+            "| weight | target | artifact | | kind | first line | floor |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r, c in failures:
-            lines.append(f"| {_esc(r['weight'])} | {r['target']} | {c['name']} | {SYMBOLS[c['outcome']]} | "
-                         f"{_esc(c.get('kind') or '')} | {_esc((c.get('reason') or '')[:240])} | {_esc(floor_text(r, c))} |")
+            lines.append(
+                f"| {_esc(r['weight'])} | {r['target']} | {c['name']} | {SYMBOLS[c['outcome']]} | "
+                f"{_esc(c.get('kind') or '')} | {_esc((c.get('reason') or '')[:240])} | {_esc(floor_text(r, c))} |"
+            )
     stopped = [r for r in rows if r["outcome"] == "stopped"]
     if stopped:
         lines += ["", "## Stopped builds", "", "| weight | target | after | why |", "|---|---|---:|---|"]
         for r in stopped:
-            lines.append(f"| {_esc(r['weight'])} | {r['target']} | {r.get('seconds') or 0:.0f} s | {_esc((r.get('reason') or '')[:240])} |")
+            lines.append(
+                f"| {_esc(r['weight'])} | {r['target']} | {r.get('seconds') or 0:.0f} s | {_esc((r.get('reason') or '')[:240])} |"
+            )
     if doc.get("merged_from"):
-        lines += ["", "## Merged from", "", "Each sweep whose rows this table holds (a row built again later replaces "
-                  "the earlier one), with what it selected:", ""]
+        lines += [
+            "",
+            "## Merged from",
+            "",
+            "Each sweep whose rows this table holds (a row built again later replaces "
+            "the earlier one), with what it selected:",
+            "",
+        ]
         made = dict.fromkeys((_provenance(m), _selection_line(m.get("selection") or {})) for m in doc["merged_from"])
         lines += [f"- {_esc(command)}: {_esc(selection)}" for command, selection in made]
     lines += ["", HOW_TRAINED if trained else HOW]

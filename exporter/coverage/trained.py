@@ -38,14 +38,24 @@ def restrict(candidates: list) -> list:
     out = []
     for c in candidates:
         if c.task not in TRAINED_TASKS and not (c.refused or c.skipped):
-            c = dataclasses.replace(c, skipped=f"no digits recipe for {c.task} weights (the trained tier covers "
-                                               f"{' and '.join(TRAINED_TASKS)})")
+            c = dataclasses.replace(
+                c,
+                skipped=f"no digits recipe for {c.task} weights (the trained tier covers "
+                f"{' and '.join(TRAINED_TASKS)})",
+            )
         out.append(c)
     return out
 
 
-def make(weight_name: str, cache: Path, epochs: int = EPOCHS, log=print, until: float | None = UNTIL,
-         max_epochs: int = MAX_EPOCHS, size: int | None = None) -> dict:
+def make(
+    weight_name: str,
+    cache: Path,
+    epochs: int = EPOCHS,
+    log=print,
+    until: float | None = UNTIL,
+    max_epochs: int = MAX_EPOCHS,
+    size: int | None = None,
+) -> dict:
     """The weight's digits-trained checkpoint(s), trained now or taken from `cache` (at size x size, or the weight's
     crop); returns what the build needs ({"checkpoint", "float_checkpoint", "data", "labels"}) and what the
     training reached."""
@@ -58,13 +68,24 @@ def make(weight_name: str, cache: Path, epochs: int = EPOCHS, log=print, until: 
     info = {"recipe": "digits", "epochs": epochs, "until_train_acc1": None if until is None else 100 * until}
     if weights.is_quantized(w):
         model = digits.prepare_quantized(cache, name, epochs, log=log, until=until, max_epochs=max_epochs, size=size)
-        info.update(checkpoint=str(model.checkpoint), float_checkpoint=str(model.float_checkpoint),
-                    held_out_acc1=round(100 * model.float_accuracy, 2),
-                    quantized_held_out_acc1=round(100 * model.quantized_accuracy, 2))
+        info.update(
+            checkpoint=str(model.checkpoint),
+            float_checkpoint=str(model.float_checkpoint),
+            held_out_acc1=round(100 * model.float_accuracy, 2),
+            quantized_held_out_acc1=round(100 * model.quantized_accuracy, 2),
+        )
     else:
         model = digits.prepare(cache, log, name, epochs, until, max_epochs, size)
-        info.update(checkpoint=str(model.checkpoint), float_checkpoint=None,
-                    held_out_acc1=round(100 * model.held_out_accuracy, 2))
-    info.update(epochs_trained=model.epochs, data=str(model.data_dir), labels=str(model.labels_file), num_classes=10,
-                prepare_s=round(time.perf_counter() - started, 1))
+        info.update(
+            checkpoint=str(model.checkpoint),
+            float_checkpoint=None,
+            held_out_acc1=round(100 * model.held_out_accuracy, 2),
+        )
+    info.update(
+        epochs_trained=model.epochs,
+        data=str(model.data_dir),
+        labels=str(model.labels_file),
+        num_classes=10,
+        prepare_s=round(time.perf_counter() - started, 1),
+    )
     return info

@@ -67,34 +67,56 @@ def run(spec: dict) -> int:
             from . import trained
 
             input_size = randomize.accepted_input_size(spec["weight"], None, spec.get("classifier_size"))
-            made = result["checkpoint"] = trained.make(spec["weight"], Path(spec["trained"]), spec["train_epochs"],
-                                                       log=lambda line: print(f"train: {line}", flush=True),
-                                                       until=spec["train_until"], max_epochs=spec["train_max_epochs"],
-                                                       size=input_size[0] if input_size else None)
+            made = result["checkpoint"] = trained.make(
+                spec["weight"],
+                Path(spec["trained"]),
+                spec["train_epochs"],
+                log=lambda line: print(f"train: {line}", flush=True),
+                until=spec["train_until"],
+                max_epochs=spec["train_max_epochs"],
+                size=input_size[0] if input_size else None,
+            )
         else:
-            input_size = randomize.accepted_input_size(spec["weight"], spec.get("input_size"), spec.get("classifier_size"))
+            input_size = randomize.accepted_input_size(
+                spec["weight"], spec.get("input_size"), spec.get("classifier_size")
+            )
             made = result["checkpoint"] = randomize.make(spec["weight"], Path(spec["checkpoints"]), input_size)
         result["checkpoint_s"] = round(time.perf_counter() - started, 3)
         result["stage"] = "build"
         request = BuildRequest(
-            weight=spec["weight"], target=spec["target"], out=Path(spec["out"]),
-            checkpoint=Path(made["checkpoint"]), verify=False, offline=True, force=True,
-            formats=list(spec.get("formats") or []), calib_size=spec["calib_size"], val_size=spec["val_size"],
-            threads=spec["threads"], warmup=spec["warmup"], iterations=spec["iterations"],
+            weight=spec["weight"],
+            target=spec["target"],
+            out=Path(spec["out"]),
+            checkpoint=Path(made["checkpoint"]),
+            verify=False,
+            offline=True,
+            force=True,
+            formats=list(spec.get("formats") or []),
+            calib_size=spec["calib_size"],
+            val_size=spec["val_size"],
+            threads=spec["threads"],
+            warmup=spec["warmup"],
+            iterations=spec["iterations"],
             input_size=input_size,
             float_checkpoint=Path(made["float_checkpoint"]) if made.get("float_checkpoint") else None,
             data=Path(made["data"]) if made.get("data") else None,
             labels=Path(made["labels"]) if made.get("labels") else None,
-            cache=True, cache_dir=Path(spec["build_cache"]),  # shared by the weight's targets, then removed
-            **({"arch": ["aarch64"], "cpus": spec["aarch64_cpus"], "aarch64_runners": Path(spec["aarch64_runners"])}
-               if spec.get("aarch64_runners") else {}),
+            cache=True,
+            cache_dir=Path(spec["build_cache"]),  # shared by the weight's targets, then removed
+            **(
+                {"arch": ["aarch64"], "cpus": spec["aarch64_cpus"], "aarch64_runners": Path(spec["aarch64_runners"])}
+                if spec.get("aarch64_runners")
+                else {}
+            ),
         )
         if spec.get("floor_only"):
             result.update(stage="done", floor=floor(request, spec["target"]), status=None)
         else:
             (doc,) = build_targets(request, [spec["target"]], Progress())
             result.update(stage="done", status=doc["status"])
-            if any(a["status"] == "failed" and a.get("fidelity") is not None for a in doc["artifacts"]):  # judged, failed
+            if any(
+                a["status"] == "failed" and a.get("fidelity") is not None for a in doc["artifacts"]
+            ):  # judged, failed
                 _write(result_path, result)  # the build stands if the time limit ends the floor
                 try:  # the build's row stands whatever happens here
                     result["floor"] = floor(request, spec["target"])
@@ -125,13 +147,16 @@ def floor(request, target: str) -> dict:
     from .outcome import WEIGHT_FLOOR
 
     started = time.perf_counter()
-    loaded = weights.load(request.weight, request.checkpoint, verify=False, offline=True,
-                          float_checkpoint=request.float_checkpoint)
+    loaded = weights.load(
+        request.weight, request.checkpoint, verify=False, offline=True, float_checkpoint=request.float_checkpoint
+    )
     task = loaded.task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
     plan = make(with_required(target_profile(request, target), task.format_options()), task.name)
     size = (plan.data.calib_size, plan.data.val_size, plan.data.seed)
     transform = task.transform(loaded.weights)
-    inputs = data.synthetic(transform, *size) if request.data is None else task.load_data(request.data, transform, *size)
+    inputs = (
+        data.synthetic(transform, *size) if request.data is None else task.load_data(request.data, transform, *size)
+    )
     images = inputs.validation
     eager = loaded.eager.float().eval()
     with torch.no_grad():
@@ -139,8 +164,9 @@ def floor(request, target: str) -> dict:
     thresholds = {k: dict(v) for k, v in plan.thresholds.items()}
     result = conditioning.floor(task, eager, images, reference, thresholds, inputs.calibration, inputs.labels)
     if loaded.reference_model is not None and "int8" in thresholds:  # a quantized weight, against its float model
-        result[WEIGHT_FLOOR] = conditioning.weight_row(task, loaded.model.eval(), images, reference,
-                                                              inputs.labels, thresholds["int8"])
+        result[WEIGHT_FLOOR] = conditioning.weight_row(
+            task, loaded.model.eval(), images, reference, inputs.labels, thresholds["int8"]
+        )
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result
 

@@ -77,8 +77,9 @@ def decode_distances(distances: np.ndarray, anchors: np.ndarray, normalize_by_si
     if normalize_by_size:
         widths, heights = anchors[:, 2] - anchors[:, 0], anchors[:, 3] - anchors[:, 1]
         distances = distances * np.stack([widths, heights, widths, heights], axis=1)
-    return np.stack([ctr_x - distances[:, 0], ctr_y - distances[:, 1],
-                     ctr_x + distances[:, 2], ctr_y + distances[:, 3]], axis=1)
+    return np.stack(
+        [ctr_x - distances[:, 0], ctr_y - distances[:, 1], ctr_x + distances[:, 2], ctr_y + distances[:, 3]], axis=1
+    )
 
 
 def clip_boxes(boxes: np.ndarray, image_size) -> np.ndarray:
@@ -115,8 +116,9 @@ def _match_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return ious
 
 
-def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, limit: int | None = None,
-        labels: np.ndarray | None = None) -> np.ndarray:
+def nms(
+    boxes: np.ndarray, scores: np.ndarray, threshold: float, limit: int | None = None, labels: np.ndarray | None = None
+) -> np.ndarray:
     """Greedy NMS: indices kept, highest score first. With `labels`, a box suppresses only boxes of its own
     label. Stops once `limit` are kept (the rest could only come after them), which bounds the cost when
     thousands of low scores pass the score threshold."""
@@ -214,7 +216,11 @@ def match(reference: dict, candidate: dict, min_score: float, iou: float = 0.5) 
     both restricted to scores >= min_score: counts, IoUs and score errors of the matches."""
     ref = {k: v[reference["scores"] >= min_score] for k, v in reference.items()}
     cand = {k: v[candidate["scores"] >= min_score] for k, v in candidate.items()}
-    ious = _match_iou(ref["boxes"], cand["boxes"]) if len(ref["boxes"]) and len(cand["boxes"]) else np.zeros((len(ref["boxes"]), len(cand["boxes"])))
+    ious = (
+        _match_iou(ref["boxes"], cand["boxes"])
+        if len(ref["boxes"]) and len(cand["boxes"])
+        else np.zeros((len(ref["boxes"]), len(cand["boxes"])))
+    )
     ious = np.where(ref["labels"][:, None] == cand["labels"][None, :], ious, 0.0)
     matched_ious, score_errors, taken = [], [], set()
     for r in np.argsort(-ref["scores"], kind="stable"):
@@ -224,8 +230,13 @@ def match(reference: dict, candidate: dict, min_score: float, iou: float = 0.5) 
             taken.add(c)
             matched_ious.append(best_iou)
             score_errors.append(abs(float(ref["scores"][r]) - float(cand["scores"][c])))
-    return {"reference": len(ref["boxes"]), "candidate": len(cand["boxes"]), "matched": len(matched_ious),
-            "ious": matched_ious, "score_errors": score_errors}
+    return {
+        "reference": len(ref["boxes"]),
+        "candidate": len(cand["boxes"]),
+        "matched": len(matched_ious),
+        "ious": matched_ious,
+        "score_errors": score_errors,
+    }
 
 
 def aligned(reference: np.ndarray, candidate: np.ndarray, params: dict) -> np.ndarray:
@@ -251,4 +262,3 @@ def aligned(reference: np.ndarray, candidate: np.ndarray, params: dict) -> np.nd
     unseen = (ref[:, 4] < params.get("match_score", 0.0)) & (out[:, 4] < params.get("match_score", 0.0))
     out[unseen] = ref[unseen]
     return out.reshape(np.shape(candidate))
-

@@ -41,8 +41,16 @@ import numpy as np
 INPUT, OUTPUT = "input", "logits"
 DECODER = "detection_decode.py"  # beside this script
 EAGER_DETECTIONS = "golden/eager_detections.json"
-DECODE_KEYS = ("box_coder_weights", "score_thresh", "nms_thresh", "topk_candidates", "detections_per_img",
-               "bbox_xform_clip", "match_score", "anchors")
+DECODE_KEYS = (
+    "box_coder_weights",
+    "score_thresh",
+    "nms_thresh",
+    "topk_candidates",
+    "detections_per_img",
+    "bbox_xform_clip",
+    "match_score",
+    "anchors",
+)
 
 
 class Task(NamedTuple):
@@ -55,11 +63,19 @@ class Task(NamedTuple):
 
 
 TASKS = {
-    "classification": Task("classification", ("NC",), ("top1_agreement", "top5_agreement", "psnr_db", "cosine"), ("max_abs_error",)),
+    "classification": Task(
+        "classification", ("NC",), ("top1_agreement", "top5_agreement", "psnr_db", "cosine"), ("max_abs_error",)
+    ),
     "video": Task("video", ("NC",), ("top1_agreement", "top5_agreement", "psnr_db", "cosine"), ("max_abs_error",)),
-    "segmentation": Task("segmentation", ("NCHW",), ("pixel_agreement", "miou_vs_eager", "psnr_db", "cosine"), ("max_abs_error",)),
-    "detection": Task("detection", ("NAK", "NDK"), ("matched_recall", "matched_precision", "psnr_db", "cosine"), ("max_abs_error",)),
-    "optical_flow": Task("optical_flow", ("NCHW",), ("flow_agreement", "psnr_db", "cosine"), ("max_abs_error", "epe_vs_eager")),
+    "segmentation": Task(
+        "segmentation", ("NCHW",), ("pixel_agreement", "miou_vs_eager", "psnr_db", "cosine"), ("max_abs_error",)
+    ),
+    "detection": Task(
+        "detection", ("NAK", "NDK"), ("matched_recall", "matched_precision", "psnr_db", "cosine"), ("max_abs_error",)
+    ),
+    "optical_flow": Task(
+        "optical_flow", ("NCHW",), ("flow_agreement", "psnr_db", "cosine"), ("max_abs_error", "epe_vs_eager")
+    ),
 }
 
 
@@ -158,8 +174,10 @@ def flow_fidelity(ref: np.ndarray, out) -> dict:
     metrics = fidelity(ref.reshape(len(ref), -1), out.reshape(len(out), -1))
     distance = np.sqrt(np.sum((out - ref) ** 2, axis=1))
     return {key: metrics[key] for key in ("samples", "psnr_db", "cosine", "max_abs_error")} | {
-        "pixels": int(distance.size), "flow_agreement": float(np.mean(distance < 1.0)),
-        "epe_vs_eager": float(np.mean(distance))}
+        "pixels": int(distance.size),
+        "flow_agreement": float(np.mean(distance < 1.0)),
+        "epe_vs_eager": float(np.mean(distance)),
+    }
 
 
 class Decoding(NamedTuple):
@@ -209,7 +227,9 @@ def _missed(fraction: float, items: int) -> int:
     return round((1 - fraction) * items)
 
 
-def breaches(metrics: dict, thresholds: dict, task: Task = TASKS["classification"], host: dict | None = None) -> list[str]:
+def breaches(
+    metrics: dict, thresholds: dict, task: Task = TASKS["classification"], host: dict | None = None
+) -> list[str]:
     """The thresholds `metrics` break, judged as the module docstring says; `host` is the build's own
     fidelity on the same golden inputs (None for a build that did not record it)."""
     host = host or {}
@@ -223,7 +243,9 @@ def breaches(metrics: dict, thresholds: dict, task: Task = TASKS["classification
             own = _missed(float(host[key]), host[count]) if key in host and count in host else 0
             if missed > max(allowed, own):
                 own_run = f", the build's own run {own}" if own else ""
-                reasons.append(f"{key} {value:.4g} ({missed} of {items} {misses}; {limit:g} allows {allowed} of {items}{own_run})")
+                reasons.append(
+                    f"{key} {value:.4g} ({missed} of {items} {misses}; {limit:g} allows {allowed} of {items}{own_run})"
+                )
         elif key in task.min_keys:
             floor = min(limit, float(host[key])) if key in host else limit
             if not value >= floor:  # NaN breaks it too
@@ -238,8 +260,11 @@ def breaches(metrics: dict, thresholds: dict, task: Task = TASKS["classification
 def unresolved(metrics: dict, thresholds: dict) -> list[str]:
     """A note naming the fractions whose golden items are too few to resolve their threshold (rounding up
     to a whole item lets one miss through where the threshold alone would allow none); said, not hidden."""
-    few = [f"{key} {limit:g} ({metrics[ITEMS[key].count]} {ITEMS[key].noun})" for key, limit in thresholds.items()
-           if key in ITEMS and 0 < metrics[ITEMS[key].count] * (1 - limit) < 1]
+    few = [
+        f"{key} {limit:g} ({metrics[ITEMS[key].count]} {ITEMS[key].noun})"
+        for key, limit in thresholds.items()
+        if key in ITEMS and 0 < metrics[ITEMS[key].count] * (1 - limit) < 1
+    ]
     return [f"note: too few items to resolve {', '.join(few)}: one miss each is let through"] if few else []
 
 
@@ -265,11 +290,15 @@ def _task(doc: dict) -> tuple[Task, dict]:
     entry = doc.get("task") or {"name": "classification"}
     task = TASKS.get(entry.get("name"))
     if task is None:
-        raise BadInput(f"manifest.json task {entry.get('name')!r} is not one this validator checks ({', '.join(TASKS)})")
+        raise BadInput(
+            f"manifest.json task {entry.get('name')!r} is not one this validator checks ({', '.join(TASKS)})"
+        )
     layout = (entry.get("output") or {}).get("layout", task.layouts[0])
     if layout not in task.layouts:
-        raise BadInput(f"manifest.json says a {task.name} model with output layout {layout}; {task.name} outputs "
-                       f"{' or '.join(task.layouts)}")
+        raise BadInput(
+            f"manifest.json says a {task.name} model with output layout {layout}; {task.name} outputs "
+            f"{' or '.join(task.layouts)}"
+        )
     if task.name == "detection":
         missing = [k for k in DECODE_KEYS if k not in (entry.get("decode") or {})]
         if missing:
@@ -287,15 +316,21 @@ def _read_build(directory: Path) -> tuple[dict, Task, str, np.ndarray, np.ndarra
     task, entry = _task(doc)
     frames = entry.get("frames")  # clips: N x 3 x T x H x W
     if inputs.ndim != (5 if frames else 4) or logits.ndim != len(task.layouts[0]) or len(inputs) != len(logits):
-        raise BadInput(f"golden files do not pair up for {task.name} (inputs N x C x {'T x ' if frames else ''}H x W, "
-                       f"eager logits {' x '.join(task.layouts[0])}): inputs {inputs.shape}, eager logits {logits.shape}")
+        raise BadInput(
+            f"golden files do not pair up for {task.name} (inputs N x C x {'T x ' if frames else ''}H x W, "
+            f"eager logits {' x '.join(task.layouts[0])}): inputs {inputs.shape}, eager logits {logits.shape}"
+        )
     size = entry.get("input_size")
     if (size is not None and list(inputs.shape[-2:]) != list(size)) or (frames and inputs.shape[2] != frames):
-        raise BadInput(f"golden inputs.npy has shape {inputs.shape} but manifest.json task.input_size is {list(size)}"
-                       + (f" and task.frames {frames}" if frames else ""))
+        raise BadInput(
+            f"golden inputs.npy has shape {inputs.shape} but manifest.json task.input_size is {list(size)}"
+            + (f" and task.frames {frames}" if frames else "")
+        )
     shape = (entry.get("output") or {}).get("shape")
     if shape is not None and list(logits.shape[1:]) != list(shape[1:]):
-        raise BadInput(f"golden eager_logits.npy has shape {logits.shape} but manifest.json task.output.shape is {list(shape)} per input")
+        raise BadInput(
+            f"golden eager_logits.npy has shape {logits.shape} but manifest.json task.output.shape is {list(shape)} per input"
+        )
     output = (entry.get("output") or {}).get("name", OUTPUT)
     return doc, task, output, inputs.astype(np.float32), logits
 
@@ -304,8 +339,10 @@ def _decode_code():
     """detection_decode.py from this script's directory, loaded without the exporter package."""
     path = Path(__file__).resolve().parent / DECODER
     if not path.is_file():
-        raise BadInput(f"{DECODER} is missing beside {Path(__file__).name} in {path.parent}; "
-                       "detection builds and bundles ship it there")
+        raise BadInput(
+            f"{DECODER} is missing beside {Path(__file__).name} in {path.parent}; "
+            "detection builds and bundles ship it there"
+        )
     spec = importlib.util.spec_from_file_location("detection_decode", path)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -322,15 +359,19 @@ def _decoding(directory: Path, entry: dict, logits: np.ndarray, image_size) -> D
         return Decoding(_decode_code(), None, tuple(int(v) for v in image_size), params)
     path = directory / decode["anchors"]
     if not path.is_file():
-        raise BadInput(f"{decode['anchors']} is missing from {directory}: detection needs the anchors manifest.json "
-                       "task.decode.anchors names")
+        raise BadInput(
+            f"{decode['anchors']} is missing from {directory}: detection needs the anchors manifest.json "
+            "task.decode.anchors names"
+        )
     try:
         anchors = np.load(path)
     except (OSError, ValueError) as e:
         raise BadInput(f"cannot read the anchors {path} (manifest.json task.decode.anchors): {e}") from None
     if anchors.shape != (logits.shape[1], 4):
-        raise BadInput(f"{decode['anchors']} has shape {anchors.shape} but golden eager_logits.npy has "
-                       f"{logits.shape[1]} anchors per image: ({logits.shape[1]}, 4) expected")
+        raise BadInput(
+            f"{decode['anchors']} has shape {anchors.shape} but golden eager_logits.npy has "
+            f"{logits.shape[1]} anchors per image: ({logits.shape[1]}, 4) expected"
+        )
     return Decoding(_decode_code(), anchors.astype(np.float32), tuple(int(v) for v in image_size), params)
 
 
@@ -342,9 +383,14 @@ def _check_golden_detections(directory: Path, decoding: Decoding, eager: list[di
         return
     try:
         written = json.loads(path.read_text(encoding="utf-8"))
-        written = [{"boxes": np.asarray(d["boxes"], dtype=np.float64).reshape(-1, 4),
-                    "scores": np.asarray(d["scores"], dtype=np.float64),
-                    "labels": np.asarray(d["labels"], dtype=np.int64)} for d in written]
+        written = [
+            {
+                "boxes": np.asarray(d["boxes"], dtype=np.float64).reshape(-1, 4),
+                "scores": np.asarray(d["scores"], dtype=np.float64),
+                "labels": np.asarray(d["labels"], dtype=np.int64),
+            }
+            for d in written
+        ]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise BadInput(f"cannot read {EAGER_DETECTIONS}: {type(e).__name__}: {e}") from None
     if len(written) != len(eager):
@@ -353,12 +399,17 @@ def _check_golden_detections(directory: Path, decoding: Decoding, eager: list[di
         shown = e["scores"] >= decoding.params["match_score"]
         e = {k: v[shown] for k, v in e.items()}
         # every box on each side has its twin on the other (same class; box and score equal but for rounding)
-        twins = ((np.abs(w["boxes"][:, None] - e["boxes"][None]).max(-1, initial=0) <= 1e-3)
-                 & (np.abs(w["scores"][:, None] - e["scores"][None]) <= 1e-4) & (w["labels"][:, None] == e["labels"][None]))
+        twins = (
+            (np.abs(w["boxes"][:, None] - e["boxes"][None]).max(-1, initial=0) <= 1e-3)
+            & (np.abs(w["scores"][:, None] - e["scores"][None]) <= 1e-4)
+            & (w["labels"][:, None] == e["labels"][None])
+        )
         if len(w["boxes"]) != len(e["boxes"]) or not (twins.any(1).all() and twins.any(0).all()):
-            raise BadInput(f"decoding golden eager_logits.npy does not give {EAGER_DETECTIONS} (image {i}: "
-                           f"{int(twins.any(1).sum())} of its {len(w['boxes'])} boxes reproduced, {len(e['boxes'])} "
-                           f"decoded): the anchors, task.decode or {DECODER} are not the build's")
+            raise BadInput(
+                f"decoding golden eager_logits.npy does not give {EAGER_DETECTIONS} (image {i}: "
+                f"{int(twins.any(1).sum())} of its {len(w['boxes'])} boxes reproduced, {len(e['boxes'])} "
+                f"decoded): the anchors, task.decode or {DECODER} are not the build's"
+            )
 
 
 def _ort_runner(path: Path, output: str, threads: int | None = None):
@@ -426,7 +477,9 @@ def _trt_runner(onnx_path: Path, engine_path: Path, precision: str, batch, outpu
         engine_path.write_bytes(_build_engine(trt, logger, onnx_path, precision, batch))
     engine = trt.Runtime(logger).deserialize_cuda_engine(engine_path.read_bytes())
     if engine is None:
-        raise BadInput(f"{engine_path.name} does not load in TensorRT {trt.__version__}; delete it and run again to rebuild")
+        raise BadInput(
+            f"{engine_path.name} does not load in TensorRT {trt.__version__}; delete it and run again to rebuild"
+        )
     context = engine.create_execution_context()
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     if output not in names:
@@ -437,13 +490,19 @@ def _trt_runner(onnx_path: Path, engine_path: Path, precision: str, batch, outpu
         out = np.empty(tuple(context.get_tensor_shape(output)), dtype=np.float32)
         pointers = [_check(cudart.cudaMalloc(a.nbytes)) for a in (x, out)]
         try:
-            _check(cudart.cudaMemcpy(pointers[0], x.ctypes.data, x.nbytes, cudart.cudaMemcpyKind.cudaMemcpyHostToDevice))
+            _check(
+                cudart.cudaMemcpy(pointers[0], x.ctypes.data, x.nbytes, cudart.cudaMemcpyKind.cudaMemcpyHostToDevice)
+            )
             context.set_tensor_address(INPUT, int(pointers[0]))
             context.set_tensor_address(output, int(pointers[1]))
             if not context.execute_async_v3(0):
                 raise RuntimeError("TensorRT execution failed")
             _check(cudart.cudaDeviceSynchronize())
-            _check(cudart.cudaMemcpy(out.ctypes.data, pointers[1], out.nbytes, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+            _check(
+                cudart.cudaMemcpy(
+                    out.ctypes.data, pointers[1], out.nbytes, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+                )
+            )
         finally:
             for p in pointers:
                 cudart.cudaFree(p)
@@ -506,9 +565,17 @@ def judge(golden: Golden, entry: dict, outputs, runtime: str) -> dict:
     # a run the build failed vouches for nothing: then the thresholds alone
     host = entry.get("golden_fidelity") if entry.get("status") == "passed" else None
     reasons = breaches(metrics, thresholds, task, host)
-    return {"name": entry["name"], "path": entry.get("path", entry.get("file")), "runtime": runtime, "task": task.name,
-            "fidelity": metrics, "thresholds": thresholds, "reasons": reasons, "notes": unresolved(metrics, thresholds),
-            "status": "failed" if reasons else "passed"}
+    return {
+        "name": entry["name"],
+        "path": entry.get("path", entry.get("file")),
+        "runtime": runtime,
+        "task": task.name,
+        "fidelity": metrics,
+        "thresholds": thresholds,
+        "reasons": reasons,
+        "notes": unresolved(metrics, thresholds),
+        "status": "failed" if reasons else "passed",
+    }
 
 
 def validate(directory, runtime: str = "auto", threads: int | None = None) -> list[dict]:
@@ -537,12 +604,21 @@ def validate(directory, runtime: str = "auto", threads: int | None = None) -> li
                 out = np.asarray(run(np.ascontiguousarray(np.repeat(x[None], batch[0], axis=0))))
             except Exception as e:  # the runtime fails on this input (as the build's validation reports it)
                 first = (str(e).strip().splitlines() or [""])[0][:300]
-                results.append({"name": entry["name"], "path": entry["path"], "runtime": runtime, "fidelity": None,
-                                "reasons": [f"does not run on golden input {i}: {type(e).__name__}: {first}"],
-                                "status": "failed"})
+                results.append(
+                    {
+                        "name": entry["name"],
+                        "path": entry["path"],
+                        "runtime": runtime,
+                        "fidelity": None,
+                        "reasons": [f"does not run on golden input {i}: {type(e).__name__}: {first}"],
+                        "status": "failed",
+                    }
+                )
                 break
             if out.shape[1:] != golden.logits.shape[1:]:
-                raise BadInput(f"golden eager_logits.npy has shape {golden.logits.shape} but {entry['path']} outputs {out.shape}")
+                raise BadInput(
+                    f"golden eager_logits.npy has shape {golden.logits.shape} but {entry['path']} outputs {out.shape}"
+                )
             outputs.append(out[0])
         else:
             results.append(judge(golden, entry, outputs, runtime))
@@ -559,14 +635,18 @@ def summary(result: dict) -> str:
         agreement = f"pixel agreement {f['pixel_agreement']:.4f}, mIoU vs eager {f['miou_vs_eager']:.4f}"
     elif result.get("task") == "detection":
         iou = "n/a" if f["mean_match_iou"] is None else f"{f['mean_match_iou']:.3f}"
-        agreement = (f"matched recall {f['matched_recall']:.4f}, precision {f['matched_precision']:.4f}, "
-                     f"mean IoU {iou} ({f['eager_detections']} eager boxes)")
+        agreement = (
+            f"matched recall {f['matched_recall']:.4f}, precision {f['matched_precision']:.4f}, "
+            f"mean IoU {iou} ({f['eager_detections']} eager boxes)"
+        )
     elif result.get("task") == "optical_flow":
         agreement = f"within 1 px of eager {f['flow_agreement']:.4f}, EPE vs eager {f['epe_vs_eager']:.3g} px"
     else:
         agreement = f"top1 {f['top1_agreement']:.3f}"
-    line = (f"{result['status'].upper()} {result['name']} ({result['runtime']}, {f['samples']} golden inputs): "
-            f"{agreement}, psnr {f['psnr_db']:.1f} dB, cosine {f['cosine']:.6f}, max abs {f['max_abs_error']:.3g}")
+    line = (
+        f"{result['status'].upper()} {result['name']} ({result['runtime']}, {f['samples']} golden inputs): "
+        f"{agreement}, psnr {f['psnr_db']:.1f} dB, cosine {f['cosine']:.6f}, max abs {f['max_abs_error']:.3g}"
+    )
     return line + "".join(f"; {text}" for text in (*result["reasons"], *result.get("notes", [])))
 
 
@@ -574,9 +654,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", nargs="?", default=Path(__file__).resolve().parent, type=Path)
     parser.add_argument("--runtime", choices=("auto", "tensorrt", "onnxruntime"), default="auto")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="ONNX Runtime's threads (default: its own, every core); the build's (manifest host.threads) "
-                             "reproduce its numbers exactly")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="ONNX Runtime's threads (default: its own, every core); the build's (manifest host.threads) "
+        "reproduce its numbers exactly",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be 1 or more")

@@ -38,8 +38,10 @@ def _distinct(chosen: list[dict]) -> list[dict]:
     for profile in chosen:
         other = seen.setdefault(profile["name"], profile)
         if other is not profile:
-            raise UsageError(f"targets {other.get('path')} and {profile.get('path')} are both named "
-                             f"'{profile['name']}' (a build's folders are named after its targets): give one another `name`")
+            raise UsageError(
+                f"targets {other.get('path')} and {profile.get('path')} are both named "
+                f"'{profile['name']}' (a build's folders are named after its targets): give one another `name`"
+            )
     return chosen
 
 
@@ -105,8 +107,13 @@ def build_targets(request: BuildRequest, targets, progress: Progress | None = No
     return docs
 
 
-def validate_build(out: Path, data_dir: Path | None = None, thresholds: list[str] = (), progress: Progress | None = None,
-                   checkpoint: Path | None = None) -> dict:
+def validate_build(
+    out: Path,
+    data_dir: Path | None = None,
+    thresholds: list[str] = (),
+    progress: Progress | None = None,
+    checkpoint: Path | None = None,
+) -> dict:
     """Re-run the validation contract on an existing build directory."""
     from . import pipeline
 

@@ -19,8 +19,12 @@ FLATBUFFER_LIMIT = 2**31  # bytes: a flatbuffer's offsets are signed 32-bit, and
 
 
 def wanted(entry: dict) -> bool:
-    return (entry["format"] == FORMAT and bool(entry.get("path")) and entry.get("status") in ("passed", "failed")
-            and entry.get("fidelity") is not None)  # it ran on the validation inputs
+    return (
+        entry["format"] == FORMAT
+        and bool(entry.get("path"))
+        and entry.get("status") in ("passed", "failed")
+        and entry.get("fidelity") is not None
+    )  # it ran on the validation inputs
 
 
 def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
@@ -34,7 +38,8 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
     if size >= FLATBUFFER_LIMIT:  # measured: RegNetY-128GF's 2.6 GB fp32 .pte, BuilderSizeError
         entry["details"]["golden_program"] = (
             f"not made: the program is {size / 2**30:.2f} GiB, and a bundled program embeds it in one flatbuffer, "
-            f"which holds under 2 GiB (the .pte itself keeps its weights in segments outside its flatbuffer)")
+            f"which holds under 2 GiB (the .pte itself keeps its weights in segments outside its flatbuffer)"
+        )
         return
     bpte = pte.with_suffix(bundled_program.SUFFIX)
     try:
@@ -48,15 +53,21 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
     entry["bundled_program"] = {**details, "verified": {"x86_64": verified}}
     if not verified["passed"]:
         entry["status"] = "failed"
-        entry["reasons"] = [*entry.get("reasons", []), f"golden program {bpte.name} fails ExecuTorch's verifier on "
-                                                       f"this host: {verified['error']}"]
+        entry["reasons"] = [
+            *entry.get("reasons", []),
+            f"golden program {bpte.name} fails ExecuTorch's verifier on this host: {verified['error']}",
+        ]
 
 
 def _made(session, entry: dict, pte: Path, bpte: Path, progress: Progress, prefix: str) -> dict:
     """The .bpte written (or fetched from the cache): its details."""
     rows = session.golden_rows
-    digest = cache.key(kind="bundled_program", artifact=entry["sha256"], golden=rows,
-                       **{k: session.digests[k] for k in ("validation", "tools", "checkpoint", "reference", "task")})
+    digest = cache.key(
+        kind="bundled_program",
+        artifact=entry["sha256"],
+        golden=rows,
+        **{k: session.digests[k] for k in ("validation", "tools", "checkpoint", "reference", "task")},
+    )
     with progress.step(f"{prefix}golden program {bpte.name}"):
         with files.atomic_path(bpte) as tmp:
             details = session.cache.fetch_artifact(digest, tmp)
@@ -68,7 +79,9 @@ def _made(session, entry: dict, pte: Path, bpte: Path, progress: Progress, prefi
 
                 measured = bundled_program.tolerances(torch.cat(first), session.reference[rows])
                 details = bundled_program.write(pte, golden, expected, measured["rtol"], measured["atol"], tmp)
-                details.update(path=bpte.name, tolerances={k: measured[k] for k in ("max_abs_gap", "output_scale", "rule")})
+                details.update(
+                    path=bpte.name, tolerances={k: measured[k] for k in ("max_abs_gap", "output_scale", "rule")}
+                )
                 session.cache.store_artifact(digest, tmp, details)
             else:
                 session.cache.events.append(f"{entry['name']}: golden program reused from the cache")

@@ -36,7 +36,9 @@ def _disk_full(error: OSError) -> bool:
 def default_root() -> Path:
     root = Path(os.environ.get("EXPORTER_CACHE") or Path.home() / ".cache" / "exporter")
     if root.exists() and not root.is_dir():
-        raise UsageError(f"the exporter's cache {root} ($EXPORTER_CACHE or ~/.cache/exporter) is a file, not a directory")
+        raise UsageError(
+            f"the exporter's cache {root} ($EXPORTER_CACHE or ~/.cache/exporter) is a file, not a directory"
+        )
     return root
 
 
@@ -143,8 +145,9 @@ class BuildCache:
             entry.parent.mkdir(parents=True, exist_ok=True)
             with files.atomic_path(entry) as staging:
                 staging.mkdir()
-                (staging / "entry.json").write_text(json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(),
-                                                                "value": value}))
+                (staging / "entry.json").write_text(
+                    json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "value": value})
+                )
 
     def fetch_tensor(self, digest: str) -> torch.Tensor | None:
         import torch  # not at the top: a re-run served whole from the cache never imports torch

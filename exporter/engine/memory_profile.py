@@ -62,8 +62,15 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
     threads = session.latency["threads"]
     example = session.inputs.validation[:1]
     # not keyed on the runs (from a measured latency: a key that moved with it would measure memory again)
-    digest = cache.key(kind="memory_profile", version=VERSION, artifact=entry["sha256"], threads=threads,
-                       shape=list(example.shape), cpu=session_cpu(session), tools=session.digests["tools"])
+    digest = cache.key(
+        kind="memory_profile",
+        version=VERSION,
+        artifact=entry["sha256"],
+        threads=threads,
+        shape=list(example.shape),
+        cpu=session_cpu(session),
+        tools=session.digests["tools"],
+    )
     cached = session.cache.fetch_json("memory", digest)
     if cached is not None:
         entry.update(cached)
@@ -81,8 +88,11 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
             entry["profile"] = _unavailable(f"{entry['format']} has no profiler here")
     torch.set_num_threads(threads)  # a runtime's profiler may have changed torch's; eager is timed with these
     # a profile taken on a busy host is measured again by the next build, as a latency is
-    if (entry["memory"].get("available") and entry["profile"].get("available", True)
-            and (entry["profile"].get("conditions") or {}).get("reliable", True)):
+    if (
+        entry["memory"].get("available")
+        and entry["profile"].get("available", True)
+        and (entry["profile"].get("conditions") or {}).get("reliable", True)
+    ):
         session.cache.store_json("memory", digest, {"memory": entry["memory"], "profile": entry["profile"]})
 
 

@@ -64,8 +64,11 @@ class Session:
             "calibration": cache.tensors_digest(self.inputs.calibration),
             "validation": cache.tensors_digest([self.inputs.validation]),
             "labels": cache.tensors_digest([labels]) if labels is not None else None,
-            "calibration_labels": (cache.tensors_digest([self.inputs.calibration_labels])
-                                   if self.inputs.calibration_labels is not None else None),
+            "calibration_labels": (
+                cache.tensors_digest([self.inputs.calibration_labels])
+                if self.inputs.calibration_labels is not None
+                else None
+            ),
             "meta": self.meta,  # written into artifacts (Core ML's class names) and previews
             # every cached step is keyed on these: the exporter's own code is one of the tools
             "tools": {**manifest.tool_versions(), "exporter_source": cache.source_digest()},
@@ -97,8 +100,14 @@ class Session:
         """What a format quantizes with: for int8, the images plus the budget and how to meet it."""
         if precision != "int8":
             return self.inputs.calibration
-        return Calibration(self.inputs.calibration, self.inputs.calibration_labels, dict(self.plan.quant_budget),
-                           dict(self.plan.quant_settings), log, self.task)
+        return Calibration(
+            self.inputs.calibration,
+            self.inputs.calibration_labels,
+            dict(self.plan.quant_budget),
+            dict(self.plan.quant_settings),
+            log,
+            self.task,
+        )
 
 
 def _load_inputs(path: Path | None, loaded: weights.LoadedModel, task: Task, settings) -> data.Inputs:
@@ -118,15 +127,26 @@ def _check_enough(inputs: data.Inputs, path: Path | None, calibrated: list[str],
     needed, why = MIN_INPUTS, f"{MIN_INPUTS} to validate on"
     if calib_size:  # the split sets one aside for calibration whenever calibration images are asked for
         needed += 1
-        why += f", 1 to calibrate {', '.join(calibrated)}" if calibrated else "; --calib-size 0 sets none aside to calibrate"
-    raise UsageError(f"--data {path} has {validation_inputs + calibration_inputs} usable item(s); "
-                     f"this build needs at least {needed} ({why})")
+        why += (
+            f", 1 to calibrate {', '.join(calibrated)}"
+            if calibrated
+            else "; --calib-size 0 sets none aside to calibrate"
+        )
+    raise UsageError(
+        f"--data {path} has {validation_inputs + calibration_inputs} usable item(s); "
+        f"this build needs at least {needed} ({why})"
+    )
 
 
-def _start_session(loaded, task, inputs, plan: Plan, progress: Progress, build_cache: BuildCache | None = None) -> Session:
+def _start_session(
+    loaded, task, inputs, plan: Plan, progress: Progress, build_cache: BuildCache | None = None
+) -> Session:
     torch.set_num_threads(plan.latency.threads)
     session = Session(loaded, task, inputs, None, None, plan, build_cache or BuildCache(None))
-    reference_key = cache.key(kind="eager", **{k: session.digests[k] for k in ("checkpoint", "reference", "model", "task", "validation", "tools")})
+    reference_key = cache.key(
+        kind="eager",
+        **{k: session.digests[k] for k in ("checkpoint", "reference", "model", "task", "validation", "tools")},
+    )
     with progress.step("eager reference"):
         session.reference = session.cache.fetch_tensor(reference_key)
         if session.reference is None:
@@ -158,9 +178,28 @@ def _evaluate(session: Session, runner, thresholds: dict, timed: bool = True) ->
     return metrics, outputs
 
 
-VALIDATION_FIELDS = ("status", "reasons", "fidelity", "outlier_inputs", "golden_fidelity", "accuracy", "latency_ms",
-                     "eager_latency_ms", "speedup_vs_eager", "proxy", "proxy_unavailable", "preview", "preview_rows")
-NOT_MEASURED = {"fidelity": None, "accuracy": None, "latency_ms": None, "eager_latency_ms": None, "speedup_vs_eager": None}
+VALIDATION_FIELDS = (
+    "status",
+    "reasons",
+    "fidelity",
+    "outlier_inputs",
+    "golden_fidelity",
+    "accuracy",
+    "latency_ms",
+    "eager_latency_ms",
+    "speedup_vs_eager",
+    "proxy",
+    "proxy_unavailable",
+    "preview",
+    "preview_rows",
+)
+NOT_MEASURED = {
+    "fidelity": None,
+    "accuracy": None,
+    "latency_ms": None,
+    "eager_latency_ms": None,
+    "speedup_vs_eager": None,
+}
 GOLDEN_COUNT = 8  # validation inputs written to golden/ for on-device checks
 
 
@@ -173,8 +212,14 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
     # a format whose stand-ins for an unavailable runtime changed says so, and is not served the older ones
     proxies = getattr(FORMATS[entry["format"]].load_module(), "PROXIES_VERSION", None)
     digest = cache.key(
-        kind="validation", artifact=entry["sha256"], thresholds=entry["thresholds"], latency=session.latency, golden=session.golden_rows,
-        preview=previews.VERSION, contract=validation.CONTRACT, **({"proxies": proxies} if proxies else {}),
+        kind="validation",
+        artifact=entry["sha256"],
+        thresholds=entry["thresholds"],
+        latency=session.latency,
+        golden=session.golden_rows,
+        preview=previews.VERSION,
+        contract=validation.CONTRACT,
+        **({"proxies": proxies} if proxies else {}),
         cpu=manifest.host(session.latency["threads"])["cpu"],
         **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")},
     )
@@ -193,26 +238,38 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
         # fidelity is settled; a latency taken on a busy host is not: timed again, and the record replaced
         with progress.step(f"{prefix}time {entry['name']}{step} again"):
             runner = FORMATS[entry["format"]].load_module().load(out / entry["path"], session.latency["threads"])
-            entry.update(validation.latency_against_eager(
-                runner, session.eager, session.inputs.validation[:1], session.latency["warmup"],
-                session.latency["iterations"], session.latency["threads"], session.latency.get("max_spread")))
+            entry.update(
+                validation.latency_against_eager(
+                    runner,
+                    session.eager,
+                    session.inputs.validation[:1],
+                    session.latency["warmup"],
+                    session.latency["iterations"],
+                    session.latency["threads"],
+                    session.latency.get("max_spread"),
+                )
+            )
         torch.set_num_threads(session.latency["threads"])
-        session.cache.events.append(f"{entry['name']}: validation results reused from the cache, latency measured "
-                                    f"again (the cached one was unreliable: {noisy})")
+        session.cache.events.append(
+            f"{entry['name']}: validation results reused from the cache, latency measured "
+            f"again (the cached one was unreliable: {noisy})"
+        )
     else:
         if not _run_validation(session, entry, out, progress, prefix, step):
             return  # not kept: what stopped it may be this host's (memory), not the artifact's
         if entry.get("latency_conditions"):  # judged again with this profile's max_spread
-            entry["latency_conditions"] = hostload.judged(entry["latency_conditions"], session.latency["threads"],
-                                                          session.latency.get("max_spread"))
+            entry["latency_conditions"] = hostload.judged(
+                entry["latency_conditions"], session.latency["threads"], session.latency.get("max_spread")
+            )
     record = {k: entry[k] for k in (*VALIDATION_FIELDS, "latency_conditions") if k in entry}
     if "preview" in entry:
         record["preview_png"] = base64.b64encode((out / entry["preview"]).read_bytes()).decode()
     session.cache.store_json("validations", digest, record)
 
 
-def _run_validation(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "",
-                    step: str = "") -> bool:
+def _run_validation(
+    session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "", step: str = ""
+) -> bool:
     """Whether the artifact was run (or, unavailable here, said why); one that loads or runs on no or only some
     validation inputs has failed, with the runtime's error."""
     module = FORMATS[entry["format"]].load_module()
@@ -233,8 +290,9 @@ def _run_validation(session: Session, entry: dict, out: Path, progress: Progress
                 except ValueError as e:  # a stand-in that cannot be made says why; the artifact is not failed
                     entry["proxy_unavailable"] = str(e)
                     return True
-                entry["proxy"] = {label: _proxy_metrics(session, proxy, entry["thresholds"])
-                                  for label, proxy in proxies.items()}
+                entry["proxy"] = {
+                    label: _proxy_metrics(session, proxy, entry["thresholds"]) for label, proxy in proxies.items()
+                }
             return True
         except Exception as e:  # made, but its runtime refuses it: a finding about this artifact, as an export's is
             entry.update(status="failed", reasons=[DOES_NOT_LOAD + _first_line(e)])
@@ -265,6 +323,7 @@ def _reporting_failures(runner):
             return runner(x)
         except Exception as e:
             raise ArtifactRunFailed(_first_line(e)) from e
+
     return run
 
 
@@ -290,8 +349,14 @@ def _write_preview(session: Session, entry: dict, out: Path, outputs: torch.Tens
     outputs are bit-identical to eager's on every input."""
     entry.pop("preview", None)  # `exporter validate` re-draws over an earlier run's entry
     entry.pop("preview_rows", None)
-    picture, rows = previews.draw(session.task, session.inputs.validation, session.reference, outputs,
-                                  session.task.preprocessing(session.loaded.weights), list(session.loaded.labels))
+    picture, rows = previews.draw(
+        session.task,
+        session.inputs.validation,
+        session.reference,
+        outputs,
+        session.task.preprocessing(session.loaded.weights),
+        list(session.loaded.labels),
+    )
     if picture is None and rows:  # the task draws no pictures
         return
     entry["preview_rows"] = rows
@@ -346,17 +411,30 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
     return entry
 
 
-def _made(session: Session, spec: ArtifactSpec, module, entry: dict, calibration, path: Path, progress: Progress,
-          prefix: str, step: str = "") -> bool:
+def _made(
+    session: Session,
+    spec: ArtifactSpec,
+    module,
+    entry: dict,
+    calibration,
+    path: Path,
+    progress: Progress,
+    prefix: str,
+    step: str = "",
+) -> bool:
     """Export (or fetch from the cache) the artifact into `path`; whether it was made (if not, `entry` says why)."""
     label = f"{prefix}export {entry['name']}{step}"
-    digest = cache.key(kind="artifact", format=spec.format, precision=spec.precision, options=dict(spec.options),
-                       example=list(session.inputs.example.shape),
-                       # every setting, whichever format reads it (without dynamic_ranges, a static .pte was
-                       # reused for a build that asked for dynamic ranges)
-                       quantization=(calibration.describe(BACKEND_SETTINGS) if isinstance(calibration, Calibration)
-                                     else None),
-                       **session.digests)
+    digest = cache.key(
+        kind="artifact",
+        format=spec.format,
+        precision=spec.precision,
+        options=dict(spec.options),
+        example=list(session.inputs.example.shape),
+        # every setting, whichever format reads it (without dynamic_ranges, a static .pte was
+        # reused for a build that asked for dynamic ranges)
+        quantization=(calibration.describe(BACKEND_SETTINGS) if isinstance(calibration, Calibration) else None),
+        **session.digests,
+    )
     try:
         with progress.step(label, unavailable=RuntimeUnavailable), files.atomic_path(path) as tmp:
             details = session.cache.fetch_artifact(digest, tmp)
@@ -392,21 +470,29 @@ def _ranges_did_not_hold(entry: dict) -> bool:
     """An int8 artifact whose search met its budget on the check images broke only thresholds on the validation
     inputs (not a degenerate reference, too few inputs or non-finite outputs, which no ranges change)."""
     quantization = entry["details"].get("quantization") or {}
-    return (entry["precision"] == "int8" and entry["status"] == "failed" and entry.get("fidelity") is not None
-            and bool(quantization.get("meets_budget")) and bool(entry["reasons"])
-            and all(reason.split()[0] in entry["thresholds"] for reason in entry["reasons"]))
+    return (
+        entry["precision"] == "int8"
+        and entry["status"] == "failed"
+        and entry.get("fidelity") is not None
+        and bool(quantization.get("meets_budget"))
+        and bool(entry["reasons"])
+        and all(reason.split()[0] in entry["thresholds"] for reason in entry["reasons"])
+    )
 
 
 REMADE = " (ranges per inference)"  # the remade artifact's steps in the progress and timings
 
 
-def _made_again(session: Session, spec: ArtifactSpec, module, first: dict, calibration, out: Path,
-                progress: Progress, prefix: str) -> dict:
+def _made_again(
+    session: Session, spec: ArtifactSpec, module, first: dict, calibration, out: Path, progress: Progress, prefix: str
+) -> dict:
     """The artifact made again with ranges chosen per inference (beside the first, under a staging name), validated
     on the same inputs and moved over the first only if it passes. Either way the manifest has both verdicts
     (details.validation_retry)."""
-    progress.note(f"  {first['name']}: calibrated int8 ranges met the budget on the check images and failed on the "
-                  f"validation inputs ({'; '.join(first['reasons'])}): made again with ranges chosen per inference")
+    progress.note(
+        f"  {first['name']}: calibrated int8 ranges met the budget on the check images and failed on the "
+        f"validation inputs ({'; '.join(first['reasons'])}): made again with ranges chosen per inference"
+    )
     final, staged = out / first["path"], out / f".per-inference-{first['path']}"
     preview = out / "previews" / f"{first['name']}.png"
     kept_preview = preview.read_bytes() if preview.is_file() else None
@@ -416,22 +502,34 @@ def _made_again(session: Session, spec: ArtifactSpec, module, first: dict, calib
         made = _made(session, spec, module, entry, calibration, staged, progress, prefix, REMADE)
         quantization = entry["details"].get("quantization") or {}
         if made and quantization.get("lowering_fault"):  # its per-inference program was lowered wrong: not one
-            entry.update(status="failed", reasons=["its program with ranges chosen per inference was lowered wrong "
-                                                   "(details.quantization.lowering_fault)"], fidelity=None)
+            entry.update(
+                status="failed",
+                reasons=[
+                    "its program with ranges chosen per inference was lowered wrong "
+                    "(details.quantization.lowering_fault)"
+                ],
+                fidelity=None,
+            )
         elif made:
             _validate(session, entry, out, progress, prefix, REMADE)
-        first_summary = {"ranges": (first["details"]["quantization"].get("after") or {}).get("ranges"),
-                         "status": first["status"], "reasons": first["reasons"], "fidelity": first["fidelity"],
-                         "export_s": first.get("export_s"),
-                         **({"outlier_inputs": first["outlier_inputs"]} if first.get("outlier_inputs") else {})}
+        first_summary = {
+            "ranges": (first["details"]["quantization"].get("after") or {}).get("ranges"),
+            "status": first["status"],
+            "reasons": first["reasons"],
+            "fidelity": first["fidelity"],
+            "export_s": first.get("export_s"),
+            **({"outlier_inputs": first["outlier_inputs"]} if first.get("outlier_inputs") else {}),
+        }
         if entry["status"] == "passed":
             os.replace(staged, final)
             entry.update(path=first["path"])
             entry["details"]["validation_retry"] = {
-                "kept": "per-inference ranges", "first": first_summary,
+                "kept": "per-inference ranges",
+                "first": first_summary,
                 "note": "the calibrated ranges met the budget on the search's check images and not on the validation "
-                        "inputs (inputs the calibration images did not cover); the artifact was made again with ranges "
-                        "chosen per inference and judged on the same inputs"}
+                "inputs (inputs the calibration images did not cover); the artifact was made again with ranges "
+                "chosen per inference and judged on the same inputs",
+            }
             return entry
     finally:
         staged.unlink(missing_ok=True)
@@ -447,7 +545,8 @@ def _made_again(session: Session, spec: ArtifactSpec, module, first: dict, calib
         "kept": "calibrated ranges",
         "per_inference": {"status": entry["status"], "reasons": entry["reasons"], "fidelity": entry.get("fidelity")},
         "note": "made again with ranges chosen per inference after the calibrated ranges failed validation; that "
-                "artifact did not pass either, so the first is kept"}
+        "artifact did not pass either, so the first is kept",
+    }
     return first
 
 
@@ -556,7 +655,9 @@ def _finish(out: Path, doc: dict, progress: Progress, prefix: str = "") -> dict:
     return doc
 
 
-def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, progress: Progress) -> tuple[Path, list[dict]]:
+def run(
+    request: BuildRequest, targets: list[dict], cache_root: Path | None, progress: Progress
+) -> tuple[Path, list[dict]]:
     """Build the target profiles in `targets`, sharing one model load, one calibration set and one eager run;
     returns the output directory and the manifests. See build.build_targets."""
     # Everything that can be wrong with the request is checked before anything is written, and what needs no
@@ -568,24 +669,30 @@ def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, pro
     refusals = [refusal(resolved, task_class, plan) for plan in plans]
     if all(refusals):  # a target that makes nothing beside one that does says why in its manifest
         why = refusals[0] if single else "; ".join(f"{p.target}: {r}" for p, r in zip(plans, refusals))
-        raise UsageError(f"{weights.canonical_name(resolved)} makes no artifact for target "
-                         f"{', '.join(p.target for p in plans)}: {why}")
+        raise UsageError(
+            f"{weights.canonical_name(resolved)} makes no artifact for target "
+            f"{', '.join(p.target for p in plans)}: {why}"
+        )
     calibrated = []  # the artifacts calibrated on the --data images, on any target
     quantized = weights.is_quantized(resolved)
     for plan in plans:
         _preflight(plan)
-        labels = [] if quantized else [a.label for a in plan.artifacts
-                                       if a.precision == "int8" and not _not_made(a, quantized, task_class)]
+        labels = (
+            []
+            if quantized
+            else [a.label for a in plan.artifacts if a.precision == "int8" and not _not_made(a, quantized, task_class)]
+        )
         if labels and plan.data.calib_size == 0:
-            raise UsageError(f"target {plan.target}: {', '.join(labels)} need calibration images; "
-                             f"--calib-size 0 gives none")
+            raise UsageError(
+                f"target {plan.target}: {', '.join(labels)} need calibration images; --calib-size 0 gives none"
+            )
         calibrated += [label for label in labels if label not in calibrated]
     task_class.input_size_of(resolved, weights.model_name_of(resolved), request.input_size)
     if request.data is not None and not Path(request.data).is_dir():
         raise UsageError(f"--data {request.data} is not a directory")
     base = Path(request.out or default_out(weights.canonical_name(resolved), [p.target for p in plans]))
     outs = [base] if single else [base / p.target for p in plans]
-    for out in ([base] if single else [base, *outs]):
+    for out in [base] if single else [base, *outs]:
         files.check_out_dir(out, request.force)
     if any("aarch64" in plan.validate.arches for plan in plans):  # offline with none cached: refused before any file
         from .. import aarch64
@@ -593,8 +700,15 @@ def run(request: BuildRequest, targets: list[dict], cache_root: Path | None, pro
         with progress.step("aarch64 runner"):
             aarch64.prepare(request.cache_dir, progress, offline=request.offline or None, root=request.aarch64_runners)
     with progress.step("load weights"):
-        loaded = weights.load(request.weight, request.checkpoint, request.verify, request.labels, request.offline, progress,
-                              request.float_checkpoint)
+        loaded = weights.load(
+            request.weight,
+            request.checkpoint,
+            request.verify,
+            request.labels,
+            request.offline,
+            progress,
+            request.float_checkpoint,
+        )
     task = task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
     with progress.step("load data"):
         inputs = _load_inputs(request.data, loaded, task, plans[0].data)
@@ -634,7 +748,11 @@ def _build_one(request: BuildRequest, session: Session, out: Path, progress: Pro
         "task": session.task.describe(),
         "checkpoint": loaded.checkpoint,
         "preprocessing": session.task.preprocessing(loaded.weights),
-        "labels": {"file": "labels.txt", "count": len(loaded.labels), "from_file": str(request.labels) if request.labels else None},
+        "labels": {
+            "file": "labels.txt",
+            "count": len(loaded.labels),
+            "from_file": str(request.labels) if request.labels else None,
+        },
         "target": plan.describe(),
         "tools": manifest.tool_versions(),
         "host": manifest.host(plan.latency.threads),
@@ -654,14 +772,29 @@ def _build_one(request: BuildRequest, session: Session, out: Path, progress: Pro
         doc["artifacts"] = [made[k] for k in sorted(made)]
         doc["timings_s"] = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
-    validate_on_arm.add(session, doc, out, progress, request.cache_dir, request.offline, prefix, runners=request.aarch64_runners,
-                  write=lambda: manifest.write(out, doc), runner_shown=True)
+    validate_on_arm.add(
+        session,
+        doc,
+        out,
+        progress,
+        request.cache_dir,
+        request.offline,
+        prefix,
+        runners=request.aarch64_runners,
+        write=lambda: manifest.write(out, doc),
+        runner_shown=True,
+    )
     _post_build(plan, out, doc, session)
-    doc["cache"] = {"root": str(session.cache.root) if session.cache.root else None, "events": list(session.cache.events)}
+    doc["cache"] = {
+        "root": str(session.cache.root) if session.cache.root else None,
+        "events": list(session.cache.events),
+    }
     return _finish(out, doc, progress, prefix)
 
 
-def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: Progress, checkpoint: Path | None) -> dict:
+def validate(
+    out: Path, data_dir: Path | None, thresholds: list[str], progress: Progress, checkpoint: Path | None
+) -> dict:
     """See build.validate_build."""
     doc = manifest.read_build(out)
     for entry in doc["artifacts"]:
@@ -669,9 +802,16 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
             path = out / entry["path"]
             if not path.exists() or files.sha256(path) != entry["sha256"]:
                 raise UsageError(f"{path} does not match the sha256 in its manifest (changed or truncated)")
-    profile = {"name": doc["target"]["name"], "path": doc["target"]["profile"], "artifacts": doc["target"]["artifacts"],
-               "thresholds": doc["target"]["thresholds"], "data": doc["target"]["data"], "latency": doc["target"]["latency"],
-               "task": doc["task"]["name"], "validate": doc["target"].get("validate", {})}
+    profile = {
+        "name": doc["target"]["name"],
+        "path": doc["target"]["profile"],
+        "artifacts": doc["target"]["artifacts"],
+        "thresholds": doc["target"]["thresholds"],
+        "data": doc["target"]["data"],
+        "latency": doc["target"]["latency"],
+        "task": doc["task"]["name"],
+        "validate": doc["target"].get("validate", {}),
+    }
     profile = profiles.with_overrides(profile, thresholds=list(thresholds))
     profiles.check_precisions([profile], thresholds)
     plan = make_plan(profile, doc["task"]["name"])
@@ -679,11 +819,14 @@ def validate(out: Path, data_dir: Path | None, thresholds: list[str], progress: 
     with progress.step("load weights"):
         recorded = doc["checkpoint"]
         reference = (doc["eager"].get("reference") or {}).get("checkpoint") or {}
-        loaded = weights.load(doc["weight"]["name"], checkpoint or recorded["path"], verify=False,
-                              float_checkpoint=reference.get("path"))
+        loaded = weights.load(
+            doc["weight"]["name"], checkpoint or recorded["path"], verify=False, float_checkpoint=reference.get("path")
+        )
         if loaded.checkpoint["sha256"] != recorded["sha256"]:
             raise UsageError(f"checkpoint {loaded.checkpoint['path']} is not the one this build used (sha256 differs)")
-    task = loaded.task_class.bind(loaded.weights, loaded.model_name, doc["task"]["num_classes"], tuple(doc["task"]["input_size"]))
+    task = loaded.task_class.bind(
+        loaded.weights, loaded.model_name, doc["task"]["num_classes"], tuple(doc["task"]["input_size"])
+    )
     source = data_dir or (None if doc["data"]["source"] == "synthetic" else Path(doc["data"]["source"]))
     with progress.step("load data"):
         inputs = _load_inputs(source, loaded, task, plan.data)

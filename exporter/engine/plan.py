@@ -68,7 +68,12 @@ class LatencySettings:
     max_spread: float = 2.0  # p90/p50 above this: the latency is unreliable (hostload.judge), never a failure
 
     def describe(self) -> dict:
-        return {"threads": self.threads, "warmup": self.warmup, "iterations": self.iterations, "max_spread": self.max_spread}
+        return {
+            "threads": self.threads,
+            "warmup": self.warmup,
+            "iterations": self.iterations,
+            "max_spread": self.max_spread,
+        }
 
 
 @dataclass(frozen=True)
@@ -169,8 +174,10 @@ def make(profile: dict, task: str) -> Plan:
         quant_settings=_frozen({**QUANT_SETTINGS, **table}),
         quant_budget=_frozen(budget),
         post_build=resolved.get("post_build"),
-        validate=ValidateSettings(tuple(resolved.get("validate", {}).get("arch", ["x86_64"])),
-                                  tuple(resolved.get("validate", {}).get("cpus", []))),
+        validate=ValidateSettings(
+            tuple(resolved.get("validate", {}).get("arch", ["x86_64"])),
+            tuple(resolved.get("validate", {}).get("cpus", [])),
+        ),
     )
 
 
@@ -182,17 +189,25 @@ def with_required(profile: dict, required: Mapping[str, Mapping], options: Mappi
         needs = required.get(entry["format"], {})
         for key, value in needs.items():
             if key in options and str(options[key]) != str(value):
-                raise UsageError(f"--option {key}={options[key]}: this model's graph is exported with {key}={value} only")
+                raise UsageError(
+                    f"--option {key}={options[key]}: this model's graph is exported with {key}={value} only"
+                )
         artifacts.append({**entry, "options": {**entry.get("options", {}), **needs}} if needs else entry)
     return {**profile, "artifacts": artifacts}
 
 
-def make_all(targets: list[dict], task: str, options: Mapping = MappingProxyType({}),
-             required: Mapping[str, Mapping] = MappingProxyType({})) -> list[Plan]:
+def make_all(
+    targets: list[dict],
+    task: str,
+    options: Mapping = MappingProxyType({}),
+    required: Mapping[str, Mapping] = MappingProxyType({}),
+) -> list[Plan]:
     """Every target's Plan for one build; the targets must share one calibration and validation set. `required`:
     format -> the options its graph can only be exported with (Task.format_options)."""
     plans = [make(with_required(profile, required, options), task) for profile in _options_applied(targets, options)]
     if len({p.data for p in plans}) > 1:
         names = ", ".join(p.target for p in plans)
-        raise UsageError(f"targets {names} ask for different [data] settings; pass --calib-size and --val-size to share one set")
+        raise UsageError(
+            f"targets {names} ask for different [data] settings; pass --calib-size and --val-size to share one set"
+        )
     return plans

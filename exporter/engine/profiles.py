@@ -58,7 +58,9 @@ def load(target: str) -> dict:
             known = available_targets()
             close = difflib.get_close_matches(target.lower(), known, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            raise UsageError(f"unknown target '{target}'; {hint}choose from {', '.join(known)}, all, or a .toml profile")
+            raise UsageError(
+                f"unknown target '{target}'; {hint}choose from {', '.join(known)}, all, or a .toml profile"
+            )
     elif not path.is_file():
         raise UsageError(f"target profile {path} does not exist")
     try:
@@ -107,8 +109,12 @@ def _check_quant_setting(key: str, value, where: str):
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value) and value >= 0
         ok = ok and (key == "psnr_margin_db" or value <= 1) and (key != "check_fraction" or 0 < value < 1)
     if not ok:
-        expected = {**dict.fromkeys(BOOLEAN_SETTINGS, "true or false"), "onnx_calibration": " or ".join(ONNX_CALIBRATIONS),
-                    "psnr_margin_db": "a number of dB >= 0", "check_fraction": "a fraction strictly between 0 and 1"}
+        expected = {
+            **dict.fromkeys(BOOLEAN_SETTINGS, "true or false"),
+            "onnx_calibration": " or ".join(ONNX_CALIBRATIONS),
+            "psnr_margin_db": "a number of dB >= 0",
+            "check_fraction": "a fraction strictly between 0 and 1",
+        }
         raise UsageError(f"{where}: {key} must be {expected.get(key, 'a fraction in [0, 1]')}, got {value!r}")
     return value
 
@@ -133,8 +139,10 @@ def _check_thresholds(tables: dict, where: str, section: str, task: str | None =
         for key, value in table.items():
             _check_threshold(key, value, f"{where} [{section}.{precision}]")
             if task is not None and key not in TASK_KEYS[task]:
-                raise UsageError(f"{where} [{section}.{precision}]: {key} is not a {task} threshold; "
-                                 f"allowed: {', '.join(TASK_KEYS[task])}")
+                raise UsageError(
+                    f"{where} [{section}.{precision}]: {key} is not a {task} threshold; "
+                    f"allowed: {', '.join(TASK_KEYS[task])}"
+                )
 
 
 def _check_ints(table: dict, keys: dict, where: str, minimum: int) -> None:
@@ -146,13 +154,17 @@ def _check_ints(table: dict, keys: dict, where: str, minimum: int) -> None:
 
 def _check_name(name, where: str) -> None:
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise UsageError(f"{where}: name {name!r} must be letters, digits, '.', '_' or '-', starting with a letter or digit")
+        raise UsageError(
+            f"{where}: name {name!r} must be letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
 
 
 def _check_val_size(table: dict, where: str) -> None:
     if table.get("val_size", MIN_INPUTS) < MIN_INPUTS:
-        raise UsageError(f"{where}: val_size must be >= {MIN_INPUTS} (whether eager's outputs vary, and so whether "
-                         f"agreement with them means anything, takes two inputs), got {table['val_size']}")
+        raise UsageError(
+            f"{where}: val_size must be >= {MIN_INPUTS} (whether eager's outputs vary, and so whether "
+            f"agreement with them means anything, takes two inputs), got {table['val_size']}"
+        )
 
 
 def _check_validate(table: dict, artifacts: list, where: str) -> None:
@@ -172,7 +184,9 @@ def _check_validate(table: dict, artifacts: list, where: str) -> None:
     except UsageError as e:
         raise UsageError(f"{where}: {e}") from None
     if "aarch64" in arches and not cpus and any(a.get("format") in AARCH64_FORMATS for a in artifacts):
-        raise UsageError(f"{where}: arch includes aarch64 but no cpus are named; e.g. cpus = {list(named.FOR_TARGET['android'])}")
+        raise UsageError(
+            f"{where}: arch includes aarch64 but no cpus are named; e.g. cpus = {list(named.FOR_TARGET['android'])}"
+        )
 
 
 def check(profile: dict, where: str) -> None:
@@ -238,8 +252,10 @@ def check_precisions(chosen: list[dict], thresholds=(), quant_budget=()) -> None
     for option, precision in wanted:
         if precision != "*" and precision not in built:
             names = ", ".join(profile["name"] for profile in chosen)
-            raise UsageError(f"{option}: {names} build{'s' if len(chosen) == 1 else ''} no {precision} "
-                             f"artifact (precisions built: {', '.join(sorted(built))})")
+            raise UsageError(
+                f"{option}: {names} build{'s' if len(chosen) == 1 else ''} no {precision} "
+                f"artifact (precisions built: {', '.join(sorted(built))})"
+            )
 
 
 def parse_quant_budget(text: str) -> tuple[str, object]:
@@ -291,7 +307,9 @@ def with_overrides(
         keep = [a for a in profile["artifacts"] if a["format"] in wanted or f"{a['format']}:{a['precision']}" in wanted]
         if not keep:
             choices = sorted({f"{a['format']}:{a['precision']}" for a in profile["artifacts"]})
-            raise UsageError(f"--format {', '.join(sorted(wanted))} matches nothing in target {profile['name']}; choose from {', '.join(choices)}")
+            raise UsageError(
+                f"--format {', '.join(sorted(wanted))} matches nothing in target {profile['name']}; choose from {', '.join(choices)}"
+            )
         profile["artifacts"] = keep
     quantization = profile.setdefault("quantization", {})
     for text in quant_budget:
@@ -314,7 +332,9 @@ def with_overrides(
             overrides.setdefault(section, {})[key] = value
     if arch or cpus:
         validate = profile.setdefault("validate", {})
-        validate["arch"] = list(dict.fromkeys([*validate.get("arch", ["x86_64"]), *arch, *(["aarch64"] if cpus else [])]))
+        validate["arch"] = list(
+            dict.fromkeys([*validate.get("arch", ["x86_64"]), *arch, *(["aarch64"] if cpus else [])])
+        )
         validate["cpus"] = list(dict.fromkeys(cpus)) or validate.get("cpus", [])
         overrides["validate"] = {"arch": list(arch), "cpus": list(cpus)}
     check(profile, f"target {profile['name']} with CLI overrides")
@@ -345,6 +365,8 @@ def for_task(profile: dict, task: str) -> dict:
     budget = resolved.get("quantization", {}).get("budget", {})
     for key in [k for table in resolved.get("thresholds", {}).values() for k in table] + list(budget):
         if key not in allowed:
-            raise UsageError(f"{where}: threshold {key} does not apply to {task} weights; their keys: {', '.join(allowed)}")
+            raise UsageError(
+                f"{where}: threshold {key} does not apply to {task} weights; their keys: {', '.join(allowed)}"
+            )
     resolved["task"] = task
     return resolved

@@ -102,7 +102,10 @@ def _inputs_unchanged(recorded: dict) -> bool:
 
 def _written(doc: dict) -> list[str]:
     """The files a build wrote into its directory (as its manifest describes them), less those rendered at restore."""
-    names = [n for n in manifest.BUILD_FILES if n not in RENDERED] + [*manifest.BUILD_FOLDERS, *(doc.get("jetson") or {}).get("sha256", {})]
+    names = [n for n in manifest.BUILD_FILES if n not in RENDERED] + [
+        *manifest.BUILD_FOLDERS,
+        *(doc.get("jetson") or {}).get("sha256", {}),
+    ]
     names += [a["path"] for a in doc["artifacts"] if a.get("path")]
     names += [a["bundled_program"]["path"] for a in doc["artifacts"] if a.get("bundled_program")]
     code = ((doc.get("task") or {}).get("decode") or {}).get("code")  # a task's device files (detection's decode)
@@ -113,17 +116,25 @@ def _files_under(directory: Path, names: list[str]) -> list[Path]:
     found = []
     for name in names:
         path = directory / name
-        found += sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else \
-            [path, *files.companions(path)] if path.is_file() else []
+        found += (
+            sorted(p for p in path.rglob("*") if p.is_file())
+            if path.is_dir()
+            else [path, *files.companions(path)]
+            if path.is_file()
+            else []
+        )
     return found
 
 
 def _unsettled_timing(docs: list[dict]) -> bool:
     """Whether any artifact's latency or operator profile was judged unreliable (exporter.hostload: timed on a
     busy host)."""
-    return any(not (a.get("latency_conditions") or {}).get("reliable", True)
-               or not ((a.get("profile") or {}).get("conditions") or {}).get("reliable", True)
-               for doc in docs for a in doc["artifacts"])
+    return any(
+        not (a.get("latency_conditions") or {}).get("reliable", True)
+        or not ((a.get("profile") or {}).get("conditions") or {}).get("reliable", True)
+        for doc in docs
+        for a in doc["artifacts"]
+    )
 
 
 class BuildRecord:
@@ -135,7 +146,9 @@ class BuildRecord:
         self.key = self._key()
 
     def _key(self) -> str:
-        return cache.key(kind="build", request=_request_fields(self.request), plans=self.profiles, environment=_environment())
+        return cache.key(
+            kind="build", request=_request_fields(self.request), plans=self.profiles, environment=_environment()
+        )
 
     def _blob(self, digest: str) -> Path:
         return self.cache_root / "blobs" / digest[:2] / digest
@@ -154,8 +167,10 @@ class BuildRecord:
             files.check_out_dir(out, self.request.force)
         with progress.step("restore the identical earlier build from the cache"):
             written = record["files"]
-            if any(not self._blob(f["sha256"]).is_file() or files.file_sha256(self._blob(f["sha256"])) != f["sha256"]
-                   for f in written.values()):
+            if any(
+                not self._blob(f["sha256"]).is_file() or files.file_sha256(self._blob(f["sha256"])) != f["sha256"]
+                for f in written.values()
+            ):
                 return None  # a blob went missing or was damaged: build again, which stores it anew
             for out in outs:
                 if out.is_dir():
@@ -178,8 +193,10 @@ class BuildRecord:
                 )
                 doc["cache"] = {
                     "root": str(self.cache_root),
-                    "events": [f"whole build reused from the cache (record {self.key[:12]}, built {built}): checkpoint, "
-                               "data, labels, target profile, tool versions, exporter code and host unchanged"],
+                    "events": [
+                        f"whole build reused from the cache (record {self.key[:12]}, built {built}): checkpoint, "
+                        "data, labels, target profile, tool versions, exporter code and host unchanged"
+                    ],
                     "build_record": self.key,
                 }
                 manifest.write(out, doc)
@@ -191,8 +208,12 @@ class BuildRecord:
 
     def store(self, base: Path, docs: list[dict], progress: Progress | None = None) -> None:
         unsettled = ("export failed", DOES_NOT_LOAD, DOES_NOT_RUN, GOLDEN_PROGRAM_FAILED)
-        if any(r.startswith(unsettled) for doc in docs for a in doc["artifacts"]
-               for r in [*a["reasons"], (a.get("details") or {}).get("golden_program", "")]):
+        if any(
+            r.startswith(unsettled)
+            for doc in docs
+            for a in doc["artifacts"]
+            for r in [*a["reasons"], (a.get("details") or {}).get("golden_program", "")]
+        ):
             return  # a crash in a converter or a runtime may not happen again; only settled outcomes are replayed
         if _unsettled_timing(docs):
             return  # latency or a profile timed on a busy host is not settled: the next run times it again
@@ -213,12 +234,16 @@ class BuildRecord:
                         new_blobs.append(blob)
                     executable = bool(path.stat().st_mode & stat.S_IXUSR)
                     written[path.relative_to(base).as_posix()] = {"sha256": digest, "executable": executable}
-            self.cache.store_json("builds", self.key, {
-                "inputs": _inputs(self.request, docs),
-                "targets": targets,
-                "files": written,
-                "docs": docs,
-            })
+            self.cache.store_json(
+                "builds",
+                self.key,
+                {
+                    "inputs": _inputs(self.request, docs),
+                    "targets": targets,
+                    "files": written,
+                    "docs": docs,
+                },
+            )
         given_up = self.cache.events[earlier_events:]
         for blob in new_blobs if given_up else ():  # no record names them: they would only fill the disk
             blob.unlink(missing_ok=True)

@@ -37,8 +37,12 @@ def _not_run(entry: dict) -> str:
 
 def wanted(entry: dict) -> bool:
     path = entry.get("path")
-    return (bool(path) and Path(path).suffix in RUNS_ON_AARCH64 and entry.get("status") in ("passed", "failed")
-            and entry.get("fidelity") is not None)  # it ran here
+    return (
+        bool(path)
+        and Path(path).suffix in RUNS_ON_AARCH64
+        and entry.get("status") in ("passed", "failed")
+        and entry.get("fidelity") is not None
+    )  # it ran here
 
 
 def versus_x86(outputs: torch.Tensor, x86: torch.Tensor | None) -> dict | None:
@@ -47,8 +51,11 @@ def versus_x86(outputs: torch.Tensor, x86: torch.Tensor | None) -> dict | None:
         return None
     differ = (outputs != x86) & ~(torch.isnan(outputs) & torch.isnan(x86))
     gap = (outputs.double() - x86.double()).abs().nan_to_num(0.0)
-    return {"max_abs_diff": float(gap.max()) if gap.numel() else 0.0, "bit_identical": not bool(differ.any()),
-            "rows_differing": int(differ.any(dim=1).sum())}
+    return {
+        "max_abs_diff": float(gap.max()) if gap.numel() else 0.0,
+        "bit_identical": not bool(differ.any()),
+        "rows_differing": int(differ.any(dim=1).sum()),
+    }
 
 
 def _flat(result_outputs: list, count: int) -> torch.Tensor:
@@ -60,27 +67,56 @@ def _flat(result_outputs: list, count: int) -> torch.Tensor:
 
 def row(session, entry: dict, cpu: str, result, x86: torch.Tensor | None) -> dict:
     """One CPU's row for one artifact: the validation contract on the emulated outputs, never timed."""
-    base = {"arch": "aarch64", "cpu": cpu, "why": aarch64.WHY.get(cpu, ""), "emulated": True, "latency_ms": None,
-            "seconds": result.seconds, "runtime": result.info}
+    base = {
+        "arch": "aarch64",
+        "cpu": cpu,
+        "why": aarch64.WHY.get(cpu, ""),
+        "emulated": True,
+        "latency_ms": None,
+        "seconds": result.seconds,
+        "runtime": result.info,
+    }
     if not result.ok:
-        return {**base, "status": "failed", "reasons": [f"could not run on aarch64: {result.error}"],
-                "fidelity": None, "accuracy": None, "vs_x86": None}
+        return {
+            **base,
+            "status": "failed",
+            "reasons": [f"could not run on aarch64: {result.error}"],
+            "fidelity": None,
+            "accuracy": None,
+            "vs_x86": None,
+        }
     count = len(session.inputs.validation)
     try:
         outputs = _flat(result.outputs, count)
     except (ValueError, IndexError) as e:
-        return {**base, "status": "failed", "reasons": [f"aarch64 outputs do not match the graph's: {e}"],
-                "fidelity": None, "accuracy": None, "vs_x86": None}
-    metrics = validation.judge(session.task, outputs, session.reference, session.inputs.labels, session.eager_accuracy,
-                               entry["thresholds"])
-    judged = {**base, "status": metrics["status"], "reasons": metrics["reasons"], "fidelity": metrics["fidelity"],
-              "accuracy": metrics.get("accuracy"), "vs_x86": versus_x86(outputs, x86)}
+        return {
+            **base,
+            "status": "failed",
+            "reasons": [f"aarch64 outputs do not match the graph's: {e}"],
+            "fidelity": None,
+            "accuracy": None,
+            "vs_x86": None,
+        }
+    metrics = validation.judge(
+        session.task, outputs, session.reference, session.inputs.labels, session.eager_accuracy, entry["thresholds"]
+    )
+    judged = {
+        **base,
+        "status": metrics["status"],
+        "reasons": metrics["reasons"],
+        "fidelity": metrics["fidelity"],
+        "accuracy": metrics.get("accuracy"),
+        "vs_x86": versus_x86(outputs, x86),
+    }
     verified = result.info.pop("bundled", None)
     if verified is not None:  # the .pte's golden program, checked by ExecuTorch's verifier on this CPU
         judged["bundled_program"] = verified
         if not verified.get("passed"):
             judged["status"] = "failed"
-            judged["reasons"] = [*judged["reasons"], f"golden program fails ExecuTorch's verifier: {verified.get('error')}"]
+            judged["reasons"] = [
+                *judged["reasons"],
+                f"golden program fails ExecuTorch's verifier: {verified.get('error')}",
+            ]
     return judged
 
 
@@ -113,21 +149,41 @@ def _golden(entry: dict, out: Path) -> dict | None:
 
 
 def _key(session, entry: dict, cpu: str, runner) -> str:
-    return cache.key(kind="aarch64", artifact=entry["sha256"], cpu=cpu, runner=runner.info.get("key"), script=_script(),
-                     thresholds=entry["thresholds"], bundled_program=(entry.get("bundled_program") or {}).get("sha256"),
-                     **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")})
+    return cache.key(
+        kind="aarch64",
+        artifact=entry["sha256"],
+        cpu=cpu,
+        runner=runner.info.get("key"),
+        script=_script(),
+        thresholds=entry["thresholds"],
+        bundled_program=(entry.get("bundled_program") or {}).get("sha256"),
+        **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")},
+    )
 
 
-def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Path | None, offline: bool,
-        prefix: str = "", write=lambda: None, runners: Path | None = None, runner_shown: bool = False) -> None:
+def add(
+    session,
+    doc: dict,
+    out: Path,
+    progress: Progress,
+    request_cache_dir: Path | None,
+    offline: bool,
+    prefix: str = "",
+    write=lambda: None,
+    runners: Path | None = None,
+    runner_shown: bool = False,
+) -> None:
     """Run every runnable artifact of `doc` on each CPU the plan names, add its rows, fail what fails there.
     runner_shown: the build has set the runner up and shown that step already (here it is found again, silently)."""
     if "aarch64" not in session.plan.validate.arches:
         return
     cpus = list(session.plan.validate.cpus)
     entries = [e for e in doc["artifacts"] if wanted(e)]
-    summary = {"cpus": {cpu: aarch64.WHY.get(cpu, "") for cpu in cpus}, "emulated": True,
-               "not_run": {e["name"]: _not_run(e) for e in doc["artifacts"] if not wanted(e)}}
+    summary = {
+        "cpus": {cpu: aarch64.WHY.get(cpu, "") for cpu in cpus},
+        "emulated": True,
+        "not_run": {e["name"]: _not_run(e) for e in doc["artifacts"] if not wanted(e)},
+    }
     doc["aarch64"] = summary
     if not entries or not cpus:
         return
@@ -161,8 +217,14 @@ def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Pa
             golden.update(_golden(entry, out) or {})
         with progress.step(f"{prefix}aarch64 {', '.join(e['name'] for e in missing)} on {cpu} (emulated)"):
             # the threads of the x86 run: fp32 reductions split by thread, so another count changes the bits
-            results = aarch64.run(runner, [out / e["path"] for e in missing], inputs, [cpu],
-                                  threads=session.latency["threads"], bundled=golden)
+            results = aarch64.run(
+                runner,
+                [out / e["path"] for e in missing],
+                inputs,
+                [cpu],
+                threads=session.latency["threads"],
+                bundled=golden,
+            )
         for entry, result in zip(missing, results):
             if entry["name"] not in x86:
                 x86[entry["name"]] = x86_outputs(session, entry, out)
@@ -174,7 +236,8 @@ def add(session, doc: dict, out: Path, progress: Progress, request_cache_dir: Pa
         entry["aarch64"] = [rows[entry["name"]][cpu] for cpu in cpus]
         if entry.get("bundled_program"):
             entry["bundled_program"]["verified"].update(
-                {r["cpu"]: r["bundled_program"] for r in entry["aarch64"] if r.get("bundled_program")})
+                {r["cpu"]: r["bundled_program"] for r in entry["aarch64"] if r.get("bundled_program")}
+            )
         judge_entry(entry)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     write()
@@ -185,5 +248,7 @@ def judge_entry(entry: dict) -> None:
     for arch_row in entry.get("aarch64", []):
         if arch_row["status"] == "failed":
             entry["status"] = "failed"
-            entry["reasons"] = [*entry.get("reasons", []),
-                                *(f"aarch64 {arch_row['cpu']} (emulated): {r}" for r in arch_row["reasons"])]
+            entry["reasons"] = [
+                *entry.get("reasons", []),
+                *(f"aarch64 {arch_row['cpu']} (emulated): {r}" for r in arch_row["reasons"]),
+            ]

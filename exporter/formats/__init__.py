@@ -69,17 +69,37 @@ class FormatSpec:
 FORMATS = {
     spec.name: spec
     for spec in (
-        FormatSpec("executorch", "exporter.formats.executorch", "android", ("executorch",),
-                   "ExecuTorch lowers a torch.export graph, and its int8 comes from PT2E quantization of the "
-                   "float model; build the float weight (meta['unquantized']) for an int8 .pte"),
+        FormatSpec(
+            "executorch",
+            "exporter.formats.executorch",
+            "android",
+            ("executorch",),
+            "ExecuTorch lowers a torch.export graph, and its int8 comes from PT2E quantization of the "
+            "float model; build the float weight (meta['unquantized']) for an int8 .pte",
+        ),
         FormatSpec("torchscript_lite", "exporter.formats.torchscript_lite", "android", ()),
-        FormatSpec("onnx", "exporter.formats.onnx", "jetson", ("onnx", "onnxruntime", "onnxscript"),
-                   "the ONNX exporter (dynamo) traces with torch.export, which does not take eager-mode quantized "
-                   "modules; build the float weight (meta['unquantized']) for an int8 Q/DQ ONNX"),
-        FormatSpec("tensorrt", "exporter.formats.tensorrt", "jetson", (),
-                   "TensorRT engines are built from the ONNX export, which cannot take it"),
-        FormatSpec("coreml", "exporter.formats.coreml", "ios", ("coremltools",),
-                   "Core ML converts a torch.export graph, which does not take eager-mode quantized modules; "
-                   "build the float weight (meta['unquantized']) and compress it in Core ML"),
+        FormatSpec(
+            "onnx",
+            "exporter.formats.onnx",
+            "jetson",
+            ("onnx", "onnxruntime", "onnxscript"),
+            "the ONNX exporter (dynamo) traces with torch.export, which does not take eager-mode quantized "
+            "modules; build the float weight (meta['unquantized']) for an int8 Q/DQ ONNX",
+        ),
+        FormatSpec(
+            "tensorrt",
+            "exporter.formats.tensorrt",
+            "jetson",
+            (),
+            "TensorRT engines are built from the ONNX export, which cannot take it",
+        ),
+        FormatSpec(
+            "coreml",
+            "exporter.formats.coreml",
+            "ios",
+            ("coremltools",),
+            "Core ML converts a torch.export graph, which does not take eager-mode quantized modules; "
+            "build the float weight (meta['unquantized']) and compress it in Core ML",
+        ),
     )
 }

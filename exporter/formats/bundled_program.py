@@ -31,9 +31,11 @@ SUFFIX = ".bpte"
 METHOD = "forward"
 MARGIN = 2.0
 FLOOR = 1e-5
-RULE = (f"over the golden inputs, gap = max|artifact - eager|, scale = max|eager|; atol = max({MARGIN:g} * gap, "
-        f"{FLOOR:g} * scale), rtol = max({MARGIN:g} * gap / scale, {FLOOR:g}); an element passes when "
-        "|out - expected| <= atol + rtol * |out|")
+RULE = (
+    f"over the golden inputs, gap = max|artifact - eager|, scale = max|eager|; atol = max({MARGIN:g} * gap, "
+    f"{FLOOR:g} * scale), rtol = max({MARGIN:g} * gap / scale, {FLOOR:g}); an element passes when "
+    "|out - expected| <= atol + rtol * |out|"
+)
 
 # executorch_flatbuffer.ScalarType -> numpy dtype name, for the scalar types a bundle of ours holds
 SCALAR_TYPES = {0: "uint8", 1: "int8", 3: "int32", 4: "int64", 5: "float16", 6: "float32", 7: "float64", 11: "bool"}
@@ -78,7 +80,7 @@ def _cases(inputs) -> list:
     import torch
 
     if isinstance(inputs, torch.Tensor):
-        inputs = [inputs[i:i + 1] for i in range(inputs.shape[0])] if inputs.dim() == 4 else [inputs]
+        inputs = [inputs[i : i + 1] for i in range(inputs.shape[0])] if inputs.dim() == 4 else [inputs]
     return [x.detach().cpu().contiguous() for x in inputs]
 
 
@@ -118,8 +120,9 @@ def write(pte_path: Path, inputs, expected: list, rtol: float, atol: float, out_
 
     pte_path, out_path = Path(pte_path), Path(out_path)
     cases = _cases(inputs)
-    expected = [tuple(t.detach().cpu().contiguous() for t in _flat(list(e) if isinstance(e, tuple) else e))
-                for e in expected]
+    expected = [
+        tuple(t.detach().cpu().contiguous() for t in _flat(list(e) if isinstance(e, tuple) else e)) for e in expected
+    ]
     if not cases or len(cases) != len(expected):
         raise ValueError(f"{len(cases)} golden inputs against {len(expected)} expected outputs")
     if not (rtol >= 0 and atol >= 0):
@@ -141,12 +144,20 @@ def write(pte_path: Path, inputs, expected: list, rtol: float, atol: float, out_
     data = serialize_from_bundled_program_to_flatbuffer(BundledProgram(None, [suite], pte_file_path=str(pte_path)))
     with files.atomic_path(out_path) as tmp:
         tmp.write_bytes(data)
-    return {"path": out_path.name, "sha256": files.sha256(out_path), "size_bytes": files.size(out_path),
-            "program_sha256": files.sha256(pte_path), "method": METHOD, "cases": len(cases),
-            "rtol": float(rtol), "atol": float(atol)}
+    return {
+        "path": out_path.name,
+        "sha256": files.sha256(out_path),
+        "size_bytes": files.size(out_path),
+        "program_sha256": files.sha256(pte_path),
+        "method": METHOD,
+        "cases": len(cases),
+        "rtol": float(rtol),
+        "atol": float(atol),
+    }
 
 
 # -- a reader of the file, needing nothing but struct and numpy -----------------------------------------------
+
 
 def _u32(b, at):
     return struct.unpack_from("<I", b, at)[0]
@@ -193,7 +204,7 @@ def _value(b, value):
     start, n = _vector(b, tensor, 2)
     if scalar not in SCALAR_TYPES:
         raise ValueError(f"scalar type {scalar} is not read")
-    return np.frombuffer(bytes(b[start:start + n]), dtype=SCALAR_TYPES[scalar]).reshape(sizes)
+    return np.frombuffer(bytes(b[start : start + n]), dtype=SCALAR_TYPES[scalar]).reshape(sizes)
 
 
 def read(data: bytes) -> dict:
@@ -209,11 +220,13 @@ def read(data: bytes) -> dict:
     if not suites:
         raise ValueError("the bundled program holds no test suite")
     name_at = _ref(b, _field(b, suites[0], 0))
-    method = bytes(b[name_at + 4:name_at + 4 + _u32(b, name_at)]).decode()
-    cases = [{"inputs": [_value(b, v) for v in _tables(b, case, 0)],
-              "expected": [_value(b, v) for v in _tables(b, case, 1)]} for case in _tables(b, suites[0], 1)]
+    method = bytes(b[name_at + 4 : name_at + 4 + _u32(b, name_at)]).decode()
+    cases = [
+        {"inputs": [_value(b, v) for v in _tables(b, case, 0)], "expected": [_value(b, v) for v in _tables(b, case, 1)]}
+        for case in _tables(b, suites[0], 1)
+    ]
     start, n = _vector(b, root, 2)
-    return {"version": version, "method": method, "cases": cases, "program": bytes(b[start:start + n])}
+    return {"version": version, "method": method, "cases": cases, "program": bytes(b[start : start + n])}
 
 
 def _worst(program, case: dict, rtol: float, atol: float) -> str:
@@ -229,8 +242,10 @@ def _worst(program, case: dict, rtol: float, atol: float) -> str:
         j = int(np.argmax(diff - allowed))
         outside = int((diff > allowed).sum())
         if worst is None or diff.flat[j] - allowed.flat[j] > worst[0]:
-            reason = (f"output {k}: |out - expected| {diff.flat[j]:.3g} where {allowed.flat[j]:.3g} is allowed; "
-                      f"{outside} of {diff.size} elements outside")
+            reason = (
+                f"output {k}: |out - expected| {diff.flat[j]:.3g} where {allowed.flat[j]:.3g} is allowed; "
+                f"{outside} of {diff.size} elements outside"
+            )
             worst = (diff.flat[j] - allowed.flat[j], reason)
     return worst[1] if worst else "no outputs"
 
@@ -259,6 +274,9 @@ def verify(bpte_path: Path, rtol: float, atol: float) -> dict:
                 detail = _worst(_Program(content["program"]), cases[i], rtol, atol)
             except Exception as inner:  # noqa: BLE001  (the verifier's own word stands)
                 detail = f"(no detail: {inner})"
-            return {"passed": False, "cases": len(cases),
-                    "error": f"case {i} of {len(cases)}: {e}; {detail} (rtol {rtol:.3g}, atol {atol:.3g})"}
+            return {
+                "passed": False,
+                "cases": len(cases),
+                "error": f"case {i} of {len(cases)}: {e}; {detail} (rtol {rtol:.3g}, atol {atol:.3g})",
+            }
     return {"passed": True, "cases": len(cases), "error": None}

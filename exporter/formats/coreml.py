@@ -118,7 +118,9 @@ def preflight(precision, deployment_target=DEFAULT_TARGET, input="image", compre
         raise UsageError("coreml: compression=palettize needs nbits")
     # coremltools would silently raise the package's deployment target instead of refusing
     if compression != "none" and version < 16:
-        raise UsageError(f"coreml: compression={compression} needs deployment target iOS16 or later, got {deployment_target}")
+        raise UsageError(
+            f"coreml: compression={compression} needs deployment target iOS16 or later, got {deployment_target}"
+        )
     if compression == "palettize" and nbits == 3 and version < 18:
         raise UsageError(f"coreml: 3-bit palettization needs deployment target iOS18 or later, got {deployment_target}")
 
@@ -141,7 +143,9 @@ def _image_size(pre: dict, example: torch.Tensor) -> tuple[int, int]:
     if pre.get("input_size"):
         size = tuple(pre["input_size"])
         if size != tuple(example.shape[-2:]):
-            raise ValueError(f"coreml: preprocessing input_size {list(size)} differs from the example's {list(example.shape[-2:])}")
+            raise ValueError(
+                f"coreml: preprocessing input_size {list(size)} differs from the example's {list(example.shape[-2:])}"
+            )
         return size
     size = pre.get("crop_size")
     return (size[0], size[-1]) if size else tuple(example.shape[-2:])
@@ -185,8 +189,13 @@ def _convert(model, example, precision, meta, deployment_target, input):
     per_pixel = _multiarray(meta)
     if input == "image":
         wrapper = (ImageInput if per_pixel else ImageClassifier)(model, pre["mean"], pre["std"])
-        input_type = ct.ImageType(name="image", shape=tuple(example.shape), scale=1 / 255.0, bias=[0.0, 0.0, 0.0],
-                                  color_layout=ct.colorlayout.RGB)
+        input_type = ct.ImageType(
+            name="image",
+            shape=tuple(example.shape),
+            scale=1 / 255.0,
+            bias=[0.0, 0.0, 0.0],
+            color_layout=ct.colorlayout.RGB,
+        )
     else:
         wrapper = model if per_pixel else TensorClassifier(model)
         input_type = ct.TensorType(name="input", shape=tuple(example.shape), dtype=np.float32)
@@ -196,9 +205,15 @@ def _convert(model, example, precision, meta, deployment_target, input):
     target = getattr(ct.target, f"iOS{_ios_version(deployment_target)}")
     compute_precision = ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32
     if per_pixel:
-        return ct.convert(exported, convert_to="mlprogram", inputs=[input_type],
-                          outputs=[ct.TensorType(name=_output(meta)["name"])],
-                          minimum_deployment_target=target, compute_precision=compute_precision, skip_model_load=True)
+        return ct.convert(
+            exported,
+            convert_to="mlprogram",
+            inputs=[input_type],
+            outputs=[ct.TensorType(name=_output(meta)["name"])],
+            minimum_deployment_target=target,
+            compute_precision=compute_precision,
+            skip_model_load=True,
+        )
     # Two steps because coremltools 9 fails (IndexError in get_func_output) when a classifier
     # keeps a second output (the logits) in one ct.convert call with torch.export input.
     program = ct.convert(
@@ -215,8 +230,9 @@ def _convert(model, example, precision, meta, deployment_target, input):
         convert_to="mlprogram",
         minimum_deployment_target=target,
         pass_pipeline=ct.PassPipeline.EMPTY,  # the passes already ran in the first step
-        classifier_config=ct.ClassifierConfig(list(meta["labels"]), predicted_feature_name=LABEL_OUTPUT,
-                                              predicted_probabilities_output="probabilities"),
+        classifier_config=ct.ClassifierConfig(
+            list(meta["labels"]), predicted_feature_name=LABEL_OUTPUT, predicted_probabilities_output="probabilities"
+        ),
         skip_model_load=True,  # nothing here predicts with it; on macOS loading compiles it into the system's temp
     )
 
@@ -317,13 +333,19 @@ def _describe(mlmodel, precision, meta, options, image_size, output_shape) -> No
         output = _output(meta)
         if output["layout"] == "NCHW":
             _, c, h, w = output_shape
-            text = (f"per-pixel class scores (logits, before softmax), 1x{c}x{h}x{w} at the input's resolution; "
-                    f"the argmax over the {c} classes (axis 1) is the class of each pixel, named in exporter.labels")
+            text = (
+                f"per-pixel class scores (logits, before softmax), 1x{c}x{h}x{w} at the input's resolution; "
+                f"the argmax over the {c} classes (axis 1) is the class of each pixel, named in exporter.labels"
+            )
         else:
             text = f"{'x'.join(map(str, output_shape))}: {output.get('meaning', '')}"
         mlmodel.output_description[output["name"]] = text
         # without a classify op the class names would not be in the package
-        extra = {"output": output["name"], "output_layout": output["layout"], "labels": json.dumps(list(meta["labels"]))}
+        extra = {
+            "output": output["name"],
+            "output_layout": output["layout"],
+            "labels": json.dumps(list(meta["labels"])),
+        }
     else:
         mlmodel.output_description[LABEL_OUTPUT] = "most likely class"
         mlmodel.output_description[PROBS_OUTPUT] = "softmax probability of every class"
@@ -382,20 +404,29 @@ def _layer_weights(mlmodel) -> list[dict]:
     # every const by name, read from the program as get_weights_metadata does, without that function's map of
     # each const's consumers: it raises ("'list' object has no attribute 'val'") on a const feeding an op with a
     # list input, such as ViT's class token going into a concat
-    program = milproto_to_pymil(model_spec=dense.get_spec(), specification_version=dense.get_spec().specificationVersion,
-                                file_weights_dir=dense.weights_dir)
-    values = {op.name: op.val.val for function in program.functions.values() for op in _all_ops(function)
-              if op.op_type == "const"}
+    program = milproto_to_pymil(
+        model_spec=dense.get_spec(),
+        specification_version=dense.get_spec().specificationVersion,
+        file_weights_dir=dense.weights_dir,
+    )
+    values = {
+        op.name: op.val.val
+        for function in program.functions.values()
+        for op in _all_ops(function)
+        if op.op_type == "const"
+    }
     layers = []
     for op in _main_ops(dense.get_spec()):
         if op.type in ("conv", "linear"):
             bias = _argument(op, "bias")
-            layers.append({
-                "op": op.outputs[0].name,
-                "type": op.type,
-                "weight": values[_argument(op, "weight")],
-                "bias": values[bias] if bias else None,
-            })
+            layers.append(
+                {
+                    "op": op.outputs[0].name,
+                    "type": op.type,
+                    "weight": values[_argument(op, "weight")],
+                    "bias": values[bias] if bias else None,
+                }
+            )
     return layers
 
 
@@ -410,8 +441,11 @@ def _compression_check(mlmodel, layers, compression, nbits) -> dict:
     """What compression the weights really carry; raises when the one asked for is absent."""
     ops = _main_ops(mlmodel.get_spec())
     producers = {out.name: op.type for op in ops for out in op.outputs}
-    weight_producer = {op.outputs[0].name: producers.get(_argument(op, "weight"), "const")
-                       for op in ops if op.type in ("conv", "linear")}
+    weight_producer = {
+        op.outputs[0].name: producers.get(_argument(op, "weight"), "const")
+        for op in ops
+        if op.type in ("conv", "linear")
+    }
     constexpr_ops: dict[str, int] = {}
     compressed = []
     for layer in layers:
@@ -459,7 +493,9 @@ def _check_outputs(spec, meta, output_shape) -> tuple[dict, int]:
         scores = list(description.output[0].type.multiArrayType.shape)
         labels = json.loads(description.metadata.userDefined[METADATA_PREFIX + "labels"])
         if scores != list(output_shape) or len(labels) != num_classes:
-            raise ValueError(f"package has {len(labels)} labels and output {scores}; the model's output is {list(output_shape)}")
+            raise ValueError(
+                f"package has {len(labels)} labels and output {scores}; the model's output is {list(output_shape)}"
+            )
         if labels != list(meta["labels"]):
             raise ValueError("package class labels differ from the build's labels")
         return {name: scores}, len(labels)
@@ -468,7 +504,9 @@ def _check_outputs(spec, meta, output_shape) -> tuple[dict, int]:
     logits = next(o for o in description.output if o.name == LOGITS_OUTPUT).type.multiArrayType
     labels = _classify_labels(spec)
     if list(logits.shape) != [1, num_classes] or len(labels) != num_classes:
-        raise ValueError(f"package has {len(labels)} labels and logits {list(logits.shape)}; the model has {num_classes} classes")
+        raise ValueError(
+            f"package has {len(labels)} labels and logits {list(logits.shape)}; the model has {num_classes} classes"
+        )
     if labels != list(meta["labels"]):
         raise ValueError("package class labels differ from the build's labels")
     return {LABEL_OUTPUT: "label", PROBS_OUTPUT: "probabilities", LOGITS_OUTPUT: list(logits.shape)}, len(labels)
@@ -487,14 +525,23 @@ def _spec_check(path: Path, precision, meta, options, output_shape) -> dict:
         raise ValueError(f"package input is {model_input.name!r}, expected {expected_input!r}")
     if options["input"] == "image":
         image = model_input.type.imageType
-        input_info = {"name": model_input.name, "type": "image", "color_space": ct.proto.FeatureTypes_pb2.ImageFeatureType.ColorSpace.Name(image.colorSpace),
-                      "width": image.width, "height": image.height}
+        input_info = {
+            "name": model_input.name,
+            "type": "image",
+            "color_space": ct.proto.FeatureTypes_pb2.ImageFeatureType.ColorSpace.Name(image.colorSpace),
+            "width": image.width,
+            "height": image.height,
+        }
         if input_info["color_space"] != "RGB":
             raise ValueError(f"package image input is {input_info['color_space']}, expected RGB")
     else:
         array = model_input.type.multiArrayType
-        input_info = {"name": model_input.name, "type": "multiarray", "shape": list(array.shape),
-                      "dtype": ct.proto.FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(array.dataType)}
+        input_info = {
+            "name": model_input.name,
+            "type": "multiarray",
+            "shape": list(array.shape),
+            "dtype": ct.proto.FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name(array.dataType),
+        }
     outputs, labels = _check_outputs(spec, meta, output_shape)
     layers = _layer_weights(mlmodel)
     return {
@@ -510,13 +557,27 @@ def _spec_check(path: Path, precision, meta, options, output_shape) -> dict:
     }
 
 
-def export(model, example, precision, calib, path: Path, meta: dict, deployment_target=DEFAULT_TARGET,
-           input="image", compression="none", nbits=None) -> dict:
+def export(
+    model,
+    example,
+    precision,
+    calib,
+    path: Path,
+    meta: dict,
+    deployment_target=DEFAULT_TARGET,
+    input="image",
+    compression="none",
+    nbits=None,
+) -> dict:
     preflight(precision, deployment_target, input, compression, nbits)
     if input == "image" and example.dim() != 4:  # an image input is one frame: a clip (N, 3, T, H, W) is a tensor
         input = "tensor"
-    options = {"deployment_target": deployment_target, "input": input, "compression": compression,
-               "nbits": nbits if compression == "palettize" else None}
+    options = {
+        "deployment_target": deployment_target,
+        "input": input,
+        "compression": compression,
+        "nbits": nbits if compression == "palettize" else None,
+    }
     image_size = _image_size(meta["preprocessing"], example)
     model, pooled = global_pool3d_as_mean(model)
     with _scratch_beside(Path(path)), _without_progress_bars():  # reading the package back draws bars too
@@ -559,8 +620,10 @@ def _make_reproducible(package: Path) -> None:
     for file in sorted(f for f in package.rglob("*") if f.is_file() and f != manifest_path):
         content.update(file.relative_to(package).as_posix().encode() + b"\0")
         content.update(hashlib.sha256(file.read_bytes()).digest())
-    renamed = {old: str(uuid.uuid5(uuid.NAMESPACE_URL, f"mlpackage:{content.hexdigest()}:{entry['path']}"))
-               for old, entry in entries.items()}
+    renamed = {
+        old: str(uuid.uuid5(uuid.NAMESPACE_URL, f"mlpackage:{content.hexdigest()}:{entry['path']}"))
+        for old, entry in entries.items()
+    }
     manifest["itemInfoEntries"] = {renamed[old]: entry for old, entry in entries.items()}
     manifest["rootModelIdentifier"] = renamed[manifest["rootModelIdentifier"]]
     manifest_path.write_text(json.dumps(manifest, indent=4, sort_keys=True) + "\n")
@@ -570,7 +633,7 @@ def _user_metadata(path: Path) -> dict:
     import coremltools as ct
 
     user = ct.models.MLModel(str(path), skip_model_load=True).user_defined_metadata
-    return {k[len(METADATA_PREFIX):]: v for k, v in user.items() if k.startswith(METADATA_PREFIX)}
+    return {k[len(METADATA_PREFIX) :]: v for k, v in user.items() if k.startswith(METADATA_PREFIX)}
 
 
 def load(path: Path, threads: int):
@@ -606,15 +669,22 @@ def _with_package_weights(model: nn.Module, layers: list[dict]) -> nn.Module:
 
     fused = fuse(copy.deepcopy(model).eval())
     modules = dict(fused.named_modules())
-    free = [(modules[n.target], "weight") for n in fused.graph.nodes
-            if n.op == "call_module" and isinstance(modules[n.target], (nn.Conv2d, nn.Linear))]
+    free = [
+        (modules[n.target], "weight")
+        for n in fused.graph.nodes
+        if n.op == "call_module" and isinstance(modules[n.target], (nn.Conv2d, nn.Linear))
+    ]
     if len(free) != len(layers) and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         # layers applied through their weights (Swin's attention: F.linear(x, qkv.weight); ViT's
         # nn.MultiheadAttention: its in_proj_weight) are no call_module; with no BatchNorm to fold, the model's own
         # matrix and kernel weights, in definition order, are the ones to pair
         fused = copy.deepcopy(model).eval()
-        free = [(m, name) for m in fused.modules() for name, p in m.named_parameters(recurse=False)
-                if name.endswith("weight") and p.dim() >= 2]
+        free = [
+            (m, name)
+            for m in fused.modules()
+            for name, p in m.named_parameters(recurse=False)
+            if name.endswith("weight") and p.dim() >= 2
+        ]
     if len(free) != len(layers):
         raise ValueError(f"the package has {len(layers)} conv/linear layers, the model {len(free)}")
     with torch.no_grad():
@@ -629,7 +699,11 @@ def _with_package_weights(model: nn.Module, layers: list[dict]) -> nn.Module:
             bias = getattr(module, name.removesuffix("weight") + "bias", None)
             if bias is not None:
                 package_bias = layer["bias"]
-                bias.copy_(torch.zeros_like(bias) if package_bias is None else torch.from_numpy(package_bias.astype(np.float32)))
+                bias.copy_(
+                    torch.zeros_like(bias)
+                    if package_bias is None
+                    else torch.from_numpy(package_bias.astype(np.float32))
+                )
     return fused
 
 
@@ -696,9 +770,10 @@ class _RoundedToHalf(TorchDispatchMode):
         if any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
             return out
         if any(r.alias_info is not None for r in returns):
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
                     t.copy_(t.half())
             return out
-        return tree_map(lambda t: t.half().float() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t,
-                        out)
+        return tree_map(
+            lambda t: t.half().float() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, out
+        )

@@ -79,25 +79,35 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     graph = report.get("after") or {}
     if graph.get("ranges") not in Pt2eBackend.fallback_range_methods or not lowering_broke(graph, program):
         return details
-    calibration.log(f"  int8 .pte: its graph met the budget ({_db(graph['psnr_db'])}) and the lowered program missed "
-                    f"it ({_db(program['psnr_db'])}): made again with static ranges")
+    calibration.log(
+        f"  int8 .pte: its graph met the budget ({_db(graph['psnr_db'])}) and the lowered program missed "
+        f"it ({_db(program['psnr_db'])}): made again with static ranges"
+    )
     first = path.read_bytes()
     static = dataclasses.replace(calibration, settings={**calibration.settings, "dynamic_ranges": False})
     remade = _lower(model, example, precision, static, path, rewrites)
     remade_report = remade["quantization"]
     remade_report["program"] = lowered_quality(model, lambda: load(path), calibration)
     keep_remade = better(remade_report["program"], program)
-    fault = {"ranges": graph["ranges"], "graph": graph, "program": program,
-             "static_program": remade_report["program"], "kept": "static" if keep_remade else graph["ranges"],
-             "note": f"ExecuTorch lowered the int8 graph with {graph['ranges']} ranges to a program that missed the "
-                     "budget its graph met; a program was made again from a search with static ranges only, and the "
-                     "better of the two on the check images is the artifact"}
+    fault = {
+        "ranges": graph["ranges"],
+        "graph": graph,
+        "program": program,
+        "static_program": remade_report["program"],
+        "kept": "static" if keep_remade else graph["ranges"],
+        "note": f"ExecuTorch lowered the int8 graph with {graph['ranges']} ranges to a program that missed the "
+        "budget its graph met; a program was made again from a search with static ranges only, and the "
+        "better of the two on the check images is the artifact",
+    }
     if not keep_remade:
         path.write_bytes(first)
         report["lowering_fault"] = fault
         return details
-    remade_report.update(lowering_fault=fault, dynamic_ranges=calibration.settings.get("dynamic_ranges", True),
-                         seconds=round(remade_report["seconds"] + report["seconds"], 1))
+    remade_report.update(
+        lowering_fault=fault,
+        dynamic_ranges=calibration.settings.get("dynamic_ranges", True),
+        seconds=round(remade_report["seconds"] + report["seconds"], 1),
+    )
     return remade
 
 
@@ -114,8 +124,12 @@ def per_inference_ranges(calib, details: dict):
 
     report = details.get("quantization") or {}
     ranges = (report.get("after") or {}).get("ranges")
-    if (not report.get("fallback") or not report.get("dynamic_ranges") or report.get("lowering_fault")
-            or ranges in Pt2eBackend.fallback_range_methods):
+    if (
+        not report.get("fallback")
+        or not report.get("dynamic_ranges")
+        or report.get("lowering_fault")
+        or ranges in Pt2eBackend.fallback_range_methods
+    ):
         return None
     calibration = as_calibration(calib)
     return dataclasses.replace(calibration, settings={**calibration.settings, STATIC_RANGES: False})
@@ -132,9 +146,19 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool) -> dict
     from ..quant import as_calibration, quantize_with_budget
     from ..quant.fold import fold_constants
     from ..quant.pt2e import Pt2eBackend
-    from .rewrites import (adaptive_pools_as_pools, attention_as_matmuls, chunks_as_slices, drop_padding_taps,
-                           input_transform_as_affine, matmuls_as_bmm, means_keeping_dims, nearest_upsamples_as_deconvs,
-                           padded_avg_pools_as_pad, single_tensor_cats, split_large_depthwise)
+    from .rewrites import (
+        adaptive_pools_as_pools,
+        attention_as_matmuls,
+        chunks_as_slices,
+        drop_padding_taps,
+        input_transform_as_affine,
+        matmuls_as_bmm,
+        means_keeping_dims,
+        nearest_upsamples_as_deconvs,
+        padded_avg_pools_as_pad,
+        single_tensor_cats,
+        split_large_depthwise,
+    )
 
     details = {}
     # torch.export keeps the example's memory format as the program's input dim order: a channels-last example
@@ -163,11 +187,20 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool) -> dict
     # after quantization: the attention computes in float either way, and the quantizer has no pattern for it
     exported, attention = attention_as_matmuls(exported) if rewrites else (exported, 0)
     exported, matmuls = matmuls_as_bmm(exported) if rewrites else (exported, 0)
-    done = {"padding_taps_dropped": trimmed, "input_transform_as_affine": affine,
-            "large_depthwise_split": split, "padded_avg_pools_as_pad": pools, "adaptive_pools_as_pools": adaptive,
-            "means_keeping_dims": means, "chunks_as_slices": chunks, "single_tensor_cats_dropped": cats,
-            "attention_as_matmuls": attention, "matmuls_as_bmm": matmuls, "constants_folded": folded,
-            "nearest_upsamples_as_deconvs": upsamples}
+    done = {
+        "padding_taps_dropped": trimmed,
+        "input_transform_as_affine": affine,
+        "large_depthwise_split": split,
+        "padded_avg_pools_as_pad": pools,
+        "adaptive_pools_as_pools": adaptive,
+        "means_keeping_dims": means,
+        "chunks_as_slices": chunks,
+        "single_tensor_cats_dropped": cats,
+        "attention_as_matmuls": attention,
+        "matmuls_as_bmm": matmuls,
+        "constants_folded": folded,
+        "nearest_upsamples_as_deconvs": upsamples,
+    }
     if any(done.values()):
         details["rewrites"] = {name: what for name, what in done.items() if what}
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
@@ -212,8 +245,8 @@ def _program_memory(path: Path) -> dict:
         "planned_bytes": int(sum(plan.non_const_buffer_sizes)),
         "planned_buffers": [int(size) for size in plan.non_const_buffer_sizes[1:]],
         "planned_note": "the program's memory plan: inputs, outputs and the activations of ops outside the "
-                        "delegate; a delegate (XNNPACK) allocates its own workspace when the method loads, "
-                        "which shows in the peak RSS, not here",
+        "delegate; a delegate (XNNPACK) allocates its own workspace when the method loads, "
+        "which shows in the peak RSS, not here",
         "constants_bytes": int(sum(len(b) for b in named) + sum(len(c.storage) for c in program.constant_buffer)),
         "delegate_blobs_bytes": int(sum(len(d.data) for d in program.backend_delegate_data)),
     }
@@ -230,8 +263,10 @@ tensor = torch.from_numpy(x)"""
 def memory(path: Path, input_shape, threads: int) -> dict:
     from . import memory as shared
 
-    return {**_program_memory(path),
-            **shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, "module.forward([tensor])", path, input_shape, threads)}
+    return {
+        **_program_memory(path),
+        **shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, "module.forward([tensor])", path, input_shape, threads),
+    }
 
 
 _CONTAINERS = {"Method::execute", "Method::init", "Program::load_method", "DELEGATE_CALL", "OPERATOR_CALL"}
@@ -284,5 +319,6 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
             total[1] += len(times)
     if not totals:
         return {"available": False, "reason": "ETDump recorded no operator events"}
-    return shared.top_ops({op: (ms, n) for op, (ms, n) in totals.items()}, wall, runs,
-                          "ExecuTorch ETDump (executorch.devtools.Inspector)")
+    return shared.top_ops(
+        {op: (ms, n) for op, (ms, n) in totals.items()}, wall, runs, "ExecuTorch ETDump (executorch.devtools.Inspector)"
+    )

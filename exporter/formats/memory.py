@@ -54,18 +54,26 @@ print("@@memory@@" + json.dumps({{"baseline": baseline, "import_peak": import_pe
 """
 
 
-def peak_rss(imports: str, load: str, run: str, path, input_shape, threads: int, runs: int = 2,
-             timeout: float = 300) -> dict:
+def peak_rss(
+    imports: str, load: str, run: str, path, input_shape, threads: int, runs: int = 2, timeout: float = 300
+) -> dict:
     """Resident memory of a fresh process that imports a runtime (`imports`), makes the float32 input `x`,
     loads `path` (`load`, with `path` and `threads` defined) and runs it `runs` times (`run`). Bytes."""
-    script = _SCRIPT.format(imports=imports, shape=tuple(int(s) for s in input_shape), threads=int(threads),
-                            path=str(path), load=load, runs=int(runs), run=textwrap.indent(run, "    "))
+    script = _SCRIPT.format(
+        imports=imports,
+        shape=tuple(int(s) for s in input_shape),
+        threads=int(threads),
+        path=str(path),
+        load=load,
+        runs=int(runs),
+        run=textwrap.indent(run, "    "),
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("@@memory@@")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
         raise RuntimeError(f"the measuring process failed (exit {done.returncode}): {tail}")
-    measured = json.loads(lines[-1][len("@@memory@@"):])
+    measured = json.loads(lines[-1][len("@@memory@@") :])
     record = {
         "peak_rss_bytes": max(measured["peak"], measured["import_peak"]),
         "runtime_baseline_rss_bytes": measured["baseline"],
@@ -73,9 +81,9 @@ def peak_rss(imports: str, load: str, run: str, path, input_shape, threads: int,
         "load_increase_bytes": measured["loaded"] - measured["baseline"],
         "runs": int(runs),
         "method": "a fresh process: peak_rss_bytes is its whole peak resident set (Python, the runtime and its "
-                  "libraries, the model); runtime_baseline_rss_bytes what it held after importing the runtime and "
-                  "making the input; peak_rss_increase_bytes the peak while loading the artifact and running it, "
-                  "minus that baseline: what the model itself needs",
+        "libraries, the model); runtime_baseline_rss_bytes what it held after importing the runtime and "
+        "making the input; peak_rss_increase_bytes the peak while loading the artifact and running it, "
+        "minus that baseline: what the model itself needs",
     }
     if not measured["reset"]:  # without a peak reset, an import's passing peak can hide the model's
         record["method"] += " (peak not resettable on this host: the increase is a lower bound)"
@@ -93,9 +101,15 @@ def top_ops(totals: dict[str, tuple[float, int]], wall_ms: float, runs: int, sou
         "runs": runs,
         "wall_ms": round(wall_ms / runs, 4),  # per run, as every time here
         "ops_ms": round(ops_ms / runs, 4),
-        "ops": [{"op": op, "ms": round(ms / runs, 4), "count": calls // runs if calls % runs == 0 else calls / runs,
-                 "share": round(ms / ops_ms, 4) if ops_ms else 0.0}
-                for op, (ms, calls) in ranked[:top]],
+        "ops": [
+            {
+                "op": op,
+                "ms": round(ms / runs, 4),
+                "count": calls // runs if calls % runs == 0 else calls / runs,
+                "share": round(ms / ops_ms, 4) if ops_ms else 0.0,
+            }
+            for op, (ms, calls) in ranked[:top]
+        ],
         "others_share": round(sum(ms for _, (ms, _) in ranked[top:]) / ops_ms, 4) if ops_ms else 0.0,
     }
 

@@ -54,7 +54,9 @@ def opset_range() -> tuple[int, int]:
 def check_opset(opset) -> int:
     low, high = opset_range()
     if isinstance(opset, bool) or not isinstance(opset, int) or not low <= opset <= high:
-        raise UsageError(f"opset {opset!r} is not supported by torch {torch.__version__}'s ONNX exporter (use {low}..{high})")
+        raise UsageError(
+            f"opset {opset!r} is not supported by torch {torch.__version__}'s ONNX exporter (use {low}..{high})"
+        )
     return opset
 
 
@@ -187,8 +189,14 @@ def _export_graph(model, example, opset: int, path: Path, external: bool = False
     traced = example if example.shape[0] > 1 else torch.cat([example, example])
     with torch.no_grad():
         program = torch.onnx.export(
-            model, (traced,), dynamo=True, opset_version=opset, dynamic_shapes=({0: "batch"},),
-            input_names=[INPUT], output_names=[OUTPUT], verbose=False,
+            model,
+            (traced,),
+            dynamo=True,
+            opset_version=opset,
+            dynamic_shapes=({0: "batch"},),
+            input_names=[INPUT],
+            output_names=[OUTPUT],
+            verbose=False,
             # onnxscript's optimizer: BatchNorm folded into Conv, shape arithmetic folded away (MobileNetV3-Small:
             # 354 -> 122 nodes; PSNR vs eager in ONNX Runtime 139.5 -> 135.4 dB, both at fp32 rounding level)
             optimize=True,
@@ -202,8 +210,16 @@ def _export_traced(model, example, opset: int, path: Path, external: bool) -> No
 
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's deprecation notice and the tracer's on shapes it keeps dynamic
-        torch.onnx.export(model, (example[:1],), str(path), dynamo=False, opset_version=opset,
-                          input_names=[INPUT], output_names=[OUTPUT], do_constant_folding=True)
+        torch.onnx.export(
+            model,
+            (example[:1],),
+            str(path),
+            dynamo=False,
+            opset_version=opset,
+            input_names=[INPUT],
+            output_names=[OUTPUT],
+            do_constant_folding=True,
+        )
     if external:
         _resave(path, path, True)
 
@@ -254,8 +270,14 @@ def _quantize(model, example, opset: int, calibration, path: Path, external: boo
     with tempfile.TemporaryDirectory(prefix=".qdq-", suffix=".partial", dir=path.parent) as work:
         fp32 = Path(work) / "fp32.onnx"
         _export_graph(model, example, opset, fp32, external, exporter)
-        backend = OnnxQdqBackend(model, fp32, INPUT, calibration.settings["onnx_calibration"], Path(work),
-                                 external_data=bool(files.companions(fp32)))
+        backend = OnnxQdqBackend(
+            model,
+            fp32,
+            INPUT,
+            calibration.settings["onnx_calibration"],
+            Path(work),
+            external_data=bool(files.companions(fp32)),
+        )
         candidate, report = quantize_with_budget(model, backend, calibration)
         if files.companions(candidate.path):
             _resave(candidate.path, path, external)
@@ -271,16 +293,28 @@ def _check_batch_axis(path: Path, example: torch.Tensor, sizes: tuple[int, int, 
     try:
         batched = session.run(None, {INPUT: np.repeat(example.numpy(), sizes[2], axis=0)})[0]
     except Exception as e:
-        raise RuntimeError(f"the graph runs at batch 1 but not at batch {sizes[2]} (batch profile "
-                           f"{':'.join(map(str, sizes))}): a reshape keeps the traced batch; "
-                           f"--option batch=1 exports it for batch 1 ({str(e).strip().splitlines()[0][-160:]})") from None
+        raise RuntimeError(
+            f"the graph runs at batch 1 but not at batch {sizes[2]} (batch profile "
+            f"{':'.join(map(str, sizes))}): a reshape keeps the traced batch; "
+            f"--option batch=1 exports it for batch 1 ({str(e).strip().splitlines()[0][-160:]})"
+        ) from None
     if batched.shape[0] != sizes[2]:
         raise RuntimeError(f"batch {sizes[2]} gave output shape {batched.shape}")
     return {"batch": sizes[2], "max_abs_diff_vs_batch1": float(np.abs(batched - single).max())}
 
 
-def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAULT_OPSET, batch=DEFAULT_BATCH,
-           external_data="auto", exporter="dynamo") -> dict:
+def export(
+    model,
+    example,
+    precision,
+    calib,
+    path: Path,
+    meta: dict,
+    opset=DEFAULT_OPSET,
+    batch=DEFAULT_BATCH,
+    external_data="auto",
+    exporter="dynamo",
+) -> dict:
     import onnx
 
     opset, sizes, external = check_opset(opset), batch_profile(batch), check_external_data(external_data)
@@ -308,7 +342,11 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=DEFAU
         "batch_check": _check_batch_axis(path, example, sizes),
         "ops": ops,
         "nodes": len(proto.graph.node),
-        "graph": {"fp32": "float32", "fp16": "float16 with fp32 I/O casts", "int8": "explicit Q/DQ, symmetric int8, per-channel weights"}[precision],
+        "graph": {
+            "fp32": "float32",
+            "fp16": "float16 with fp32 I/O casts",
+            "int8": "explicit Q/DQ, symmetric int8, per-channel weights",
+        }[precision],
     }
     if data := files.companions(path):
         # the tensors, beside the graph under this name (written inside it): ship and copy the two together
@@ -341,9 +379,14 @@ def nchwc_crash(path: Path) -> str | None:
         import onnxruntime as ort
 
         child = subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True)
-        _CRASHES[key] = None if child.returncode >= 0 else (
-            f"ONNX Runtime {ort.__version__} dies (signal {-child.returncode}) making a session of this graph with "
-            f"its NchwcTransformer (an x86-only layout pass; the aarch64 wheel has none): sessions here run without it")
+        _CRASHES[key] = (
+            None
+            if child.returncode >= 0
+            else (
+                f"ONNX Runtime {ort.__version__} dies (signal {-child.returncode}) making a session of this graph with "
+                f"its NchwcTransformer (an x86-only layout pass; the aarch64 wheel has none): sessions here run without it"
+            )
+        )
     return _CRASHES[key]
 
 
@@ -358,8 +401,9 @@ def _session(path: Path, threads: int, nchwc: bool = True):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     # NCHWc: ONNX Runtime's blocked layout, with kernels for x86 only (the aarch64 wheel does not apply it)
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
-                                disabled_optimizers=_disabled_optimizers(path, nchwc))
+    return ort.InferenceSession(
+        str(path), options, providers=["CPUExecutionProvider"], disabled_optimizers=_disabled_optimizers(path, nchwc)
+    )
 
 
 def load(path: Path, threads: int, nchwc: bool = True):
@@ -384,8 +428,17 @@ def memory(path: Path, input_shape, threads: int) -> dict:
 
     proto = onnx.load(str(path), load_external_data=False)
     constants = sum(_tensor_bytes(t) for t in proto.graph.initializer)
-    return {"constants_bytes": int(constants),
-            **shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD.format(disabled=_disabled_optimizers(path)), f"session.run(None, {{{INPUT!r}: x}})", path, input_shape, threads)}
+    return {
+        "constants_bytes": int(constants),
+        **shared.peak_rss(
+            _RSS_IMPORTS,
+            _RSS_LOAD.format(disabled=_disabled_optimizers(path)),
+            f"session.run(None, {{{INPUT!r}: x}})",
+            path,
+            input_shape,
+            threads,
+        ),
+    }
 
 
 def profile(path: Path, example, runs: int, threads: int) -> dict:
@@ -402,14 +455,16 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
         options.inter_op_num_threads = 1
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(work) / "ort")
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
-                                       disabled_optimizers=_disabled_optimizers(path))
+        session = ort.InferenceSession(
+            str(path), options, providers=["CPUExecutionProvider"], disabled_optimizers=_disabled_optimizers(path)
+        )
         feed = {INPUT: example.contiguous().numpy()}
         for _ in range(runs + 1):
             session.run(None, feed)
         events = json.loads(Path(session.end_profiling()).read_text())
-    model_runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
-                        key=lambda e: e["ts"])[1:]
+    model_runs = sorted(
+        (e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"), key=lambda e: e["ts"]
+    )[1:]
     if not model_runs:
         return {"available": False, "reason": "ONNX Runtime's profile has no model runs"}
     start = model_runs[0]["ts"]
@@ -420,4 +475,6 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
             total[0] += event["dur"] / 1000  # µs
             total[1] += 1
     wall = sum(e["dur"] for e in model_runs) / 1000
-    return shared.top_ops({op: (ms, n) for op, (ms, n) in totals.items()}, wall, runs, "ONNX Runtime profiler (kernel time per op type)")
+    return shared.top_ops(
+        {op: (ms, n) for op, (ms, n) in totals.items()}, wall, runs, "ONNX Runtime profiler (kernel time per op type)"
+    )

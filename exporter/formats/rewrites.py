@@ -110,11 +110,20 @@ def regions(size: int, kernel: int, stride: int, padding: int, dilation: int) ->
             return None
         first, last = useful[0], useful[-1]
         if found and (found[-1].first, found[-1].last) == (first, last):
-            found[-1] = Region(found[-1].start, y + 1, first, last, found[-1].begin,
-                               y * stride - padding + last * dilation + 1)
+            found[-1] = Region(
+                found[-1].start, y + 1, first, last, found[-1].begin, y * stride - padding + last * dilation + 1
+            )
         else:
-            found.append(Region(y, y + 1, first, last, y * stride - padding + first * dilation,
-                                y * stride - padding + last * dilation + 1))
+            found.append(
+                Region(
+                    y,
+                    y + 1,
+                    first,
+                    last,
+                    y * stride - padding + first * dilation,
+                    y * stride - padding + last * dilation + 1,
+                )
+            )
     return found
 
 
@@ -130,11 +139,20 @@ def _replaced(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
 def _conv(conv: nn.Conv2d, rows: Region, cols: Region, padding=(0, 0)) -> nn.Conv2d:
     kernel = (rows.last - rows.first + 1, cols.last - cols.first + 1)
     dilation = tuple(1 if k == 1 else d for k, d in zip(kernel, conv.dilation))
-    part = nn.Conv2d(conv.in_channels, conv.out_channels, kernel, stride=conv.stride, padding=padding,
-                     dilation=dilation, groups=conv.groups, bias=conv.bias is not None,
-                     dtype=conv.weight.dtype, device=conv.weight.device)
+    part = nn.Conv2d(
+        conv.in_channels,
+        conv.out_channels,
+        kernel,
+        stride=conv.stride,
+        padding=padding,
+        dilation=dilation,
+        groups=conv.groups,
+        bias=conv.bias is not None,
+        dtype=conv.weight.dtype,
+        device=conv.weight.device,
+    )
     with torch.no_grad():
-        part.weight.copy_(conv.weight[:, :, rows.first:rows.last + 1, cols.first:cols.last + 1])
+        part.weight.copy_(conv.weight[:, :, rows.first : rows.last + 1, cols.first : cols.last + 1])
         if conv.bias is not None:
             part.bias.copy_(conv.bias)
     return part.train(conv.training)
@@ -153,9 +171,16 @@ class RegionConv(nn.Module):
         parts, rows = iter(self.parts), []
         for r in self.rows:
             # a slice spanning the whole axis exports as an alias, which XNNPACK does not take: not sliced
-            band = x if (r.begin, r.end) == (0, height) else x[:, :, r.begin:r.end]
-            rows.append(torch.cat([next(parts)(band if (c.begin, c.end) == (0, width) else band[:, :, :, c.begin:c.end])
-                                   for c in self.cols], dim=3))
+            band = x if (r.begin, r.end) == (0, height) else x[:, :, r.begin : r.end]
+            rows.append(
+                torch.cat(
+                    [
+                        next(parts)(band if (c.begin, c.end) == (0, width) else band[:, :, :, c.begin : c.end])
+                        for c in self.cols
+                    ],
+                    dim=3,
+                )
+            )
         return torch.cat(rows, dim=2)
 
 
@@ -192,8 +217,10 @@ def drop_padding_taps(model: nn.Module, example: torch.Tensor) -> tuple[nn.Modul
     `example` gives it; and what was changed. The model is returned as it is when nothing is (no artifact changes)."""
     seen: dict[nn.Module, set] = {}
     convs = [m for m in model.modules() if type(m) is nn.Conv2d]
-    hooks = [m.register_forward_pre_hook(lambda module, args: seen.setdefault(module, set()).add(tuple(args[0].shape[-2:])))
-             for m in convs]
+    hooks = [
+        m.register_forward_pre_hook(lambda module, args: seen.setdefault(module, set()).add(tuple(args[0].shape[-2:])))
+        for m in convs
+    ]
     try:
         with torch.no_grad():
             model(example)
@@ -215,10 +242,20 @@ def drop_padding_taps(model: nn.Module, example: torch.Tensor) -> tuple[nn.Modul
     for name, (replacement, size) in plan.items():
         original = model.get_submodule(name)
         model = _replaced(model, name, replacement)
-        kernels = ([list(p.kernel_size) for p in replacement.parts] if isinstance(replacement, RegionConv)
-                   else [list(replacement.kernel_size)])
-        done.append({"module": name, "input": list(size), "kernel": list(original.kernel_size),
-                     "dilation": list(original.dilation), "parts": kernels})
+        kernels = (
+            [list(p.kernel_size) for p in replacement.parts]
+            if isinstance(replacement, RegionConv)
+            else [list(replacement.kernel_size)]
+        )
+        done.append(
+            {
+                "module": name,
+                "input": list(size),
+                "kernel": list(original.kernel_size),
+                "dilation": list(original.dilation),
+                "parts": kernels,
+            }
+        )
     return model, done
 
 
@@ -232,8 +269,11 @@ class GlobalMean3d(nn.Module):
 def global_pool3d_as_mean(model: nn.Module) -> tuple[nn.Module, list[str]]:
     """`model`, or a copy of it with every AdaptiveAvgPool3d to a single output replaced by GlobalMean3d; and the
     modules replaced. The model is returned as it is when it has none (no artifact changes)."""
-    names = [name for name, m in model.named_modules()
-             if type(m) is nn.AdaptiveAvgPool3d and m.output_size in (1, (1, 1, 1), [1, 1, 1])]
+    names = [
+        name
+        for name, m in model.named_modules()
+        if type(m) is nn.AdaptiveAvgPool3d and m.output_size in (1, (1, 1, 1), [1, 1, 1])
+    ]
     if not names:
         return model, []
     model = copy.deepcopy(model)
@@ -243,7 +283,10 @@ def global_pool3d_as_mean(model: nn.Module) -> tuple[nn.Module, list[str]]:
 
 
 # torchvision's GoogLeNet and Inception3 `_transform_input`: ImageNet normalization -> (x - 0.5) / 0.5, per channel
-INPUT_SCALE, INPUT_SHIFT = (0.229 / 0.5, 0.224 / 0.5, 0.225 / 0.5), ((0.485 - 0.5) / 0.5, (0.456 - 0.5) / 0.5, (0.406 - 0.5) / 0.5)
+INPUT_SCALE, INPUT_SHIFT = (
+    (0.229 / 0.5, 0.224 / 0.5, 0.225 / 0.5),
+    ((0.485 - 0.5) / 0.5, (0.456 - 0.5) / 0.5, (0.406 - 0.5) / 0.5),
+)
 
 
 def _affine_transform_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -287,9 +330,14 @@ def _rel_pos_rank5(attn, q, q_thw, k_thw, rel_pos_h, rel_pos_w, rel_pos_t):
     r = q[:, :, 1:].reshape(n * q_t, q_h, q_w, dim)
     along_h = torch.einsum("nhwc,hkc->nhwk", r, _relative_embeddings(rel_pos_h, q_h, k_h))
     along_w = torch.einsum("nhwc,wkc->nhwk", r, _relative_embeddings(rel_pos_w, q_w, k_w))
-    along_t = torch.einsum("ntpc,tkc->ntpk", r.reshape(n, q_t, q_h * q_w, dim), _relative_embeddings(rel_pos_t, q_t, k_t))
-    rel = (along_t.reshape(n, queries, k_t, 1, 1) + along_h.reshape(n, queries, 1, k_h, 1)
-           + along_w.reshape(n, queries, 1, 1, k_w))
+    along_t = torch.einsum(
+        "ntpc,tkc->ntpk", r.reshape(n, q_t, q_h * q_w, dim), _relative_embeddings(rel_pos_t, q_t, k_t)
+    )
+    rel = (
+        along_t.reshape(n, queries, k_t, 1, 1)
+        + along_h.reshape(n, queries, 1, k_h, 1)
+        + along_w.reshape(n, queries, 1, 1, k_w)
+    )
     attn[:, :, 1:, 1:] += rel.reshape(batch, heads, queries, k_t * k_h * k_w)
     return attn
 
@@ -318,8 +366,12 @@ def single_tensor_cats(exported):
     outputs = {a for node in graph.nodes if node.op == "output" for a in torch.utils._pytree.tree_leaves(node.args)}
     dropped = 0
     for node in list(graph.nodes):
-        if (node.op == "call_function" and node.target == torch.ops.aten.cat.default and len(node.args[0]) == 1
-                and node not in outputs):
+        if (
+            node.op == "call_function"
+            and node.target == torch.ops.aten.cat.default
+            and len(node.args[0]) == 1
+            and node not in outputs
+        ):
             node.replace_all_uses_with(node.args[0][0])
             graph.erase_node(node)
             dropped += 1
@@ -367,9 +419,18 @@ class SplitDepthwise(nn.Module):
         for i, part in enumerate(parts):
             dilation = tuple(_spacing(idx) * d for idx, d in zip((part.rows, part.cols), conv.dilation))
             padding = tuple(p - idx[0] * d for p, idx, d in zip(conv.padding, (part.rows, part.cols), conv.dilation))
-            piece = nn.Conv2d(conv.in_channels, conv.out_channels, (len(part.rows), len(part.cols)), stride=conv.stride,
-                              padding=padding, dilation=dilation, groups=conv.groups,
-                              bias=conv.bias is not None and i == 0, dtype=conv.weight.dtype, device=conv.weight.device)
+            piece = nn.Conv2d(
+                conv.in_channels,
+                conv.out_channels,
+                (len(part.rows), len(part.cols)),
+                stride=conv.stride,
+                padding=padding,
+                dilation=dilation,
+                groups=conv.groups,
+                bias=conv.bias is not None and i == 0,
+                dtype=conv.weight.dtype,
+                device=conv.weight.device,
+            )
             with torch.no_grad():
                 piece.weight.copy_(conv.weight[:, :, list(part.rows)][:, :, :, list(part.cols)])
                 if piece.bias is not None:
@@ -386,15 +447,21 @@ class SplitDepthwise(nn.Module):
 def _split_plan(conv: nn.Module) -> list[KernelPart] | None:
     # XNNPACK's depthwise kernels take one input and one output channel per group: with a channel multiplier the
     # convolution is a grouped GEMM whatever its size, and splitting it would only add GEMMs
-    if (type(conv) is not nn.Conv2d or conv.groups == 1 or not conv.in_channels == conv.out_channels == conv.groups
-            or conv.padding_mode != "zeros" or isinstance(conv.padding, str)):
+    if (
+        type(conv) is not nn.Conv2d
+        or conv.groups == 1
+        or not conv.in_channels == conv.out_channels == conv.groups
+        or conv.padding_mode != "zeros"
+        or isinstance(conv.padding, str)
+    ):
         return None
     height, width = conv.kernel_size
     if height * width <= DEPTHWISE_TAPS:
         return None
     parts = kernel_parts(height, width)
-    if parts is None or any(p - idx[0] * d < 0 for part in parts
-                            for p, idx, d in zip(conv.padding, (part.rows, part.cols), conv.dilation)):
+    if parts is None or any(
+        p - idx[0] * d < 0 for part in parts for p, idx, d in zip(conv.padding, (part.rows, part.cols), conv.dilation)
+    ):
         return None  # a part would need negative padding: the padding is smaller than the ring it drops
     return parts
 
@@ -410,8 +477,9 @@ def split_large_depthwise(model: nn.Module) -> tuple[nn.Module, list[dict]]:
     for name, parts in plan.items():
         original = model.get_submodule(name)
         model = _replaced(model, name, SplitDepthwise(original, parts))
-        done.append({"module": name, "kernel": list(original.kernel_size),
-                     "parts": [[len(p.rows), len(p.cols)] for p in parts]})
+        done.append(
+            {"module": name, "kernel": list(original.kernel_size), "parts": [[len(p.rows), len(p.cols)] for p in parts]}
+        )
     return model, done
 
 
@@ -542,8 +610,13 @@ def means_keeping_dims(exported):
         x, dims = node.args[0], node.args[1]
         keepdim = len(node.args) > 2 and bool(node.args[2])
         shape = _static_shape(x)
-        if (keepdim or shape is None or len(shape) != 4 or not isinstance(dims, (list, tuple))
-                or sorted(d % 4 for d in dims) != [2, 3]):
+        if (
+            keepdim
+            or shape is None
+            or len(shape) != 4
+            or not isinstance(dims, (list, tuple))
+            or sorted(d % 4 for d in dims) != [2, 3]
+        ):
             continue
         mean = _new_node(graph, node, torch.ops.aten.mean.dim, (x, list(dims), True))
         _become(node, torch.ops.aten.view.default, (mean, [-1, shape[1]]))
@@ -565,8 +638,11 @@ def chunks_as_slices(exported):
         pieces = node.meta.get("val")
         x, dim = node.args[0], (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
         shape = _static_shape(x)
-        if (shape is None or not isinstance(pieces, (list, tuple))
-                or not all(u.op == "call_function" and u.target is operator.getitem for u in node.users)):
+        if (
+            shape is None
+            or not isinstance(pieces, (list, tuple))
+            or not all(u.op == "call_function" and u.target is operator.getitem for u in node.users)
+        ):
             continue
         dim %= len(shape)
         starts = [0]
@@ -596,8 +672,13 @@ def attention_as_matmuls(exported):
         q, k, v = node.args[:3]
         options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), node.args[3:]), **node.kwargs)
         shape = _static_shape(q)
-        if (options.get("attn_mask") is not None or options.get("dropout_p", 0.0) != 0.0 or options.get("is_causal")
-                or options.get("enable_gqa") or shape is None):
+        if (
+            options.get("attn_mask") is not None
+            or options.get("dropout_p", 0.0) != 0.0
+            or options.get("is_causal")
+            or options.get("enable_gqa")
+            or shape is None
+        ):
             continue
         scale = options.get("scale")
         scale = 1.0 / math.sqrt(shape[-1]) if scale is None else scale
@@ -611,8 +692,11 @@ def attention_as_matmuls(exported):
 
 
 def _dequantized(node) -> bool:
-    return (isinstance(node, torch.fx.Node) and node.op == "call_function"
-            and "dequantize" in getattr(node.target, "__name__", str(node.target)))
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op == "call_function"
+        and "dequantize" in getattr(node.target, "__name__", str(node.target))
+    )
 
 
 def matmuls_as_bmm(exported):
@@ -627,8 +711,15 @@ def matmuls_as_bmm(exported):
             continue
         a, b = node.args
         sa, sb = _static_shape(a), _static_shape(b)
-        if (sa is None or sb is None or len(sa) < 3 or len(sa) != len(sb) or sa[:-2] != sb[:-2]
-                or _dequantized(a) or _dequantized(b)):
+        if (
+            sa is None
+            or sb is None
+            or len(sa) < 3
+            or len(sa) != len(sb)
+            or sa[:-2] != sb[:-2]
+            or _dequantized(a)
+            or _dequantized(b)
+        ):
             continue
         a3 = _new_node(graph, node, torch.ops.aten.reshape.default, (a, [-1, *sa[-2:]]))
         b3 = _new_node(graph, node, torch.ops.aten.reshape.default, (b, [-1, *sb[-2:]]))
@@ -651,8 +742,13 @@ def nearest_upsamples_as_deconvs(module: torch.fx.GraphModule) -> tuple[torch.fx
         if node.op != "call_function" or node.target not in NEAREST_UPSAMPLES:
             continue
         source, shape = _static_shape(node.args[0]), _static_shape(node)
-        if (source is None or shape is None or len(source) != 4 or any(o % i for o, i in zip(shape[2:], source[2:]))
-                or not node.meta["val"].dtype.is_floating_point):  # no integer convolutions (a uint8 mask)
+        if (
+            source is None
+            or shape is None
+            or len(source) != 4
+            or any(o % i for o, i in zip(shape[2:], source[2:]))
+            or not node.meta["val"].dtype.is_floating_point
+        ):  # no integer convolutions (a uint8 mask)
             continue
         factors = [o // i for o, i in zip(shape[2:], source[2:])]
         if node.target == torch.ops.aten.upsample_nearest2d.vec:
@@ -666,8 +762,10 @@ def nearest_upsamples_as_deconvs(module: torch.fx.GraphModule) -> tuple[torch.fx
         module.register_buffer(name, torch.ones(source[1], 1, *factors, dtype=node.meta["val"].dtype))
         with graph.inserting_before(node):
             weight = graph.get_attr(name)
-            deconv = graph.call_function(torch.ops.aten.conv_transpose2d.input,
-                                         (node.args[0], weight, None, factors, [0, 0], [0, 0], source[1], [1, 1]))
+            deconv = graph.call_function(
+                torch.ops.aten.conv_transpose2d.input,
+                (node.args[0], weight, None, factors, [0, 0], [0, 0], source[1], [1, 1]),
+            )
         deconv.meta = dict(node.meta)
         node.replace_all_uses_with(deconv)
         graph.erase_node(node)

@@ -49,8 +49,15 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise UsageError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def preflight(precision, opset=onnx_format.DEFAULT_OPSET, batch=onnx_format.DEFAULT_BATCH,
-              workspace_mb=DEFAULT_WORKSPACE_MB, dla_core=None, require_engine=False, exporter="dynamo") -> None:
+def preflight(
+    precision,
+    opset=onnx_format.DEFAULT_OPSET,
+    batch=onnx_format.DEFAULT_BATCH,
+    workspace_mb=DEFAULT_WORKSPACE_MB,
+    dla_core=None,
+    require_engine=False,
+    exporter="dynamo",
+) -> None:
     onnx_format.preflight(precision, opset, batch, exporter=exporter)
     _check_int("workspace_mb", workspace_mb, 1)
     if dla_core is not None:
@@ -84,7 +91,9 @@ def _configure(trt, builder, network, precision: str, sizes, workspace_mb: int, 
     return config, flags
 
 
-def _build(trt, onnx_path: Path, precision: str, sizes, workspace_mb: int, dla_core, cache_path: Path) -> tuple[bytes, dict]:
+def _build(
+    trt, onnx_path: Path, precision: str, sizes, workspace_mb: int, dla_core, cache_path: Path
+) -> tuple[bytes, dict]:
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     strongly_typed = _major(trt) >= 11
@@ -111,9 +120,20 @@ def _build(trt, onnx_path: Path, precision: str, sizes, workspace_mb: int, dla_c
     }
 
 
-def export(model, example, precision, calib, path: Path, meta: dict, opset=onnx_format.DEFAULT_OPSET,
-           batch=onnx_format.DEFAULT_BATCH, workspace_mb=DEFAULT_WORKSPACE_MB, dla_core=None, require_engine=False,
-           exporter="dynamo") -> dict:
+def export(
+    model,
+    example,
+    precision,
+    calib,
+    path: Path,
+    meta: dict,
+    opset=onnx_format.DEFAULT_OPSET,
+    batch=onnx_format.DEFAULT_BATCH,
+    workspace_mb=DEFAULT_WORKSPACE_MB,
+    dla_core=None,
+    require_engine=False,
+    exporter="dynamo",
+) -> dict:
     reason = _unavailable(dla_core)  # require_engine was settled by preflight
     if reason:
         raise RuntimeUnavailable(reason)
@@ -122,8 +142,9 @@ def export(model, example, precision, calib, path: Path, meta: dict, opset=onnx_
     sizes = onnx_format.batch_profile(batch)
     onnx_path = path.with_name(path.name + ".onnx")
     try:
-        onnx_details = onnx_format.export(model, example, precision, calib, onnx_path, meta, opset=opset, batch=batch,
-                                          exporter=exporter)
+        onnx_details = onnx_format.export(
+            model, example, precision, calib, onnx_path, meta, opset=opset, batch=batch, exporter=exporter
+        )
         engine, build = _build(trt, onnx_path, precision, sizes, workspace_mb, dla_core, path.parent / TIMING_CACHE)
     finally:
         for temporary in (onnx_path, *files.companions(onnx_path)):  # with its external data, if it has any

@@ -23,8 +23,10 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
     from torch.utils.mobile_optimizer import optimize_for_mobile
 
     if (precision == "int8") != _is_quantized(model):
-        raise ValueError(f"a {precision} .ptl is the model as it is: this model is "
-                         f"{'int8' if _is_quantized(model) else 'float'} (int8 needs a torchvision quantized weight)")
+        raise ValueError(
+            f"a {precision} .ptl is the model as it is: this model is "
+            f"{'int8' if _is_quantized(model) else 'float'} (int8 needs a torchvision quantized weight)"
+        )
     from .rewrites import drop_padding_taps
 
     model, trimmed = drop_padding_taps(model, example)
@@ -97,7 +99,10 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
     module(example)
     totals, wall, profiled, calls = {}, 0.0, 0, 0
     while profiled < runs and calls < PROFILE_CALLS:
-        with shared.native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+        with (
+            shared.native_stderr_silenced(),
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace,
+        ):
             start = time.perf_counter()
             module(example)
             wall += (time.perf_counter() - start) * 1000

@@ -14,16 +14,30 @@ import torch
 from torch.fx import GraphModule, Node
 
 # ops that read a tensor for its shape, dtype and device only (Swin builds its shifted-window mask with x.new_zeros)
-SHAPE_ONLY = {torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default,
-              torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default}
+SHAPE_ONLY = {
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.new_ones.default,
+    torch.ops.aten.new_full.default,
+    torch.ops.aten.zeros_like.default,
+    torch.ops.aten.ones_like.default,
+    torch.ops.aten.full_like.default,
+}
 SCALARS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
 # ops whose schema promises a new tensor but that return their input itself when there is nothing to do
-MAY_RETURN_INPUT = {torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
-                    torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default,
-                    torch.ops.aten.type_as.default, torch.ops.aten.atleast_1d.default, torch.ops.aten.atleast_2d.default,
-                    torch.ops.aten.atleast_3d.default, torch.ops.aten._unsafe_view.default,
-                    torch.ops.aten.unsafe_split.Tensor, torch.ops.aten.unsafe_chunk.default,
-                    torch.ops.aten.contiguous.default}
+MAY_RETURN_INPUT = {
+    torch.ops.aten.dropout.default,
+    torch.ops.aten.feature_dropout.default,
+    torch.ops.aten.alpha_dropout.default,
+    torch.ops.aten.feature_alpha_dropout.default,
+    torch.ops.aten.type_as.default,
+    torch.ops.aten.atleast_1d.default,
+    torch.ops.aten.atleast_2d.default,
+    torch.ops.aten.atleast_3d.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.unsafe_split.Tensor,
+    torch.ops.aten.unsafe_chunk.default,
+    torch.ops.aten.contiguous.default,
+}
 
 
 def fold_constants(module: GraphModule) -> tuple[GraphModule, int]:
@@ -94,8 +108,7 @@ def fold_constants(module: GraphModule) -> tuple[GraphModule, int]:
 
 def unread_writes(module: GraphModule) -> list[Node]:
     """In-place ops whose own result nobody reads: what they write is read through another node."""
-    return [node for node in module.graph.nodes
-            if node.op == "call_function" and _written(node) and not node.users]
+    return [node for node in module.graph.nodes if node.op == "call_function" and _written(node) and not node.users]
 
 
 def _roots(nodes: list[Node]) -> dict[Node, Node]:
@@ -133,15 +146,26 @@ def _live(nodes: list[Node], root: dict) -> set[Node]:
     while True:
         live = set()
         for node in nodes:
-            if (node.op in ("placeholder", "output") or root[node] in written or _higher_order(node)
-                    or node.op == "call_function" and isinstance(node.meta.get("val"), SCALARS)
-                    or node.op != "get_attr" and _reads_values(node, live)):
+            if (
+                node.op in ("placeholder", "output")
+                or root[node] in written
+                or _higher_order(node)
+                or node.op == "call_function"
+                and isinstance(node.meta.get("val"), SCALARS)
+                or node.op != "get_attr"
+                and _reads_values(node, live)
+            ):
                 live.add(node)
         more = {root[target] for node in live for target in _written(node)}
         # a live op may hand back a constant it takes without saying so (broadcast_tensors, einsum): what is
         # written through its output may be that constant
-        more |= {root[arg] for written_root in more if written_root in live and written_root.op == "call_function"
-                 for arg in written_root.all_input_nodes if root[arg].op == "call_function"}
+        more |= {
+            root[arg]
+            for written_root in more
+            if written_root in live and written_root.op == "call_function"
+            for arg in written_root.all_input_nodes
+            if root[arg].op == "call_function"
+        }
         more -= written
         if not more:
             return live
@@ -182,8 +206,10 @@ def _unexpected_alias(node: Node, values: dict, root: dict) -> bool:
     """Whether `node`'s value shares memory with an input it is not known to view (meshgrid hands back its inputs)."""
     outputs = [t for t in torch.utils._pytree.tree_leaves(values[node]) if isinstance(t, torch.Tensor)]
     storages = {_storage(t) for t in outputs if t.untyped_storage().nbytes()}
-    return any(isinstance(values.get(arg), torch.Tensor) and root[arg] is not root[node]
-               and _storage(values[arg]) in storages for arg in node.all_input_nodes)
+    return any(
+        isinstance(values.get(arg), torch.Tensor) and root[arg] is not root[node] and _storage(values[arg]) in storages
+        for arg in node.all_input_nodes
+    )
 
 
 def _higher_order(node: Node) -> bool:

@@ -31,8 +31,25 @@ from .search import CandidateFailed
 from .sensitivity import activation_scales
 
 QUANTIZED_OPS = ("Conv", "Gemm", "MatMul")
-DATA_MOVEMENT = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Concat", "Slice", "Gather", "Shape",
-                 "Constant", "Identity", "Split", "Expand", "Cast", "QuantizeLinear", "DequantizeLinear", "Pad"}
+DATA_MOVEMENT = {
+    "Reshape",
+    "Transpose",
+    "Flatten",
+    "Squeeze",
+    "Unsqueeze",
+    "Concat",
+    "Slice",
+    "Gather",
+    "Shape",
+    "Constant",
+    "Identity",
+    "Split",
+    "Expand",
+    "Cast",
+    "QuantizeLinear",
+    "DequantizeLinear",
+    "Pad",
+}
 
 
 class QdqCandidate:
@@ -59,8 +76,15 @@ class OnnxQdqBackend:
     op_fallbacks = ()  # Q/DQ goes on layer inputs only: adds and the other elementwise ops are float already
     settings = ("onnx_calibration",)
 
-    def __init__(self, model: torch.nn.Module, fp32_path: Path, input_name: str, method: str = "auto",
-                 workdir: Path | None = None, external_data: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        fp32_path: Path,
+        input_name: str,
+        method: str = "auto",
+        workdir: Path | None = None,
+        external_data: bool = False,
+    ):
         import onnx
 
         if method not in ONNX_CALIBRATIONS:
@@ -124,8 +148,10 @@ class OnnxQdqBackend:
 
     @staticmethod
     def describe(method: str) -> str:
-        return (f"{method} activation ranges, symmetric int8 activations, per-channel symmetric weights, "
-                "Q/DQ on Conv/Gemm inputs (ONNX Runtime quantize_static)")
+        return (
+            f"{method} activation ranges, symmetric int8 activations, per-channel symmetric weights, "
+            "Q/DQ on Conv/Gemm inputs (ONNX Runtime quantize_static)"
+        )
 
     def _range_overrides(self, method: str, range_images: list[torch.Tensor]) -> dict:
         if method != "mse":
@@ -141,8 +167,13 @@ class OnnxQdqBackend:
         return self._overrides
 
     def quantize(self, float_layers: list[str], range_images: list[torch.Tensor], method: str) -> QdqCandidate:
-        from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                              quantize_static)
+        from onnxruntime.quantization import (
+            CalibrationDataReader,
+            CalibrationMethod,
+            QuantFormat,
+            QuantType,
+            quantize_static,
+        )
 
         input_name = self.input_name
         key = (tuple(float_layers), method)
@@ -170,22 +201,32 @@ class OnnxQdqBackend:
         excluded = self._node_names(float_layers) | set(self._unmapped)
         # Q/DQ on the inputs only: ONNX Runtime also quantizes each Conv/Gemm output by default, which
         # put the logits through int8 and kept an outlier tensor quantized after its consumer went float
-        extra = {"ActivationSymmetric": True, "WeightSymmetric": True,
-                 "OpTypesToExcludeOutputQuantization": list(QUANTIZED_OPS),
-                 "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},  # a (in, out) weight: out is axis 1
-                 "TensorQuantOverrides": self._range_overrides(method, range_images),
-                 # one image's tensors at a time: the percentile calibrator otherwise holds every calibrated
-                 # tensor of every image at once (MViT-V2-S, 8 clips of 16x224²: past 14 GB); its histograms
-                 # and min/max ranges merge across the windows
-                 "CalibStridedMinMax": 1,
-                 "QuantizeBias": False}  # TensorRT takes a float bias and fuses it; an int32 one it refused
+        extra = {
+            "ActivationSymmetric": True,
+            "WeightSymmetric": True,
+            "OpTypesToExcludeOutputQuantization": list(QUANTIZED_OPS),
+            "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},  # a (in, out) weight: out is axis 1
+            "TensorQuantOverrides": self._range_overrides(method, range_images),
+            # one image's tensors at a time: the percentile calibrator otherwise holds every calibrated
+            # tensor of every image at once (MViT-V2-S, 8 clips of 16x224²: past 14 GB); its histograms
+            # and min/max ranges merge across the windows
+            "CalibStridedMinMax": 1,
+            "QuantizeBias": False,
+        }  # TensorRT takes a float bias and fuses it; an int32 one it refused
         if method == "percentile":
             extra["CalibTensorRangeSymmetric"] = True
         with _quiet_quantizer():
             quantize_static(
-                str(self.fp32_path), str(path), Batches(), quant_format=QuantFormat.QDQ, per_channel=True,
-                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, op_types_to_quantize=list(QUANTIZED_OPS),
-                nodes_to_exclude=sorted(excluded), extra_options=extra,
+                str(self.fp32_path),
+                str(path),
+                Batches(),
+                quant_format=QuantFormat.QDQ,
+                per_channel=True,
+                activation_type=QuantType.QInt8,
+                weight_type=QuantType.QInt8,
+                op_types_to_quantize=list(QUANTIZED_OPS),
+                nodes_to_exclude=sorted(excluded),
+                extra_options=extra,
                 calibrate_method=CalibrationMethod.Percentile if method == "percentile" else CalibrationMethod.MinMax,
                 use_external_data_format=self.external_data,
             )
@@ -219,7 +260,9 @@ def _float_inputs_for(path: Path, nodes: set[str]) -> None:
         return
     while True:  # drop Q/DQ nodes nothing reads any more (a DQ first, then the Q that fed only it)
         used = {t for node in graph.node for t in node.input} | {o.name for o in graph.output}
-        dead = [n for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.output[0] not in used]
+        dead = [
+            n for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.output[0] not in used
+        ]
         if not dead:
             break
         for n in dead:

@@ -22,11 +22,48 @@ from .threads import one_thread
 LAYER_TARGETS = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.linear.default}
 KEY = "quantization_annotation"
 # ops that only move or reshape data: whether they are "float" says nothing about where the time or error goes
-DATA_MOVEMENT = {"view", "reshape", "_unsafe_view", "permute", "transpose", "t", "flatten", "expand", "unsqueeze",
-                 "squeeze", "slice", "select", "clone", "contiguous", "alias", "detach", "dropout", "split",
-                 "split_with_sizes", "chunk", "unbind", "unflatten", "cat", "stack", "sym_size", "_assert_tensor_metadata",
-                 "lift_fresh_copy", "_to_copy", "to", "arange", "zeros", "ones", "full", "empty", "scalar_tensor",
-                 "index", "gather", "roll", "pad", "constant_pad_nd"}
+DATA_MOVEMENT = {
+    "view",
+    "reshape",
+    "_unsafe_view",
+    "permute",
+    "transpose",
+    "t",
+    "flatten",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "clone",
+    "contiguous",
+    "alias",
+    "detach",
+    "dropout",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "unflatten",
+    "cat",
+    "stack",
+    "sym_size",
+    "_assert_tensor_metadata",
+    "lift_fresh_copy",
+    "_to_copy",
+    "to",
+    "arange",
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "scalar_tensor",
+    "index",
+    "gather",
+    "roll",
+    "pad",
+    "constant_pad_nd",
+}
 # Op kinds the search can keep in float as a whole (every such op), when plain PTQ misses its budget. Adds: the
 # XNNPACK quantizer gives every add's output a per-tensor int8 range, and a residual stream that grows block by
 # block (EfficientNetV2-S trained on digits: ±9 in stage 1, ±300 in the last) is requantized at every block: its
@@ -40,8 +77,13 @@ PADS = {torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default}
 # pool that replaced an adaptive one: formats.rewrites.adaptive_pools_as_pools)
 SHARES_INPUT_RANGE = "exporter_shares_input_range"
 BATCH_NORMS = {torch.ops.aten.batch_norm.default, torch.ops.aten._native_batch_norm_legit_no_training.default}
-FOLDED_CONVS = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default,
-                torch.ops.aten.conv_transpose1d.default, torch.ops.aten.conv_transpose2d.input}
+FOLDED_CONVS = {
+    torch.ops.aten.conv1d.default,
+    torch.ops.aten.conv2d.default,
+    torch.ops.aten.conv3d.default,
+    torch.ops.aten.conv_transpose1d.default,
+    torch.ops.aten.conv_transpose2d.input,
+}
 
 
 def layer_name(node: Node) -> str | None:
@@ -115,8 +157,12 @@ def _share_through_zero_pads(model) -> None:
 
     shared = False
     for node in model.graph.nodes:
-        if (node.op != "call_function" or node.meta.get(KEY) is not None
-                or node.target not in PADS and not node.meta.get(SHARES_INPUT_RANGE)):
+        if (
+            node.op != "call_function"
+            or node.meta.get(KEY) is not None
+            or node.target not in PADS
+            and not node.meta.get(SHARES_INPUT_RANGE)
+        ):
             continue
         producer = node.args[0]
         if node.target == torch.ops.aten.pad.default:
@@ -200,8 +246,14 @@ def _dynamic_convs_before_relu(model, config) -> None:
         users, weight = list(node.users), node.args[1]
         bias = _arg(node, 2, "bias", None)
         shape = getattr(weight.meta.get("val"), "shape", None)
-        if (len(users) != 1 or not is_relu_node(users[0]) or shape is None or len(shape) != 4
-                or is_depthwise_conv(shape, 1, False) or KEY in weight.meta):
+        if (
+            len(users) != 1
+            or not is_relu_node(users[0])
+            or shape is None
+            or len(shape) != 4
+            or is_depthwise_conv(shape, 1, False)
+            or KEY in weight.meta
+        ):
             continue
         qspecs = {node.args[0]: get_input_act_qspec(config), weight: get_weight_qspec(config)}
         if isinstance(bias, Node):
@@ -218,8 +270,11 @@ def _float_dynamic_after_transpose(model) -> None:
     own int8 graph, ShuffleNetV2's failed at run time (Propagating input shapes failed). Static int8 is not affected."""
     for node in model.graph.nodes:
         annotation = node.meta.get(KEY)
-        if (node.op != "call_function" or node.target not in (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default)
-                or not getattr(annotation, "input_qspec_map", None)):
+        if (
+            node.op != "call_function"
+            or node.target not in (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default)
+            or not getattr(annotation, "input_qspec_map", None)
+        ):
             continue
         producer = node.args[0]
         for _ in range(MAX_WALK):
@@ -241,13 +296,18 @@ def _own_dynamic_quantize(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     the 1x1's 40), and it cuts the delegate at each one."""
     graph = module.graph
     for dequantize in list(graph.nodes):
-        if dequantize.target != torch.ops.quantized_decomposed.dequantize_per_tensor.tensor or len(dequantize.users) < 2:
+        if (
+            dequantize.target != torch.ops.quantized_decomposed.dequantize_per_tensor.tensor
+            or len(dequantize.users) < 2
+        ):
             continue
         quantize = dequantize.args[0]
         scale, zero_point = quantize.args[1:3]
         choose = scale.args[0] if isinstance(scale, Node) and isinstance(zero_point, Node) else None
-        if getattr(choose, "target", None) != torch.ops.quantized_decomposed.choose_qparams.tensor \
-                or zero_point.args[0] is not choose:
+        if (
+            getattr(choose, "target", None) != torch.ops.quantized_decomposed.choose_qparams.tensor
+            or zero_point.args[0] is not choose
+        ):
             continue
         for user in list(dequantize.users)[1:]:
             copies = {}
@@ -288,11 +348,18 @@ def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynami
             _float_kinds(model, float_kinds)
             _drop_dangling_shares(model.graph)
             if dynamic:  # layers left float: depthwise convs, convs reading a transpose
-                self.floated |= {layer_name(n) for n in model.graph.nodes if n.op == "call_function"
-                                 and n.target in LAYER_TARGETS and not getattr(n.meta.get(KEY), "input_qspec_map", None)}
+                self.floated |= {
+                    layer_name(n)
+                    for n in model.graph.nodes
+                    if n.op == "call_function"
+                    and n.target in LAYER_TARGETS
+                    and not getattr(n.meta.get(KEY), "input_qspec_map", None)
+                }
             return model
 
-    return FloatFallbackQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=dynamic))
+    return FloatFallbackQuantizer().set_global(
+        get_symmetric_quantization_config(is_per_channel=True, is_dynamic=dynamic)
+    )
 
 
 def _conv_per_batchnorm(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -304,7 +371,12 @@ def _conv_per_batchnorm(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = module.graph
     for node in list(graph.nodes):
         conv = node.args[0] if node.op == "call_function" and node.target in BATCH_NORMS else None
-        if isinstance(conv, Node) and conv.op == "call_function" and conv.target in FOLDED_CONVS and len(conv.users) > 1:
+        if (
+            isinstance(conv, Node)
+            and conv.op == "call_function"
+            and conv.target in FOLDED_CONVS
+            and len(conv.users) > 1
+        ):
             with graph.inserting_after(conv):
                 own = graph.call_function(conv.target, conv.args, conv.kwargs)
             own.meta = dict(conv.meta)
@@ -373,8 +445,9 @@ class Pt2eBackend:
             with torch.no_grad():
                 exported = torch.export.export(model, (example,))
         self.exported = _functional_if_written(exported)
-        exported_layers = {layer_name(n) for n in self.exported.graph.nodes
-                           if n.op == "call_function" and n.target in LAYER_TARGETS}
+        exported_layers = {
+            layer_name(n) for n in self.exported.graph.nodes if n.op == "call_function" and n.target in LAYER_TARGETS
+        }
         self._layers = [name for name in quantizable_layers(model) if name in exported_layers]
         self._floated: dict[tuple, list[str]] = {}
 
@@ -387,13 +460,16 @@ class Pt2eBackend:
     @staticmethod
     def describe(method: str) -> str:
         if method == DYNAMIC:
-            return ("dynamic activation ranges (the input of each convolution and linear layer XNNPACK has a dynamic "
-                    "int8 kernel for quantized per inference from its own range; other layers and every other op in "
-                    "float), per-channel symmetric weights (PT2E, XNNPACKQuantizer is_dynamic)")
+            return (
+                "dynamic activation ranges (the input of each convolution and linear layer XNNPACK has a dynamic "
+                "int8 kernel for quantized per inference from its own range; other layers and every other op in "
+                "float), per-channel symmetric weights (PT2E, XNNPACKQuantizer is_dynamic)"
+            )
         return "histogram activation ranges (HistogramObserver), per-channel symmetric weights (PT2E, XNNPACKQuantizer)"
 
-    def quantize(self, float_layers: list[str], range_images: list[torch.Tensor], method: str,
-                 float_kinds: tuple[str, ...] = ()) -> torch.fx.GraphModule:
+    def quantize(
+        self, float_layers: list[str], range_images: list[torch.Tensor], method: str, float_kinds: tuple[str, ...] = ()
+    ) -> torch.fx.GraphModule:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
         quantizer = _quantizer(set(float_layers), float_kinds, dynamic=method == DYNAMIC)
@@ -407,14 +483,17 @@ class Pt2eBackend:
     def float_closure(self, float_layers: list[str], method: str = "histogram") -> list[str]:
         return self._floated.get((tuple(float_layers), method), list(float_layers))
 
-    def float_ops(self, float_layers: list[str], float_kinds: tuple[str, ...] = (), method: str | None = None
-                  ) -> dict[str, int]:
+    def float_ops(
+        self, float_layers: list[str], float_kinds: tuple[str, ...] = (), method: str | None = None
+    ) -> dict[str, int]:
         """Compute ops, by aten name, that the quantizer leaves in float when `float_layers` and `float_kinds` are
         float: those it has no int8 pattern for (LayerNorm, softmax, GELU, …) and those kept in float."""
         from torchao.quantization.pt2e.utils import _fuse_conv_bn_
 
         module = self._graph_module()
-        if method == DYNAMIC:  # as prepare_pt2e does before annotating: which convs the dynamic patterns take depends on it
+        if (
+            method == DYNAMIC
+        ):  # as prepare_pt2e does before annotating: which convs the dynamic patterns take depends on it
             _fuse_conv_bn_(module)
         annotated = _quantizer(set(float_layers), float_kinds, dynamic=method == DYNAMIC).annotate(module)
         counts = Counter()

@@ -50,8 +50,9 @@ class Backend(Protocol):
     def describe(self, method: str) -> str:
         """How a range method quantizes, in words, for the manifest."""
 
-    def quantize(self, float_layers: list[str], range_images: list[torch.Tensor], method: str,
-                 float_kinds: tuple[str, ...] = ()) -> Candidate:
+    def quantize(
+        self, float_layers: list[str], range_images: list[torch.Tensor], method: str, float_kinds: tuple[str, ...] = ()
+    ) -> Candidate:
         """An int8 model with `float_layers`, and every op of `float_kinds` (of `op_fallbacks`), kept in float,
         calibrated on `range_images`."""
 
@@ -59,8 +60,9 @@ class Backend(Protocol):
         """The layers that were in float in the last quantize() of `float_layers`: those asked for, plus
         any the backend had to leave in float with them."""
 
-    def float_ops(self, float_layers: list[str], float_kinds: tuple[str, ...] = (), method: str | None = None
-                  ) -> dict[str, int]:
+    def float_ops(
+        self, float_layers: list[str], float_kinds: tuple[str, ...] = (), method: str | None = None
+    ) -> dict[str, int]:
         """Compute ops, by name, that run in float in the int8 model with `float_layers` and `float_kinds` in
         float (and `method`, when it is one of the fallback_range_methods)."""
 
@@ -94,10 +96,15 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     if check is None:
         method = backend.range_methods[0]
         candidate = backend.quantize([], range_images, method)
-        report.update(calibration_method=backend.describe(method), float_layers=[], int8_layers=len(layers), steps=[],
-                      float_ops=backend.float_ops([]),
-                      seconds=round(time.perf_counter() - start, 1),
-                      note="too few calibration images to hold any out: plain PTQ, budget not checked")
+        report.update(
+            calibration_method=backend.describe(method),
+            float_layers=[],
+            int8_layers=len(layers),
+            steps=[],
+            float_ops=backend.float_ops([]),
+            seconds=round(time.perf_counter() - start, 1),
+            note="too few calibration images to hold any out: plain PTQ, budget not checked",
+        )
         return candidate, report
 
     reference, task, judge = _judge(model, check, check_labels, task, budget)
@@ -106,11 +113,19 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         candidate = _quantize(backend, float_layers, range_images, method, kinds)
         metrics = judge(candidate)
         in_float = len(_closure(backend, float_layers, method))  # with the producers XNNPACK needs float beside them
-        steps.append({"float_layers": in_float, "ranges": method, **({"float_kinds": list(kinds)} if kinds else {}),
-                      **_summary(task, metrics)})
-        log(f"  int8, {method} ranges, {in_float}/{len(layers)} layers float{_kinds_text(kinds)}: "
+        steps.append(
+            {
+                "float_layers": in_float,
+                "ranges": method,
+                **({"float_kinds": list(kinds)} if kinds else {}),
+                **_summary(task, metrics),
+            }
+        )
+        log(
+            f"  int8, {method} ranges, {in_float}/{len(layers)} layers float{_kinds_text(kinds)}: "
             f"{metrics['fidelity']['psnr_db']:.1f} dB, agreement {task.headline(metrics)['agreement']:.3f}"
-            + ("" if metrics["reasons"] else ", budget met"))
+            + ("" if metrics["reasons"] else ", budget met")
+        )
         return candidate, metrics
 
     steps: list[dict] = []
@@ -142,8 +157,9 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     method = max(trials, key=lambda m: _rank(trials[m]))
     cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
     if not static and len(_closure(backend, [], method)) > cap:  # as a fallback over the cap is never chosen
-        raise ValueError(f"{method} ranges leave {len(_closure(backend, [], method))} layers in float, over the cap "
-                         f"of {cap}")
+        raise ValueError(
+            f"{method} ranges leave {len(_closure(backend, [], method))} layers in float, over the cap of {cap}"
+        )
     metrics = trials[method]
     plain = steps[list(trials).index(method)]
     report["calibration_method"] = backend.describe(method)
@@ -172,7 +188,12 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         for kind in getattr(backend, "op_fallbacks", ()):
             candidate, trial = attempt([], method, kinds + (kind,))
             if _rank(trial) > _rank(metrics) and (not trial["reasons"] or _gain(trial, metrics) >= MIN_GAIN_DB):
-                kinds, metrics, chosen, held = kinds + (kind,), trial, steps[-1], ([], candidate, method, kinds + (kind,))
+                kinds, metrics, chosen, held = (
+                    kinds + (kind,),
+                    trial,
+                    steps[-1],
+                    ([], candidate, method, kinds + (kind,)),
+                )
             del candidate
     sensitivity, stopped = None, None
     if metrics["reasons"] and calibration.settings["fallback"] and layers:
@@ -227,7 +248,9 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
         after=chosen,
         meets_budget=not metrics["reasons"],
         steps=steps,
-        sensitivity=None if sensitivity is None else {
+        sensitivity=None
+        if sensitivity is None
+        else {
             "output_psnr_db": {n: _rounded(v) for n, v in sensitivity.output_psnr_db.items()},
             "local_sqnr_db": {n: _rounded(v) for n, v in sensitivity.local_sqnr_db.items()},
             "images": min(8, len(check)),
@@ -237,17 +260,25 @@ def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: 
     if kinds:
         report["float_kinds"] = list(kinds)
     if metrics["reasons"]:
-        why = "fallback is off (--no-fallback)" if not calibration.settings["fallback"] else stopped or \
-            f"the cap of {math.floor(calibration.settings['max_float_fraction'] * len(layers))} float layers was reached"
+        why = (
+            "fallback is off (--no-fallback)"
+            if not calibration.settings["fallback"]
+            else stopped
+            or f"the cap of {math.floor(calibration.settings['max_float_fraction'] * len(layers))} float layers was reached"
+        )
         report["note"] = f"budget not met on the check images ({'; '.join(metrics['reasons'])}): {why}"
         if sensitivity is not None:
-            report["note"] += f"; kept the fewest float layers ({len(float_layers)}) within {MIN_GAIN_DB} dB of the best step"
+            report["note"] += (
+                f"; kept the fewest float layers ({len(float_layers)}) within {MIN_GAIN_DB} dB of the best step"
+            )
         moved = perturbed_psnr(model, check, reference, task)
         report["perturbation"] = {"input_snr_db": PERTURBATION_SNR_DB, "output_psnr_db": _rounded(moved)}
         if moved < budget.get("psnr_db", -math.inf):
-            report["note"] += (f"; eager itself, its input perturbed at {PERTURBATION_SNR_DB:g} dB SNR, is "
-                               f"{moved:.1f} dB from its own outputs, under the budget's {budget['psnr_db']:g} dB: "
-                               "the model amplifies small errors")
+            report["note"] += (
+                f"; eager itself, its input perturbed at {PERTURBATION_SNR_DB:g} dB SNR, is "
+                f"{moved:.1f} dB from its own outputs, under the budget's {budget['psnr_db']:g} dB: "
+                "the model amplifies small errors"
+            )
     return candidate, report
 
 
@@ -264,8 +295,11 @@ def _judge(model: torch.nn.Module, check: torch.Tensor, check_labels, task, budg
         try:
             return task.quality(run_all(candidate, check), reference, check_labels, eager_accuracy, budget)
         except CandidateFailed as error:
-            return {"fidelity": {task.agreement: 0.0, "psnr_db": -math.inf}, "accuracy": None,
-                    "reasons": [f"does not run on every check image: {error}"]}
+            return {
+                "fidelity": {task.agreement: 0.0, "psnr_db": -math.inf},
+                "accuracy": None,
+                "reasons": [f"does not run on every check image: {error}"],
+            }
 
     return reference, task, judge
 
@@ -278,8 +312,9 @@ def lowered_quality(model: torch.nn.Module, load, calibration: Calibration) -> d
     _, check_images, check_labels = calibration.split()
     if not check_images:
         return None
-    _, task, judge = _judge(model, torch.cat(check_images), check_labels, calibration.task,
-                            calibration.budget_thresholds())
+    _, task, judge = _judge(
+        model, torch.cat(check_images), check_labels, calibration.task, calibration.budget_thresholds()
+    )
 
     def program(x: torch.Tensor) -> torch.Tensor:
         try:
@@ -297,6 +332,7 @@ def lowered_quality(model: torch.nn.Module, load, calibration: Calibration) -> d
 def _raises(error: Exception):
     def run(_x):
         raise error
+
     return run
 
 
@@ -362,12 +398,18 @@ def _rank(metrics: dict) -> tuple:
 
 
 def _layer_entry(name: str, sensitivity, not_asked: bool, fallback_ranges: bool = False) -> dict:
-    entry = {"name": name, "output_psnr_db": _rounded(sensitivity.output_psnr_db.get(name) if sensitivity else None),
-             "local_sqnr_db": _rounded(sensitivity.local_sqnr_db.get(name) if sensitivity else None)}
+    entry = {
+        "name": name,
+        "output_psnr_db": _rounded(sensitivity.output_psnr_db.get(name) if sensitivity else None),
+        "local_sqnr_db": _rounded(sensitivity.local_sqnr_db.get(name) if sensitivity else None),
+    }
     if not_asked:
-        entry["why"] = ("no int8 kernel for it with ranges chosen per inference (a depthwise conv, a conv reading a "
-                        "channel shuffle), or it feeds a float layer" if fallback_ranges else
-                        "feeds a float layer: the backend quantizes an op only together with its output")
+        entry["why"] = (
+            "no int8 kernel for it with ranges chosen per inference (a depthwise conv, a conv reading a "
+            "channel shuffle), or it feeds a float layer"
+            if fallback_ranges
+            else "feeds a float layer: the backend quantizes an op only together with its output"
+        )
     return entry
 
 

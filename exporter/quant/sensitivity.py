@@ -66,7 +66,9 @@ def activation_scales(model: nn.Module, layers: list[str], images: torch.Tensor)
             peak, flat = torch.maximum(samples[name][0], peak), torch.cat([samples[name][1], flat])
         samples[name] = peak, flat
 
-    hooks = [modules[name].register_forward_pre_hook(lambda _m, args, name=name: keep(name, args[0])) for name in layers]
+    hooks = [
+        modules[name].register_forward_pre_hook(lambda _m, args, name=name: keep(name, args[0])) for name in layers
+    ]
     with torch.no_grad(), one_thread():  # ranges that do not depend on --threads: byte-identical artifacts
         try:
             model(images)
@@ -114,8 +116,14 @@ class Sensitivity:
         return measured + rest
 
 
-def layer_sensitivity(model: nn.Module, layers: list[str], range_images: torch.Tensor, check_images: torch.Tensor,
-                      reference: torch.Tensor, screen: int = 24) -> Sensitivity:
+def layer_sensitivity(
+    model: nn.Module,
+    layers: list[str],
+    range_images: torch.Tensor,
+    check_images: torch.Tensor,
+    reference: torch.Tensor,
+    screen: int = 24,
+) -> Sensitivity:
     """How much each layer costs when it alone is int8. Every layer's own output SQNR comes from one
     pass; the `screen` worst then get the end-to-end measurement against `reference` (one forward
     pass each), which keeps deep networks affordable."""
@@ -134,5 +142,7 @@ def layer_sensitivity(model: nn.Module, layers: list[str], range_images: torch.T
             finally:
                 hook.remove()
                 module.weight.copy_(original)
-            result[name] = logit_fidelity(reference.reshape(len(reference), -1), output.reshape(len(output), -1))["psnr_db"]
+            result[name] = logit_fidelity(reference.reshape(len(reference), -1), output.reshape(len(output), -1))[
+                "psnr_db"
+            ]
     return Sensitivity(local, result)

@@ -9,8 +9,12 @@ from html import escape
 def _fidelity(row: dict) -> str:
     fidelity = row.get("fidelity") or {}
     parts = []
-    for key, label, fmt in (("top1_agreement", "top-1", ".3f"), ("pixel_agreement", "pixels", ".4f"),
-                            ("matched_recall", "recall", ".3f"), ("psnr_db", "PSNR dB", ".1f")):
+    for key, label, fmt in (
+        ("top1_agreement", "top-1", ".3f"),
+        ("pixel_agreement", "pixels", ".4f"),
+        ("matched_recall", "recall", ".3f"),
+        ("psnr_db", "PSNR dB", ".1f"),
+    ):
         value = fidelity.get(key)
         if value is not None:
             parts.append(f"{label} {'∞' if value == 'inf' or value == float('inf') else format(value, fmt)}")
@@ -31,9 +35,16 @@ def rows(doc: dict) -> list[dict]:
     table = []
     for entry in doc["artifacts"]:
         for row in entry.get("aarch64", []):
-            table.append({"artifact": entry["name"], "cpu": row["cpu"], "status": row["status"],
-                          "vs eager": _fidelity(row), "vs x86": _versus_x86(row),
-                          "emulated run s": format(row.get("seconds", 0), ".0f")})
+            table.append(
+                {
+                    "artifact": entry["name"],
+                    "cpu": row["cpu"],
+                    "status": row["status"],
+                    "vs eager": _fidelity(row),
+                    "vs x86": _versus_x86(row),
+                    "emulated run s": format(row.get("seconds", 0), ".0f"),
+                }
+            )
     return table
 
 
@@ -43,9 +54,11 @@ def summary_line(doc: dict) -> str | None:
         return None
     runner = arm.get("runner") or {}
     not_run = "; ".join(f"{name}: {why}" for name, why in arm.get("not_run", {}).items())
-    text = (f"aarch64 rows on {len(arm['cpus'])} emulated CPU(s) ({', '.join(arm['cpus'])}; qemu-user, runner "
-            f"{runner.get('key', '—')}), {arm.get('seconds', 0):.0f} s in all. Emulated: fidelity is these CPUs' "
-            "kernels' own; no latency is taken under emulation.")
+    text = (
+        f"aarch64 rows on {len(arm['cpus'])} emulated CPU(s) ({', '.join(arm['cpus'])}; qemu-user, runner "
+        f"{runner.get('key', '—')}), {arm.get('seconds', 0):.0f} s in all. Emulated: fidelity is these CPUs' "
+        "kernels' own; no latency is taken under emulation."
+    )
     return text + (f" Not run there: {not_run}." if not_run else "")
 
 
@@ -70,8 +83,16 @@ def html(docs: list[dict]) -> str:
             continue
         table = rows(doc)
         head = "".join(f"<th>{escape(h)}</th>" for h in (table[0] if table else []))
-        body = "".join("<tr>" + "".join(f'<td class="{escape(str(v)) if k == "status" else ""}">{escape(str(v))}</td>'
-                                        for k, v in r.items()) + "</tr>" for r in table)
-        sections.append(f"<h3>{escape(doc['target']['name'])}</h3><p>{escape(line)}</p>"
-                        + (f"<table><tr>{head}</tr>{body}</table>" if table else ""))
+        body = "".join(
+            "<tr>"
+            + "".join(
+                f'<td class="{escape(str(v)) if k == "status" else ""}">{escape(str(v))}</td>' for k, v in r.items()
+            )
+            + "</tr>"
+            for r in table
+        )
+        sections.append(
+            f"<h3>{escape(doc['target']['name'])}</h3><p>{escape(line)}</p>"
+            + (f"<table><tr>{head}</tr>{body}</table>" if table else "")
+        )
     return f"<h2>aarch64 (emulated)</h2>{''.join(sections)}" if sections else ""

@@ -98,8 +98,10 @@ def _selected(doc: dict, allow_failed: bool) -> list[tuple[str, dict]]:
         raise UsageError(f"artifacts failed: {names}; pass --allow-failed to bundle the rest anyway")
     chosen = [(role, a) for role, a in matching if a.get("path")]  # a failed export has no file
     if not chosen:
-        raise UsageError(f"{doc['target']['name']} build has none of the artifacts a bundle carries: "
-                         f"{'; '.join(_why_missing(doc, key) for key in roles)}")
+        raise UsageError(
+            f"{doc['target']['name']} build has none of the artifacts a bundle carries: "
+            f"{'; '.join(_why_missing(doc, key) for key in roles)}"
+        )
     return chosen
 
 
@@ -175,21 +177,39 @@ def _artifact(doc: dict, role: str, entry: dict) -> dict:
     if golden_program:
         # ExecuTorch's own golden program: the .pte with the golden inputs and its outputs, which the
         # runtime's verifier checks within rtol/atol (docs/validation.md); verified: where the build ran it
-        record["bundled_program"] = {"file": golden_program["path"], "sha256": golden_program["sha256"],
-                                     "rtol": golden_program["rtol"], "atol": golden_program["atol"],
-                                     "verified": golden_program.get("verified")}
+        record["bundled_program"] = {
+            "file": golden_program["path"],
+            "sha256": golden_program["sha256"],
+            "rtol": golden_program["rtol"],
+            "atol": golden_program["atol"],
+            "verified": golden_program.get("verified"),
+        }
     memory = entry.get("memory") or {}
     if memory.get("available"):  # how much RAM the app needs for it (measured on the build host, docs/validation.md)
-        record["memory"] = {k: memory[k] for k in ("peak_rss_increase_bytes", "planned_bytes", "constants_bytes",
-                                                   "runtime_baseline_rss_bytes", "peak_rss_bytes") if k in memory}
+        record["memory"] = {
+            k: memory[k]
+            for k in (
+                "peak_rss_increase_bytes",
+                "planned_bytes",
+                "constants_bytes",
+                "runtime_baseline_rss_bytes",
+                "peak_rss_bytes",
+            )
+            if k in memory
+        }
     if entry.get("aarch64"):  # the same artifact judged on emulated aarch64 CPUs (no latency: emulated)
-        record["aarch64"] = [{k: row.get(k) for k in ("cpu", "status", "reasons", "fidelity", "vs_x86", "emulated")}
-                             for row in entry["aarch64"]]
+        record["aarch64"] = [
+            {k: row.get(k) for k in ("cpu", "status", "reasons", "fidelity", "vs_x86", "emulated")}
+            for row in entry["aarch64"]
+        ]
     engine = next((e for e in doc.get("jetson", {}).get("engines", []) if e["onnx"] == entry["path"]), None)
     if engine:
         # built on the device by build_engine.sh: engines do not carry across GPUs or TensorRT versions
-        record["engine"] = {"file": engine["engine"], "batch_profile": engine["options"]["batch"],
-                            "tensorrt_major": sorted(int(m) for m in engine["trtexec"])}
+        record["engine"] = {
+            "file": engine["engine"],
+            "batch_profile": engine["options"]["batch"],
+            "tensorrt_major": sorted(int(m) for m in engine["trtexec"]),
+        }
     return record
 
 
@@ -225,8 +245,13 @@ def _describe(doc: dict, chosen: list[tuple[str, dict]], golden: dict, listed: l
         "target": doc["target"]["name"],
         "weight": {k: doc["weight"][k] for k in ("name", "model", "num_classes")},
         "task": doc["task"],
-        "build": {"exporter_version": doc["exporter_version"], "created": doc["created"],
-                  "validated": doc.get("validated"), "status": doc["status"], "manifest": "manifest.json"},
+        "build": {
+            "exporter_version": doc["exporter_version"],
+            "created": doc["created"],
+            "validated": doc.get("validated"),
+            "status": doc["status"],
+            "manifest": "manifest.json",
+        },
         "labels": "labels.txt",
         "preprocessing": "preprocessing.json",
         "golden": golden,
@@ -253,11 +278,17 @@ def _plan(out: Path, allow_failed: bool) -> tuple[dict, list[tuple[str, dict]], 
     if task["name"] == "detection":
         decode = task.get("decode") or {}
         if "anchors" not in decode or not decode.get("code"):
-            raise UsageError(f"{out / 'manifest.json'} has a detection task without decode anchors and code; run the build again")
+            raise UsageError(
+                f"{out / 'manifest.json'} has a detection task without decode anchors and code; run the build again"
+            )
         if not _inside(out, decode["code"]).is_file():
-            raise UsageError(f"{out / decode['code']} is missing: a detection bundle needs the build's decode; run the build again")
+            raise UsageError(
+                f"{out / decode['code']} is missing: a detection bundle needs the build's decode; run the build again"
+            )
         if decode["anchors"] and not _inside(out, decode["anchors"]).is_file():  # None: a graph that decodes itself
-            raise UsageError(f"{out / decode['anchors']} is missing: a detection bundle needs its anchors; run the build again")
+            raise UsageError(
+                f"{out / decode['anchors']} is missing: a detection bundle needs its anchors; run the build again"
+            )
     return doc, chosen, golden
 
 
@@ -300,7 +331,9 @@ def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
                 if not _inside(stage, decode["code"]).exists():
                     _copy(out, stage, decode["code"], decode.get("code_sha256"))
             described = _describe(doc, chosen, golden, _listing(stage))
-            (stage / "bundle.json").write_text(json.dumps(described, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+            (stage / "bundle.json").write_text(
+                json.dumps(described, indent=2, allow_nan=False) + "\n", encoding="utf-8"
+            )
             _write_zip(stage, zip_tmp)
     except BaseException:
         if fresh:  # a refused bundle leaves nothing behind

@@ -46,8 +46,10 @@ def _named(docs: list[dict]):
 
 
 def _svg(label: str, width: float, height: float) -> str:
-    return (f'<svg role="img" aria-label="{_esc(label)}" width="{width:.0f}" height="{height:.0f}" '
-            f'viewBox="0 0 {width:.0f} {height:.0f}">')
+    return (
+        f'<svg role="img" aria-label="{_esc(label)}" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}">'
+    )
 
 
 def latency_chart(docs: list[dict], width: int = 620) -> str:
@@ -101,24 +103,37 @@ def accuracy_size_chart(docs: list[dict], width: int = 640, height: int = 280) -
 
     axis_note = f"size MB (0 – {x1:.1f})"
     # (x, baseline, text, anchor): the size axis titled at its right end, clear of overflow labels' leader lines
-    axis = [(width - pad, height - 8, axis_note, "end"), (4, pad + 10, f"{y1:.0f}%", "start"),
-            (4, height - bottom, f"{y0:.0f}%", "start")]
+    axis = [
+        (width - pad, height - 8, axis_note, "end"),
+        (4, pad + 10, f"{y1:.0f}%", "start"),
+        (4, height - bottom, f"{y0:.0f}%", "start"),
+    ]
     plot = Box(left + 2, 2, width - 2, height - bottom - 2)
-    labels = svg_text.place([(sx(x), sy(y), name) for name, x, y, _ in points], plot,
-                            [svg_text.text_box(*a) for a in axis], overflow_y=height + 2)
+    labels = svg_text.place(
+        [(sx(x), sy(y), name) for name, x, y, _ in points],
+        plot,
+        [svg_text.text_box(*a) for a in axis],
+        overflow_y=height + 2,
+    )
     below = svg_text.overflow_rows(labels, plot)
     total = height + 2 + below * svg_text.LINE + (2 if below else 0)
-    parts = [_svg(f"{label} vs size", width, total),
-             f'<line x1="{left}" y1="{height - bottom}" x2="{width - pad}" y2="{height - bottom}" stroke="#8c959f"/>',
-             f'<line x1="{left}" y1="{pad}" x2="{left}" y2="{height - bottom}" stroke="#8c959f"/>',
-             *(svg_text.text(x, y, t, anchor) for x, y, t, anchor in axis)]
+    parts = [
+        _svg(f"{label} vs size", width, total),
+        f'<line x1="{left}" y1="{height - bottom}" x2="{width - pad}" y2="{height - bottom}" stroke="#8c959f"/>',
+        f'<line x1="{left}" y1="{pad}" x2="{left}" y2="{height - bottom}" stroke="#8c959f"/>',
+        *(svg_text.text(x, y, t, anchor) for x, y, t, anchor in axis),
+    ]
     for (name, x, y, status), placed in zip(points, labels):
         if placed.leader:
             lx0, ly0, lx1, ly1 = placed.leader
-            parts.append(f'<line x1="{lx0:.1f}" y1="{ly0:.1f}" x2="{lx1:.1f}" y2="{ly1:.1f}" stroke="#8c959f" stroke-width="0.8"/>')
+            parts.append(
+                f'<line x1="{lx0:.1f}" y1="{ly0:.1f}" x2="{lx1:.1f}" y2="{ly1:.1f}" stroke="#8c959f" stroke-width="0.8"/>'
+            )
     for (name, x, y, status), placed in zip(points, labels):
-        parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{STATUS_COLOURS.get(status, "#57606a")}">'
-                     f'<title>{_esc(name)} ({_esc(status)}): {y:.2f}% at {x:.2f} MB</title></circle>')
+        parts.append(
+            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{STATUS_COLOURS.get(status, "#57606a")}">'
+            f"<title>{_esc(name)} ({_esc(status)}): {y:.2f}% at {x:.2f} MB</title></circle>"
+        )
         parts.append(svg_text.text(placed.x, placed.y, placed.text, placed.anchor, full=placed.full))
     return "".join(parts) + "</svg>"
 
@@ -126,7 +141,7 @@ def accuracy_size_chart(docs: list[dict], width: int = 640, height: int = 280) -
 def sensitivity_chart(name: str, q: dict, width: int = 620, most: int = 24) -> str:
     """The layers that cost most when alone int8 (output PSNR vs eager, lower is worse); float ones in red."""
     kept = {f["name"] for f in q.get("float_layers", [])}
-    measured = ((q.get("sensitivity") or {}).get("output_psnr_db") or {})
+    measured = (q.get("sensitivity") or {}).get("output_psnr_db") or {}
     values = sorted(((layer, v) for layer, v in measured.items() if v is not None), key=lambda item: item[1])[:most]
     if not values:
         return ""
@@ -143,8 +158,10 @@ def sensitivity_chart(name: str, q: dict, width: int = 620, most: int = 24) -> s
         parts.append(svg_text.text(label_w - 6, y + 12, svg_text.fit(layer, label_w - 10), "end", full=layer))
         parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 5}" fill="{colour}"/>')
         parts.append(svg_text.text(label_w + w + 4, y + 12, text))
-    note = (f"output PSNR vs eager with only that layer int8 · {len(values)} worst of {q['layers']} layers · "
-            f"red: kept in float")
+    note = (
+        f"output PSNR vs eager with only that layer int8 · {len(values)} worst of {q['layers']} layers · "
+        f"red: kept in float"
+    )
     parts.append(svg_text.text(4, height - 8, svg_text.fit(note, width - 8), full=note, attrs=' class="meta"'))
     return "".join(parts) + "</svg>"
 
@@ -156,11 +173,13 @@ def _quantization(docs: list[dict]) -> str:
     for name, a in _named(docs):
         q = (a.get("details") or {}).get("quantization")
         if q:
-            chart = sensitivity_chart(name, q) or ("<p class=meta>Plain PTQ met the budget: no layer sensitivity was "
-                                                   "needed.</p>" if (q.get("before") or {}).get("meets_budget", True)
-                                                   else "<p class=meta>No layer sensitivity was measured.</p>")
+            chart = sensitivity_chart(name, q) or (
+                "<p class=meta>Plain PTQ met the budget: no layer sensitivity was needed.</p>"
+                if (q.get("before") or {}).get("meets_budget", True)
+                else "<p class=meta>No layer sensitivity was measured.</p>"
+            )
             retry = f"<p>{_esc(retry_summary(a['details']))}</p>" if a["details"].get("validation_retry") else ""
-            summary = _esc(quantization_summary(q).replace('**', ''))
+            summary = _esc(quantization_summary(q).replace("**", ""))
             sections.append(f"<h3>{_esc(name)}</h3><p>{summary}</p>{retry}{chart}")
     return "<h2>int8: budget and layer sensitivity</h2>" + "".join(sections) if sections else ""
 
@@ -176,12 +195,18 @@ def _profiles(docs: list[dict]) -> str:
             continue
         body = f"<p class=meta>{_esc(memory_line(memory or {}))}</p>"
         if (profile or {}).get("available"):
-            ops = "".join(f"<tr><td class=name>{_esc(o['op'])}</td><td>{o['ms']:.3f}</td><td>{_esc(o['count'])}</td>"
-                          f"<td>{o['share']:.0%}</td></tr>" for o in profile["ops"])
-            body += (f"<table><thead><tr><th>operator</th><th>ms/run</th><th>calls</th><th>share</th></tr></thead>"
-                     f"<tbody>{ops}</tbody></table><p class=meta>{profile['ops_ms']:.2f} ms in operators of "
-                     f"{profile['wall_ms']:.2f} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''} apart from the timed ones; "
-                     f"{_esc(profile['source'])}{_esc(busy_profile(profile))}</p>")
+            ops = "".join(
+                f"<tr><td class=name>{_esc(o['op'])}</td><td>{o['ms']:.3f}</td><td>{_esc(o['count'])}</td>"
+                f"<td>{o['share']:.0%}</td></tr>"
+                for o in profile["ops"]
+            )
+            body += (
+                f"<table><thead><tr><th>operator</th><th>ms/run</th><th>calls</th><th>share</th></tr></thead>"
+                f"<tbody>{ops}</tbody></table><p class=meta>{profile['ops_ms']:.2f} ms in operators of "
+                f"{profile['wall_ms']:.2f} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''}"
+                f" apart from the timed ones; "
+                f"{_esc(profile['source'])}{_esc(busy_profile(profile))}</p>"
+            )
         elif profile and profile != memory:
             body += f"<p class=meta>{_esc(profile_line(profile))}</p>"
         cards.append(f'<div style="flex:1 1 300px;min-width:300px"><h3>{_esc(name)}</h3>{body}</div>')
@@ -189,10 +214,16 @@ def _profiles(docs: list[dict]) -> str:
 
 
 def _reasons(docs: list[dict]) -> str:
-    items = [f"<li><b>{_esc(name)}</b> {_badge(a['status'])} {_esc(r)}</li>"
-             for name, a in _named(docs) for r in a.get("reasons", [])]
-    items += [f"<li><b>{_esc(name)}</b> {_esc(outliers_summary(a))}</li>"
-              for name, a in _named(docs) if a.get("outlier_inputs")]
+    items = [
+        f"<li><b>{_esc(name)}</b> {_badge(a['status'])} {_esc(r)}</li>"
+        for name, a in _named(docs)
+        for r in a.get("reasons", [])
+    ]
+    items += [
+        f"<li><b>{_esc(name)}</b> {_esc(outliers_summary(a))}</li>"
+        for name, a in _named(docs)
+        if a.get("outlier_inputs")
+    ]
     return f"<h2>Why not passed</h2><ul>{''.join(items)}</ul>" if items else ""
 
 
@@ -212,18 +243,28 @@ def _table(docs: list[dict]) -> str:
     table = [({"target": d["target"]["name"]} if len(docs) > 1 else {}) | r for d in docs for r in rows(d)]
     head = "".join(f"<th>{_esc(h)}</th>" for h in table[0]) if table else ""
     body = "".join(
-        "<tr>" + "".join(
-            f'<td class="status">{_badge(v)}</td>' if k == "status" else
-            f'<td class="name">{_esc(v)}</td>' if k == "artifact" else f"<td>{_esc(v)}</td>" for k, v in r.items()
-        ) + "</tr>"
+        "<tr>"
+        + "".join(
+            f'<td class="status">{_badge(v)}</td>'
+            if k == "status"
+            else f'<td class="name">{_esc(v)}</td>'
+            if k == "artifact"
+            else f"<td>{_esc(v)}</td>"
+            for k, v in r.items()
+        )
+        + "</tr>"
         for r in table
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-SAME = {"classification": "the same top-1 class as eager", "segmentation": "the same class as eager on every pixel",
-        "detection": "the same boxes as eager", "video": "the same top-1 class as eager",
-        "optical_flow": "the same flow as eager on every pixel"}
+SAME = {
+    "classification": "the same top-1 class as eager",
+    "segmentation": "the same class as eager on every pixel",
+    "detection": "the same boxes as eager",
+    "video": "the same top-1 class as eager",
+    "optical_flow": "the same flow as eager on every pixel",
+}
 
 
 def _panels(doc: dict) -> str:
@@ -231,7 +272,9 @@ def _panels(doc: dict) -> str:
     if task == "video":
         return "the clip's middle frame | eager's five likeliest classes, eager (grey) over the artifact (blue; red when its top-1 differs)"
     if task == "classification":
-        return "input | eager's five likeliest classes, eager (grey) over the artifact (blue; red when its top-1 differs)"
+        return (
+            "input | eager's five likeliest classes, eager (grey) over the artifact (blue; red when its top-1 differs)"
+        )
     if task == "segmentation":
         return "input | eager mask | artifact mask, pixels whose class differs in white"
     if task == "optical_flow":
@@ -253,13 +296,18 @@ def _preview(doc: dict, a: dict, name: str, directory: Path) -> str:
     count = (a.get("fidelity") or {}).get("samples") or doc["data"]["validation"]
     if previews.visible(rows[0]):
         shown = sum(map(previews.visible, rows))
-        which = (f"the {shown} of {count} validation inputs where it departs most from eager" if shown == previews.MOST
-                 else f"the only {'input' if shown == 1 else f'{shown} inputs'} of {count} where it departs visibly from eager")
+        which = (
+            f"the {shown} of {count} validation inputs where it departs most from eager"
+            if shown == previews.MOST
+            else f"the only {'input' if shown == 1 else f'{shown} inputs'} of {count} where it departs visibly from eager"
+        )
         caption = f"<b>{_esc(name)}</b>: {which}; {_esc(_panels(doc))}"
         return f"<figure><figcaption>{caption}</figcaption>{img}</figure>"
     raw = ", ".join(previews.term(k, v) for k, v in list(rows[0]["departure"].items())[1:])
-    summary = (f"<b>{_esc(name)}</b>: {SAME.get(task_name(doc), 'the same as eager')} on all {count} validation inputs; "
-               f"only raw numbers differ (furthest: input {rows[0]['row']}, {_esc(raw)})")
+    summary = (
+        f"<b>{_esc(name)}</b>: {SAME.get(task_name(doc), 'the same as eager')} on all {count} validation inputs; "
+        f"only raw numbers differ (furthest: input {rows[0]['row']}, {_esc(raw)})"
+    )
     caption = f"the {len(rows)} inputs with the largest raw difference; {_esc(_panels(doc))}"
     return f"<details><summary>{summary}</summary><figure><figcaption>{caption}</figcaption>{img}</figure></details>"
 
@@ -278,8 +326,10 @@ def _previews(docs: list[dict], dirs: list[Path] | None) -> str:
                 parts.append(_preview(doc, a, name, directory))
         if identical:
             count = doc["data"]["validation"]
-            parts.append(f"<p>Bit-identical to eager on all {count} validation inputs, nothing to show: "
-                         f"<b>{_esc(', '.join(identical))}</b>.</p>")
+            parts.append(
+                f"<p>Bit-identical to eager on all {count} validation inputs, nothing to show: "
+                f"<b>{_esc(', '.join(identical))}</b>.</p>"
+            )
     parts = [p for p in parts if p]
     return "<h2>Where the artifacts depart from eager</h2>" + "".join(parts) if parts else ""
 
@@ -302,12 +352,12 @@ def render(docs: list[dict], dirs: list[Path] | None = None) -> str:
     host, data = first["host"], first["data"]
     eager_text = f"{task_name(first)}; eager {eager_summary(first).replace('**', '')}"
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{_esc(first['weight']['name'])} → {_esc(targets)}</title>
+<html lang="en"><head><meta charset="utf-8"><title>{_esc(first["weight"]["name"])} → {_esc(targets)}</title>
 <style>{CSS}</style></head><body>
-<h1>{_esc(first['weight']['name'])} → {_esc(targets)} {_badge(status)}</h1>
-<p class="meta">{_esc(first['weight']['model'])}, {first['weight']['num_classes']} classes · {_esc(eager_text)} ·
-{_esc(data['validation'])} validation images from {_esc(data['source'])} · {_esc(host['cpu'])}, {host['threads']} threads for every runtime ·
-exporter {_esc(first['exporter_version'])}, torch {_esc(first['tools'].get('torch'))}</p>
+<h1>{_esc(first["weight"]["name"])} → {_esc(targets)} {_badge(status)}</h1>
+<p class="meta">{_esc(first["weight"]["model"])}, {first["weight"]["num_classes"]} classes · {_esc(eager_text)} ·
+{_esc(data["validation"])} validation images from {_esc(data["source"])} · {_esc(host["cpu"])}, {host["threads"]} threads for every runtime ·
+exporter {_esc(first["exporter_version"])}, torch {_esc(first["tools"].get("torch"))}</p>
 {_ship(docs)}
 {_table(docs)}
 {_latency_warning(docs)}
@@ -322,4 +372,4 @@ exporter {_esc(first['exporter_version'])}, torch {_esc(first['tools'].get('torc
 <h2>Labeled accuracy against size</h2>
 <div class="charts">{accuracy_size_chart(docs)}</div>
 </body></html>
-"""
+"""  # noqa: E501  (the page itself)

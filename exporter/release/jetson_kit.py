@@ -73,24 +73,34 @@ def _warnings(doc: dict, onnx_entries: list[dict], builds: list[dict]) -> list[s
     warnings = []
     largest = max((e["size_bytes"] or 0 for e in onnx_entries), default=0) / 1e6
     if largest > NANO_CLASS_LIMIT_MB:
-        warnings.append(f"model is {largest:.0f} MB: models over ~{NANO_CLASS_LIMIT_MB} MB often fail to build or load on "
-                        "Nano-class Jetsons (shared 4 GB memory)")
+        warnings.append(
+            f"model is {largest:.0f} MB: models over ~{NANO_CLASS_LIMIT_MB} MB often fail to build or load on "
+            "Nano-class Jetsons (shared 4 GB memory)"
+        )
     for b in builds:
         low, opt, high = b["options"]["batch"]
         if low > 1:
-            warnings.append(f"{b['precision']}: batch profile {low}:{opt}:{high} excludes batch 1, which host validation "
-                            f"used; {VALIDATOR} feeds each golden input repeated {low} times")
+            warnings.append(
+                f"{b['precision']}: batch profile {low}:{opt}:{high} excludes batch 1, which host validation "
+                f"used; {VALIDATOR} feeds each golden input repeated {low} times"
+            )
         dla = b["options"]["dla_core"]
         if dla is None:
             continue
         if b["precision"] == "fp32":
-            warnings.append(f"fp32 on DLA core {dla}: DLA runs only fp16 and int8, so every layer falls back to the GPU")
+            warnings.append(
+                f"fp32 on DLA core {dla}: DLA runs only fp16 and int8, so every layer falls back to the GPU"
+            )
         else:
-            warnings.append(f"{b['precision']} on DLA core {dla}: layers DLA cannot run fall back to the GPU silently "
-                            "(--allowGPUFallback); check placement with trtexec --profilingVerbosity=detailed --dumpLayerInfo")
+            warnings.append(
+                f"{b['precision']} on DLA core {dla}: layers DLA cannot run fall back to the GPU silently "
+                "(--allowGPUFallback); check placement with trtexec --profilingVerbosity=detailed --dumpLayerInfo"
+            )
         if b["precision"] == "int8":
-            warnings.append(f"int8 on DLA core {dla}: the engine comes from explicit Q/DQ; layers left in fp32 between "
-                            "Q/DQ pairs cannot run on DLA, and DLA support differs across TensorRT releases (none in 11.0-11.3)")
+            warnings.append(
+                f"int8 on DLA core {dla}: the engine comes from explicit Q/DQ; layers left in fp32 between "
+                "Q/DQ pairs cannot run on DLA, and DLA support differs across TensorRT releases (none in 11.0-11.3)"
+            )
     return warnings
 
 
@@ -103,13 +113,17 @@ def write_device_kit(out: Path, doc: dict, session) -> None:
     for entry in onnx_entries:
         options = _options(doc, entry["precision"])
         engine = f"{model}_tensorrt_{entry['precision']}{tensorrt_format.SUFFIX}"
-        builds.append({
-            "precision": entry["precision"],
-            "onnx": entry["path"],
-            "engine": engine,
-            "options": options,
-            "trtexec": {str(m): trtexec_args(entry["path"], engine, entry["precision"], chw, options, m) for m in (10, 11)},
-        })
+        builds.append(
+            {
+                "precision": entry["precision"],
+                "onnx": entry["path"],
+                "engine": engine,
+                "options": options,
+                "trtexec": {
+                    str(m): trtexec_args(entry["path"], engine, entry["precision"], chw, options, m) for m in (10, 11)
+                },
+            }
+        )
     kit = {"build_script": SCRIPT if builds else None, "validator": VALIDATOR, "golden": "golden", "engines": builds}
     if builds:
         files.write_text(out / SCRIPT, _script(builds))

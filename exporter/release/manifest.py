@@ -31,6 +31,8 @@ def clear_build_files(out: Path) -> None:
         shutil.rmtree(out / name, ignore_errors=True)
     for staging in out.glob(".*.partial"):  # left by a killed build
         shutil.rmtree(staging, ignore_errors=True)
+
+
 TOOLS = ("exporter", "torch", "torchvision", "executorch", "torchao", "coremltools", "onnx", "onnxruntime", "tensorrt")
 
 
@@ -51,8 +53,12 @@ def exporter_commit() -> str | None:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("-dirty" if dirty else "")
@@ -115,8 +121,9 @@ def read_build(out_dir) -> dict:
     if not path.is_file():
         targets = target_folders(out)
         if targets:
-            raise UsageError(f"{out} is a several-target build: give one target's folder "
-                             f"({', '.join(str(t) for t in targets)})")
+            raise UsageError(
+                f"{out} is a several-target build: give one target's folder ({', '.join(str(t) for t in targets)})"
+            )
         raise UsageError(f"{out} has no manifest.json; is it an exporter build directory?")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
@@ -125,8 +132,9 @@ def read_build(out_dir) -> dict:
     if not isinstance(doc, dict):
         raise UsageError(f"{path} is not a build manifest: it holds {type(doc).__name__}, not an object")
     if doc.get("schema_version") != SCHEMA_VERSION:
-        raise UsageError(f"{path}: schema_version {doc.get('schema_version')} (this exporter reads {SCHEMA_VERSION}: "
-                         f"build it again)")
+        raise UsageError(
+            f"{path}: schema_version {doc.get('schema_version')} (this exporter reads {SCHEMA_VERSION}: build it again)"
+        )
     if doc.get("status") == "building":  # killed part way: it lists the artifacts done by then
         raise UsageError(f"{out} is an unfinished build (status 'building'); run the build again")
     problem = schema_problem(doc)

@@ -39,7 +39,7 @@ def term(name: str, value) -> str:
 
 
 def describe(row: dict) -> str:
-    """"input 3: 2 unmatched boxes, raw-head RMSE 4.9" for a `preview_rows` item."""
+    """ "input 3: 2 unmatched boxes, raw-head RMSE 4.9" for a `preview_rows` item."""
     return f"input {row['row']}: {', '.join(term(k, v) for k, v in row['departure'].items())}"
 
 

@@ -30,8 +30,12 @@ def choose(doc: dict) -> dict:
     passed = [a for a in doc["artifacts"] if a["status"] == "passed"]
     return {
         "passed": [a["name"] for a in passed],
-        "fastest": min((a for a in passed if _p50(a) != float("inf")), key=lambda a: (_p50(a), _size(a), a["name"]), default=None),
-        "smallest": min((a for a in passed if a.get("size_bytes")), key=lambda a: (_size(a), _p50(a), a["name"]), default=None),
+        "fastest": min(
+            (a for a in passed if _p50(a) != float("inf")), key=lambda a: (_p50(a), _size(a), a["name"]), default=None
+        ),
+        "smallest": min(
+            (a for a in passed if a.get("size_bytes")), key=lambda a: (_size(a), _p50(a), a["name"]), default=None
+        ),
         "failed": [a["name"] for a in doc["artifacts"] if a["status"] == "failed"],
         "unavailable": [a["name"] for a in doc["artifacts"] if a["status"] == "unavailable" and not _not_made(a)],
         "not_made": [a["name"] for a in doc["artifacts"] if a["status"] == "unavailable" and _not_made(a)],
@@ -43,8 +47,11 @@ def line(doc: dict, markdown: bool = False) -> str:
     and the smallest (2.41 MB) of the 2 that passed." Artifact names in backticks when `markdown`."""
     pick, target = choose(doc), doc["target"]["name"]
     code = (lambda n: f"`{n}`") if markdown else (lambda n: n)
-    unvalidated = (f" Not validated on this host (runtime unavailable): {', '.join(map(code, pick['unavailable']))}."
-                   if pick["unavailable"] else "")
+    unvalidated = (
+        f" Not validated on this host (runtime unavailable): {', '.join(map(code, pick['unavailable']))}."
+        if pick["unavailable"]
+        else ""
+    )
     if pick["not_made"]:
         unvalidated += f" Not made for this model (the notes say why): {', '.join(map(code, pick['not_made']))}."
     if not pick["passed"]:
@@ -58,8 +65,12 @@ def line(doc: dict, markdown: bool = False) -> str:
     if fastest and smallest and fastest is smallest:
         if count == 1:
             return f"Ship for {target}: {code(fastest['name'])}, the only one that passed ({speed}, {mb}).{unvalidated}"
-        return (f"Ship for {target}: {code(fastest['name'])}, the fastest ({speed}) and the smallest ({mb}) "
-                f"of the {count} that passed.{unvalidated}")
-    parts = [f"fastest {code(fastest['name'])} ({speed})" if fastest else "fastest: none was timed on this host",
-             f"smallest {code(smallest['name'])} ({mb})" if smallest else "smallest: no size recorded"]
+        return (
+            f"Ship for {target}: {code(fastest['name'])}, the fastest ({speed}) and the smallest ({mb}) "
+            f"of the {count} that passed.{unvalidated}"
+        )
+    parts = [
+        f"fastest {code(fastest['name'])} ({speed})" if fastest else "fastest: none was timed on this host",
+        f"smallest {code(smallest['name'])} ({mb})" if smallest else "smallest: no size recorded",
+    ]
     return f"Ship for {target} ({count} passed): {'; '.join(parts)}.{unvalidated}"

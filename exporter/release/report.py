@@ -30,19 +30,26 @@ def quantization_summary(q: dict) -> str:
         return f"int8 by plain PTQ ({q.get('note', '')})"
     before, after = q["before"], q["after"]
     verdict = "met" if q["meets_budget"] else "**not met**"
-    text = (f"int8 budget {verdict} on {q['check_images']} held-out calibration images; "
-            f"{q['int8_layers']} of {q['layers']} layers int8; ")
+    text = (
+        f"int8 budget {verdict} on {q['check_images']} held-out calibration images; "
+        f"{q['int8_layers']} of {q['layers']} layers int8; "
+    )
     # fallback steps were taken (ranges tried only when the first miss count as one)
     if len(q["steps"]) > len({s["ranges"] for s in q["steps"]}) or q["after"] != q["before"]:
-        text += (f"PSNR {_num(before['psnr_db'], '.1f')} → {_num(after['psnr_db'], '.1f')} dB, agreement "
-                 f"{_num(before['agreement'], '.1%')} → {_num(after['agreement'], '.1%')} (plain PTQ → chosen)")
+        text += (
+            f"PSNR {_num(before['psnr_db'], '.1f')} → {_num(after['psnr_db'], '.1f')} dB, agreement "
+            f"{_num(before['agreement'], '.1%')} → {_num(after['agreement'], '.1%')} (plain PTQ → chosen)"
+        )
     else:
-        text += (f"plain PTQ: PSNR {_num(after['psnr_db'], '.1f')} dB, agreement "
-                 f"{_num(after['agreement'], '.1%')}")
+        text += f"plain PTQ: PSNR {_num(after['psnr_db'], '.1f')} dB, agreement {_num(after['agreement'], '.1%')}"
     if q["float_layers"]:
-        kept = ", ".join(f"{f['name']} ({f['why']})" if f.get("why") else
-                         f"{f['name']} (output {_num(f['output_psnr_db'], '.1f')} dB when alone int8, "
-                         f"own SQNR {_num(f['local_sqnr_db'], '.1f')} dB)" for f in q["float_layers"])
+        kept = ", ".join(
+            f"{f['name']} ({f['why']})"
+            if f.get("why")
+            else f"{f['name']} (output {_num(f['output_psnr_db'], '.1f')} dB when alone int8, "
+            f"own SQNR {_num(f['local_sqnr_db'], '.1f')} dB)"
+            for f in q["float_layers"]
+        )
         text += f"; kept in float: {kept}"
     if q.get("float_kinds"):
         text += f"; every {', '.join(q['float_kinds'])} kept in float{_kinds_step(q)}"
@@ -51,18 +58,23 @@ def quantization_summary(q: dict) -> str:
         text += f"; ops computed in float (no int8 pattern in the quantizer, or kept in float): {ops}"
     if q.get("program"):
         program = q["program"]
-        text += (f"; the lowered program on the same images: PSNR {_num(program['psnr_db'], '.1f')} dB, budget "
-                 + ("met" if program["meets_budget"] else "**not met**"))
+        text += f"; the lowered program on the same images: PSNR {_num(program['psnr_db'], '.1f')} dB, budget " + (
+            "met" if program["meets_budget"] else "**not met**"
+        )
     if q.get("lowering_fault"):
         fault = q["lowering_fault"]
         static = (fault.get("static_program") or {}).get("psnr_db")
-        text += (f"; with {fault['ranges']} ranges the lowered program was at {_num(fault['program']['psnr_db'], '.1f')}"
-                 f" dB where its graph was at {_num(fault['graph']['psnr_db'], '.1f')}: made again with static ranges "
-                 f"({_num(static, '.1f')} dB), the {fault['kept']} program kept")
+        text += (
+            f"; with {fault['ranges']} ranges the lowered program was at {_num(fault['program']['psnr_db'], '.1f')}"
+            f" dB where its graph was at {_num(fault['graph']['psnr_db'], '.1f')}: made again with static ranges "
+            f"({_num(static, '.1f')} dB), the {fault['kept']} program kept"
+        )
     budget = (q.get("budget") or {}).get("accuracy_drop")
     if q.get("check_labeled") and budget is not None and 100 / q["check_images"] > budget:
-        text += (f"; one of {q['check_images']} check images is {100 / q['check_images']:.1f} points of acc@1, "
-                 f"coarser than the {budget:g}-point budget (a larger --calib-size checks it finer)")
+        text += (
+            f"; one of {q['check_images']} check images is {100 / q['check_images']:.1f} points of acc@1, "
+            f"coarser than the {budget:g}-point budget (a larger --calib-size checks it finer)"
+        )
     return text + f"; {q['calibration_method']}; {q['seconds']} s"
 
 
@@ -70,8 +82,10 @@ def _kinds_step(q: dict) -> str:
     step = next((s for s in q["steps"] if s.get("float_kinds") == q["float_kinds"] and not s["float_layers"]), None)
     if step is None:
         return ""
-    return (f" (plain PTQ {_num(q['before']['psnr_db'], '.1f')} dB, with them float and every layer int8 "
-            f"{_num(step['psnr_db'], '.1f')} dB)")
+    return (
+        f" (plain PTQ {_num(q['before']['psnr_db'], '.1f')} dB, with them float and every layer int8 "
+        f"{_num(step['psnr_db'], '.1f')} dB)"
+    )
 
 
 def retry_summary(details: dict) -> str:
@@ -79,31 +93,47 @@ def retry_summary(details: dict) -> str:
     retry = details["validation_retry"]
     if "first" in retry:
         first = retry["first"]
-        return (f"made again with ranges chosen per inference: with {first['ranges']} ranges it had failed validation "
-                f"({'; '.join(first['reasons'])}) after meeting its budget on the check images")
+        return (
+            f"made again with ranges chosen per inference: with {first['ranges']} ranges it had failed validation "
+            f"({'; '.join(first['reasons'])}) after meeting its budget on the check images"
+        )
     other = retry["per_inference"]
-    return (f"made again with ranges chosen per inference after failing validation; that one did not pass either "
-            f"({'; '.join(other['reasons'])}), so this (calibrated ranges) is kept")
+    return (
+        f"made again with ranges chosen per inference after failing validation; that one did not pass either "
+        f"({'; '.join(other['reasons'])}), so this (calibrated ranges) is kept"
+    )
 
 
 def outliers_summary(a: dict) -> str:
     """One line: the few validation inputs that carry a failed artifact's error, and what the rest measure."""
     o = a["outlier_inputs"]
     count, rest = len(o["rows"]), o["of"] - len(o["rows"])
-    without = ", ".join(f"{key} {_num(o['fidelity_without'].get(key), '.4g')}" for key in a.get("thresholds", {})
-                        if key in o["fidelity_without"])
+    without = ", ".join(
+        f"{key} {_num(o['fidelity_without'].get(key), '.4g')}"
+        for key in a.get("thresholds", {})
+        if key in o["fidelity_without"]
+    )
     ratio, peak = o["rms_over_median"], o.get("peak_over_median")
-    over = f"over {ratio['over']:g}× the median input's, up to {ratio['max']:g}×" if ratio.get("max") else \
-        "where most inputs have none"
+    over = (
+        f"over {ratio['over']:g}× the median input's, up to {ratio['max']:g}×"
+        if ratio.get("max")
+        else "where most inputs have none"
+    )
     peaked = f"; eager's outputs on them peak at {peak:g}× the median input's peak" if peak else ""
     verdict = "meet" if o["thresholds_met_without"] else "still break"
-    text = (f"{count} of {o['of']} validation inputs carry {o['error_share']:.1%} of the error (RMS error {over}"
-            f"{peaked}); the other {rest} {verdict} the fidelity thresholds ({without}); rows "
-            f"{', '.join(map(str, o['rows'][:10]))}")
-    static = "dynamic" not in (((a.get("details") or {}).get("quantization") or {}).get("after") or {}).get("ranges", "")
+    text = (
+        f"{count} of {o['of']} validation inputs carry {o['error_share']:.1%} of the error (RMS error {over}"
+        f"{peaked}); the other {rest} {verdict} the fidelity thresholds ({without}); rows "
+        f"{', '.join(map(str, o['rows'][:10]))}"
+    )
+    static = "dynamic" not in (((a.get("details") or {}).get("quantization") or {}).get("after") or {}).get(
+        "ranges", ""
+    )
     if a.get("precision") == "int8" and peak and peak >= 2 and static:  # ranges chosen per inference clip nothing
-        text += (" — likely activations past the ranges the calibration images set, which static int8 clips: "
-                 "calibration data with inputs like these (--data) widens them")
+        text += (
+            " — likely activations past the ranges the calibration images set, which static int8 clips: "
+            "calibration data with inputs like these (--data) widens them"
+        )
     return text
 
 
@@ -112,8 +142,14 @@ def outliers_summary(a: dict) -> str:
 COLUMNS = {
     "classification": ({"top-1 agree": "top1_agreement"}, ("acc1", "drop_points", "acc@1")),
     "video": ({"top-1 agree": "top1_agreement"}, ("acc1", "drop_points", "acc@1")),
-    "segmentation": ({"pixel agree": "pixel_agreement", "mIoU vs eager": "miou_vs_eager"}, ("miou", "miou_drop_points", "mIoU")),
-    "detection": ({"matched recall": "matched_recall", "matched precision": "matched_precision"}, ("map", "map_drop_points", "mAP")),
+    "segmentation": (
+        {"pixel agree": "pixel_agreement", "mIoU vs eager": "miou_vs_eager"},
+        ("miou", "miou_drop_points", "mIoU"),
+    ),
+    "detection": (
+        {"matched recall": "matched_recall", "matched precision": "matched_precision"},
+        ("map", "map_drop_points", "mAP"),
+    ),
     "optical_flow": ({"within 1 px of eager": "flow_agreement"}, ("epe", "epe_increase", "EPE px")),
 }
 
@@ -142,14 +178,19 @@ def unreliable_latency(a: dict) -> bool:
 
 def latency_warnings(doc: dict) -> tuple[str, list[tuple[str, str]]]:
     """('' , []) when every timed latency stands; else a headline and (artifact, why) per unreliable one."""
-    noisy = [(a["name"], "; ".join(a["latency_conditions"].get("reasons") or ["host busy"]))
-             for a in doc["artifacts"] if unreliable_latency(a)]
+    noisy = [
+        (a["name"], "; ".join(a["latency_conditions"].get("reasons") or ["host busy"]))
+        for a in doc["artifacts"]
+        if unreliable_latency(a)
+    ]
     if not noisy:
         return "", []
     threads = (doc.get("host") or {}).get("threads")
-    head = (f"Latency unreliable for {len(noisy)} of {sum(1 for a in doc['artifacts'] if a.get('latency_ms'))} timed "
-            f"artifacts: taken on a busy host ({threads} threads timed); ratios to eager shown as measured, the verdict "
-            "does not use them, and the cache does not keep them (the next run times them again)")
+    head = (
+        f"Latency unreliable for {len(noisy)} of {sum(1 for a in doc['artifacts'] if a.get('latency_ms'))} timed "
+        f"artifacts: taken on a busy host ({threads} threads timed); ratios to eager shown as measured, the verdict "
+        "does not use them, and the cache does not keep them (the next run times them again)"
+    )
     return head, noisy
 
 
@@ -169,16 +210,22 @@ def rows(doc: dict) -> list[dict]:
                 "status": status,
                 **{header: _num(fid.get(key), ".1%") for header, key in fidelity_columns.items()},
                 "PSNR dB": _num(fid.get("psnr_db"), ".1f"),
-                f"{label} ({'drop' if 'drop' in drop else 'change'})":
-                    f"{_num(acc.get(metric), '.2f')} ({_num(acc.get(drop), '+.2f')})" if acc else "not measured",
+                f"{label} ({'drop' if 'drop' in drop else 'change'})": f"{_num(acc.get(metric), '.2f')} ({_num(acc.get(drop), '+.2f')})"
+                if acc
+                else "not measured",
                 "p50 ms": _num(lat.get("p50"), ".2f"),
                 "p90 ms": _num(lat.get("p90"), ".2f"),
                 "eager p50": _num((a.get("eager_latency_ms") or {}).get("p50"), ".2f"),
-                "speedup": _num(a.get("speedup_vs_eager"), ".2f", "—") + ("×" if a.get("speedup_vs_eager") else "")
+                "speedup": _num(a.get("speedup_vs_eager"), ".2f", "—")
+                + ("×" if a.get("speedup_vs_eager") else "")
                 + (" (unreliable)" if unreliable_latency(a) else ""),
                 "MB": _num(a["size_bytes"] / 1e6 if a.get("size_bytes") else None, ".2f"),
-                "RAM MB": _num(((a.get("memory") or {}).get("peak_rss_increase_bytes") or 0) / 1e6
-                               if (a.get("memory") or {}).get("available") else None, ".1f"),
+                "RAM MB": _num(
+                    ((a.get("memory") or {}).get("peak_rss_increase_bytes") or 0) / 1e6
+                    if (a.get("memory") or {}).get("available")
+                    else None,
+                    ".1f",
+                ),
             }
         )
     return table
@@ -189,8 +236,10 @@ def memory_line(memory: dict) -> str:
     if not memory.get("available"):
         return f"memory not measured ({memory.get('reason', 'no measurement')})"
     mb = lambda key: _num(memory[key] / 1e6, ".1f") if memory.get(key) is not None else "—"  # noqa: E731
-    parts = [f"needs {mb('peak_rss_increase_bytes')} MB RAM (peak over the runtime's own "
-             f"{mb('runtime_baseline_rss_bytes')} MB in a fresh process; process peak {mb('peak_rss_bytes')} MB)"]
+    parts = [
+        f"needs {mb('peak_rss_increase_bytes')} MB RAM (peak over the runtime's own "
+        f"{mb('runtime_baseline_rss_bytes')} MB in a fresh process; process peak {mb('peak_rss_bytes')} MB)"
+    ]
     if "planned_bytes" in memory:
         parts.append(f"planned memory {mb('planned_bytes')} MB")
     if "constants_bytes" in memory:
@@ -203,9 +252,11 @@ def profile_line(profile: dict, top: int = 4) -> str:
     if not profile.get("available"):
         return f"no operator profile ({profile.get('reason', 'not measured')})"
     ops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in profile["ops"][:top])
-    return (f"top ops by time: {ops} (of {_num(profile['ops_ms'], '.2f')} ms in operators, "
-            f"{_num(profile['wall_ms'], '.2f')} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''}; {profile['source']})"
-            + busy_profile(profile))
+    return (
+        f"top ops by time: {ops} (of {_num(profile['ops_ms'], '.2f')} ms in operators, "
+        f"{_num(profile['wall_ms'], '.2f')} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''}; "
+        f"{profile['source']})" + busy_profile(profile)
+    )
 
 
 def busy_profile(profile: dict) -> str:
@@ -228,7 +279,8 @@ def markdown(doc: dict) -> str:
     lines = [
         f"# {doc['weight']['name']} → {doc['target']['name']}: **{doc['status'].upper()}**",
         "",
-        f"- model: `{doc['weight']['model']}`, {doc['weight']['num_classes']} classes; checkpoint sha256 `{doc['checkpoint']['sha256'][:16]}…` ({doc['checkpoint']['source']})",
+        f"- model: `{doc['weight']['model']}`, {doc['weight']['num_classes']} classes; "
+        f"checkpoint sha256 `{doc['checkpoint']['sha256'][:16]}…` ({doc['checkpoint']['source']})",
         f"- host: {host['cpu']}, {host['cores']} cores; **{host['threads']} threads** for eager and every runtime",
         f"- data: {data['source']}; {data['validation']} validation / {data['calibration']} calibration images (seed {data.get('seed')})",
         f"- task: {task_name(doc)}, input {'x'.join(map(str, (doc.get('task') or {}).get('input_size', [])))}; "
@@ -261,7 +313,11 @@ def markdown(doc: dict) -> str:
             notes.append(
                 f"- `{a['name']}`: {d['delegated_nodes']} nodes in {d['delegated_subgraphs']} {d['delegate']} subgraph(s); "
                 f"{d['non_delegated_nodes']} outside ({outside}); "
-                + (f"**on real tensors: {on_tensors}**" if on_tensors else "none of them on real tensors (scalar casts only)")
+                + (
+                    f"**on real tensors: {on_tensors}**"
+                    if on_tensors
+                    else "none of them on real tensors (scalar casts only)"
+                )
             )
         if details.get("quantization"):
             notes.append(f"- `{a['name']}`: {quantization_summary(details['quantization'])}")
@@ -269,7 +325,9 @@ def markdown(doc: dict) -> str:
             notes.append(f"- `{a['name']}`: {retry_summary(details)}")
         notes += memory_profile_notes(a)
         if details.get("xnnpack_rewrite") == "unavailable":
-            notes.append(f"- `{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})")
+            notes.append(
+                f"- `{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})"
+            )
     for event in (doc.get("cache") or {}).get("events", []):
         notes.append(f"- cache: {event}")
     if data.get("note"):
@@ -280,5 +338,9 @@ def markdown(doc: dict) -> str:
         steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in doc["timings_s"].items())
         when = " of the build reused from the cache" if (doc.get("cache") or {}).get("build_record") else ""
         lines += ["", f"Wall time per step{when}: {steps}."]
-    lines += ["", "Thresholds per precision: " + ", ".join(f"{p}: {t}" for p, t in doc["target"]["thresholds"].items()), ""]
+    lines += [
+        "",
+        "Thresholds per precision: " + ", ".join(f"{p}: {t}" for p, t in doc["target"]["thresholds"].items()),
+        "",
+    ]
     return "\n".join(lines)

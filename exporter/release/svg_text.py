@@ -13,9 +13,19 @@ FONT_PX = 12
 ASCENT, DESCENT = 0.95, 0.3  # of FONT_PX, above and below the baseline
 LINE = round(FONT_PX * (ASCENT + DESCENT)) + 2  # one stacked label's height, 2px apart
 # advance widths in em, DejaVu Sans rounded up; everything else 0.64
-_EM = {**dict.fromkeys("ijl.,:;'|", 0.36), **dict.fromkeys("frt()[] -/!", 0.44), **dict.fromkeys("_\"", 0.52),
-       **dict.fromkeys("0123456789{}", 0.66), **dict.fromkeys("ABCDEFGHJKLNOPQRSTUVXYZ&?", 0.78),
-       **dict.fromkeys("#+=<>^~", 0.86), **dict.fromkeys("mwMW%@", 1.0), "…": 1.0, "×": 0.86, "–": 0.5, "—": 1.0}
+_EM = {
+    **dict.fromkeys("ijl.,:;'|", 0.36),
+    **dict.fromkeys("frt()[] -/!", 0.44),
+    **dict.fromkeys('_"', 0.52),
+    **dict.fromkeys("0123456789{}", 0.66),
+    **dict.fromkeys("ABCDEFGHJKLNOPQRSTUVXYZ&?", 0.78),
+    **dict.fromkeys("#+=<>^~", 0.86),
+    **dict.fromkeys("mwMW%@", 1.0),
+    "…": 1.0,
+    "×": 0.86,
+    "–": 0.5,
+    "—": 1.0,
+}
 ELLIPSIS = "…"
 
 
@@ -27,8 +37,12 @@ class Box:
     y1: float
 
     def overlaps(self, other: "Box", pad: float = 0.0) -> bool:
-        return (self.x0 < other.x1 + pad and other.x0 < self.x1 + pad
-                and self.y0 < other.y1 + pad and other.y0 < self.y1 + pad)
+        return (
+            self.x0 < other.x1 + pad
+            and other.x0 < self.x1 + pad
+            and self.y0 < other.y1 + pad
+            and other.y0 < self.y1 + pad
+        )
 
     def inside(self, bounds: "Box") -> bool:
         return bounds.x0 <= self.x0 and self.x1 <= bounds.x1 and bounds.y0 <= self.y0 and self.y1 <= bounds.y1
@@ -52,7 +66,7 @@ def fit(text: str, width: float) -> str:
     keep = len(text)
     while keep > 0:
         keep -= 1
-        head, tail = text[: (keep + 1) // 2], text[len(text) - keep // 2:] if keep // 2 else ""
+        head, tail = text[: (keep + 1) // 2], text[len(text) - keep // 2 :] if keep // 2 else ""
         short = head + ELLIPSIS + tail
         if text_width(short) <= width:
             return short
@@ -92,8 +106,13 @@ def _candidates(px: float, py: float, text: str):
         yield px - d, py + dy, "end"
 
 
-def place(points: list[tuple[float, float, str]], bounds: Box, obstacles: list[Box] = (), marker: float = 5.0,
-          overflow_y: float | None = None) -> list[Label]:
+def place(
+    points: list[tuple[float, float, str]],
+    bounds: Box,
+    obstacles: list[Box] = (),
+    marker: float = 5.0,
+    overflow_y: float | None = None,
+) -> list[Label]:
     """A label per (x, y, text) point, none overlapping another label, a marker of another point or an
     obstacle, each inside `bounds`. Tried in order: beside the point; then stacked above or below it at a
     growing distance with a leader line; then (needing room the caller adds) in rows from `overflow_y` down,

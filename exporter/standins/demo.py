@@ -17,13 +17,26 @@ def main() -> None:
     model = digits.prepare(Path(".cache/digits"))
     print(f"digits model: {model.checkpoint} (held-out acc@1 {model.held_out_accuracy:.1%})")
     command = [
-        sys.executable, "-m", "exporter.cli", "build", model.weight,
-        "--target", "android",
-        "--checkpoint", str(model.checkpoint),
-        "--labels", str(model.labels_file),
-        "--data", str(model.data_dir),
-        "--calib-size", "100", "--val-size", "200",
-        "--out", "exports/demo/android", "--force",
+        sys.executable,
+        "-m",
+        "exporter.cli",
+        "build",
+        model.weight,
+        "--target",
+        "android",
+        "--checkpoint",
+        str(model.checkpoint),
+        "--labels",
+        str(model.labels_file),
+        "--data",
+        str(model.data_dir),
+        "--calib-size",
+        "100",
+        "--val-size",
+        "200",
+        "--out",
+        "exports/demo/android",
+        "--force",
     ]
     print("$ " + " ".join(command[2:]).replace("exporter.cli", "exporter"))
     sys.exit(subprocess.call(command))

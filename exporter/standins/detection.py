@@ -63,9 +63,18 @@ SSDLITE = Recipe(WEIGHT, MODEL_NAME, SIZE, STEPS, LR, RECIPE_VERSION)
 # Measured 2026-11-27 (one thread, batch 4, held-out mAP; docs/tasks.md has every run): from scratch the box head's
 # class scores stayed near uniform (400 steps at 224 px: mAP 0.017); from the SSDlite body, AdamW 3e-4 with half of
 # the sampled RoIs on digits reached 0.231 (mAP@.5 0.457) in 400 steps, 0.306 in 600; higher rates did worse.
-FASTER_RCNN = Recipe("FasterRCNN_MobileNet_V3_Large_320_FPN_Weights.COCO_V1", "fasterrcnn_mobilenet_v3_large_320_fpn",
-                     224, 400, 3e-4, 1, start_from_ssdlite=True, sampled_rois=64, positive_fraction=0.5,
-                     max_grad_norm=10.0)
+FASTER_RCNN = Recipe(
+    "FasterRCNN_MobileNet_V3_Large_320_FPN_Weights.COCO_V1",
+    "fasterrcnn_mobilenet_v3_large_320_fpn",
+    224,
+    400,
+    3e-4,
+    1,
+    start_from_ssdlite=True,
+    sampled_rois=64,
+    positive_fraction=0.5,
+    max_grad_norm=10.0,
+)
 
 
 @dataclass(frozen=True)
@@ -115,12 +124,22 @@ def coco_dict(images, boxes) -> dict:
     for i, per_image in enumerate(boxes):
         for label, x0, y0, x1, y1 in per_image:
             w, h = x1 - x0, y1 - y0
-            annotations.append({"id": len(annotations) + 1, "image_id": i + 1, "category_id": int(label),
-                                "bbox": [x0, y0, w, h], "area": w * h, "iscrowd": 0})
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": i + 1,
+                    "category_id": int(label),
+                    "bbox": [x0, y0, w, h],
+                    "area": w * h,
+                    "iscrowd": 0,
+                }
+            )
     return {
         "info": {"description": "scikit-learn digits on textured canvases (exporter.standins.detection)"},
-        "images": [{"id": i + 1, "file_name": f"{i:04d}.png", "width": int(im.shape[1]), "height": int(im.shape[0])}
-                   for i, im in enumerate(images)],
+        "images": [
+            {"id": i + 1, "file_name": f"{i:04d}.png", "width": int(im.shape[1]), "height": int(im.shape[0])}
+            for i, im in enumerate(images)
+        ],
         "annotations": annotations,
         "categories": [{"id": c, "name": LABELS[c]} for c in range(1, NUM_CLASSES)],
     }
@@ -168,14 +187,19 @@ def to_tensors(images: np.ndarray) -> list[torch.Tensor]:
 
 
 def _targets(boxes) -> list[dict]:
-    return [{"boxes": torch.tensor([b[1:] for b in per_image], dtype=torch.float32).reshape(-1, 4),
-             "labels": torch.tensor([b[0] for b in per_image], dtype=torch.int64)} for per_image in boxes]
+    return [
+        {
+            "boxes": torch.tensor([b[1:] for b in per_image], dtype=torch.float32).reshape(-1, 4),
+            "labels": torch.tensor([b[0] for b in per_image], dtype=torch.int64),
+        }
+        for per_image in boxes
+    ]
 
 
 def detect(model: nn.Module, images: np.ndarray, batch: int = 16) -> list[dict]:
     model.eval()
     with torch.no_grad():
-        return [d for i in range(0, len(images), batch) for d in model(to_tensors(images[i:i + batch]))]
+        return [d for i in range(0, len(images), batch) for d in model(to_tensors(images[i : i + batch]))]
 
 
 def coco_map(detections: list[dict], images, boxes) -> tuple[float, float]:
@@ -191,7 +215,9 @@ def coco_map(detections: list[dict], images, boxes) -> tuple[float, float]:
     return result["map"] / 100.0, result["map50"] / 100.0
 
 
-def train(steps: int = STEPS, log=print, recipe: Recipe = SSDLITE, start: dict | None = None) -> tuple[dict, float, float, dict]:
+def train(
+    steps: int = STEPS, log=print, recipe: Recipe = SSDLITE, start: dict | None = None
+) -> tuple[dict, float, float, dict]:
     """Train on canvases of training digits (from scratch, or the body from `start`, the SSDlite stand-in's state);
     returns (state dict, held-out mAP, mAP@.5, timing)."""
     threads = torch.get_num_threads()
@@ -232,15 +258,19 @@ def _train(steps: int, log, recipe: Recipe, start: dict | None) -> tuple[dict, f
             last_log = time.perf_counter()
             parts = ", ".join(f"{k} {v.item():.3f}" for k, v in losses.items())
             log(f"digits detection step {step + 1}/{steps}: {parts} ({last_log - start:.0f} s)")
-    timing = {"train_seconds": round(time.perf_counter() - start, 1),
-              "train_cpu_seconds": round(time.process_time() - cpu_start, 1)}
+    timing = {
+        "train_seconds": round(time.perf_counter() - start, 1),
+        "train_cpu_seconds": round(time.process_time() - cpu_start, 1),
+    }
     # BN running statistics need no recomputing here (unlike digits): the one-cycle schedule ends with
     # many small steps, over which momentum 0.03 settles (measured: recomputing moved mAP by ~0.001)
     model.to(memory_format=torch.contiguous_format)
     images, boxes = held_out_set(recipe.size)
     score, score50 = coco_map(detect(model, images), images, boxes)
-    log(f"digits detection held-out mAP {score:.3f}, mAP@.5 {score50:.3f} "
-        f"({timing['train_seconds']:.0f} s training, {timing['train_cpu_seconds']:.0f} s CPU)")
+    log(
+        f"digits detection held-out mAP {score:.3f}, mAP@.5 {score50:.3f} "
+        f"({timing['train_seconds']:.0f} s training, {timing['train_cpu_seconds']:.0f} s CPU)"
+    )
     return model.state_dict(), score, score50, timing
 
 
@@ -255,8 +285,15 @@ def _cached_info(info_file: Path, steps: int, recipe: Recipe) -> dict | None:
 
 
 def _model(info: dict) -> DetectionDigitsModel:
-    return DetectionDigitsModel(info["weight"], Path(info["checkpoint"]), Path(info["data_dir"]), Path(info["labels_file"]),
-                                info["map"], info["map50"], info.get("size", SIZE))
+    return DetectionDigitsModel(
+        info["weight"],
+        Path(info["checkpoint"]),
+        Path(info["data_dir"]),
+        Path(info["labels_file"]),
+        info["map"],
+        info["map50"],
+        info.get("size", SIZE),
+    )
 
 
 def prepare(cache_dir: Path, log=print, steps: int | None = None, recipe: Recipe = SSDLITE) -> DetectionDigitsModel:
@@ -270,7 +307,9 @@ def prepare(cache_dir: Path, log=print, steps: int | None = None, recipe: Recipe
         return _prepare(cache_dir, info_file, log, steps or recipe.steps, recipe, start)
 
 
-def _prepare(cache_dir: Path, info_file: Path, log, steps: int, recipe: Recipe, start: dict | None) -> DetectionDigitsModel:
+def _prepare(
+    cache_dir: Path, info_file: Path, log, steps: int, recipe: Recipe, start: dict | None
+) -> DetectionDigitsModel:
     info = _cached_info(info_file, steps, recipe)
     if info is not None:
         return _model(info)
@@ -278,8 +317,9 @@ def _prepare(cache_dir: Path, info_file: Path, log, steps: int, recipe: Recipe, 
     state, score, score50, timing = train(steps, log=log, recipe=recipe, start=start)
     # the held-out canvases depend on the data recipe and the size only: stand-ins of one size share them
     suffix = f"v{RECIPE_VERSION}" if recipe.size == SIZE else f"{recipe.size}_v{RECIPE_VERSION}"
-    data_dir = write_once(cache_dir / f"digits_detection_val_{suffix}",
-                          lambda root: write_coco(root, *held_out_set(recipe.size)))
+    data_dir = write_once(
+        cache_dir / f"digits_detection_val_{suffix}", lambda root: write_coco(root, *held_out_set(recipe.size))
+    )
     labels_file = cache_dir / "digits_detection_labels.txt"
     files.write_text(labels_file, "".join(f"{label}\n" for label in LABELS))
     info = {

@@ -80,9 +80,14 @@ def _prepare(cache_dir: Path, info_file: Path, log) -> DigitClipsModel:
 
     if info_file.exists():
         info = json.loads(info_file.read_text())
-        if info.get("recipe") == RECIPE_VERSION and Path(info["checkpoint"]).exists() and Path(info["data_dir"]).exists():
-            return DigitClipsModel(WEIGHT, Path(info["checkpoint"]), Path(info["data_dir"]), Path(info["labels_file"]),
-                                   info["accuracy"])
+        if (
+            info.get("recipe") == RECIPE_VERSION
+            and Path(info["checkpoint"]).exists()
+            and Path(info["data_dir"]).exists()
+        ):
+            return DigitClipsModel(
+                WEIGHT, Path(info["checkpoint"]), Path(info["data_dir"]), Path(info["labels_file"]), info["accuracy"]
+            )
     cache_dir.mkdir(parents=True, exist_ok=True)
     w = get_weight(WEIGHT)
     task = weights.bind_task(w, num_classes=10, input_size=FRAME_SIZE)
@@ -96,8 +101,13 @@ def _prepare(cache_dir: Path, info_file: Path, log) -> DigitClipsModel:
     data_dir = _write_held_out(cache_dir, images, targets, held_idx, video.FRAMES)
     labels_file = cache_dir / "labels.txt"
     files.write_text(labels_file, "".join(f"digit {d}\n" for d in range(10)))
-    info = {"recipe": RECIPE_VERSION, "checkpoint": str(checkpoint), "data_dir": str(data_dir),
-            "labels_file": str(labels_file), "accuracy": accuracy}
+    info = {
+        "recipe": RECIPE_VERSION,
+        "checkpoint": str(checkpoint),
+        "data_dir": str(data_dir),
+        "labels_file": str(labels_file),
+        "accuracy": accuracy,
+    }
     files.write_text(info_file, json.dumps(info, indent=2))
     return DigitClipsModel(WEIGHT, checkpoint, data_dir, labels_file, accuracy)
 

@@ -110,12 +110,21 @@ class Attempt(NamedTuple):
 
 # The tries, each from the same seed, until one learns. A new try goes last, so that every model an earlier one
 # trained keeps its start and its cached checkpoint (a cached model that learned under none goes on with the new).
-ATTEMPTS = (Attempt(2e-3), Attempt(2e-3 * RETRY_LR_FACTOR), Attempt(2e-3, shrunk=True),
-            Attempt(2e-3, shrunk=True, residuals_zeroed=True))
+ATTEMPTS = (
+    Attempt(2e-3),
+    Attempt(2e-3 * RETRY_LR_FACTOR),
+    Attempt(2e-3, shrunk=True),
+    Attempt(2e-3, shrunk=True, residuals_zeroed=True),
+)
 
 
-def train(weight: str = WEIGHT, epochs: int = EPOCHS, log=print, size: int | None = None,
-          earlier: tuple[int, dict, float] | None = None) -> tuple[dict, float, list]:
+def train(
+    weight: str = WEIGHT,
+    epochs: int = EPOCHS,
+    log=print,
+    size: int | None = None,
+    earlier: tuple[int, dict, float] | None = None,
+) -> tuple[dict, float, list]:
     """Train `weight`'s architecture from scratch on the digits; returns (state dict, held-out accuracy, data).
     A run that did not learn is run again from the same start: at a tenth of the learning rate, then with its
     classifier shrunk, then with its residual branches started at zero too. If none learns, the best of them is
@@ -132,7 +141,12 @@ def train(weight: str = WEIGHT, epochs: int = EPOCHS, log=print, size: int | Non
             continue
         _fit(model, x, y, train_idx, epochs, attempt.lr, log)
         accuracy = _accuracy(model, x, y, held_idx)
-        how = "".join((", classifier shrunk" if attempt.shrunk else "", ", residual branches zeroed" if attempt.residuals_zeroed else ""))
+        how = "".join(
+            (
+                ", classifier shrunk" if attempt.shrunk else "",
+                ", residual branches zeroed" if attempt.residuals_zeroed else "",
+            )
+        )
         log(f"digits held-out accuracy: {accuracy:.3%} (learning rate {attempt.lr:g}{how})")
         if best is None or accuracy > best[1]:
             best = (model.state_dict(), accuracy)
@@ -150,9 +164,14 @@ def shrink_classifier(model: nn.Module, num_classes: int = 10) -> None:
     out, V2-M at 13 and 11 %. Scaled, this head starts at its ImageNet scale; other heads, whose initial range does
     not depend on the classes, start 10x under it. Scaled, not zeroed: SqueezeNet's head is a convolution under a
     ReLU, which a zero start would never let learn."""
-    heads = [m for m in model.modules()
-             if isinstance(m, nn.Linear) and m.out_features == num_classes
-             or isinstance(m, nn.Conv2d) and m.out_channels == num_classes]
+    heads = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.Linear)
+        and m.out_features == num_classes
+        or isinstance(m, nn.Conv2d)
+        and m.out_channels == num_classes
+    ]
     with torch.no_grad():
         for p in (heads[-1].weight, heads[-1].bias):
             if p is not None:
@@ -199,8 +218,9 @@ def _model(weight: str) -> nn.Module:
     return get_model(model_name_of(w), weights=None, num_classes=10, **builder_kwargs(w))
 
 
-def train_further(weight: str, checkpoint: Path, epochs: int, until: float, max_epochs: int,
-                  log=print, size: int | None = None) -> tuple[dict | None, dict]:
+def train_further(
+    weight: str, checkpoint: Path, epochs: int, until: float, max_epochs: int, log=print, size: int | None = None
+) -> tuple[dict | None, dict]:
     """Go on training a digits model that has had `epochs` while its acc@1 on its own training images is under
     `until`: warm restarts at the retry learning rate, each as long as all training so far, up to `max_epochs` in
     all. Only the training images decide, never the held-out ones. Returns the new state (None: it already
@@ -211,8 +231,10 @@ def train_further(weight: str, checkpoint: Path, epochs: int, until: float, max_
     model.eval()
     fitted, changed = _accuracy(model, x, y, train_idx), False
     while fitted < until and 2 * epochs <= max_epochs:
-        log(f"digits: acc@1 {fitted:.1%} on the training images after {epochs} epochs (under {until:.0%}): "
-            f"{epochs} more at learning rate {2e-3 * RETRY_LR_FACTOR:g}")
+        log(
+            f"digits: acc@1 {fitted:.1%} on the training images after {epochs} epochs (under {until:.0%}): "
+            f"{epochs} more at learning rate {2e-3 * RETRY_LR_FACTOR:g}"
+        )
         _fit(model, x, y, train_idx, epochs, 2e-3 * RETRY_LR_FACTOR, log)
         epochs, changed = 2 * epochs, True
         fitted = _accuracy(model, x, y, train_idx)
@@ -251,7 +273,9 @@ def _auxiliary_heads_off(model: nn.Module):
     that is None). The loss leaves them out and eval mode never runs them, but they would still run, and Inception
     v3's is made for 299 px: at 96 px its 5x5 pooling gets a 4x4 map, at 200 px its 5x5 convolution a 2x2 one.
     They stay in the model (its state dict, what a build loads), as initialised."""
-    heads = {name: getattr(model, name) for name in AUXILIARY_HEADS if isinstance(getattr(model, name, None), nn.Module)}
+    heads = {
+        name: getattr(model, name) for name in AUXILIARY_HEADS if isinstance(getattr(model, name, None), nn.Module)
+    }
     for name in heads:
         setattr(model, name, None)
     try:
@@ -278,8 +302,9 @@ def _write_held_out(cache_dir: Path, images, targets, held_idx) -> tuple[Path, P
     return data_dir, labels_file
 
 
-def _cached_info(info_file: Path, epochs: int, *paths: str, until: float | None = None,
-                 arch: dict | None = None) -> dict | None:
+def _cached_info(
+    info_file: Path, epochs: int, *paths: str, until: float | None = None, arch: dict | None = None
+) -> dict | None:
     """The cached record, if it was made by the same recipe (and, given `arch`, the same builder arguments). A model
     trained on past `epochs` serves only a caller that trains until the same accuracy (one that has not yet been
     checked against it is, by prepare)."""
@@ -296,8 +321,11 @@ def _cached_info(info_file: Path, epochs: int, *paths: str, until: float | None 
 
 
 def _same_recipe(info: dict, epochs: int, arch: dict | None) -> bool:
-    return (info.get("recipe") == RECIPE_VERSION and info.get("epochs", EPOCHS) == epochs
-            and (arch is None or info.get("builder_kwargs", {}) == arch))
+    return (
+        info.get("recipe") == RECIPE_VERSION
+        and info.get("epochs", EPOCHS) == epochs
+        and (arch is None or info.get("builder_kwargs", {}) == arch)
+    )
 
 
 def _tries_left(info: dict) -> bool:
@@ -318,8 +346,15 @@ def _earlier_tries(info_file: Path, epochs: int, arch: dict) -> tuple[int, dict,
     return info.get("recipe_tries", 2), torch.load(info["checkpoint"], weights_only=True), info["accuracy"]
 
 
-def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOCHS, until: float | None = None,
-            max_epochs: int | None = None, size: int | None = None) -> DigitsModel:
+def prepare(
+    cache_dir: Path,
+    log=print,
+    weight: str = WEIGHT,
+    epochs: int = EPOCHS,
+    until: float | None = None,
+    max_epochs: int | None = None,
+    size: int | None = None,
+) -> DigitsModel:
     """Train once and cache; later calls return the cached model. With `until`, the model is trained further
     (train_further) until that acc@1 on its training images or `max_epochs`; a cached model is checked once.
     `size`: trained on size x size inputs instead of the weight's crop (a model of its own, cached apart)."""
@@ -329,8 +364,9 @@ def prepare(cache_dir: Path, log=print, weight: str = WEIGHT, epochs: int = EPOC
 
     cache_dir = Path(cache_dir).resolve()  # the record holds absolute paths, valid from any working directory
     model_name = model_name_of(get_weight(weight))
-    info_file = cache_dir / (("digits" if weight == WEIGHT and not size else f"digits_{model_name}")
-                             + _at(size) + ".json")
+    info_file = cache_dir / (
+        ("digits" if weight == WEIGHT and not size else f"digits_{model_name}") + _at(size) + ".json"
+    )
     with one_at_a_time(info_file):
         return _prepare(cache_dir, info_file, log, weight, epochs, until, max_epochs, size)
 
@@ -340,8 +376,16 @@ def _at(size: int | None) -> str:
     return f"_{size}px" if size else ""
 
 
-def _prepare(cache_dir: Path, info_file: Path, log, weight: str, epochs: int, until: float | None,
-             max_epochs: int | None, size: int | None) -> DigitsModel:
+def _prepare(
+    cache_dir: Path,
+    info_file: Path,
+    log,
+    weight: str,
+    epochs: int,
+    until: float | None,
+    max_epochs: int | None,
+    size: int | None,
+) -> DigitsModel:
     arch = _arch(weight)
     info = _cached_info(info_file, epochs, "checkpoint", "data_dir", until=until, arch=arch)
     if info is None:
@@ -362,15 +406,27 @@ def _prepare(cache_dir: Path, info_file: Path, log, weight: str, epochs: int, un
         }
         files.write_text(info_file, json.dumps(info, indent=2))
     if until is not None and (info.get("until"), info.get("max_epochs")) != (until, max_epochs or epochs):
-        state, reached = train_further(weight, Path(info["checkpoint"]), info.get("epochs_trained", epochs), until,
-                                       max_epochs or epochs, log, size)
+        state, reached = train_further(
+            weight, Path(info["checkpoint"]), info.get("epochs_trained", epochs), until, max_epochs or epochs, log, size
+        )
         if state is not None:
             info["checkpoint"] = str(save_checkpoint(state, cache_dir, weight_stem(weight) + _at(size)))
-        info.update(until=until, max_epochs=max_epochs or epochs, epochs_trained=reached["epochs"],
-                    train_accuracy=reached["train_accuracy"], accuracy=reached["accuracy"])
+        info.update(
+            until=until,
+            max_epochs=max_epochs or epochs,
+            epochs_trained=reached["epochs"],
+            train_accuracy=reached["train_accuracy"],
+            accuracy=reached["accuracy"],
+        )
         files.write_text(info_file, json.dumps(info, indent=2))
-    return DigitsModel(weight, Path(info["checkpoint"]), Path(info["data_dir"]), Path(info["labels_file"]),
-                       info["accuracy"], info.get("epochs_trained", epochs))
+    return DigitsModel(
+        weight,
+        Path(info["checkpoint"]),
+        Path(info["data_dir"]),
+        Path(info["labels_file"]),
+        info["accuracy"],
+        info.get("epochs_trained", epochs),
+    )
 
 
 @dataclass(frozen=True)
@@ -400,8 +456,9 @@ def quantize_eager(model: nn.Module, batches, backend: str) -> nn.Module:
     return torch.ao.quantization.convert(model, inplace=True)
 
 
-def quantize_digits(weight: str, float_checkpoint: Path, calib_images: int = 256,
-                    size: int | None = None) -> tuple[nn.Module, float]:
+def quantize_digits(
+    weight: str, float_checkpoint: Path, calib_images: int = 256, size: int | None = None
+) -> tuple[nn.Module, float]:
     """The trained float digits model of a quantized weight's architecture, quantized as torchvision made
     its int8 weights (calibrated on training images); returns it and its held-out accuracy."""
     from torchvision.models import get_weight
@@ -414,8 +471,15 @@ def quantize_digits(weight: str, float_checkpoint: Path, calib_images: int = 256
     return model, _accuracy(model, x, y, held_idx)
 
 
-def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=print, until: float | None = None,
-                      max_epochs: int | None = None, size: int | None = None) -> QuantizedDigitsModel:
+def prepare_quantized(
+    cache_dir: Path,
+    weight: str,
+    epochs: int = EPOCHS,
+    log=print,
+    until: float | None = None,
+    max_epochs: int | None = None,
+    size: int | None = None,
+) -> QuantizedDigitsModel:
     """Train the float model of a torchvision quantized weight on the digits and quantize it; cached."""
     from torchvision.models import get_weight
 
@@ -429,8 +493,16 @@ def prepare_quantized(cache_dir: Path, weight: str, epochs: int = EPOCHS, log=pr
         return _prepare_quantized(cache_dir, info_file, quantized, epochs, log, until, max_epochs, size)
 
 
-def _prepare_quantized(cache_dir: Path, info_file: Path, quantized, epochs: int, log, until: float | None,
-                       max_epochs: int | None, size: int | None) -> QuantizedDigitsModel:
+def _prepare_quantized(
+    cache_dir: Path,
+    info_file: Path,
+    quantized,
+    epochs: int,
+    log,
+    until: float | None,
+    max_epochs: int | None,
+    size: int | None,
+) -> QuantizedDigitsModel:
     from ..weights import canonical_name, model_name_of
 
     model_name, weight = model_name_of(quantized), canonical_name(quantized)
@@ -451,8 +523,14 @@ def _prepare_quantized(cache_dir: Path, info_file: Path, quantized, epochs: int,
         }
         files.write_text(info_file, json.dumps(info, indent=2))
     return QuantizedDigitsModel(
-        weight, Path(info["checkpoint"]), Path(info["float_checkpoint"]), Path(info["data_dir"]),
-        Path(info["labels_file"]), info["float_accuracy"], info["quantized_accuracy"], floating.epochs,
+        weight,
+        Path(info["checkpoint"]),
+        Path(info["float_checkpoint"]),
+        Path(info["data_dir"]),
+        Path(info["labels_file"]),
+        info["float_accuracy"],
+        info["quantized_accuracy"],
+        floating.epochs,
     )
 
 

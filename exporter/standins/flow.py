@@ -80,9 +80,10 @@ def _texture(rng: np.random.Generator, side: int) -> np.ndarray:
         coarse = rng.normal(0, 1, (side // cell + 2, side // cell + 2, 3)).astype(np.float32)
         amplitude = rng.uniform(10, 40)
         for c in range(3):
-            blotch = Image.fromarray(coarse[..., c], mode="F").resize((side + 2 * cell, side + 2 * cell),
-                                                                     Image.Resampling.BICUBIC)
-            image[..., c] += amplitude * np.asarray(blotch)[cell:cell + side, cell:cell + side]
+            blotch = Image.fromarray(coarse[..., c], mode="F").resize(
+                (side + 2 * cell, side + 2 * cell), Image.Resampling.BICUBIC
+            )
+            image[..., c] += amplitude * np.asarray(blotch)[cell : cell + side, cell : cell + side]
     return image + rng.normal(0, rng.uniform(2, 8), image.shape)
 
 
@@ -93,7 +94,7 @@ def _contrasting_colour(rng: np.random.Generator, region: np.ndarray) -> np.ndar
 
 def _paste(frame: np.ndarray, alpha: np.ndarray, colour: np.ndarray, x0: int, y0: int) -> None:
     side = alpha.shape[0]
-    region = frame[y0:y0 + side, x0:x0 + side]
+    region = frame[y0 : y0 + side, x0 : x0 + side]
     region[:] = region * (1 - alpha[..., None]) + colour * alpha[..., None]
 
 
@@ -109,9 +110,9 @@ def _pair(rng: np.random.Generator, digit_indices: np.ndarray, size: int):
     margin = MAX_SHIFT
     background = _texture(rng, size + 2 * margin)
     dx, dy = _shift(rng)
-    frame1 = background[margin:margin + size, margin:margin + size].copy()
+    frame1 = background[margin : margin + size, margin : margin + size].copy()
     # frame 2 at (x, y) shows what frame 1 had at (x - dx, y - dy)
-    frame2 = background[margin - dy:margin - dy + size, margin - dx:margin - dx + size].copy()
+    frame2 = background[margin - dy : margin - dy + size, margin - dx : margin - dx + size].copy()
     flow = np.empty((size, size, 2), np.float32)
     flow[:] = (dx, dy)
     for _ in range(rng.integers(DIGITS_PER_PAIR[0], DIGITS_PER_PAIR[1] + 1)):
@@ -122,10 +123,10 @@ def _pair(rng: np.random.Generator, digit_indices: np.ndarray, size: int):
         x0 = int(rng.integers(max(0, -dx), size - side - max(0, dx) + 1))
         y0 = int(rng.integers(max(0, -dy), size - side - max(0, dy) + 1))
         alpha = _alpha(images_8x8[index], side, bilinear=bool(rng.integers(2)))
-        colour = _contrasting_colour(rng, frame1[y0:y0 + side, x0:x0 + side])
+        colour = _contrasting_colour(rng, frame1[y0 : y0 + side, x0 : x0 + side])
         _paste(frame1, alpha, colour, x0, y0)
         _paste(frame2, alpha, colour, x0 + dx, y0 + dy)
-        flow[y0:y0 + side, x0:x0 + side][alpha >= 0.5] = (dx, dy)
+        flow[y0 : y0 + side, x0 : x0 + side][alpha >= 0.5] = (dx, dy)
     return frame1, frame2, flow
 
 
@@ -191,14 +192,15 @@ def sequence_loss(predictions: list[torch.Tensor], flow: torch.Tensor, gamma: fl
     return sum(gamma ** (count - 1 - i) * (p - flow).abs().mean() for i, p in enumerate(predictions))
 
 
-def predict(model: nn.Module, first: np.ndarray, second: np.ndarray, updates: int = EVAL_UPDATES,
-            batch: int = 16) -> np.ndarray:
+def predict(
+    model: nn.Module, first: np.ndarray, second: np.ndarray, updates: int = EVAL_UPDATES, batch: int = 16
+) -> np.ndarray:
     """The last update's flow, float32 [N,H,W,2]."""
     model.eval()
     out = []
     with torch.no_grad():
         for i in range(0, len(first), batch):
-            image1, image2 = preprocess(first[i:i + batch], second[i:i + batch])
+            image1, image2 = preprocess(first[i : i + batch], second[i : i + batch])
             out.append(model(image1, image2, num_flow_updates=updates)[-1].permute(0, 2, 3, 1).numpy())
     return np.concatenate(out)
 
@@ -208,8 +210,9 @@ def end_point_error(predicted: np.ndarray, flows: np.ndarray) -> float:
     return float(np.linalg.norm(np.asarray(predicted, np.float64) - flows, axis=-1).mean())
 
 
-def train(steps: int = STEPS, log=print, lr: float = LR, batch: int = BATCH,
-          updates: int = TRAIN_UPDATES, seed: int = SEED) -> tuple[dict, dict]:
+def train(
+    steps: int = STEPS, log=print, lr: float = LR, batch: int = BATCH, updates: int = TRAIN_UPDATES, seed: int = SEED
+) -> tuple[dict, dict]:
     """Train RAFT-Small from scratch on pairs of training digits; returns (state dict, scores and timing)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
@@ -228,8 +231,9 @@ def _train(steps: int, log, lr: float, batch: int, updates: int, seed: int) -> t
     train_idx, _ = split()
     model = build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1,
-                                                cycle_momentum=False, anneal_strategy="linear")
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=lr, total_steps=steps, pct_start=0.1, cycle_momentum=False, anneal_strategy="linear"
+    )
     start = last_log = time.perf_counter()
     cpu_start = time.process_time()
     model.train()
@@ -246,18 +250,24 @@ def _train(steps: int, log, lr: float, batch: int, updates: int, seed: int) -> t
         if time.perf_counter() - last_log >= 20 or step == steps - 1:
             last_log = time.perf_counter()
             epe = end_point_error(predictions[-1].detach().permute(0, 2, 3, 1).numpy(), flows)
-            log(f"digits flow step {step + 1}/{steps}: loss {loss.item():.3f}, EPE {epe:.2f} "
-                f"({last_log - start:.0f} s)")
+            log(
+                f"digits flow step {step + 1}/{steps}: loss {loss.item():.3f}, EPE {epe:.2f} ({last_log - start:.0f} s)"
+            )
     cpu_seconds = time.process_time() - cpu_start
-    scores = {"seed": seed, "train_seconds": round(time.perf_counter() - start, 1),
-              "train_cpu_seconds": round(cpu_seconds, 1),
-              "steps_per_cpu_second": round(steps / cpu_seconds, 3)}
+    scores = {
+        "seed": seed,
+        "train_seconds": round(time.perf_counter() - start, 1),
+        "train_cpu_seconds": round(cpu_seconds, 1),
+        "steps_per_cpu_second": round(steps / cpu_seconds, 3),
+    }
     first, second, flows = held_out_set()
     scores["held_out_epe"] = end_point_error(predict(model, first, second), flows)
     scores["zero_flow_epe"] = end_point_error(np.zeros_like(flows), flows)
-    log(f"digits flow held-out EPE {scores['held_out_epe']:.3f} px at {EVAL_UPDATES} updates, zero flow "
+    log(
+        f"digits flow held-out EPE {scores['held_out_epe']:.3f} px at {EVAL_UPDATES} updates, zero flow "
         f"{scores['zero_flow_epe']:.3f} px ({scores['train_seconds']:.0f} s training, "
-        f"{scores['train_cpu_seconds']:.0f} s CPU, {scores['steps_per_cpu_second']:.2f} steps/s)")
+        f"{scores['train_cpu_seconds']:.0f} s CPU, {scores['steps_per_cpu_second']:.2f} steps/s)"
+    )
     return model.state_dict(), scores
 
 
@@ -272,9 +282,18 @@ def _cached_info(info_file: Path, steps: int) -> dict | None:
 
 
 def _model(info: dict) -> FlowDigitsModel:
-    return FlowDigitsModel(info["weight"], info["model_name"], info["checkpoint"], info["data_dir"], info["size"],
-                           info["held_out_epe"], info["zero_flow_epe"], info["train_seconds"],
-                           info["train_cpu_seconds"], info["steps"])
+    return FlowDigitsModel(
+        info["weight"],
+        info["model_name"],
+        info["checkpoint"],
+        info["data_dir"],
+        info["size"],
+        info["held_out_epe"],
+        info["zero_flow_epe"],
+        info["train_seconds"],
+        info["train_cpu_seconds"],
+        info["steps"],
+    )
 
 
 def prepare(cache_dir: Path, log=print, steps: int = STEPS) -> FlowDigitsModel:
@@ -292,11 +311,14 @@ def _prepare(cache_dir: Path, info_file: Path, log, steps: int) -> FlowDigitsMod
     cache_dir.mkdir(parents=True, exist_ok=True)
     state, scores = train(steps, log=log)
     if not learned(scores):
-        log(f"digits flow: the run did not learn (held-out EPE not under {LEARNED:.0%} of zero flow's); "
-            f"once more from seed {RETRY_SEED}")
+        log(
+            f"digits flow: the run did not learn (held-out EPE not under {LEARNED:.0%} of zero flow's); "
+            f"once more from seed {RETRY_SEED}"
+        )
         state, scores = train(steps, log=log, seed=RETRY_SEED)
-    data_dir = write_once(cache_dir / f"digits_flow_val_v{RECIPE_VERSION}",
-                          lambda root: write_chairs(root, *held_out_set()))
+    data_dir = write_once(
+        cache_dir / f"digits_flow_val_v{RECIPE_VERSION}", lambda root: write_chairs(root, *held_out_set())
+    )
     info = {
         "recipe": RECIPE_VERSION,
         "steps": steps,

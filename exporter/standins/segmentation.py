@@ -99,8 +99,14 @@ def _free(boxes, x0, y0, side) -> bool:
     return all(x0 >= bx1 or x0 + side <= bx0 or y0 >= by1 or y0 + side <= by0 for _, _, bx0, by0, bx1, by1 in boxes)
 
 
-def make_canvases(digit_indices, count: int, size: int = SIZE, seed: int = SEED, with_boxes: bool = False,
-                  digits: tuple[int, int] = (1, 3)):
+def make_canvases(
+    digit_indices,
+    count: int,
+    size: int = SIZE,
+    seed: int = SEED,
+    with_boxes: bool = False,
+    digits: tuple[int, int] = (1, 3),
+):
     """`count` RGB canvases (uint8 [N,H,W,3]) and their masks (uint8 [N,H,W]), each with `digits` (from, to)
     non-overlapping digits drawn from `digit_indices` (fewer where no room is left). With `with_boxes`, also per canvas a list of
     (digit index, class, x0, y0, x1, y1) for the digits placed (x1, y1 exclusive)."""
@@ -122,13 +128,13 @@ def make_canvases(digit_indices, count: int, size: int = SIZE, seed: int = SEED,
                 continue
             x0, y0 = int(spot[0]), int(spot[1])
             alpha = _alpha(images_8x8[index], side, bilinear=bool(rng.integers(2)))
-            region = image[y0:y0 + side, x0:x0 + side]
+            region = image[y0 : y0 + side, x0 : x0 + side]
             # a colour that stands out from the background under the digit
             colours = rng.uniform(0, 255, (8, 3))
             colour = colours[np.argmax(np.linalg.norm(colours - region.mean((0, 1)), axis=1))]
             region[:] = region * (1 - alpha[..., None]) + colour * alpha[..., None]
             label = int(targets[index]) + 1
-            mask = masks[n, y0:y0 + side, x0:x0 + side]
+            mask = masks[n, y0 : y0 + side, x0 : x0 + side]
             mask[alpha >= 0.5] = label
             mask[(alpha >= 0.125) & (alpha < 0.5)] = IGNORE  # the blended rim belongs to neither side
             boxes.append((index, label, x0, y0, x0 + side, y0 + side))
@@ -196,15 +202,21 @@ def build_model(model_name: str) -> nn.Module:
 def predict(model: nn.Module, images: np.ndarray, batch: int = 16) -> np.ndarray:
     model.eval()
     with torch.no_grad():
-        return np.concatenate([model(preprocess(images[i:i + batch]))["out"].argmax(1).numpy().astype(np.uint8)
-                               for i in range(0, len(images), batch)])
+        return np.concatenate(
+            [
+                model(preprocess(images[i : i + batch]))["out"].argmax(1).numpy().astype(np.uint8)
+                for i in range(0, len(images), batch)
+            ]
+        )
 
 
 def held_out_set(size: int = SIZE) -> tuple[np.ndarray, np.ndarray]:
     return make_canvases(split()[1], HELD_OUT_CANVASES, size, seed=SEED + 1)
 
 
-def train(model_name: str, steps: int = STEPS, size: int = SIZE, log=print, body: dict | None = None) -> tuple[dict, float, float]:
+def train(
+    model_name: str, steps: int = STEPS, size: int = SIZE, log=print, body: dict | None = None
+) -> tuple[dict, float, float]:
     """Train `model_name` on canvases of training digits, from scratch or with `body` (backbone tensors) loaded
     first; returns (state dict, held-out mIoU, pixel accuracy)."""
     threads = torch.get_num_threads()
@@ -231,23 +243,28 @@ def _train(model_name: str, steps: int, size: int, log, body: dict | None) -> tu
         # fresh canvases every step: the network never sees the same picture twice
         images, masks = make_canvases(train_idx, BATCH, size, seed=1_000_000 + step, digits=TRAIN_DIGITS)
         out = model(preprocess(images))["out"]
-        loss = nn.functional.cross_entropy(out, torch.from_numpy(masks).long(), class_weights,
-                                          ignore_index=IGNORE)
+        loss = nn.functional.cross_entropy(out, torch.from_numpy(masks).long(), class_weights, ignore_index=IGNORE)
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
         if time.perf_counter() - last_log >= 20 or step == steps - 1:
             last_log = time.perf_counter()
-            log(f"digits segmentation {model_name} step {step + 1}/{steps}: loss {loss.item():.3f} ({last_log - start:.0f} s)")
+            log(
+                f"digits segmentation {model_name} step {step + 1}/{steps}: loss {loss.item():.3f} ({last_log - start:.0f} s)"
+            )
 
-    calib = (preprocess(make_canvases(train_idx, 16, size, seed=2_000_000 + b, digits=TRAIN_DIGITS)[0]) for b in range(16))
+    calib = (
+        preprocess(make_canvases(train_idx, 16, size, seed=2_000_000 + b, digits=TRAIN_DIGITS)[0]) for b in range(16)
+    )
     _recompute_batchnorm_stats(model, calib)
     images, masks = held_out_set(size)
     pred = predict(model, images)
     score, accuracy = mask_scores(pred, masks)
-    log(f"digits segmentation {model_name} held-out mIoU {score:.3f}, pixel accuracy {accuracy:.3%} "
-        f"({time.perf_counter() - start:.0f} s)")
+    log(
+        f"digits segmentation {model_name} held-out mIoU {score:.3f}, pixel accuracy {accuracy:.3%} "
+        f"({time.perf_counter() - start:.0f} s)"
+    )
     return model.state_dict(), score, accuracy
 
 
@@ -262,12 +279,20 @@ def _cached_info(info_file: Path, steps: int, size: int) -> dict | None:
 
 
 def _model(weight: str, info: dict) -> SegmentationDigitsModel:
-    return SegmentationDigitsModel(weight, Path(info["checkpoint"]), Path(info["data_dir"]), Path(info["labels_file"]),
-                                   info["miou"], info["pixel_accuracy"], info["size"])
+    return SegmentationDigitsModel(
+        weight,
+        Path(info["checkpoint"]),
+        Path(info["data_dir"]),
+        Path(info["labels_file"]),
+        info["miou"],
+        info["pixel_accuracy"],
+        info["size"],
+    )
 
 
-def prepare(cache_dir: Path, weight: str = WEIGHTS[0], log=print, steps: int | None = None,
-            size: int = SIZE) -> SegmentationDigitsModel:
+def prepare(
+    cache_dir: Path, weight: str = WEIGHTS[0], log=print, steps: int | None = None, size: int = SIZE
+) -> SegmentationDigitsModel:
     """Train once and cache; later calls return the cached model."""
     from torchvision.models import get_weight
 
@@ -284,8 +309,9 @@ def prepare(cache_dir: Path, weight: str = WEIGHTS[0], log=print, steps: int | N
         return _prepare(cache_dir, info_file, weight, model_name, log, steps, size, start)
 
 
-def _prepare(cache_dir: Path, info_file: Path, weight: str, model_name: str, log, steps: int,
-             size: int, start: str | None) -> SegmentationDigitsModel:
+def _prepare(
+    cache_dir: Path, info_file: Path, weight: str, model_name: str, log, steps: int, size: int, start: str | None
+) -> SegmentationDigitsModel:
     info = _cached_info(info_file, steps, size)
     if info is not None and info.get("started_from") == start:
         return _model(weight, info)
@@ -296,8 +322,10 @@ def _prepare(cache_dir: Path, info_file: Path, weight: str, model_name: str, log
         body = {k: v for k, v in state.items() if k.startswith("backbone.")}
     state, score, accuracy = train(model_name, steps, size, log=log, body=body)
     # the held-out set depends only on the recipe and size, so the models share it
-    data_dir = write_once(cache_dir / f"digits_segmentation_val_{size}_v{RECIPE_VERSION}",
-                          lambda root: write_voc(root, *held_out_set(size)))
+    data_dir = write_once(
+        cache_dir / f"digits_segmentation_val_{size}_v{RECIPE_VERSION}",
+        lambda root: write_voc(root, *held_out_set(size)),
+    )
     labels_file = cache_dir / "digits_segmentation_labels.txt"
     files.write_text(labels_file, "".join(f"{label}\n" for label in LABELS))
     info = {

@@ -20,11 +20,19 @@ from .region_detection import RegionDetection
 from .segmentation import Segmentation
 from .video import Video
 
-TASKS: dict[str, type[Task]] = {task.name: task for task in (Classification, Segmentation, Detection, Video, OpticalFlow)}
+TASKS: dict[str, type[Task]] = {
+    task.name: task for task in (Classification, Segmentation, Detection, Video, OpticalFlow)
+}
 
 # torchvision's model groups (weights.TASK_MODULES) -> our task; the quantized classifiers are classifiers
-GROUPS = {"classification": Classification, "quantization": Classification, "segmentation": Segmentation,
-          "detection": Detection, "video": Video, "optical_flow": OpticalFlow}
+GROUPS = {
+    "classification": Classification,
+    "quantization": Classification,
+    "segmentation": Segmentation,
+    "detection": Detection,
+    "video": Video,
+    "optical_flow": OpticalFlow,
+}
 
 
 def for_group(group: str, weight_name: str, model_name: str) -> type[Task]:
@@ -38,5 +46,14 @@ def for_group(group: str, weight_name: str, model_name: str) -> type[Task]:
     raise UsageError(f"{weight_name}: {group} weights are not supported")
 
 
-__all__ = ["TASKS", "Task", "Classification", "Detection", "OpticalFlow", "RegionDetection", "Segmentation", "Video",
-           "for_group"]
+__all__ = [
+    "TASKS",
+    "Task",
+    "Classification",
+    "Detection",
+    "OpticalFlow",
+    "RegionDetection",
+    "Segmentation",
+    "Video",
+    "for_group",
+]

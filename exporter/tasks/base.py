@@ -107,8 +107,12 @@ class Task:
 
     def describe(self) -> dict:
         """The manifest's, bundle's and formats' view of the graph: `meta["task"]`."""
-        return {"name": self.name, "input_size": list(self.input_size), "num_classes": self.num_classes,
-                "output": self.output()}
+        return {
+            "name": self.name,
+            "input_size": list(self.input_size),
+            "num_classes": self.num_classes,
+            "output": self.output(),
+        }
 
     def device_files(self) -> dict[str, str]:
         """Code a device needs beside the artifacts (build-relative path -> text): written into every build,
@@ -124,8 +128,14 @@ class Task:
     def vs_eager(self, eager: dict, artifact: dict) -> dict:
         raise NotImplementedError
 
-    def quality(self, outputs: torch.Tensor, reference: torch.Tensor, labels, eager_labeled: dict | None,
-                thresholds: Mapping[str, float]) -> dict:
+    def quality(
+        self,
+        outputs: torch.Tensor,
+        reference: torch.Tensor,
+        labels,
+        eager_labeled: dict | None,
+        thresholds: Mapping[str, float],
+    ) -> dict:
         """Fidelity against eager, labeled metrics when there are labels, and the thresholds broken."""
         metrics = {"fidelity": self.fidelity(reference, outputs), "accuracy": None}
         if labels is not None and eager_labeled is not None:
@@ -136,8 +146,11 @@ class Task:
     def headline(self, metrics: dict) -> dict:
         """Agreement, PSNR and drop, whatever the task calls them (int8 search steps, summaries)."""
         accuracy = metrics.get("accuracy") or {}
-        return {"agreement": metrics["fidelity"][self.agreement], "psnr_db": metrics["fidelity"]["psnr_db"],
-                "drop": accuracy.get(self.drop)}
+        return {
+            "agreement": metrics["fidelity"][self.agreement],
+            "psnr_db": metrics["fidelity"]["psnr_db"],
+            "drop": accuracy.get(self.drop),
+        }
 
     def golden_rows(self, reference: torch.Tensor, count: int) -> list[int]:
         """Which validation rows go to golden/ for on-device checks (indices into `reference`, eager's
@@ -155,8 +168,14 @@ class Task:
         diff = (outputs.double() - reference.double()).reshape(len(reference), -1)
         return {"logit_rmse": diff.pow(2).mean(1).sqrt()}
 
-    def preview(self, image: torch.Tensor, eager_row: torch.Tensor, artifact_row: torch.Tensor, preprocessing: dict,
-                labels: list[str] | None = None):
+    def preview(
+        self,
+        image: torch.Tensor,
+        eager_row: torch.Tensor,
+        artifact_row: torch.Tensor,
+        preprocessing: dict,
+        labels: list[str] | None = None,
+    ):
         """A picture of one validation input a person can judge an artifact by (PIL image), or None;
         `labels` names the classes when the picture names any."""
         return None

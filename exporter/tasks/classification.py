@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from .. import data
 from ..errors import UsageError
@@ -88,8 +87,9 @@ class Classification(Task):
             raise UsageError(f"--input-size: {model_name} takes only its weights' crop, {size[0]}x{size[1]}")
         h, w = (int(v) for v in requested)
         if h != w:
-            raise UsageError(f"--input-size: a classifier's crop is square ({h}x{w} asked; its weights' is "
-                             f"{size[0]}x{size[1]})")
+            raise UsageError(
+                f"--input-size: a classifier's crop is square ({h}x{w} asked; its weights' is {size[0]}x{size[1]})"
+            )
         if h < least[0]:
             raise UsageError(f"--input-size: {model_name} takes at least {least[0]}x{least[1]}")
         return h, w
@@ -136,15 +136,25 @@ class Classification(Task):
         from torchvision.transforms._presets import ImageClassification
 
         p = self.preprocessing(weights)
-        return ImageClassification(crop_size=p["crop_size"][0], resize_size=p["resize_size"][0], mean=t.mean, std=t.std,
-                                   interpolation=t.interpolation, antialias=t.antialias)
+        return ImageClassification(
+            crop_size=p["crop_size"][0],
+            resize_size=p["resize_size"][0],
+            mean=t.mean,
+            std=t.std,
+            interpolation=t.interpolation,
+            antialias=t.antialias,
+        )
 
     def load_data(self, root, transform, calib_size, val_size, seed):
         return data.from_imagefolder(Path(root), transform, calib_size, val_size, seed, num_classes=self.num_classes)
 
     def output(self):
-        return {"name": self.output_name, "layout": "NC", "shape": [1, self.num_classes],
-                "meaning": "class logits, before softmax"}
+        return {
+            "name": self.output_name,
+            "layout": "NC",
+            "shape": [1, self.num_classes],
+            "meaning": "class logits, before softmax",
+        }
 
     def fidelity(self, reference, outputs):
         return fidelity(reference, outputs)
@@ -163,7 +173,10 @@ class Classification(Task):
         return sorted(torch.argsort(margins, stable=True)[:count].tolist())
 
     def golden(self, inputs, reference, labels):
-        files = {"inputs.npy": inputs.numpy().astype(np.float32), "eager_logits.npy": reference.numpy().astype(np.float32)}
+        files = {
+            "inputs.npy": inputs.numpy().astype(np.float32),
+            "eager_logits.npy": reference.numpy().astype(np.float32),
+        }
         if labels is not None:
             files["labels.json"] = labels.tolist()
         return files
@@ -174,8 +187,11 @@ class Classification(Task):
         top = ref.topk(min(2, ref.shape[1]), 1).indices
         first, second = top[:, :1], top[:, -1:]
         gap = lambda x: (x.gather(1, first) - x.gather(1, second))[:, 0]  # noqa: E731
-        return {"top1_flipped": (out.argmax(1) != first[:, 0]).double(), "margin_change": (gap(out) - gap(ref)).abs(),
-                **super().departure(reference, outputs)}
+        return {
+            "top1_flipped": (out.argmax(1) != first[:, 0]).double(),
+            "margin_change": (gap(out) - gap(ref)).abs(),
+            **super().departure(reference, outputs),
+        }
 
     def preview(self, image, eager_row, artifact_row, preprocessing, labels=None):
         """input | eager's five most likely classes, eager's probability (grey) over the artifact's (blue, red
@@ -183,7 +199,10 @@ class Classification(Task):
         in both."""
         from PIL import Image, ImageDraw, ImageFont
 
-        mean, std = torch.tensor(preprocessing["mean"])[:, None, None], torch.tensor(preprocessing["std"])[:, None, None]
+        mean, std = (
+            torch.tensor(preprocessing["mean"])[:, None, None],
+            torch.tensor(preprocessing["std"])[:, None, None],
+        )
         rgb = Image.fromarray(((image * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy(), "RGB")
         eager, artifact = eager_row.double().softmax(0), artifact_row.double().softmax(0)
         classes = eager.topk(min(5, len(eager))).indices.tolist()
@@ -199,17 +218,27 @@ class Classification(Task):
         runner_up = classes[1 % len(classes)]
         gap = lambda logits: float(logits[classes[0]] - logits[runner_up])  # noqa: E731
         draw.text((4, 2), f"logit margin over {named(runner_up)}:", font=font, fill=(87, 96, 106))
-        draw.text((4, 2 + row * 0.45), f"eager {gap(eager_row):.3g}, artifact {gap(artifact_row):.3g}", font=font,
-                  fill=(207, 34, 46) if flipped else (31, 35, 40))
+        draw.text(
+            (4, 2 + row * 0.45),
+            f"eager {gap(eager_row):.3g}, artifact {gap(artifact_row):.3g}",
+            font=font,
+            fill=(207, 34, 46) if flipped else (31, 35, 40),
+        )
         for i, c in enumerate(classes, start=1):
             y = i * row
             name = named(c)
             mine = c == int(artifact.argmax())
-            draw.text((4, y + 1), f"{name}{'  <- artifact top-1' if mine and flipped else ''}", font=font,
-                      fill=(207, 34, 46) if mine and flipped else (31, 35, 40))
+            draw.text(
+                (4, y + 1),
+                f"{name}{'  <- artifact top-1' if mine and flipped else ''}",
+                font=font,
+                fill=(207, 34, 46) if mine and flipped else (31, 35, 40),
+            )
             bar = (w - 60) * 1.0
             top = y + row * 0.42
-            for j, (p, colour) in enumerate(((eager[c], (140, 149, 159)), (artifact[c], (207, 34, 46) if flipped else (9, 105, 218)))):
+            for j, (p, colour) in enumerate(
+                ((eager[c], (140, 149, 159)), (artifact[c], (207, 34, 46) if flipped else (9, 105, 218)))
+            ):
                 y0, p = top + j * row * 0.26, float(p)
                 length = bar * p if math.isfinite(p) else 0.0  # an artifact that returned NaN: no bar, "nan%"
                 draw.rectangle([4, y0, 4 + max(1.0, length), y0 + row * 0.2], fill=colour)

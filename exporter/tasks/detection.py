@@ -50,7 +50,11 @@ class RawHeads(nn.Module):
     def forward(self, x):
         features = list(self.backbone(x).values())
         heads = self.head(features)  # each (1, anchors of all levels, k)
-        parts = ["bbox_regression", "bbox_ctrness", "cls_logits"] if "bbox_ctrness" in heads else ["bbox_regression", "cls_logits"]
+        parts = (
+            ["bbox_regression", "bbox_ctrness", "cls_logits"]
+            if "bbox_ctrness" in heads
+            else ["bbox_regression", "cls_logits"]
+        )
         return torch.cat([heads[k] for k in parts], dim=-1)
 
 
@@ -84,12 +88,21 @@ def decode_params(model: nn.Module, levels: list[int]) -> dict:
     from torchvision.models.detection.retinanet import RetinaNet
     from torchvision.models.detection.ssd import SSD
 
-    kind = next((k for cls, k in ((SSD, "ssd"), (RetinaNet, "retinanet"), (FCOS, "fcos")) if isinstance(model, cls)), None)
+    kind = next(
+        (k for cls, k in ((SSD, "ssd"), (RetinaNet, "retinanet"), (FCOS, "fcos")) if isinstance(model, cls)), None
+    )
     if kind is None:
-        raise UsageError(f"{type(model).__name__} is not a single-stage detector the decode knows (SSD, RetinaNet, FCOS)")
+        raise UsageError(
+            f"{type(model).__name__} is not a single-stage detector the decode knows (SSD, RetinaNet, FCOS)"
+        )
     coder = model.box_coder
-    params = {"kind": kind, "score_thresh": float(model.score_thresh), "nms_thresh": float(model.nms_thresh),
-              "topk_candidates": int(model.topk_candidates), "detections_per_img": int(model.detections_per_img)}
+    params = {
+        "kind": kind,
+        "score_thresh": float(model.score_thresh),
+        "nms_thresh": float(model.nms_thresh),
+        "topk_candidates": int(model.topk_candidates),
+        "detections_per_img": int(model.detections_per_img),
+    }
     if kind == "fcos":  # BoxLinearCoder: distances from the point, no weights, no clip
         params.update(box_coder_weights=None, bbox_xform_clip=None, normalize_by_size=bool(coder.normalize_by_size))
     else:  # BoxCoder
@@ -106,8 +119,16 @@ def _gt_coco(labels: torch.Tensor, size) -> dict:
         images.append({"id": i, "width": w, "height": h})
         for c, x0, y0, x1, y1 in rows:
             if c != PAD:
-                annotations.append({"id": len(annotations) + 1, "image_id": i, "category_id": int(c), "iscrowd": 0,
-                                    "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0)})
+                annotations.append(
+                    {
+                        "id": len(annotations) + 1,
+                        "image_id": i,
+                        "category_id": int(c),
+                        "iscrowd": 0,
+                        "bbox": [x0, y0, x1 - x0, y1 - y0],
+                        "area": (x1 - x0) * (y1 - y0),
+                    }
+                )
     return {"images": images, "annotations": annotations}
 
 
@@ -120,9 +141,16 @@ def coco_map(detections: list[dict], labels: torch.Tensor, size, num_classes: in
     if not gt["annotations"]:
         return {"map": None, "map50": None}
     gt.update(info={}, licenses=[], categories=[{"id": c} for c in range(1, num_classes)])
-    results = [{"image_id": i, "category_id": int(label), "score": float(score),
-                "bbox": [float(b[0]), float(b[1]), float(b[2] - b[0]), float(b[3] - b[1])]}
-               for i, d in enumerate(detections) for b, score, label in zip(d["boxes"], d["scores"], d["labels"])]
+    results = [
+        {
+            "image_id": i,
+            "category_id": int(label),
+            "score": float(score),
+            "bbox": [float(b[0]), float(b[1]), float(b[2] - b[0]), float(b[3] - b[1])],
+        }
+        for i, d in enumerate(detections)
+        for b, score, label in zip(d["boxes"], d["scores"], d["labels"])
+    ]
     if not results:
         return {"map": 0.0, "map50": 0.0}
     with contextlib.redirect_stdout(io.StringIO()):
@@ -152,10 +180,12 @@ class Detection(Task):
     def refusal(cls, model_name: str) -> str | None:
         if not model_name.startswith(SINGLE_STAGE):
             extra = "masks" if model_name.startswith("maskrcnn") else "keypoints"
-            return (f"{model_name} cannot be exported yet: its {extra} have no output layout, golden files or metric "
-                    "here; its boxes would take Faster R-CNN's route (the TorchScript-based ONNX exporter, Jetson "
-                    f"only), which traces it and whose graph ONNX Runtime runs as eager does (measured, {extra} "
-                    "included), but the graph would drop what the weight is for (docs/tasks.md)")
+            return (
+                f"{model_name} cannot be exported yet: its {extra} have no output layout, golden files or metric "
+                "here; its boxes would take Faster R-CNN's route (the TorchScript-based ONNX exporter, Jetson "
+                f"only), which traces it and whose graph ONNX Runtime runs as eager does (measured, {extra} "
+                "included), but the graph would drop what the weight is for (docs/tasks.md)"
+            )
         return None
 
     @classmethod
@@ -173,8 +203,10 @@ class Detection(Task):
             return transform.min_size[0], transform.min_size[0]
         size = tuple(int(v) for v in requested)
         if any(v <= 0 or v % step for v in size):
-            raise UsageError(f"--input-size: {model_name} takes sides that are multiples of {step} "
-                             f"(torchvision pads to them), not {size[0]}x{size[1]}")
+            raise UsageError(
+                f"--input-size: {model_name} takes sides that are multiples of {step} "
+                f"(torchvision pads to them), not {size[0]}x{size[1]}"
+            )
         return size
 
     @classmethod
@@ -183,14 +215,24 @@ class Detection(Task):
         # anchors depend on the architecture and the input size only, not on the weights
         reference = _reference_model(model_name, num_classes)
         anchors, levels = _anchors(reference, size)
-        return cls(num_classes, size, anchors, tuple(reference.transform.image_mean),
-                   tuple(reference.transform.image_std), decode_params(reference, levels))
+        return cls(
+            num_classes,
+            size,
+            anchors,
+            tuple(reference.transform.image_mean),
+            tuple(reference.transform.image_std),
+            decode_params(reference, levels),
+        )
 
     @classmethod
     def num_classes_in(cls, state, model_name, default):
         # the classification head's last conv gives anchors per location x classes: SSD's first level
         # (module_list.0.*), RetinaNet's and FCOS's shared cls_logits
-        prefix = "head.classification_head.module_list.0." if model_name.startswith("ssd") else "head.classification_head.cls_logits."
+        prefix = (
+            "head.classification_head.module_list.0."
+            if model_name.startswith("ssd")
+            else "head.classification_head.cls_logits."
+        )
         convs = [v for k, v in state.items() if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.ndim == 4]
         per_location = _reference_model(model_name, 2).anchor_generator.num_anchors_per_location()[0]
         if convs and convs[-1].shape[0] % per_location == 0:
@@ -233,29 +275,46 @@ class Detection(Task):
         from torchvision.transforms import v2
 
         # the image is resized before it becomes a tensor, as an app resizes its bitmap
-        return v2.Compose([v2.Resize(list(self.input_size)), v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True),
-                           v2.Normalize(self.mean, self.std)])
+        return v2.Compose(
+            [
+                v2.Resize(list(self.input_size)),
+                v2.PILToTensor(),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(self.mean, self.std),
+            ]
+        )
 
     def output(self):
         count = 0 if self.anchors is None else len(self.anchors)
         kind = self.params["kind"]
         meaning = {
             "ssd": "per anchor: 4 box deltas (dx, dy, dw, dh, scaled by box_coder_weights) then class logits "
-                   "(softmax, class 0 = background)",
+            "(softmax, class 0 = background)",
             "retinanet": "per anchor, levels in order (decode.levels anchors each): 4 box deltas (dx, dy, dw, dh, "
-                         "scaled by box_coder_weights) then class logits (sigmoid each)",
+            "scaled by box_coder_weights) then class logits (sigmoid each)",
             "fcos": "per point, levels in order (decode.levels points each; anchors.npy holds each point as a box one "
-                    "stride wide): 4 distances (left, top, right, bottom) from its centre in units of that box's "
-                    "size, 1 centerness logit, then class logits; score = sqrt(sigmoid(class) * sigmoid(centerness))",
+            "stride wide): 4 distances (left, top, right, bottom) from its centre in units of that box's "
+            "size, 1 centerness logit, then class logits; score = sqrt(sigmoid(class) * sigmoid(centerness))",
         }[kind]
-        return {"name": self.output_name, "layout": "NAK", "shape": [1, count, (5 if kind == "fcos" else 4) + self.num_classes],
-                "meaning": f"{meaning}; decode with detection_decode.py and anchors.npy"}
+        return {
+            "name": self.output_name,
+            "layout": "NAK",
+            "shape": [1, count, (5 if kind == "fcos" else 4) + self.num_classes],
+            "meaning": f"{meaning}; decode with detection_decode.py and anchors.npy",
+        }
 
     def describe(self):
         code = self.device_files()[DECODE_CODE].encode("utf-8")
         anchors = None if self.anchors is None else "golden/anchors.npy"
-        return {**super().describe(), "decode": {**self.params, "anchors": anchors, "code": DECODE_CODE,
-                                                 "code_sha256": hashlib.sha256(code).hexdigest()}}
+        return {
+            **super().describe(),
+            "decode": {
+                **self.params,
+                "anchors": anchors,
+                "code": DECODE_CODE,
+                "code_sha256": hashlib.sha256(code).hexdigest(),
+            },
+        }
 
     def device_files(self):
         return {DECODE_CODE: Path(detection_decode.__file__).read_text(encoding="utf-8")}
@@ -273,8 +332,15 @@ class Detection(Task):
             self._pad([b for _, b in validation]),
             None,
             calibration_labels=self._pad([b for _, b in calibration]) if calibration else None,
-            description={"source": str(root.resolve()), "labeled": True, "format": "COCO annotations.json",
-                         "images": len(records), "calibration": len(calib_idx), "validation": len(val_idx), "seed": seed},
+            description={
+                "source": str(root.resolve()),
+                "labeled": True,
+                "format": "COCO annotations.json",
+                "images": len(records),
+                "calibration": len(calib_idx),
+                "validation": len(val_idx),
+                "seed": seed,
+            },
         )
 
     def _records(self, root: Path) -> list[tuple[Path, tuple[int, int], list]]:
@@ -294,18 +360,26 @@ class Detection(Task):
                 raise UsageError(f"{path}: annotation {a.get('id')} names unknown image {a.get('image_id')}")
             c = a.get("category_id")
             if c not in categories or not 1 <= c < self.num_classes:
-                raise UsageError(f"{path}: annotation {a.get('id')} has unknown category {c} "
-                                 f"(the model has classes 1..{self.num_classes - 1})")
+                raise UsageError(
+                    f"{path}: annotation {a.get('id')} has unknown category {c} "
+                    f"(the model has classes 1..{self.num_classes - 1})"
+                )
             x, y, w, h = a["bbox"]
             if x < 0 or y < 0 or w <= 0 or h <= 0 or x + w > image["width"] or y + h > image["height"]:
-                raise UsageError(f"{path}: annotation {a.get('id')} box {a['bbox']} lies outside its image "
-                                 f"{image['file_name']} ({image['width']}x{image['height']})")
+                raise UsageError(
+                    f"{path}: annotation {a.get('id')} box {a['bbox']} lies outside its image "
+                    f"{image['file_name']} ({image['width']}x{image['height']})"
+                )
             boxes[image["id"]].append((c, x, y, x + w, y + h))
         records = []
         for i, image in sorted(images.items()):
-            file = next((p for p in (root / image["file_name"], root / "images" / image["file_name"]) if p.is_file()), None)
+            file = next(
+                (p for p in (root / image["file_name"], root / "images" / image["file_name"]) if p.is_file()), None
+            )
             if file is None:
-                raise UsageError(f"{path}: image {image['file_name']} is missing (looked in {root} and {root / 'images'})")
+                raise UsageError(
+                    f"{path}: image {image['file_name']} is missing (looked in {root} and {root / 'images'})"
+                )
             records.append((file, (image["width"], image["height"]), boxes[i]))
         if not records:
             raise UsageError(f"{path} lists no images")
@@ -338,14 +412,22 @@ class Detection(Task):
     def aligned(self, reference: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
         """`outputs` with each image's rows in the order of eager's rows they match (detection_decode.aligned): a
         graph ending in final detections may list two with rounding-equal scores either way round."""
-        rows = [detection_decode.aligned(r, o, self.params) for r, o in zip(self.heads(reference).numpy(), self.heads(outputs).numpy())]
+        rows = [
+            detection_decode.aligned(r, o, self.params)
+            for r, o in zip(self.heads(reference).numpy(), self.heads(outputs).numpy())
+        ]
         return torch.from_numpy(np.stack(rows)).reshape(outputs.shape).to(outputs.dtype) if rows else outputs
 
     def decode(self, rows: torch.Tensor) -> list[dict]:
-        return [detection_decode.decode(head, self.anchors, self.input_size, self.params) for head in self.heads(rows).numpy()]
+        return [
+            detection_decode.decode(head, self.anchors, self.input_size, self.params)
+            for head in self.heads(rows).numpy()
+        ]
 
     def fidelity(self, reference, outputs):
-        matches = [detection_decode.match(r, o, MATCH_SCORE) for r, o in zip(self.decode(reference), self.decode(outputs))]
+        matches = [
+            detection_decode.match(r, o, MATCH_SCORE) for r, o in zip(self.decode(reference), self.decode(outputs))
+        ]
         total = lambda key: sum(m[key] for m in matches)  # noqa: E731
         ious = [v for m in matches for v in m["ious"]]
         errors = [v for m in matches for v in m["score_errors"]]
@@ -365,8 +447,13 @@ class Detection(Task):
 
     def vs_eager(self, eager, artifact):
         drop = None if eager["map"] is None or artifact["map"] is None else eager["map"] - artifact["map"]
-        return {"eager_map": eager["map"], "eager_map50": eager["map50"], "map": artifact["map"],
-                "map50": artifact["map50"], "map_drop_points": drop}
+        return {
+            "eager_map": eager["map"],
+            "eager_map50": eager["map50"],
+            "map": artifact["map"],
+            "map50": artifact["map50"],
+            "map_drop_points": drop,
+        }
 
     def golden_rows(self, reference, count):
         # the images with the most boxes an app would show: matched recall and precision are counted in boxes
@@ -375,9 +462,11 @@ class Detection(Task):
 
     def golden(self, inputs, reference, labels):
         detections = [{k: v[d["scores"] >= MATCH_SCORE].tolist() for k, v in d.items()} for d in self.decode(reference)]
-        files = {"inputs.npy": inputs.numpy().astype(np.float32),
-                 "eager_logits.npy": self.heads(reference).numpy().astype(np.float32),
-                 "eager_detections.json": detections}
+        files = {
+            "inputs.npy": inputs.numpy().astype(np.float32),
+            "eager_logits.npy": self.heads(reference).numpy().astype(np.float32),
+            "eager_detections.json": detections,
+        }
         if self.anchors is not None:
             files["anchors.npy"] = self.anchors
         if labels is not None:
@@ -386,10 +475,16 @@ class Detection(Task):
 
     def departure(self, reference, outputs):
         # boxes an app would show that have no partner on the other side (missed or extra), then the raw heads
-        matches = [detection_decode.match(r, o, MATCH_SCORE) for r, o in zip(self.decode(reference), self.decode(outputs))]
-        unmatched = torch.tensor([m["reference"] + m["candidate"] - 2 * m["matched"] for m in matches], dtype=torch.float64)
-        return {"unmatched_boxes": unmatched,
-                "head_rmse": super().departure(reference, self.aligned(reference, outputs))["logit_rmse"]}
+        matches = [
+            detection_decode.match(r, o, MATCH_SCORE) for r, o in zip(self.decode(reference), self.decode(outputs))
+        ]
+        unmatched = torch.tensor(
+            [m["reference"] + m["candidate"] - 2 * m["matched"] for m in matches], dtype=torch.float64
+        )
+        return {
+            "unmatched_boxes": unmatched,
+            "head_rmse": super().departure(reference, self.aligned(reference, outputs))["logit_rmse"],
+        }
 
     def preview(self, image, eager_row, artifact_row, preprocessing, labels=None):
         """input | eager boxes | artifact boxes (scores >= MATCH_SCORE)."""

@@ -38,9 +38,9 @@ NORMALIZE = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}  # torchvision's O
 TRACED_ROUTE = {"exporter": "torchscript", "batch": "1:1:1"}
 REFUSED = {
     "executorch": "ExecuTorch's XNNPACK lowering of RAFT did not finish in 400 s (measured 2026-11-23, RAFT-Small at "
-                  "128x128); the TorchScript lite .ptl is the Android route",
+    "128x128); the TorchScript lite .ptl is the Android route",
     "coreml": "coremltools 9 rejects RAFT's correlation step: an integer sqrt in CorrBlock, then a rank-6 "
-              "correlation volume (Core ML's limit is rank 5)",
+    "correlation volume (Core ML's limit is rank 5)",
 }
 
 
@@ -66,14 +66,19 @@ def read_flo(path: Path) -> np.ndarray:
         raise UsageError(f"{path} is not a Middlebury .flo file (no {FLO_MAGIC} magic)")
     width, height = (int(v) for v in np.frombuffer(raw[4:12], "<i4"))
     if width <= 0 or height <= 0 or len(raw) != 12 + 8 * width * height:
-        raise UsageError(f"{path}: a .flo of {width}x{height} needs {12 + 8 * max(width * height, 0)} bytes, it has {len(raw)}")
+        raise UsageError(
+            f"{path}: a .flo of {width}x{height} needs {12 + 8 * max(width * height, 0)} bytes, it has {len(raw)}"
+        )
     return np.frombuffer(raw[12:], "<f4").reshape(height, width, 2).copy()
 
 
 def write_flo(path: Path, flow: np.ndarray) -> None:
     height, width, _ = flow.shape
-    Path(path).write_bytes(np.array([FLO_MAGIC], "<f4").tobytes() + np.array([width, height], "<i4").tobytes()
-                           + np.ascontiguousarray(flow, dtype="<f4").tobytes())
+    Path(path).write_bytes(
+        np.array([FLO_MAGIC], "<f4").tobytes()
+        + np.array([width, height], "<i4").tobytes()
+        + np.ascontiguousarray(flow, dtype="<f4").tobytes()
+    )
 
 
 def resized_flow(flow: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
@@ -84,6 +89,7 @@ def resized_flow(flow: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     known = (tensor.abs() <= UNKNOWN_FLOW).all(0)  # NaN or infinity in a file: unknown too
     height, width = tensor.shape[1:]
     if (height, width) != tuple(size):
+
         def resize(t):
             return nn.functional.interpolate(t[None], size=tuple(size), mode="bilinear", align_corners=False)[0]
 
@@ -116,8 +122,9 @@ class OpticalFlow(Task):
         size = tuple(int(v) for v in (requested or DEFAULT_SIZE))
         least = tuple(weights.meta.get("min_size") or (MULTIPLE, MULTIPLE))
         if any(s % MULTIPLE or s < m for s, m in zip(size, least)):
-            raise UsageError(f"--input-size: {model_name} takes frames in multiples of {MULTIPLE}, at least "
-                             f"{least[0]}x{least[1]}")
+            raise UsageError(
+                f"--input-size: {model_name} takes frames in multiples of {MULTIPLE}, at least {least[0]}x{least[1]}"
+            )
         return size
 
     @classmethod
@@ -155,29 +162,39 @@ class OpticalFlow(Task):
 
     def output(self):
         h, w = self.input_size
-        return {"name": self.output_name, "layout": "NCHW", "shape": [1, 2, h, w],
-                "meaning": "flow of frame 1's pixels to frame 2: channel 0 dx (right), channel 1 dy (down), in "
-                           "pixels of the input"}
+        return {
+            "name": self.output_name,
+            "layout": "NCHW",
+            "shape": [1, 2, h, w],
+            "meaning": "flow of frame 1's pixels to frame 2: channel 0 dx (right), channel 1 dy (down), in "
+            "pixels of the input",
+        }
 
     # --- data: DIR/<stem>_img1.<ext>, DIR/<stem>_img2.<ext>, DIR/<stem>_flow.flo ---
     def _pairs(self, root: Path) -> list[tuple[Path, Path, Path | None]]:
         if not root.is_dir():
             raise UsageError(f"--data {root} is not a directory")
         pairs = []
-        for first in sorted(p for p in root.iterdir() if p.stem.endswith("_img1") and p.suffix.lower() in IMAGE_SUFFIXES):
+        for first in sorted(
+            p for p in root.iterdir() if p.stem.endswith("_img1") and p.suffix.lower() in IMAGE_SUFFIXES
+        ):
             stem = first.stem.removesuffix("_img1")
             second, flow = first.with_name(f"{stem}_img2{first.suffix}"), root / f"{stem}_flow.flo"
             if not second.is_file():
                 raise UsageError(f"--data {root}: {first.name} has no second frame {second.name}")
             pairs.append((first, second, flow if flow.is_file() else None))
         if not pairs:
-            raise UsageError(f"--data {root} has no frame pairs: optical flow expects FlyingChairs' layout, "
-                             "DIR/<stem>_img1.png, DIR/<stem>_img2.png and DIR/<stem>_flow.flo")
+            raise UsageError(
+                f"--data {root} has no frame pairs: optical flow expects FlyingChairs' layout, "
+                "DIR/<stem>_img1.png, DIR/<stem>_img2.png and DIR/<stem>_flow.flo"
+            )
         flows = sum(flow is not None for *_, flow in pairs)
         if 0 < flows < len(pairs):
             missing = next(first for first, _, flow in pairs if flow is None)
-            raise UsageError(f"--data {root}: {missing.name} has no {missing.stem.removesuffix('_img1')}_flow.flo "
-                             f"while {flows} other pairs have theirs")
+            raise UsageError(
+                f"--data {root}: {missing.name} has no {missing.stem.removesuffix('_img1')}_flow.flo "
+                f"while {flows} other pairs have theirs"
+            )
         return pairs
 
     def _read(self, pair, transform) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -191,14 +208,18 @@ class OpticalFlow(Task):
             except (UnidentifiedImageError, OSError) as e:
                 raise UsageError(f"cannot read image {path}: {e}") from None
         if frames[0].size != frames[1].size:
-            raise UsageError(f"{pair[0].name} is {frames[0].size[0]}x{frames[0].size[1]} but {pair[1].name} is "
-                             f"{frames[1].size[0]}x{frames[1].size[1]}")
+            raise UsageError(
+                f"{pair[0].name} is {frames[0].size[0]}x{frames[0].size[1]} but {pair[1].name} is "
+                f"{frames[1].size[0]}x{frames[1].size[1]}"
+            )
         if pair[2] is None:
             return transform(tuple(frames)), None
         flow = read_flo(pair[2])
         if flow.shape[1::-1] != frames[0].size:
-            raise UsageError(f"{pair[2].name} is {flow.shape[1]}x{flow.shape[0]} but its frames are "
-                             f"{frames[0].size[0]}x{frames[0].size[1]}")
+            raise UsageError(
+                f"{pair[2].name} is {flow.shape[1]}x{flow.shape[0]} but its frames are "
+                f"{frames[0].size[0]}x{frames[0].size[1]}"
+            )
         return transform(tuple(frames)), resized_flow(flow, self.input_size).reshape(-1)
 
     def load_data(self, root, transform, calib_size, val_size, seed):
@@ -209,17 +230,25 @@ class OpticalFlow(Task):
         validation = [self._read(pairs[i], transform) for i in val_idx]
         labeled = pairs[0][2] is not None
         if labeled and validation and all(f.isnan().all() for _, f in validation):
-            raise UsageError(f"--data {root}: no pixel of the validation pairs' flow is known (every value is over "
-                             f"{UNKNOWN_FLOW:g}, Middlebury's 'unknown')")
+            raise UsageError(
+                f"--data {root}: no pixel of the validation pairs' flow is known (every value is over "
+                f"{UNKNOWN_FLOW:g}, Middlebury's 'unknown')"
+            )
         return Inputs(
             [x[None] for x, _ in calibration],
             torch.stack([x for x, _ in validation]),
             torch.stack([f for _, f in validation]) if labeled else None,
             None,
             calibration_labels=torch.stack([f for _, f in calibration]) if labeled and calibration else None,
-            description={"source": str(root.resolve()), "labeled": labeled,
-                         "format": "FlyingChairs layout: <stem>_img1, <stem>_img2, <stem>_flow.flo",
-                         "pairs": len(pairs), "calibration": len(calib_idx), "validation": len(val_idx), "seed": seed},
+            description={
+                "source": str(root.resolve()),
+                "labeled": labeled,
+                "format": "FlyingChairs layout: <stem>_img1, <stem>_img2, <stem>_flow.flo",
+                "pairs": len(pairs),
+                "calibration": len(calib_idx),
+                "validation": len(val_idx),
+                "seed": seed,
+            },
         )
 
     # --- metrics ---
@@ -244,12 +273,19 @@ class OpticalFlow(Task):
         return {"epe": error.mean().item(), "fl_all": 100.0 * outliers.double().mean().item()}
 
     def vs_eager(self, eager, artifact):
-        return {"eager_epe": eager["epe"], "eager_fl_all": eager["fl_all"], "epe": artifact["epe"],
-                "fl_all": artifact["fl_all"], "epe_increase": artifact["epe"] - eager["epe"]}
+        return {
+            "eager_epe": eager["epe"],
+            "eager_fl_all": eager["fl_all"],
+            "epe": artifact["epe"],
+            "fl_all": artifact["fl_all"],
+            "epe_increase": artifact["epe"] - eager["epe"],
+        }
 
     def golden(self, inputs, reference, labels):
-        files = {"inputs.npy": inputs.numpy().astype(np.float32),
-                 "eager_logits.npy": self._flows(reference).numpy().astype(np.float32)}
+        files = {
+            "inputs.npy": inputs.numpy().astype(np.float32),
+            "eager_logits.npy": self._flows(reference).numpy().astype(np.float32),
+        }
         if labels is not None:
             files["flows.npy"] = self._flows(labels).numpy().astype(np.float32)
         return files
@@ -263,13 +299,17 @@ class OpticalFlow(Task):
         one scale: the longest of eager's vectors is full colour."""
         from PIL import Image
 
-        mean, std = torch.tensor(preprocessing["mean"])[:, None, None], torch.tensor(preprocessing["std"])[:, None, None]
+        mean, std = (
+            torch.tensor(preprocessing["mean"])[:, None, None],
+            torch.tensor(preprocessing["std"])[:, None, None],
+        )
         rgb = ((image[:3] * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
         eager, artifact = self._flows(eager_row[None])[0], self._flows(artifact_row[None])[0]
         scale = max(float(eager.norm(dim=0).max()), 1e-6)
         gap = np.full((rgb.shape[0], 4, 3), 255, np.uint8)
-        return Image.fromarray(np.concatenate([rgb, gap, flow_colours(eager, scale), gap, flow_colours(artifact, scale)],
-                                              axis=1), "RGB")
+        return Image.fromarray(
+            np.concatenate([rgb, gap, flow_colours(eager, scale), gap, flow_colours(artifact, scale)], axis=1), "RGB"
+        )
 
 
 def flow_colours(flow: torch.Tensor, scale: float) -> np.ndarray:
@@ -288,8 +328,14 @@ class _PairTransform:
     def __init__(self, size: tuple[int, int]):
         from torchvision.transforms import v2
 
-        self.preset = v2.Compose([v2.Resize(list(size), antialias=True), v2.PILToTensor(),
-                                  v2.ToDtype(torch.float32, scale=True), v2.Normalize(NORMALIZE["mean"], NORMALIZE["std"])])
+        self.preset = v2.Compose(
+            [
+                v2.Resize(list(size), antialias=True),
+                v2.PILToTensor(),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(NORMALIZE["mean"], NORMALIZE["std"]),
+            ]
+        )
 
     def __call__(self, frames) -> torch.Tensor:
         if not isinstance(frames, (list, tuple)):

@@ -20,8 +20,10 @@ from .detection import Detection, _reference_model
 
 TWO_STAGE = ("fasterrcnn",)
 EXPORT_ROUTE = {"exporter": "torchscript", "batch": "1:1:1"}
-TORCH_EXPORT_STOPS = ("torch.export stops in the region proposal step: batched_nms branches on boxes.numel() > 4000, "
-                      "then on numel() == 0, and MultiScaleRoIAlign takes len(rois) (data-dependent sizes)")
+TORCH_EXPORT_STOPS = (
+    "torch.export stops in the region proposal step: batched_nms branches on boxes.numel() > 4000, "
+    "then on numel() == 0, and MultiScaleRoIAlign takes len(rois) (data-dependent sizes)"
+)
 
 
 class FinalDetections(nn.Module):
@@ -98,8 +100,10 @@ class RegionDetection(Detection):
         if format_name in ("onnx", "tensorrt"):
             return None
         if format_name == "torchscript_lite":
-            return ("its graph calls torchvision's own nms and roi_align kernels, which PyTorch's Android lite "
-                    "runtime does not ship; ONNX (Jetson) is the route for two-stage detectors")
+            return (
+                "its graph calls torchvision's own nms and roi_align kernels, which PyTorch's Android lite "
+                "runtime does not ship; ONNX (Jetson) is the route for two-stage detectors"
+            )
         return f"{TORCH_EXPORT_STOPS}; ONNX (Jetson) is the route for two-stage detectors"
 
     @classmethod
@@ -110,8 +114,14 @@ class RegionDetection(Detection):
     def bind(cls, weights, model_name, num_classes, input_size=None):
         size = cls.input_size_of(weights, model_name, input_size)
         reference = _reference_model(model_name, num_classes)
-        return cls(num_classes, size, None, tuple(reference.transform.image_mean),
-                   tuple(reference.transform.image_std), decode_params(reference))
+        return cls(
+            num_classes,
+            size,
+            None,
+            tuple(reference.transform.image_mean),
+            tuple(reference.transform.image_std),
+            decode_params(reference),
+        )
 
     @classmethod
     def num_classes_in(cls, state, model_name, default):
@@ -124,10 +134,14 @@ class RegionDetection(Detection):
 
     def output(self):
         rows = self.params["detections_per_img"]
-        return {"name": self.output_name, "layout": "NDK", "shape": [1, rows, 6],
-                "meaning": "per detection, best first: x0, y0, x1, y1 (pixels of the input), score, label; rows past "
-                           "the last detection are zeros (label 0 is never a detection); detection_decode.py's kind "
-                           "'final' drops them"}
+        return {
+            "name": self.output_name,
+            "layout": "NDK",
+            "shape": [1, rows, 6],
+            "meaning": "per detection, best first: x0, y0, x1, y1 (pixels of the input), score, label; rows past "
+            "the last detection are zeros (label 0 is never a detection); detection_decode.py's kind "
+            "'final' drops them",
+        }
 
     def heads(self, rows):
         return rows.reshape(len(rows), -1, 6)
@@ -137,7 +151,12 @@ def decode_params(model: nn.Module) -> dict:
     """What the graph does after the proposals, read from torchvision's RoIHeads (for the manifest: the rows are
     final)."""
     heads = model.roi_heads
-    return {"kind": "final", "score_thresh": float(heads.score_thresh), "nms_thresh": float(heads.nms_thresh),
-            "detections_per_img": int(heads.detections_per_img), "topk_candidates": None,
-            "box_coder_weights": [float(w) for w in heads.box_coder.weights],
-            "bbox_xform_clip": float(heads.box_coder.bbox_xform_clip)}
+    return {
+        "kind": "final",
+        "score_thresh": float(heads.score_thresh),
+        "nms_thresh": float(heads.nms_thresh),
+        "detections_per_img": int(heads.detections_per_img),
+        "topk_candidates": None,
+        "box_coder_weights": [float(w) for w in heads.box_coder.weights],
+        "bbox_xform_clip": float(heads.box_coder.bbox_xform_clip),
+    }

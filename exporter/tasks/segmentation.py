@@ -18,9 +18,17 @@ from .base import Task, logit_fidelity
 
 IGNORE = 255
 # VOC's colour map, extended the same way for indices beyond 20
-PALETTE = np.array([[(i >> 0 & 1) << 7 | (i >> 3 & 1) << 6 | (i >> 6 & 1) << 5,
-                     (i >> 1 & 1) << 7 | (i >> 4 & 1) << 6 | (i >> 7 & 1) << 5,
-                     (i >> 2 & 1) << 7 | (i >> 5 & 1) << 6] for i in range(256)], dtype=np.uint8)
+PALETTE = np.array(
+    [
+        [
+            (i >> 0 & 1) << 7 | (i >> 3 & 1) << 6 | (i >> 6 & 1) << 5,
+            (i >> 1 & 1) << 7 | (i >> 4 & 1) << 6 | (i >> 7 & 1) << 5,
+            (i >> 2 & 1) << 7 | (i >> 5 & 1) << 6,
+        ]
+        for i in range(256)
+    ],
+    dtype=np.uint8,
+)
 
 
 class OutHead(nn.Module):
@@ -109,13 +117,23 @@ class Segmentation(Task):
 
         t = weights.transforms()
         # the image is resized before it becomes a tensor, as an app resizes its bitmap
-        return v2.Compose([v2.Resize(list(self.input_size), t.interpolation, antialias=t.antialias), v2.PILToTensor(),
-                           v2.ToDtype(torch.float32, scale=True), v2.Normalize(t.mean, t.std)])
+        return v2.Compose(
+            [
+                v2.Resize(list(self.input_size), t.interpolation, antialias=t.antialias),
+                v2.PILToTensor(),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(t.mean, t.std),
+            ]
+        )
 
     def output(self):
         h, w = self.input_size
-        return {"name": self.output_name, "layout": "NCHW", "shape": [1, self.num_classes, h, w],
-                "meaning": "per-pixel class logits; argmax over C is the mask"}
+        return {
+            "name": self.output_name,
+            "layout": "NCHW",
+            "shape": [1, self.num_classes, h, w],
+            "meaning": "per-pixel class logits; argmax over C is the mask",
+        }
 
     # --- data: DIR/images/<stem>.(jpg|png), DIR/masks/<stem>.png ---
     def _pairs(self, root: Path) -> list[tuple[Path, Path]]:
@@ -138,7 +156,9 @@ class Segmentation(Task):
         try:
             with Image.open(path) as im:
                 if im.mode not in ("P", "L"):
-                    raise UsageError(f"mask {path} is {im.mode}; masks hold a class index per pixel (palette or grayscale PNG)")
+                    raise UsageError(
+                        f"mask {path} is {im.mode}; masks hold a class index per pixel (palette or grayscale PNG)"
+                    )
                 if im.size != size:
                     raise UsageError(f"mask {path} is {im.size[0]}x{im.size[1]} but its image is {size[0]}x{size[1]}")
                 h, w = self.input_size
@@ -147,8 +167,10 @@ class Segmentation(Task):
             raise UsageError(f"cannot read mask {path}: {e}") from None
         bad = np.unique(mask[(mask >= self.num_classes) & (mask != IGNORE)])
         if bad.size:
-            raise UsageError(f"mask {path} has class index {int(bad[0])}, out of range for {self.num_classes} classes "
-                             f"(0..{self.num_classes - 1}, {IGNORE} = ignore)")
+            raise UsageError(
+                f"mask {path} has class index {int(bad[0])}, out of range for {self.num_classes} classes "
+                f"(0..{self.num_classes - 1}, {IGNORE} = ignore)"
+            )
         return torch.from_numpy(mask.copy()).reshape(-1)
 
     def _read_pair(self, pair, transform) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,8 +194,15 @@ class Segmentation(Task):
             torch.stack([m for _, m in validation]),
             None,
             calibration_labels=torch.stack([m for _, m in calibration]) if calibration else None,
-            description={"source": str(root.resolve()), "labeled": True, "format": "VOC-style images/ + masks/",
-                         "images": len(pairs), "calibration": len(calib_idx), "validation": len(val_idx), "seed": seed},
+            description={
+                "source": str(root.resolve()),
+                "labeled": True,
+                "format": "VOC-style images/ + masks/",
+                "images": len(pairs),
+                "calibration": len(calib_idx),
+                "validation": len(val_idx),
+                "seed": seed,
+            },
         )
 
     # --- metrics ---
@@ -195,14 +224,22 @@ class Segmentation(Task):
         return {"miou": 100.0 * miou(conf), "pixel_acc": 100.0 * conf.diag().sum().item() / total if total else None}
 
     def vs_eager(self, eager, artifact):
-        return {"eager_miou": eager["miou"], "eager_pixel_acc": eager["pixel_acc"], "miou": artifact["miou"],
-                "pixel_acc": artifact["pixel_acc"], "miou_drop_points": eager["miou"] - artifact["miou"]}
+        return {
+            "eager_miou": eager["miou"],
+            "eager_pixel_acc": eager["pixel_acc"],
+            "miou": artifact["miou"],
+            "pixel_acc": artifact["pixel_acc"],
+            "miou_drop_points": eager["miou"] - artifact["miou"],
+        }
 
     def golden(self, inputs, reference, labels):
         h, w = self.input_size
         logits = reference.reshape(len(reference), self.num_classes, h, w)
-        files = {"inputs.npy": inputs.numpy().astype(np.float32), "eager_logits.npy": logits.numpy().astype(np.float32),
-                 "eager_masks.npy": logits.argmax(1).numpy().astype(np.uint8)}
+        files = {
+            "inputs.npy": inputs.numpy().astype(np.float32),
+            "eager_logits.npy": logits.numpy().astype(np.float32),
+            "eager_masks.npy": logits.argmax(1).numpy().astype(np.uint8),
+        }
         if labels is not None:
             files["masks.npy"] = labels.reshape(len(labels), h, w).numpy().astype(np.uint8)
         return files
@@ -215,7 +252,10 @@ class Segmentation(Task):
     def preview(self, image, eager_row, artifact_row, preprocessing, labels=None):
         """input | eager mask | artifact mask, pixels where the two masks differ outlined in white."""
         h, w = self.input_size
-        mean, std = torch.tensor(preprocessing["mean"])[:, None, None], torch.tensor(preprocessing["std"])[:, None, None]
+        mean, std = (
+            torch.tensor(preprocessing["mean"])[:, None, None],
+            torch.tensor(preprocessing["std"])[:, None, None],
+        )
         rgb = ((image * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
         eager = self._masks(eager_row[None])[0].reshape(h, w).numpy()
         artifact = self._masks(artifact_row[None])[0].reshape(h, w).numpy()

@@ -27,8 +27,8 @@ PAN_PIXELS = 4  # a synthetic clip moves this far per frame
 # formats that cannot take a clip, and why (measured; formats never see the task, the pipeline asks here)
 REFUSED = {
     "executorch": "XNNPACK has no 3-D convolution, and the portable conv kernel outside it refuses 5-D input at run "
-                  "time ('Expect input tensor to be 3-D or 4-D'; r3d_18, mc3_18, r2plus1d_18); s3d's .pte also lacks "
-                  "max_pool3d/avg_pool3d kernels, swin3d_t's and mvit_v2_s's fail to load in XNNPACK",
+    "time ('Expect input tensor to be 3-D or 4-D'; r3d_18, mc3_18, r2plus1d_18); s3d's .pte also lacks "
+    "max_pool3d/avg_pool3d kernels, swin3d_t's and mvit_v2_s's fail to load in XNNPACK",
 }
 
 
@@ -79,8 +79,12 @@ class Video(Classification):
         return data.from_clipfolder(Path(root), transform, calib_size, val_size, seed, num_classes=self.num_classes)
 
     def output(self):
-        return {"name": self.output_name, "layout": "NC", "shape": [1, self.num_classes],
-                "meaning": "class logits of the clip, before softmax"}
+        return {
+            "name": self.output_name,
+            "layout": "NC",
+            "shape": [1, self.num_classes],
+            "meaning": "class logits of the clip, before softmax",
+        }
 
     def preview(self, image, eager_row, artifact_row, preprocessing, labels=None):
         """Classification's picture, of the clip's middle frame."""
@@ -96,8 +100,13 @@ class _ClipTransform:
         from torchvision.transforms._presets import VideoClassification
 
         self.frames = pre["frames"]
-        self.preset = VideoClassification(crop_size=pre["crop_size"], resize_size=pre["resize_size"], mean=pre["mean"],
-                                          std=pre["std"], interpolation=InterpolationMode(pre["interpolation"]))
+        self.preset = VideoClassification(
+            crop_size=pre["crop_size"],
+            resize_size=pre["resize_size"],
+            mean=pre["mean"],
+            std=pre["std"],
+            interpolation=InterpolationMode(pre["interpolation"]),
+        )
 
     def __call__(self, frames) -> torch.Tensor:
         from torchvision.transforms.functional import pil_to_tensor

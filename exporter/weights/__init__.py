@@ -129,7 +129,9 @@ def task_class(weights: WeightsEnum) -> type[tasks.Task]:
 
 def bind_task(weights: WeightsEnum, num_classes: int | None = None, input_size=None) -> tasks.Task:
     """The weight's task bound to a graph: its class count and the input size (--input-size, else the weight's)."""
-    return task_class(weights).bind(weights, model_name_of(weights), num_classes or len(weights.meta.get("categories") or []) or 1000, input_size)
+    return task_class(weights).bind(
+        weights, model_name_of(weights), num_classes or len(weights.meta.get("categories") or []) or 1000, input_size
+    )
 
 
 def preprocessing_spec(weights: WeightsEnum, input_size=None) -> dict:
@@ -192,7 +194,12 @@ def checkpoint_status(weights: WeightsEnum) -> dict:
     """Where the weight's checkpoint is (or would be downloaded to), whether it is there, and its size."""
     path = hub_checkpoint_path(weights)
     cached = path.is_file()
-    return {"path": str(path), "cached": cached, "size_bytes": path.stat().st_size if cached else None, "url": weights.url}
+    return {
+        "path": str(path),
+        "cached": cached,
+        "size_bytes": path.stat().st_size if cached else None,
+        "url": weights.url,
+    }
 
 
 def quantization_summary(weights: WeightsEnum) -> dict | None:
@@ -252,7 +259,9 @@ def _is_torchscript(path: Path) -> bool:
 
 def _require_file(path: Path, what: str) -> None:
     if not path.is_file():
-        raise UsageError(f"{what} {path} is a directory, not a file" if path.is_dir() else f"{what} {path} does not exist")
+        raise UsageError(
+            f"{what} {path} is a directory, not a file" if path.is_dir() else f"{what} {path} does not exist"
+        )
 
 
 def _read_state_dict(path: Path) -> dict:
@@ -262,23 +271,35 @@ def _read_state_dict(path: Path) -> dict:
         # the unpickler's own reason (an object other than tensors, an opcode it does not take), not torch's
         # advice to retry with weights_only=False: that would run whatever the file holds
         text = str(e)
-        reason = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0] if "WeightsUnpickler error:" in text \
+        reason = (
+            text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0]
+            if "WeightsUnpickler error:" in text
             else (text.strip().splitlines() or [type(e).__name__])[0]
+        )
         reason = reason.split(". ", 1)[0].rstrip(".")  # what it met, without its advice
-        raise UsageError(f"checkpoint {path} was rejected by torch.load(weights_only=True): {reason} "
-                         f"(it holds objects other than tensors, or is not a torch file)") from None
-    except Exception as e:  # a file that is not a checkpoint fails in the unpickler in many ways (KeyError, IndexError, …)
+        raise UsageError(
+            f"checkpoint {path} was rejected by torch.load(weights_only=True): {reason} "
+            f"(it holds objects other than tensors, or is not a torch file)"
+        ) from None
+    except (
+        Exception
+    ) as e:  # a file that is not a checkpoint fails in the unpickler in many ways (KeyError, IndexError, …)
         if _is_torchscript(path):
-            raise UsageError(f"checkpoint {path} is a TorchScript program, not a state dict: pass the weights "
-                             f"torch.save(model.state_dict(), PATH) writes") from None
+            raise UsageError(
+                f"checkpoint {path} is a TorchScript program, not a state dict: pass the weights "
+                f"torch.save(model.state_dict(), PATH) writes"
+            ) from None
         raise UsageError(f"checkpoint {path} is truncated or not a torch file ({type(e).__name__})") from None
     if isinstance(obj, dict):
         for key in ("state_dict", "model", "model_state_dict"):
             if isinstance(obj.get(key), dict):
                 obj = obj[key]
                 break
-    if (not isinstance(obj, dict) or not any(isinstance(v, torch.Tensor) for v in obj.values())
-            or not all(_is_state_value(v) for v in obj.values())):
+    if (
+        not isinstance(obj, dict)
+        or not any(isinstance(v, torch.Tensor) for v in obj.values())
+        or not all(_is_state_value(v) for v in obj.values())
+    ):
         raise UsageError(f"checkpoint {path} is not a state dict (expected a dict of tensors)")
     return obj
 
@@ -289,10 +310,15 @@ def _checked_digest(path: Path, verify: bool) -> tuple[str, bool]:
     match = HASH_IN_NAME.search(path.name)
     if match and verify:
         if not digest.startswith(match.group(1)):
-            skip = (f"if {match.group(1)} is a step or a date, not a hash, pass --no-verify" if match.group(1).isdigit()
-                    else "pass --no-verify to skip")
-            raise UsageError(f"checkpoint {path} fails its hash check: name says {match.group(1)}, "
-                             f"file is {digest[: len(match.group(1))]} ({skip})")
+            skip = (
+                f"if {match.group(1)} is a step or a date, not a hash, pass --no-verify"
+                if match.group(1).isdigit()
+                else "pass --no-verify to skip"
+            )
+            raise UsageError(
+                f"checkpoint {path} fails its hash check: name says {match.group(1)}, "
+                f"file is {digest[: len(match.group(1))]} ({skip})"
+            )
         return digest, True
     return digest, False
 
@@ -342,17 +368,28 @@ def _float_reference(weights: WeightsEnum, num_classes: int, path: Path | None, 
     if not path.is_file():
         if source == "checkpoint":
             _require_file(path, "float checkpoint")
-        note = (f"no checkpoint of {canonical_name(unquantized)} at {path}: validated against the quantized "
-                f"eager model (pass --float-checkpoint PATH to validate against the float model)")
-        return None, {"kind": "quantized eager", "weight": canonical_name(weights), "checkpoint": None,
-                      "looked_for": str(path), "note": note}
+        note = (
+            f"no checkpoint of {canonical_name(unquantized)} at {path}: validated against the quantized "
+            f"eager model (pass --float-checkpoint PATH to validate against the float model)"
+        )
+        return None, {
+            "kind": "quantized eager",
+            "weight": canonical_name(weights),
+            "checkpoint": None,
+            "looked_for": str(path),
+            "note": note,
+        }
     digest, verified = _checked_digest(path, verify)
     name = model_name_of(unquantized)
     model = get_model(name, weights=None, num_classes=num_classes, **builder_kwargs(unquantized))
     _load_exactly(model, _read_state_dict(path), path, name)
     checkpoint = {"path": str(path.resolve()), "sha256": digest, "source": source, "verified": verified}
-    return model.eval(), {"kind": "unquantized float", "weight": canonical_name(unquantized), "checkpoint": checkpoint,
-                          "note": f"validated against the weight's own float model {canonical_name(unquantized)}"}
+    return model.eval(), {
+        "kind": "unquantized float",
+        "weight": canonical_name(unquantized),
+        "checkpoint": checkpoint,
+        "note": f"validated against the weight's own float model {canonical_name(unquantized)}",
+    }
 
 
 def load(

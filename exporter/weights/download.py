@@ -45,8 +45,10 @@ def fetch(url: str, dest: Path, progress) -> str:
         digest = _copy(url, fd, progress, dest.name)
         expected = HASH_IN_NAME.search(dest.name)
         if expected and not digest.startswith(expected.group(1)):
-            raise UsageError(f"download of {url} fails its hash check: name says {expected.group(1)}, "
-                             f"file is {digest[: len(expected.group(1))]}; nothing was kept")
+            raise UsageError(
+                f"download of {url} fails its hash check: name says {expected.group(1)}, "
+                f"file is {digest[: len(expected.group(1))]}; nothing was kept"
+            )
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
@@ -81,8 +83,10 @@ def _copy(url: str, fd: int, progress, label: str) -> str:
     except urllib.error.HTTPError as e:
         raise UsageError(f"download of {url} failed: HTTP {e.code} {e.reason}; nothing was kept") from None
     except urllib.error.URLError as e:
-        raise UsageError(f"download of {url} failed: {_reason(e.reason)} (no network? pass --checkpoint PATH "
-                         f"or place the file in the cache)") from None
+        raise UsageError(
+            f"download of {url} failed: {_reason(e.reason)} (no network? pass --checkpoint PATH "
+            f"or place the file in the cache)"
+        ) from None
     except (http.client.HTTPException, OSError) as e:  # cut connection, timeout, disk full
         raise UsageError(f"download of {url} failed: {_reason(e)}; nothing was kept") from None
     return h.hexdigest()
