@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import posixpath
+import shlex
 import re
 from collections import Counter
 from pathlib import Path
@@ -402,10 +404,10 @@ def _host_line(host: dict) -> str:
     return f"{host.get('cpu')}, {host.get('cores')} cores, {host.get('platform')}, Python {host.get('python')}"
 
 
-def _provenance(merged_file: dict) -> str:
+def _provenance(merged_file: dict, root: str | None) -> str:
     commit, host = merged_file.get("exporter_commit"), merged_file.get("host") or {}
     return (
-        f"`{merged_file.get('command') or '?'}`"
+        f"`{_portable(merged_file.get('command'), root) or '?'}`"
         + (f" at `{commit[:12]}`" if commit else "")
         + (f" on {host['cpu']}" if host.get("cpu") else "")
         + f" ({(merged_file.get('created') or '?')[:10]})"
@@ -697,26 +699,40 @@ def _build_s_text(row: dict) -> str:
 
 
 def markdown(doc: dict) -> str:
+    """The page for `doc`: title and introduction, what made it, the legend, the summary, a table per target, the
+    rows refused and skipped, the failures, the stopped builds, the files it was merged from, and how it is made."""
     rows = doc["rows"]
-    settings = doc["settings"]
-    tools = doc.get("tools") or {}
-    host = doc.get("host") or {}
-    run = doc.get("run") or {}
-    done = len(rows)
-    if doc.get("complete"):
-        status = f"complete: {done} of {doc.get('planned_rows', done)} builds (weight × target)"
-    else:
-        have = {(r["weight"], r["target"]) for r in rows}
-        missing = [
-            f"{weight} × {target}" for weight, target in doc.get("planned") or () if (weight, target) not in have
-        ]
-        status = (
-            f"**partial**: {done} of {doc.get('planned_rows', '?')} builds (weight × target) done"
-            + (" — the sweep was interrupted" if doc.get("interrupted") else " — the sweep is running or was stopped")
-            + (f"; not built: {', '.join(missing)}" if 0 < len(missing) <= 10 else "")
-        )
-    built_s = sum((r.get("seconds") or 0) + _earlier_s(r) for r in rows)
-    trained = settings.get("weights") == "digits"
+    trained = doc["settings"].get("weights") == "digits"
+    root = _paths_root(doc)
+    lines = [
+        _title(doc["settings"], trained),
+        "",
+        _intro(doc["settings"], trained) + " [How this table is made](#how-this-table-is-made).",
+        "",
+        *_made_by(doc, rows, root),
+        "",
+        LEGEND,
+        *_summary_section(rows),
+    ]
+    for target in sorted({r["target"] for r in rows}, key=lambda t: (_order(t, TARGET_ORDER), t)):
+        lines += _target_section(target, rows, trained)
+    lines += _refused_and_skipped_sections(rows)
+    lines += _failures_section(rows)
+    lines += _stopped_section(rows)
+    lines += _merged_from_section(doc, root)
+    lines += ["", HOW_TRAINED if trained else HOW]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _title(settings: dict, trained: bool) -> str:
+    return (
+        "# torchvision coverage"
+        + (", trained on the digits" if trained else "")
+        + (", on x86 and emulated aarch64" if settings.get("cpus") else "")
+    )
+
+
+def _intro(settings: dict, trained: bool) -> str:
     intro = (
         (
             "Every chosen classifier's architecture **trained from scratch on scikit-learn's digits** (nothing "
@@ -735,32 +751,69 @@ def markdown(doc: dict) -> str:
             "aarch64 wheels of the same versions), judged by the same contract: a cell passes only where it "
             "passes on every core, and names them."
         )
-    lines = [
-        "# torchvision coverage"
-        + (", trained on the digits" if trained else "")
-        + (", on x86 and emulated aarch64" if settings.get("cpus") else ""),
-        "",
-        intro + " [How this table is made](#how-this-table-is-made).",
-        "",
+    return intro
+
+
+# --- the header table: what made the page ----------------------------------------------------------------------
+
+
+def _made_by(doc: dict, rows: list[dict], root: str | None) -> list[str]:
+    """The two-column table under the introduction: when, by which command, how far, on what, with what."""
+    tools = doc.get("tools") or {}
+    return [
         "| | |",
         "|---|---|",
         f"| made | {_esc(doc.get('created'))} |",
-        f"| command | `{_esc(doc.get('command'))}`"
-        + (
-            f" at exporter commit `{doc['exporter_commit'][:12]}{'-dirty' if doc['exporter_commit'].endswith('-dirty') else ''}`"
-            if doc.get("exporter_commit")
-            else ""
-        )
-        + " |",
+        f"| command | `{_esc(_portable(doc.get('command'), root))}`{_at_commit(doc.get('exporter_commit'))} |",
         *(
             [f"| merged from | {len(doc['merged_from'])} file(s): [the commands that made them](#merged-from) |"]
             if doc.get("merged_from")
             else []
         ),
-        f"| status | {status} |",
-        f"| run time | {_duration(run.get('total_wall_s', run.get('wall_s')))} wall clock"
+        f"| status | {_status(doc, rows)} |",
+        f"| run time | {_run_time(doc, rows)} |",
+        "| host | " + "; ".join(_esc(_host_line(h)) for h in (doc.get("hosts") or [doc.get("host") or {}])) + " |",
+        "| tools | " + ", ".join(f"{name} {tools.get(name) or '—'}" for name in SHOWN_TOOLS) + " |",
+        f"| settings | {_esc(_settings_line(doc['settings'], rows))} |",
+        "| selection | "
         + (
-            f" over {len(run['earlier_runs']) + 1} runs (resumed after an interruption; this one {_duration(run.get('wall_s'))})"
+            "each merged file's, [with its command](#merged-from)"
+            if doc.get("merged_from")
+            else _esc(_selection_line(doc.get("selection") or {}))
+        )
+        + " |",
+    ]
+
+
+def _at_commit(commit: str | None) -> str:
+    if not commit:
+        return ""
+    return f" at exporter commit `{commit[:12]}{'-dirty' if commit.endswith('-dirty') else ''}`"
+
+
+def _status(doc: dict, rows: list[dict]) -> str:
+    """Complete, or how many builds are done of those planned, and (when few) which are not."""
+    done = len(rows)
+    if doc.get("complete"):
+        return f"complete: {done} of {doc.get('planned_rows', done)} builds (weight × target)"
+    have = {(r["weight"], r["target"]) for r in rows}
+    missing = [f"{weight} × {target}" for weight, target in doc.get("planned") or () if (weight, target) not in have]
+    return (
+        f"**partial**: {done} of {doc.get('planned_rows', '?')} builds (weight × target) done"
+        + (" — the sweep was interrupted" if doc.get("interrupted") else " — the sweep is running or was stopped")
+        + (f"; not built: {', '.join(missing)}" if 0 < len(missing) <= 10 else "")
+    )
+
+
+def _run_time(doc: dict, rows: list[dict]) -> str:
+    """The sweep's wall clock (over its runs, when resumed) and the builds' time in all."""
+    run = doc.get("run") or {}
+    built_s = sum((r.get("seconds") or 0) + _earlier_s(r) for r in rows)
+    return (
+        f"{_duration(run.get('total_wall_s', run.get('wall_s')))} wall clock"
+        + (
+            f" over {len(run['earlier_runs']) + 1} runs (resumed after an interruption; this one "
+            f"{_duration(run.get('wall_s'))})"
             if run.get("earlier_runs")
             else ""
         )
@@ -771,19 +824,16 @@ def markdown(doc: dict) -> str:
             if run.get("rows_from_cache")
             else ""
         )
-        + " |",
-        "| host | " + "; ".join(_esc(_host_line(h)) for h in (doc.get("hosts") or [host])) + " |",
-        "| tools | " + ", ".join(f"{name} {tools.get(name) or '—'}" for name in SHOWN_TOOLS) + " |",
-        f"| settings | {_esc(_settings_line(settings, rows))} |",
-        "| selection | "
-        + (
-            "each merged file's, [with its command](#merged-from)"
-            if doc.get("merged_from")
-            else _esc(_selection_line(doc.get("selection") or {}))
-        )
-        + " |",
-        "",
-        LEGEND,
+    )
+
+
+# --- the sections under it -------------------------------------------------------------------------------------
+
+
+def _summary_section(rows: list[dict]) -> list[str]:
+    """Builds by how they ended and artifacts by outcome, per target and task; then the failures by kind."""
+    groups = summary(rows)
+    lines = [
         "",
         "## Summary",
         "",
@@ -794,7 +844,6 @@ def markdown(doc: dict) -> str:
         + " |",
         "|---|---|---:|---:|---:|---:|" + "---:|" * (len(ORDER) - 1),
     ]
-    groups = summary(rows)
     for g in groups:
         a = g["artifacts"]
         lines.append(
@@ -802,107 +851,163 @@ def markdown(doc: dict) -> str:
             + " | ".join(str(a[k]) for k in ORDER if k != "skipped")
             + " |"
         )
+    return lines + _failure_kinds(groups)
+
+
+def _failure_kinds(groups: list[dict]) -> list[str]:
+    """Per target, the failed artifacts by kind (summary's groups), the commonest first."""
     kinds = Counter()
     for g in groups:
         for kind, n in g["failures"].items():
             kinds[(g["target"], kind)] += n
-    if kinds:
-        lines += [
-            "",
-            "Failures by kind (❎ validation: a threshold broken; ❎ ill-conditioned reference: eager itself, its "
-            "tensors rounded to the artifact's precision, breaks the same thresholds, so the failure is the random "
-            "model's, not the export's; ❎ quantized weight: a torchvision int8 weight, run as it is in eager PyTorch, "
-            "breaks the same thresholds against its float model; ❎ degenerate reference: eager's outputs barely "
-            "vary across the inputs, so agreement with it proves nothing; ❎ runtime error: made, but its runtime fails on "
-            "a validation input):",
-            "",
-            "| target | kind | artifacts |",
-            "|---|---|---:|",
-        ]
-        for (target, kind), n in sorted(
-            kinds.items(), key=lambda kv: (_order(kv[0][0], TARGET_ORDER), -kv[1], kv[0][1])
-        ):
-            lines.append(f"| {target} | {kind} | {n} |")
+    if not kinds:
+        return []
+    lines = [
+        "",
+        "Failures by kind (❎ validation: a threshold broken; ❎ ill-conditioned reference: eager itself, its "
+        "tensors rounded to the artifact's precision, breaks the same thresholds, so the failure is the random "
+        "model's, not the export's; ❎ quantized weight: a torchvision int8 weight, run as it is in eager PyTorch, "
+        "breaks the same thresholds against its float model; ❎ degenerate reference: eager's outputs barely "
+        "vary across the inputs, so agreement with it proves nothing; ❎ runtime error: made, but its runtime fails on "
+        "a validation input):",
+        "",
+        "| target | kind | artifacts |",
+        "|---|---|---:|",
+    ]
+    for (target, kind), n in sorted(kinds.items(), key=lambda kv: (_order(kv[0][0], TARGET_ORDER), -kv[1], kv[0][1])):
+        lines.append(f"| {target} | {kind} | {n} |")
+    return lines
 
-    targets = sorted({r["target"] for r in rows}, key=lambda t: (_order(t, TARGET_ORDER), t))
-    for target in targets:
-        built = [r for r in rows if r["target"] == target and r["outcome"] in ("built", "stopped")]
-        if not built:
-            continue
-        columns = list(dict.fromkeys(c["name"] for r in built for c in r["cells"]))
-        has_pte = any(c.get("delegation") for r in built for c in r["cells"])
-        lines += [
-            "",
-            f"## {target}",
-            "",
-            "| weight | task | params (M) | build s | "
-            + ("eager acc@1 | " if trained else "")
-            + " | ".join(columns)
-            + (" | ops outside XNNPACK |" if has_pte else " |"),
-            "|---|---|---:|---:|" + ("---:|" if trained else "") + "---|" * len(columns) + ("---|" if has_pte else ""),
-        ]
-        for r in built:
-            by_name = {c["name"]: c for c in r["cells"]}
-            cells = [cell_text(by_name[name]) if name in by_name else "" for name in columns]
-            params = f"{r['params'] / 1e6:.1f}" if r.get("params") else "—"
-            eager = next(((c.get("accuracy") or {}).get("eager_acc1") for c in r["cells"] if c.get("accuracy")), None)
-            size = r.get("classifier_size")
-            lines.append(
-                f"| {_esc(r['weight'])}{f' ({size[0]}×{size[1]})' if size else ''} | {r['task']} | {params} | "
-                f"{_build_s_text(r)} | "
-                + ((f"{eager:.1f} | " if eager is not None else "— | ") if trained else "")
-                + " | ".join(_esc(c) for c in cells)
-                + (f" | {_esc(_outside_xnnpack(r['cells']))} |" if has_pte else " |")
-            )
 
-    for label, kind, heading in (
-        ("refused", "refused", "Refused by design (⛔)"),
-        ("skipped", "skipped", "Skipped (⏭)"),
-    ):
+def _target_section(target: str, rows: list[dict], trained: bool) -> list[str]:
+    """A target's table: a row per weight built (or stopped), a column per artifact; none when nothing was built."""
+    built = [r for r in rows if r["target"] == target and r["outcome"] in ("built", "stopped")]
+    if not built:
+        return []
+    columns = list(dict.fromkeys(c["name"] for r in built for c in r["cells"]))
+    has_pte = any(c.get("delegation") for r in built for c in r["cells"])
+    lines = [
+        "",
+        f"## {target}",
+        "",
+        "| weight | task | params (M) | build s | "
+        + ("eager acc@1 | " if trained else "")
+        + " | ".join(columns)
+        + (" | ops outside XNNPACK |" if has_pte else " |"),
+        "|---|---|---:|---:|" + ("---:|" if trained else "") + "---|" * len(columns) + ("---|" if has_pte else ""),
+    ]
+    for r in built:
+        by_name = {c["name"]: c for c in r["cells"]}
+        cells = [cell_text(by_name[name]) if name in by_name else "" for name in columns]
+        eager = next(((c.get("accuracy") or {}).get("eager_acc1") for c in r["cells"] if c.get("accuracy")), None)
+        size = r.get("classifier_size")
+        lines.append(
+            f"| {_esc(r['weight'])}{f' ({size[0]}×{size[1]})' if size else ''} | {r['task']} | {_params(r)} | "
+            f"{_build_s_text(r)} | "
+            + ((f"{eager:.1f} | " if eager is not None else "— | ") if trained else "")
+            + " | ".join(_esc(c) for c in cells)
+            + (f" | {_esc(_outside_xnnpack(r['cells']))} |" if has_pte else " |")
+        )
+    return lines
+
+
+def _params(row: dict) -> str:
+    return f"{row['params'] / 1e6:.1f}" if row.get("params") else "—"
+
+
+def _refused_and_skipped_sections(rows: list[dict]) -> list[str]:
+    """The weights refused by design (⛔) and skipped for size (⏭), each once, with why."""
+    lines = []
+    for outcome, heading in (("refused", "Refused by design (⛔)"), ("skipped", "Skipped (⏭)")):
         seen = {}
         for r in rows:
-            if r["outcome"] == kind:
+            if r["outcome"] == outcome:
                 seen.setdefault(r["weight"], r)
         if seen:
             lines += ["", f"## {heading}", "", "| weight | task | params (M) | why |", "|---|---|---:|---|"]
             for r in seen.values():
-                params = f"{r['params'] / 1e6:.1f}" if r.get("params") else "—"
-                lines.append(f"| {_esc(r['weight'])} | {r['task']} | {params} | {_esc(r['reason'])} |")
+                lines.append(f"| {_esc(r['weight'])} | {r['task']} | {_params(r)} | {_esc(r['reason'])} |")
+    return lines
 
+
+def _failures_section(rows: list[dict]) -> list[str]:
+    """Every ❎, ❌ and ⏱ artifact with the first line of its reason and, for ❎, its floor."""
     failures = [(r, c) for r in rows for c in r["cells"] if c["outcome"] in ("failed", "export", "time")]
-    if failures:
-        lines += [
-            "",
-            "## Failures",
-            "",
-            "Every ❎, ❌ and ⏱ artifact with the first line of its reason and, for ❎, what "
-            "eager reaches with its tensors rounded to the artifact's precision (its floor).",
-            "",
-            "| weight | target | artifact | | kind | first line | floor |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r, c in failures:
-            lines.append(
-                f"| {_esc(r['weight'])} | {r['target']} | {c['name']} | {SYMBOLS[c['outcome']]} | "
-                f"{_esc(c.get('kind') or '')} | {_esc((c.get('reason') or '')[:240])} | {_esc(floor_text(r, c))} |"
-            )
+    if not failures:
+        return []
+    lines = [
+        "",
+        "## Failures",
+        "",
+        "Every ❎, ❌ and ⏱ artifact with the first line of its reason and, for ❎, what "
+        "eager reaches with its tensors rounded to the artifact's precision (its floor).",
+        "",
+        "| weight | target | artifact | | kind | first line | floor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r, c in failures:
+        lines.append(
+            f"| {_esc(r['weight'])} | {r['target']} | {c['name']} | {SYMBOLS[c['outcome']]} | "
+            f"{_esc(c.get('kind') or '')} | {_esc((c.get('reason') or '')[:240])} | {_esc(floor_text(r, c))} |"
+        )
+    return lines
+
+
+def _stopped_section(rows: list[dict]) -> list[str]:
+    """The builds stopped (time limit, killed), after how long and why."""
     stopped = [r for r in rows if r["outcome"] == "stopped"]
-    if stopped:
-        lines += ["", "## Stopped builds", "", "| weight | target | after | why |", "|---|---|---:|---|"]
-        for r in stopped:
-            lines.append(
-                f"| {_esc(r['weight'])} | {r['target']} | {r.get('seconds') or 0:.0f} s | {_esc((r.get('reason') or '')[:240])} |"
-            )
-    if doc.get("merged_from"):
-        lines += [
-            "",
-            "## Merged from",
-            "",
-            "Each sweep whose rows this table holds (a row built again later replaces "
-            "the earlier one), with what it selected:",
-            "",
-        ]
-        made = dict.fromkeys((_provenance(m), _selection_line(m.get("selection") or {})) for m in doc["merged_from"])
-        lines += [f"- {_esc(command)}: {_esc(selection)}" for command, selection in made]
-    lines += ["", HOW_TRAINED if trained else HOW]
-    return "\n".join(lines).rstrip() + "\n"
+    if not stopped:
+        return []
+    lines = ["", "## Stopped builds", "", "| weight | target | after | why |", "|---|---|---:|---|"]
+    for r in stopped:
+        lines.append(
+            f"| {_esc(r['weight'])} | {r['target']} | {r.get('seconds') or 0:.0f} s | "
+            f"{_esc((r.get('reason') or '')[:240])} |"
+        )
+    return lines
+
+
+def _merged_from_section(doc: dict, root: str | None) -> list[str]:
+    """Each sweep whose rows a merged table holds, once: its command, commit, host and day, and what it selected."""
+    if not doc.get("merged_from"):
+        return []
+    lines = [
+        "",
+        "## Merged from",
+        "",
+        "Each sweep whose rows this table holds (a row built again later replaces "
+        "the earlier one), with what it selected:",
+        "",
+    ]
+    made = dict.fromkeys((_provenance(m, root), _selection_line(m.get("selection") or {})) for m in doc["merged_from"])
+    return lines + [f"- {_esc(command)}: {_esc(selection)}" for command, selection in made]
+
+
+# --- paths on the page -------------------------------------------------------------------------------------------
+
+
+def _commands(doc: dict) -> list[str]:
+    """The commands the page shows: the document's own and each merged file's."""
+    return [c for c in (doc.get("command"), *((m.get("command") for m in doc.get("merged_from") or ()))) if c]
+
+
+def _paths_root(doc: dict) -> str | None:
+    """The deepest folder holding every absolute path in the page's commands (the sweep machine's own folders), or
+    None when they name none: the page shows each path relative to it, which says the same on any machine."""
+    found = [word for command in _commands(doc) for word in _words(command) if word.startswith("/")]
+    return posixpath.commonpath([posixpath.dirname(path) for path in found]) if found else None
+
+
+def _words(command: str) -> list[str]:
+    try:
+        return shlex.split(command)
+    except ValueError:  # unbalanced quotes: not a command line shlex made; shown as it is
+        return []
+
+
+def _portable(command: str | None, root: str | None) -> str | None:
+    """`command` with each absolute path in it shown relative to `root` (_paths_root)."""
+    words = _words(command) if command and root else []
+    if not any(word.startswith("/") for word in words):
+        return command
+    return shlex.join(posixpath.relpath(word, root) if word.startswith("/") else word for word in words)

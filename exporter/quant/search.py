@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 
 from ..tasks import Classification
 from ..validation import run_all
 from .calibration import STATIC_RANGES, Calibration
-from .sensitivity import layer_sensitivity
+from .sensitivity import Sensitivity, layer_sensitivity
 
 
 # The search gives up before the cap when more float layers stop helping (an error no single layer
@@ -85,201 +86,344 @@ def _summary(task, metrics: dict) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How a candidate is made: the range method, the layers asked to stay in float (the backend may float more
+    beside them) and the kinds of op (of the backend's op_fallbacks) kept in float, every one of them."""
+
+    ranges: str
+    float_layers: tuple[str, ...] = ()
+    float_kinds: tuple[str, ...] = ()
+
+
+@dataclass
+class Trial:
+    """A candidate judged on the check images: one step of the search, as the report lists it."""
+
+    recipe: Recipe
+    floated: list[str]  # every layer in float in it: those asked for and those the backend floats beside them
+    metrics: dict  # the task's quality against eager on the check images (fidelity, accuracy, reasons)
+    summary: dict  # what the report shows of `metrics` (_summary)
+    over_cap: bool = False  # more layers in float than the cap allows: never chosen
+
+    @property
+    def meets_budget(self) -> bool:
+        return not self.metrics["reasons"]
+
+    @property
+    def psnr_db(self) -> float:
+        return self.metrics["fidelity"]["psnr_db"]
+
+    def rank(self) -> tuple:
+        return _rank(self.metrics)
+
+    def beats(self, other: Trial) -> bool:
+        """Ranks above `other` and is worth it: meets the budget, or gains at least MIN_GAIN_DB."""
+        return self.rank() > other.rank() and (self.meets_budget or _gain(self.metrics, other.metrics) >= MIN_GAIN_DB)
+
+    def to_json(self) -> dict:
+        """The report's step: layers in float (counted), ranges, kinds in float, the summary, whether over the cap."""
+        return {
+            "float_layers": len(self.floated),
+            "ranges": self.recipe.ranges,
+            **({"float_kinds": list(self.recipe.float_kinds)} if self.recipe.float_kinds else {}),
+            **self.summary,
+            **({"over_cap": True} if self.over_cap else {}),
+        }
+
+
+@dataclass
+class _Held:
+    """The one candidate the search keeps alive, and how it was made."""
+
+    recipe: Recipe
+    candidate: Candidate
+
+
+@dataclass
+class _Search:
+    """One budget search: what makes and judges candidates, every trial in order, and the candidate held.
+
+    One candidate is alive at a time (two while the next is made): each holds a runtime session or a quantized copy
+    of the model, and every step's used to be kept to the end (MViT-V2-S's Q/DQ search, 16 frames at 224²: letting
+    the candidates go took the process from 5.0 to 3.4 GB). One chosen after it was let go is made again
+    (quantization is deterministic; the ONNX backend keeps its files)."""
+
+    backend: Backend
+    range_images: list
+    judge: Callable[[Candidate], dict]
+    task: object
+    log: Callable[[str], None]
+    layer_count: int
+    trials: list[Trial] = field(default_factory=list)
+    held: _Held | None = None
+
+    def attempt(self, recipe: Recipe) -> tuple[Candidate, Trial]:
+        """A candidate made with `recipe`, judged, and its trial (added to the trials, and logged)."""
+        candidate = _quantize(self.backend, recipe, self.range_images)
+        metrics = self.judge(candidate)
+        floated = _closure(self.backend, list(recipe.float_layers), recipe.ranges)
+        trial = Trial(recipe, floated, metrics, _summary(self.task, metrics))
+        self.trials.append(trial)
+        self.log(
+            f"  int8, {recipe.ranges} ranges, {len(floated)}/{self.layer_count} layers float"
+            f"{_kinds_text(recipe.float_kinds)}: {trial.psnr_db:.1f} dB, agreement {trial.summary['agreement']:.3f}"
+            + (", budget met" if trial.meets_budget else "")
+        )
+        return candidate, trial
+
+    def hold(self, trial: Trial, candidate: Candidate) -> None:
+        self.held = _Held(trial.recipe, candidate)
+
+    def candidate_for(self, recipe: Recipe) -> Candidate:
+        """The candidate made with `recipe`: the one held, or made again."""
+        if self.held is not None and self.held.recipe == recipe:
+            return self.held.candidate
+        return _quantize(self.backend, recipe, self.range_images)
+
+
+@dataclass
+class _Found:
+    """What the search found, before it is written as the report."""
+
+    plain: Trial  # plain PTQ with the best range method
+    chosen: Trial
+    cap: int  # layers that may be in float
+    unusable: dict[str, str]  # range methods that cannot measure this model: their errors
+    unusable_fallbacks: dict[str, str] = field(default_factory=dict)  # fallback range methods that cannot quantize it
+    sensitivity: Sensitivity | None = None  # measured when the layer search ran
+    stopped: str | None = None  # why the layer search stopped short of the budget and the cap
+
+
 def quantize_with_budget(model: torch.nn.Module, backend: Backend, calibration: Calibration) -> tuple[Candidate, dict]:
     """The chosen int8 candidate and what was done to get it (for the manifest)."""
-    start, log, task = time.perf_counter(), calibration.log, calibration.task
+    start = time.perf_counter()
     range_images, check_images, check_labels = calibration.split()
     budget = calibration.budget_thresholds()
     layers = backend.layers()
-    check = torch.cat(check_images) if check_images else None
     report = {**calibration.describe(getattr(backend, "settings", ())), "layers": len(layers)}
-    if check is None:
-        method = backend.range_methods[0]
-        candidate = backend.quantize([], range_images, method)
-        report.update(
-            calibration_method=backend.describe(method),
-            float_layers=[],
-            int8_layers=len(layers),
-            steps=[],
-            float_ops=backend.float_ops([]),
-            seconds=round(time.perf_counter() - start, 1),
-            note="too few calibration images to hold any out: plain PTQ, budget not checked",
-        )
-        return candidate, report
+    if not check_images:
+        return _unchecked_ptq(backend, range_images, layers, report, start)
+    check = torch.cat(check_images)
+    reference, task, judge = _judge(model, check, check_labels, calibration.task, budget)
+    search = _Search(backend, range_images, judge, task, calibration.log, len(layers))
+    found = _run_phases(search, model, check, reference, layers, calibration.settings)
+    candidate = search.candidate_for(found.chosen.recipe)
+    report.update(_report(found, search.trials, backend, len(layers), check, start))
+    if not found.chosen.meets_budget:
+        report.update(_missed_budget(found, calibration.settings, model, check, reference, task, budget))
+    return candidate, report
 
-    reference, task, judge = _judge(model, check, check_labels, task, budget)
 
-    def attempt(float_layers: list[str], method: str, kinds: tuple[str, ...] = ()):
-        candidate = _quantize(backend, float_layers, range_images, method, kinds)
-        metrics = judge(candidate)
-        in_float = len(_closure(backend, float_layers, method))  # with the producers XNNPACK needs float beside them
-        steps.append(
-            {
-                "float_layers": in_float,
-                "ranges": method,
-                **({"float_kinds": list(kinds)} if kinds else {}),
-                **_summary(task, metrics),
-            }
-        )
-        log(
-            f"  int8, {method} ranges, {in_float}/{len(layers)} layers float{_kinds_text(kinds)}: "
-            f"{metrics['fidelity']['psnr_db']:.1f} dB, agreement {task.headline(metrics)['agreement']:.3f}"
-            + ("" if metrics["reasons"] else ", budget met")
-        )
-        return candidate, metrics
+def _unchecked_ptq(backend: Backend, range_images: list, layers: list[str], report: dict, start: float):
+    """Too few calibration images to hold any out: plain PTQ with the first range method, the budget not checked."""
+    method = backend.range_methods[0]
+    candidate = backend.quantize([], range_images, method)
+    report.update(
+        calibration_method=backend.describe(method),
+        float_layers=[],
+        int8_layers=len(layers),
+        steps=[],
+        float_ops=backend.float_ops([]),
+        seconds=round(time.perf_counter() - start, 1),
+        note="too few calibration images to hold any out: plain PTQ, budget not checked",
+    )
+    return candidate, report
 
-    steps: list[dict] = []
-    # One candidate is alive at a time (two while the next is made): each holds a runtime session or a
-    # quantized copy of the model, and every step's used to be kept to the end (MViT-V2-S's Q/DQ search, 16
-    # frames at 224²: letting the candidates go took the process from 5.0 to 3.4 GB). One chosen after it
-    # was let go is made again (quantization is deterministic; the ONNX backend keeps its files).
-    held: tuple[list[str], Candidate, str, tuple] | None = None  # (float layers, candidate, range method, kinds)
-    # better ranges first: every range method on plain PTQ, the best on the check images goes on
-    trials, unusable = {}, {}
-    allowed = calibration.settings.get("dynamic_ranges", True)
+
+def _run_phases(
+    search: _Search, model: torch.nn.Module, check: torch.Tensor, reference: torch.Tensor, layers: list[str], settings
+) -> _Found:
+    """The phases of the search, each tried only while the budget is missed (docs/int8.md): the best range method,
+    ranges chosen per inference, whole kinds of op in float, then the most sensitive layers in float."""
+    backend = search.backend
+    allowed = settings.get("dynamic_ranges", True)
     fallback_ranges = getattr(backend, "fallback_range_methods", ()) if allowed else ()
-    static = calibration.settings.get(STATIC_RANGES, True) or not fallback_ranges
-    methods = backend.range_methods if static else fallback_ranges
+    static = settings.get(STATIC_RANGES, True) or not fallback_ranges
+    plain, unusable = _best_range_method(search, backend.range_methods if static else fallback_ranges)
+    cap = math.floor(settings["max_float_fraction"] * len(layers))
+    if not static and len(plain.floated) > cap:  # as a fallback over the cap is never chosen
+        raise ValueError(
+            f"{plain.recipe.ranges} ranges leave {len(plain.floated)} layers in float, over the cap of {cap}"
+        )
+    found = _Found(plain, plain, cap, unusable)
+    fallback = settings["fallback"]
+    if not found.chosen.meets_budget and fallback and static:
+        found.chosen, found.unusable_fallbacks = _fallback_ranges(search, found.chosen, fallback_ranges, cap)
+    if not found.chosen.meets_budget and fallback and found.chosen.recipe.ranges in backend.range_methods:
+        found.chosen = _kinds_in_float(search, found.chosen, getattr(backend, "op_fallbacks", ()))
+    if not found.chosen.meets_budget and fallback and layers:
+        search.log(f"  int8 misses its budget on {len(check)} held-out images: measuring layer sensitivity")
+        with torch.no_grad():
+            found.sensitivity = layer_sensitivity(
+                model, layers, torch.cat(search.range_images[:16]), check[:8], reference[:8]
+            )
+        found.chosen, found.stopped = _layers_in_float(search, found.chosen, found.sensitivity.ranking(), cap)
+        if found.chosen.recipe.float_kinds and found.chosen.recipe.float_layers and found.chosen.meets_budget:
+            found.chosen = _without_kinds(search, found.chosen)
+    return found
+
+
+def _best_range_method(search: _Search, methods: tuple[str, ...]) -> tuple[Trial, dict[str, str]]:
+    """Better ranges first: plain PTQ with every range method in `methods`, the best on the check images held and
+    returned, with the methods that cannot measure this model and why (only when all fail does the error stand)."""
+    tried: list[Trial] = []
+    unusable: dict[str, str] = {}
     for i, method in enumerate(methods):
         try:
-            candidate, trials[method] = attempt([], method)
+            candidate, trial = search.attempt(Recipe(method))
         except ValueError as error:  # e.g. ONNX Runtime's percentile histogram of a tensor with no range
-            if not trials and i == len(methods) - 1:
+            if not tried and i == len(methods) - 1:
                 raise
             unusable[method] = f"{type(error).__name__}: {error}"
-            log(f"  int8, {method} ranges cannot be measured on this model ({unusable[method]}): left out")
+            search.log(f"  int8, {method} ranges cannot be measured on this model ({unusable[method]}): left out")
             continue
-        if max(trials, key=lambda m: _rank(trials[m])) == method:
-            held = ([], candidate, method, ())
+        tried.append(trial)
+        if max(tried, key=Trial.rank) is trial:
+            search.hold(trial, candidate)
         del candidate
-    if unusable:
-        report["range_methods_unusable"] = unusable
-    method = max(trials, key=lambda m: _rank(trials[m]))
-    cap = math.floor(calibration.settings["max_float_fraction"] * len(layers))
-    if not static and len(_closure(backend, [], method)) > cap:  # as a fallback over the cap is never chosen
-        raise ValueError(
-            f"{method} ranges leave {len(_closure(backend, [], method))} layers in float, over the cap of {cap}"
+    return max(tried, key=Trial.rank), unusable
+
+
+def _fallback_ranges(
+    search: _Search, chosen: Trial, methods: tuple[str, ...], cap: int
+) -> tuple[Trial, dict[str, str]]:
+    """Ranges a backend chooses only when its static ones miss (PT2E: per inference), every layer still int8; one
+    is kept when within the cap and it beats `chosen`. Returns the trial chosen and the methods that cannot be used
+    on this graph, with why (such a method must not fail a build that has another)."""
+    unusable: dict[str, str] = {}
+    for method in methods:
+        try:
+            candidate, trial = search.attempt(Recipe(method))
+        except Exception as error:
+            unusable[method] = f"{type(error).__name__}: {error}".splitlines()[0]
+            search.log(f"  int8, {method} ranges cannot be used on this model ({unusable[method]}): left out")
+            continue
+        if len(trial.floated) > cap:  # layers the method cannot quantize count against the cap
+            trial.over_cap = True
+        elif trial.beats(chosen):
+            chosen = trial
+            search.hold(trial, candidate)
+        del candidate
+    return chosen, unusable
+
+
+def _kinds_in_float(search: _Search, chosen: Trial, kinds: tuple[str, ...]) -> Trial:
+    """Ops the backend quantizes beyond layers, each kind in float as a whole: an error spread over many small ops
+    (a residual stream requantized at every block) that no few layers in float recover. A kind is kept when it
+    beats the trial chosen so far; every kind is tried."""
+    for kind in kinds:
+        recipe = Recipe(chosen.recipe.ranges, float_kinds=chosen.recipe.float_kinds + (kind,))
+        candidate, trial = search.attempt(recipe)
+        if trial.beats(chosen):
+            chosen = trial
+            search.hold(trial, candidate)
+        del candidate
+    return chosen
+
+
+def _layers_in_float(search: _Search, chosen: Trial, ranking: list[str], cap: int) -> tuple[Trial, str | None]:
+    """The most sensitive layers in float, more at each step (_steps), re-measured each time, until the budget holds,
+    the cap is reached or PATIENCE steps in a row gain less than MIN_GAIN_DB. Returns the trial chosen (when the
+    budget is missed: the fewest float layers within MIN_GAIN_DB of the best) and why the search stopped short."""
+    tried, stopped = [chosen], None
+    best, stale = chosen.psnr_db, 0
+    floated: list[str] = []
+    for count in _steps(cap):
+        if set(ranking[:count]) <= set(floated):  # already float beside an earlier layer: the same model
+            continue
+        search.held = None
+        candidate, trial = search.attempt(
+            Recipe(chosen.recipe.ranges, tuple(ranking[:count]), chosen.recipe.float_kinds)
         )
-    metrics = trials[method]
-    plain = steps[list(trials).index(method)]
-    report["calibration_method"] = backend.describe(method)
-    float_layers: list[str] = []
-    chosen = plain
-    kinds: tuple[str, ...] = ()
-    if metrics["reasons"] and calibration.settings["fallback"] and static:
-        # ranges a backend chooses only when its static ones miss: every layer stays int8
-        for extra in fallback_ranges:
-            try:
-                candidate, trial = attempt([], extra)
-            except Exception as error:  # a fallback that cannot quantize this graph must not fail a build that has one
-                unusable[extra] = f"{type(error).__name__}: {error}".splitlines()[0]
-                report["range_methods_unusable"] = unusable
-                log(f"  int8, {extra} ranges cannot be used on this model ({unusable[extra]}): left out")
-                continue
-            if len(_closure(backend, [], extra)) > cap:  # layers the method cannot quantize count against the cap
-                steps[-1]["over_cap"] = True
-            elif _rank(trial) > _rank(metrics) and (not trial["reasons"] or _gain(trial, metrics) >= MIN_GAIN_DB):
-                method, metrics, chosen, held = extra, trial, steps[-1], ([], candidate, extra, ())
-                report["calibration_method"] = backend.describe(extra)
-            del candidate
-    if metrics["reasons"] and calibration.settings["fallback"] and method in backend.range_methods:
-        # ops the backend quantizes beyond layers, each kind in float as a whole: an error spread over many
-        # small ops (a residual stream requantized at every block) that no few layers in float recover
-        for kind in getattr(backend, "op_fallbacks", ()):
-            candidate, trial = attempt([], method, kinds + (kind,))
-            if _rank(trial) > _rank(metrics) and (not trial["reasons"] or _gain(trial, metrics) >= MIN_GAIN_DB):
-                kinds, metrics, chosen, held = (
-                    kinds + (kind,),
-                    trial,
-                    steps[-1],
-                    ([], candidate, method, kinds + (kind,)),
-                )
-            del candidate
-    sensitivity, stopped = None, None
-    if metrics["reasons"] and calibration.settings["fallback"] and layers:
-        log(f"  int8 misses its budget on {len(check)} held-out images: measuring layer sensitivity")
-        with torch.no_grad():
-            sensitivity = layer_sensitivity(model, layers, torch.cat(range_images[:16]), check[:8], reference[:8])
-        ranking = sensitivity.ranking()
-        tried = [([], metrics, chosen)]
-        best, stale = metrics["fidelity"]["psnr_db"], 0
-        floated: list[str] = []
-        for count in _steps(cap):
-            if set(ranking[:count]) <= set(floated):  # already float beside an earlier layer: the same model
-                continue
-            held = None
-            candidate, step_metrics = attempt(ranking[:count], method, kinds)
-            floated = _closure(backend, ranking[:count], method)
-            if len(floated) > cap:  # the cap holds for every layer in float, those floated with a layer too
-                steps[-1]["over_cap"] = True
-                stopped = f"the next step keeps {len(floated)} layers in float, over the cap of {cap}"
-                break
-            held = (ranking[:count], candidate, method, kinds)
-            del candidate
-            tried.append((ranking[:count], step_metrics, steps[-1]))
-            psnr = step_metrics["fidelity"]["psnr_db"]
-            if not step_metrics["reasons"]:
-                break
-            best, stale = max(best, psnr), (stale + 1 if psnr - best < MIN_GAIN_DB else 0)
-            if stale == PATIENCE:
-                stopped = f"{PATIENCE} steps in a row gained less than {MIN_GAIN_DB} dB"
-                break
-        if tried[-1][1]["reasons"]:
-            # the budget was not met: float layers that did not buy MIN_GAIN_DB only cost speed
-            top = max(t[1]["fidelity"]["psnr_db"] for t in tried)
-            tried = [next(t for t in tried if t[1]["fidelity"]["psnr_db"] >= top - MIN_GAIN_DB)]
-        float_layers, metrics, chosen = tried[-1]
-        if kinds and float_layers and not metrics["reasons"]:
-            # the layers may meet the budget without the adds: they stay int8 then (float adds only cost speed)
-            candidate, trial = attempt(float_layers, method)
-            if not trial["reasons"]:
-                kinds, metrics, chosen, held = (), trial, steps[-1], (float_layers, candidate, method, ())
-            del candidate
-    if held is not None and (held[0], held[2], held[3]) == (float_layers, method, kinds):
-        candidate = held[1]
-    else:
-        candidate = _quantize(backend, float_layers, range_images, method, kinds)
-    kept = _closure(backend, float_layers, method)
-    report.update(
-        float_ops=_float_ops(backend, float_layers, kinds, method),
-        float_layers=[_layer_entry(n, sensitivity, n not in float_layers, _is_fallback(backend, method)) for n in kept],
-        int8_layers=len(layers) - len(kept),
-        before=plain,
-        after=chosen,
-        meets_budget=not metrics["reasons"],
-        steps=steps,
-        sensitivity=None
+        floated = trial.floated
+        if len(floated) > cap:  # the cap holds for every layer in float, those floated with a layer too
+            trial.over_cap = True
+            stopped = f"the next step keeps {len(floated)} layers in float, over the cap of {cap}"
+            break
+        search.hold(trial, candidate)
+        del candidate
+        tried.append(trial)
+        if trial.meets_budget:
+            break
+        psnr = trial.psnr_db
+        best, stale = max(best, psnr), (stale + 1 if psnr - best < MIN_GAIN_DB else 0)
+        if stale == PATIENCE:
+            stopped = f"{PATIENCE} steps in a row gained less than {MIN_GAIN_DB} dB"
+            break
+    if not tried[-1].meets_budget:
+        # the budget was not met: float layers that did not buy MIN_GAIN_DB only cost speed
+        top = max(t.psnr_db for t in tried)
+        tried = [next(t for t in tried if t.psnr_db >= top - MIN_GAIN_DB)]
+    return tried[-1], stopped
+
+
+def _without_kinds(search: _Search, chosen: Trial) -> Trial:
+    """The layers in float may meet the budget without the kinds in float: they go back to int8 then (float adds
+    only cost speed)."""
+    candidate, trial = search.attempt(Recipe(chosen.recipe.ranges, chosen.recipe.float_layers))
+    if not trial.meets_budget:
+        return chosen
+    search.hold(trial, candidate)
+    return trial
+
+
+def _report(found: _Found, trials: list[Trial], backend: Backend, layer_count: int, check, start: float) -> dict:
+    """The search as the manifest records it (details.quantization), after the calibration's own description."""
+    chosen, sensitivity = found.chosen, found.sensitivity
+    unusable = {**found.unusable, **found.unusable_fallbacks}
+    fallback_ranges = _is_fallback(backend, chosen.recipe.ranges)
+    report = {
+        # where the search first had one: before the method chosen when a range method failed, else after it
+        **({"range_methods_unusable": unusable} if found.unusable else {}),
+        "calibration_method": backend.describe(chosen.recipe.ranges),
+        **({"range_methods_unusable": unusable} if found.unusable_fallbacks and not found.unusable else {}),
+        "float_ops": _float_ops(
+            backend, list(chosen.recipe.float_layers), chosen.recipe.float_kinds, chosen.recipe.ranges
+        ),
+        "float_layers": [
+            _layer_entry(n, sensitivity, n not in chosen.recipe.float_layers, fallback_ranges) for n in chosen.floated
+        ],
+        "int8_layers": layer_count - len(chosen.floated),
+        "before": found.plain.to_json(),
+        "after": chosen.to_json(),
+        "meets_budget": chosen.meets_budget,
+        "steps": [t.to_json() for t in trials],
+        "sensitivity": None
         if sensitivity is None
         else {
             "output_psnr_db": {n: _rounded(v) for n, v in sensitivity.output_psnr_db.items()},
             "local_sqnr_db": {n: _rounded(v) for n, v in sensitivity.local_sqnr_db.items()},
             "images": min(8, len(check)),
         },
-        seconds=round(time.perf_counter() - start, 1),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    if chosen.recipe.float_kinds:
+        report["float_kinds"] = list(chosen.recipe.float_kinds)
+    return report
+
+
+def _missed_budget(found: _Found, settings, model, check, reference, task, budget: dict) -> dict:
+    """Why the budget was missed (`note`), and how far eager itself moves when its input is perturbed about as
+    much as one int8 rounding would (`perturbation`): under the budget's PSNR, the model amplifies small errors."""
+    chosen = found.chosen
+    why = (
+        "fallback is off (--no-fallback)"
+        if not settings["fallback"]
+        else found.stopped or f"the cap of {found.cap} float layers was reached"
     )
-    if kinds:
-        report["float_kinds"] = list(kinds)
-    if metrics["reasons"]:
-        why = (
-            "fallback is off (--no-fallback)"
-            if not calibration.settings["fallback"]
-            else stopped
-            or f"the cap of {math.floor(calibration.settings['max_float_fraction'] * len(layers))} float layers was reached"
+    note = f"budget not met on the check images ({'; '.join(chosen.metrics['reasons'])}): {why}"
+    if found.sensitivity is not None:
+        kept = len(chosen.recipe.float_layers)
+        note += f"; kept the fewest float layers ({kept}) within {MIN_GAIN_DB} dB of the best step"
+    moved = perturbed_psnr(model, check, reference, task)
+    if moved < budget.get("psnr_db", -math.inf):
+        note += (
+            f"; eager itself, its input perturbed at {PERTURBATION_SNR_DB:g} dB SNR, is "
+            f"{moved:.1f} dB from its own outputs, under the budget's {budget['psnr_db']:g} dB: "
+            "the model amplifies small errors"
         )
-        report["note"] = f"budget not met on the check images ({'; '.join(metrics['reasons'])}): {why}"
-        if sensitivity is not None:
-            report["note"] += (
-                f"; kept the fewest float layers ({len(float_layers)}) within {MIN_GAIN_DB} dB of the best step"
-            )
-        moved = perturbed_psnr(model, check, reference, task)
-        report["perturbation"] = {"input_snr_db": PERTURBATION_SNR_DB, "output_psnr_db": _rounded(moved)}
-        if moved < budget.get("psnr_db", -math.inf):
-            report["note"] += (
-                f"; eager itself, its input perturbed at {PERTURBATION_SNR_DB:g} dB SNR, is "
-                f"{moved:.1f} dB from its own outputs, under the budget's {budget['psnr_db']:g} dB: "
-                "the model amplifies small errors"
-            )
-    return candidate, report
+    return {"note": note, "perturbation": {"input_snr_db": PERTURBATION_SNR_DB, "output_psnr_db": _rounded(moved)}}
 
 
 def _judge(model: torch.nn.Module, check: torch.Tensor, check_labels, task, budget: dict):
@@ -357,11 +501,11 @@ def perturbed_psnr(model: torch.nn.Module, images: torch.Tensor, reference: torc
         return task.fidelity(reference, run_all(model, noisy))["psnr_db"]
 
 
-def _quantize(backend: Backend, float_layers: list[str], range_images, method: str, kinds: tuple[str, ...]):
-    """backend.quantize, with `kinds` only when there are some (a backend without op_fallbacks takes none)."""
-    if kinds:
-        return backend.quantize(float_layers, range_images, method, kinds)
-    return backend.quantize(float_layers, range_images, method)
+def _quantize(backend: Backend, recipe: Recipe, range_images):
+    """backend.quantize, with the kinds only when there are some (a backend without op_fallbacks takes none)."""
+    if recipe.float_kinds:
+        return backend.quantize(list(recipe.float_layers), range_images, recipe.ranges, recipe.float_kinds)
+    return backend.quantize(list(recipe.float_layers), range_images, recipe.ranges)
 
 
 def _is_fallback(backend: Backend, method: str) -> bool:
