@@ -9,7 +9,7 @@ import pytest
 from exporter import files
 from exporter.release import manifest
 
-from .conftest import build_args, run_cli
+from .helpers import build_args, run_cli
 
 
 @pytest.fixture(scope="module")

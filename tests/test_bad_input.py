@@ -5,7 +5,7 @@ import torch
 
 from exporter.errors import UsageError
 
-from .conftest import assert_clean_refusal, hide_module, run_cli
+from .helpers import assert_clean_refusal, hide_module, run_cli
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from exporter.release import manifest
 from exporter.release.bundle import extract_bundle, make_bundle
 from exporter.errors import UsageError
 
-from .conftest import ROOT, build_args, run_cli, run_without_torch
+from .helpers import ROOT, build_args, run_cli, run_without_torch
 from .fake_manifest import complete
 
 slow = pytest.mark.slow  # the tests on real builds; those on fake manifests (below the fixtures) are fast

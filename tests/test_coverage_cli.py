@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import run_cli
 from .coverage_helpers import SMALL
+from .helpers import run_cli
 
 DOCS = Path(__file__).parents[1] / "docs"
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from exporter.coverage import outcome
 
-from .conftest import QUANTIZED_WEIGHT
+from .helpers import QUANTIZED_WEIGHT
 
 
 def _task(num_classes: int):

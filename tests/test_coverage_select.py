@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .conftest import run_cli
+from .helpers import run_cli
 
 
 def test_a_target_the_build_refuses_is_a_refused_row_without_a_build(tmp_path):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import run_cli
 from .coverage_helpers import SMALL
+from .helpers import run_cli
 
 SWEEP = [
     "coverage",

@@ -10,8 +10,8 @@ import pytest
 from exporter import coverage
 from exporter.coverage import table
 
-from .conftest import assert_clean_refusal, run_cli
 from .coverage_helpers import merge_doc
+from .helpers import assert_clean_refusal, run_cli
 
 
 def test_a_merge_keeps_measured_rows_and_says_what_its_files_were_made_with(tmp_path):

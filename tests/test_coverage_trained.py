@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from .conftest import CACHE, run_cli
+from .helpers import CACHE, run_cli
 
 
 def test_the_trained_tier_judges_int8_on_labeled_digits(quantized_digits, tmp_path):

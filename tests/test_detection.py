@@ -17,7 +17,7 @@ from exporter.standins import detection as digits_detection
 from exporter.release.bundle import make_bundle
 from exporter.thresholds import breaches
 
-from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, assert_preview, run_cli
+from .helpers import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, assert_preview, run_cli
 
 pytestmark = pytest.mark.slow
 

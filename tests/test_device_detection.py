@@ -22,7 +22,7 @@ from exporter.release import manifest
 from exporter.release.bundle import make_bundle
 from exporter.errors import UsageError
 
-from .conftest import ROOT, run_without_torch
+from .helpers import ROOT, run_without_torch
 from .fake_manifest import complete, verdict
 from .test_bundle import _has
 

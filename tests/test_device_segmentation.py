@@ -19,7 +19,7 @@ from exporter.device import device_validate
 from exporter.release import manifest
 from exporter.release.bundle import BUNDLE_VERSION, make_bundle
 
-from .conftest import ROOT, run_without_torch
+from .helpers import ROOT, run_without_torch
 from .fake_manifest import complete, verdict
 from .test_bundle import APP_READS, _has
 

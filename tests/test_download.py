@@ -13,7 +13,7 @@ from torchvision.models import get_weight
 
 from exporter import files
 
-from .conftest import FAST, assert_clean_refusal, run_cli
+from .helpers import FAST, assert_clean_refusal, run_cli
 
 
 class CheckpointServer:

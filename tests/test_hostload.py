@@ -22,7 +22,7 @@ from exporter.engine.request import BuildRequest
 from exporter.release import html_report, recommend, report
 from exporter.tasks import Classification
 
-from .conftest import build_args, run_cli
+from .helpers import build_args, run_cli
 
 REAL_JUDGE = hostload.judge  # tests/conftest.py stands a quiet-host judge in for it once the session starts
 

@@ -17,7 +17,7 @@ from PIL import Image
 from exporter import data, weights
 from exporter.formats import coreml
 
-from .conftest import ROOT, assert_clean_refusal, build_args, hide_module, run_cli
+from .helpers import ROOT, assert_clean_refusal, build_args, hide_module, run_cli
 
 ct = pytest.importorskip("coremltools")
 

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from .conftest import (
+from .helpers import (
     INT8_SLACK,
     assert_clean_refusal,
     assert_device_reproduces_the_build,

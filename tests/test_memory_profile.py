@@ -152,7 +152,7 @@ def test_onnx_runtime_memory_and_profile(tmp_path):
 
 
 def test_an_artifact_not_built_here_says_why_it_is_not_measured(tmp_path, digits_model):
-    from .conftest import build_args, run_cli
+    from .helpers import build_args, run_cli
 
     out = tmp_path / "build"
     result = run_cli(*build_args(digits_model, out, "--target", "jetson", "--format", "tensorrt"))

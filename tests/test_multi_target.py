@@ -4,7 +4,7 @@ import json
 
 from exporter.engine.profiles import PROFILE_DIR
 
-from .conftest import FAST, run_cli
+from .helpers import FAST, run_cli
 
 
 def test_two_targets_share_one_eager_reference(tmp_path, digits_model):

@@ -18,7 +18,7 @@ from exporter.standins import flow as digits_flow
 from exporter.tasks.optical_flow import OpticalFlow, read_flo, resized_flow, write_flo
 from exporter.thresholds import breaches
 
-from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
+from .helpers import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
 
 FAST = ["--calib-size", "8", "--val-size", "12", "--warmup", "1", "--iterations", "3"]
 

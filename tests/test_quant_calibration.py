@@ -11,7 +11,7 @@ from exporter.engine.plan import make as make_plan
 from exporter.errors import UsageError
 from exporter.quant import SETTINGS, Calibration
 
-from .conftest import assert_clean_refusal, build_args, run_cli
+from .helpers import assert_clean_refusal, build_args, run_cli
 
 
 def test_calibration_split_holds_out_disjoint_interleaved_images():

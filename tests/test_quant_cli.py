@@ -11,7 +11,7 @@ import pytest
 from exporter import files
 from exporter.standins import digits
 
-from .conftest import FAST, build_args, run_cli
+from .helpers import FAST, build_args, run_cli
 
 INT8 = ["--target", "android", "--target", "jetson", "--format", "executorch:int8", "--format", "onnx:int8"]
 

@@ -16,7 +16,7 @@ from exporter.formats import FORMATS
 
 from exporter.thresholds import breaches
 
-from .conftest import FAST, assert_clean_refusal, run_cli
+from .helpers import FAST, assert_clean_refusal, run_cli
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from exporter.device import detection_decode
 from exporter.standins import detection as digits_detection
 from exporter.thresholds import breaches
 
-from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
+from .helpers import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from exporter.engine.cache import BuildCache
 from exporter.engine.record import BuildRecord
 from exporter.progress import Progress
 
-from .conftest import FAST, INT8_SLACK, build_args, run_cli
+from .helpers import FAST, INT8_SLACK, build_args, run_cli
 
 WITHOUT_TORCH = """
 import sys

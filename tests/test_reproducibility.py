@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, build_args
+from .helpers import ROOT, build_args
 
 pytest.importorskip("executorch")
 ct = pytest.importorskip("coremltools")

@@ -16,7 +16,7 @@ from PIL import Image
 from exporter.standins import segmentation as digits_segmentation
 from exporter.thresholds import breaches
 
-from .conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, assert_preview, run_cli
+from .helpers import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, assert_preview, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from exporter.aarch64.layout import Runner
 from exporter.formats import FORMATS
 from exporter.release import manifest
 
-from .conftest import build_args, run_cli
+from .helpers import build_args, run_cli
 
 
 class FakeArm:
@@ -161,7 +161,7 @@ def test_an_artifact_that_departs_from_eager_on_one_cpu_fails(monkeypatch, tmp_p
 
 
 def test_arch_and_cpu_are_checked_before_anything_is_written(tmp_path, digits_model):
-    from .conftest import assert_clean_refusal
+    from .helpers import assert_clean_refusal
 
     out = tmp_path / "build"
     result = run_cli(*build_args(digits_model, out, "--target", "android", "--cpu", "max"))

@@ -213,7 +213,7 @@ def test_a_build_on_a_zero_initialised_head_fails_saying_why(tmp_path):
     """As ViT ships its head (all zeros) with random weights: the build must not report a pass at inf dB."""
     from torchvision.models import get_model
 
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     model = get_model("mobilenet_v3_small", weights=None, num_classes=10)
     torch.nn.init.zeros_(model.classifier[-1].weight)

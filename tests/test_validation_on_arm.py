@@ -13,7 +13,7 @@ import pytest
 
 from exporter import aarch64
 
-from .conftest import ARM_CACHE as RUNNER_CACHE, ARM_E2E as E2E
+from .helpers import ARM_CACHE as RUNNER_CACHE, ARM_E2E as E2E
 from .test_bundled_program import golden_program  # noqa: F401, F811  (a fixture)
 
 E2E_CPUS = ["cortex-a53", "cortex-a76"]
@@ -30,7 +30,7 @@ def arm_runner():
 def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
     arm_runner, android_build, tmp_path, digits_model, monkeypatch
 ):
-    from .conftest import INT8_SLACK, build_args, run_cli
+    from .helpers import INT8_SLACK, build_args, run_cli
 
     _, baseline = android_build  # its artifacts and x86 validations come back from the suite's cache
     assert baseline.exit_code == 0, baseline.output
@@ -107,7 +107,7 @@ def test_a_bpte_that_departs_is_refused_inside_the_aarch64_runner(arm_runner, go
 def test_the_coverage_sweep_validates_on_an_arm_core_too(arm_runner, tmp_path):
     """`exporter coverage --cpu NAME`: every runnable artifact of each row judged on the emulated core as well, in a
     table of its own (coverage-aarch64), the runner set up by the sweep and found by its offline builds."""
-    from .conftest import run_cli
+    from .helpers import run_cli
 
     out = tmp_path / "table"
     result = run_cli(

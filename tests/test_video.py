@@ -12,7 +12,7 @@ from PIL import Image
 from exporter import weights
 from exporter.errors import UsageError
 from exporter.standins import digit_clips
-from tests.conftest import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
+from tests.helpers import CACHE, assert_clean_refusal, assert_device_reproduces_the_build, run_cli
 
 SMALL = ["--calib-size", "16", "--val-size", "48", "--warmup", "1", "--iterations", "3"]
 

@@ -8,7 +8,7 @@ import torch
 from exporter import weights
 from exporter.errors import UsageError
 
-from .conftest import run_cli
+from .helpers import run_cli
 
 
 @pytest.mark.parametrize(
@@ -145,7 +145,7 @@ def test_a_classifier_builds_at_a_smaller_input_size(tmp_path, digits_model):
     that size, and the device kit reproduces the build's numbers on its golden inputs."""
     import onnx
 
-    from .conftest import FAST, assert_device_reproduces_the_build
+    from .helpers import FAST, assert_device_reproduces_the_build
 
     out = tmp_path / "out"
     result = run_cli(
