@@ -44,8 +44,8 @@ def quiet_host():
 # Measured per file from a fresh clone (2-core host): the slowest first, so that the workers of `make test`
 # (pytest-xdist, one per core) start on them and end together; the files not named follow in their own order.
 ANDROID_BUILD = "android_build"  # the xdist group of every file that checks this session fixture
-
-
+# test_quant and test_coverage were measured whole; split by module since, their slow files (real builds, trained
+# stand-ins) stand where they stood, the whole builds first.
 # test_region_detection starts once test_detection has had time to train the SSDlite stand-in its own starts from
 # (a worker that asks for it earlier waits on the other's lock, idle).
 SLOWEST_FIRST = (
@@ -63,8 +63,6 @@ SLOWEST_FIRST = (
     "test_video",
     "test_jetson",
 )
-
-
 ARM_SETUP = pytest.StashKey()
 
 
