@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
@@ -212,17 +213,31 @@ def _measured(value, outputs_broken: bool):
     return value
 
 
+@dataclass(frozen=True)
+class EagerReference:
+    """What every artifact of a build is evaluated against: the task, eager (as a runner), the validation inputs
+    and eager's outputs on them (one flattened row per input, as run_all makes them), the labels and eager's
+    labeled accuracy when there are labels, and how the latency is timed (warm-up runs, timed iterations)."""
+
+    task: Task
+    eager: Runner
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    labels: torch.Tensor | None = None
+    eager_accuracy: dict | None = None
+    warmup: int = 0
+    iterations: int = 0
+
+
+def non_finite_inputs(outputs: torch.Tensor) -> int:
+    """How many inputs (rows of `outputs`, as run_all makes them) have a NaN or infinite output."""
+    return int((~torch.isfinite(outputs.reshape(len(outputs), -1))).any(1).sum())
+
+
 def evaluate(
-    task: Task,
+    reference: EagerReference,
     runner: Runner,
-    eager: Runner,
-    inputs: torch.Tensor,
-    reference: torch.Tensor,
-    labels: torch.Tensor | None,
-    eager_accuracy: dict | None,
     thresholds: Mapping[str, float],
-    warmup: int,
-    iterations: int,
     timed: bool = True,
     max_spread: float | None = None,
 ) -> tuple[dict, torch.Tensor]:
@@ -230,10 +245,14 @@ def evaluate(
     Untimed for stand-ins whose speed says nothing about the runtime they stand in for. The latency is judged
     (hostload.judge) with torch's thread setting on entry, the build's, and `max_spread`; it never sets status."""
     threads = torch.get_num_threads()  # the build's setting, before a runtime can change it
-    outputs = run_all(runner, inputs)
-    metrics = judge(task, outputs, reference, labels, eager_accuracy, thresholds)
+    outputs = run_all(runner, reference.inputs)
+    metrics = judge(reference.task, outputs, reference.outputs, reference.labels, reference.eager_accuracy, thresholds)
     if not timed:
         metrics.update(latency_ms=None, eager_latency_ms=None, speedup_vs_eager=None)
         return metrics, outputs
-    metrics.update(latency_against_eager(runner, eager, inputs[:1], warmup, iterations, threads, max_spread))
+    metrics.update(
+        latency_against_eager(
+            runner, reference.eager, reference.inputs[:1], reference.warmup, reference.iterations, threads, max_spread
+        )
+    )
     return metrics, outputs

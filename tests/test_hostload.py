@@ -131,9 +131,8 @@ def test_a_loaded_host_is_measured_and_said_unreliable_and_the_verdict_ignores_i
     loops = _busy(3, 8.0)  # bounded by their own clock too, should terminate fail
     try:
         time.sleep(0.5)  # let them start
-        metrics, _ = validation.evaluate(
-            task, model, model, inputs, reference, None, None, thresholds, warmup=5, iterations=1000, max_spread=2.0
-        )
+        eager = validation.EagerReference(task, model, inputs, reference, warmup=5, iterations=1000)
+        metrics, _ = validation.evaluate(eager, model, thresholds, max_spread=2.0)
     finally:
         for p in loops:
             p.terminate()

@@ -126,16 +126,9 @@ def test_a_constant_reference_cannot_pass_anything():
     reason = validation.blind_spot(task, zeros, {"top1_agreement": 1.0, "psnr_db": 60.0})
     assert reason and "degenerate eager reference" in reason
     metrics, _ = validation.evaluate(
-        task,
+        validation.EagerReference(task, None, torch.zeros(8, 3, 8, 8), zeros, warmup=0, iterations=1),
         lambda x: torch.zeros(1, 10),
-        None,
-        torch.zeros(8, 3, 8, 8),
-        zeros,
-        None,
-        None,
         {"top1_agreement": 1.0, "psnr_db": 60.0},
-        0,
-        1,
         timed=False,
     )
     assert metrics["status"] == "failed" and metrics["reasons"] == [reason]

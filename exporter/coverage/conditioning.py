@@ -1,4 +1,6 @@
-"""How well a random reference can judge each precision: eager itself with its tensors rounded.
+"""How well a random reference can judge each precision: eager itself with its tensors rounded (the roundings are
+the engine's, exporter/engine/conditioning.py, which every build runs on an artifact that failed fidelity; the
+sweep measures them for every row, with the margins and errors its table weighs).
 
 A random model can be so ill-conditioned that any runtime computing in a given precision lands far from eager,
 however correct its export (measured: a random EfficientNetV2-S in float32 is ~22 dB from the same model in
@@ -24,118 +26,14 @@ When the floor passes and the artifact fails, the failure is ours to explain."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 from torch import nn
 
-PRECISIONS = ("fp32", "fp16", "int8")
-STATIC = "int8_static"  # judged with the int8 thresholds
-_WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d)
+from ..engine.conditioning import PRECISIONS, STATIC, outputs
 
-
-def _round_fp16(t: torch.Tensor) -> torch.Tensor:
-    return t.half().float()
-
-
-def _round_int8(t: torch.Tensor, per_channel: bool = False) -> torch.Tensor:
-    if per_channel and t.dim() > 1:
-        scale = t.abs().flatten(1).amax(1).clamp_min(1e-12) / 127
-        scale = scale.view(-1, *([1] * (t.dim() - 1)))
-    else:
-        scale = t.abs().max().clamp_min(1e-12) / 127
-    return (t / scale).round().clamp(-127, 127) * scale
-
-
-def _leaves(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if not list(m.children())]
-
-
-def _rounded_weights(model: nn.Module, precision: str) -> nn.Module:
-    model = copy.deepcopy(model).float().eval()
-    rnd = _round_fp16 if precision == "fp16" else (lambda t: _round_int8(t, per_channel=True))
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, _WEIGHTED):
-                module.weight.copy_(rnd(module.weight))
-    return model
-
-
-def _rounded_copy(model: nn.Module, precision: str) -> nn.Module:
-    """A copy of `model` whose weights and leaf-module outputs are rounded to `precision`."""
-    model = _rounded_weights(model, precision)
-    rnd_out = _round_fp16 if precision == "fp16" else _round_int8
-
-    def hook(_module, _inputs, output):
-        if isinstance(output, torch.Tensor) and output.is_floating_point():
-            return rnd_out(output)
-        return output
-
-    for module in _leaves(model):
-        module.register_forward_hook(hook)
-    return model
-
-
-class _CallSites:
-    """Counts each leaf's calls within one forward, so that a module used twice (ResNet's shared ReLU) has
-    two ranges, as a graph quantizer's two observers would."""
-
-    def __init__(self, model: nn.Module):
-        self.calls: dict[int, int] = {}
-        model.register_forward_pre_hook(lambda *_: self.calls.clear())
-
-    def next(self, module: nn.Module) -> tuple[int, int]:
-        n = self.calls.get(id(module), 0)
-        self.calls[id(module)] = n + 1
-        return id(module), n
-
-
-def _static_copy(model: nn.Module, calibration: list[torch.Tensor]) -> nn.Module:
-    """`model` with per-channel int8 weights and each leaf output fake-quantized to uint8 with an affine range
-    observed (min/max, zero included) over `calibration`; values outside it clip."""
-    model = _rounded_weights(model, "int8")
-    sites = _CallSites(model)
-    ranges: dict[tuple[int, int], tuple[float, float]] = {}
-    observing = True
-
-    def hook(module, _inputs, output):
-        if not (isinstance(output, torch.Tensor) and output.is_floating_point()):
-            return output
-        site = sites.next(module)
-        if observing:
-            lo, hi = ranges.get(site, (0.0, 0.0))
-            ranges[site] = (min(lo, output.min().item()), max(hi, output.max().item()))
-            return output
-        if site not in ranges:  # a call site calibration never reached: leave it float
-            return output
-        lo, hi = ranges[site]
-        scale = max(hi - lo, 1e-12) / 255
-        zero = round(-lo / scale)
-        return ((output / scale).round() + zero).clamp(0, 255).sub(zero).mul(scale)
-
-    for module in _leaves(model):
-        module.register_forward_hook(hook)
-    with torch.no_grad():
-        for x in calibration:
-            model(x.float())
-    observing = False
-    return model
-
-
-def outputs(model: nn.Module, images: torch.Tensor, precision: str, calibration=None) -> torch.Tensor:
-    """`model`'s outputs on `images`, one image at a time (per-tensor scales are per image), as `precision`
-    would leave them; float32 tensors (the fp32 row computes in float64). STATIC needs `calibration`
-    (batch-1 images)."""
-    if precision == "fp32":
-        variant, cast = copy.deepcopy(model).double().eval(), torch.float64
-    elif precision == STATIC:
-        variant, cast = _static_copy(model, calibration), torch.float32
-    else:
-        variant, cast = _rounded_copy(model, precision), torch.float32
-    with torch.no_grad():
-        rows = [variant(x[None].to(cast)).float() for x in images]
-    return torch.cat(rows)
+__all__ = ["PRECISIONS", "STATIC", "floor", "outputs", "top1_margins", "weight_row"]
 
 
 def floor(

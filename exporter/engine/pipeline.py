@@ -154,25 +154,29 @@ def _start_session(
             session.cache.store_tensor(reference_key, session.reference)
         else:
             session.cache.events.append("eager reference reused from the cache")
+    broken = validation.non_finite_inputs(session.reference)
+    if broken:  # nothing can be judged against it: refused before any artifact (or file) is made
+        raise UsageError(
+            f"checkpoint {loaded.checkpoint['path']}: eager's outputs are NaN or infinite on {broken} of "
+            f"{len(session.reference)} validation inputs; no artifact can be validated against them"
+        )
     if inputs.labels is not None:
         session.eager_accuracy = task.labeled(session.reference, inputs.labels)
     return session
 
 
 def _evaluate(session: Session, runner, thresholds: dict, timed: bool = True) -> tuple[dict, torch.Tensor]:
-    metrics, outputs = validation.evaluate(
+    reference = validation.EagerReference(
         session.task,
-        runner,
         session.eager,
         session.inputs.validation,
         session.reference,
         session.inputs.labels,
         session.eager_accuracy,
-        thresholds,
         session.latency["warmup"],
         session.latency["iterations"],
-        timed,
     )
+    metrics, outputs = validation.evaluate(reference, runner, thresholds, timed)
     # a runtime's own thread setting may have changed torch's; restore it for eager
     torch.set_num_threads(session.latency["threads"])
     return metrics, outputs

@@ -86,6 +86,12 @@ def host(threads: int) -> dict:
 
 
 def _jsonable(value):
+    """Numbers JSON cannot hold, written so that the manifest always writes: an infinity as the text "inf" or
+    "-inf" (a PSNR of identical outputs), NaN as null (not measured: what a NaN metric means, as the contract
+    already records it; validation._measured). An artifact with non-finite outputs also fails with a reason of
+    kind NON_FINITE, and a NaN reference is refused before any export, so a null here never hides a verdict."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"
     if isinstance(value, dict):
