@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
+
+from .results import Reason, threshold
 
 MIN_INPUTS = 2  # validation inputs: whether eager's outputs vary, and so whether agreement means anything, takes two
 
@@ -50,8 +53,9 @@ def _lookup(metrics: dict, path: tuple[str, str]):
     return section.get(path[1])
 
 
-def breaches(metrics: dict, thresholds: Mapping[str, float]) -> list[str]:
-    """Human-readable reasons, one per threshold the metrics break; [] means passed."""
+def breaches(metrics: dict, thresholds: Mapping[str, float]) -> list[Reason]:
+    """One reason (Kind.THRESHOLD: the key, the value measured, the limit and a sentence) per threshold the metrics
+    break; [] means passed."""
     reasons = []
     for key, limit in thresholds.items():
         path, kind = THRESHOLD_KEYS[key]
@@ -60,5 +64,6 @@ def breaches(metrics: dict, thresholds: Mapping[str, float]) -> list[str]:
             continue  # e.g. accuracy without labels: reported as not measured, not as a pass
         if value != value or (kind == "min" and value < limit) or (kind == "max" and value > limit):  # NaN breaks any
             sign = ">=" if kind == "min" else "<="
-            reasons.append(f"{key} {value:.4g} (needs {sign} {limit:g})")
+            text = f"{key} {value:.4g} (needs {sign} {limit:g})"
+            reasons.append(threshold(key, text, float(value) if math.isfinite(value) else None, limit))
     return reasons

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from . import hostload
+from .results import Kind, Reason, Status
 from .tasks import Task
 from .thresholds import MIN_INPUTS, THRESHOLD_KEYS, breaches
 
@@ -176,11 +177,13 @@ def judge(
     broken = not_finite(outputs, reference)
     metrics = _measured(task.quality(outputs, reference, labels, eager_accuracy, thresholds), bool(broken))
     if broken:
-        metrics["reasons"].insert(0, broken)
+        metrics["reasons"].insert(0, Reason(Kind.NON_FINITE, broken))
     blind = blind_spot(task, reference, thresholds)
-    if blind:
-        metrics["reasons"].append(blind)
-    metrics["status"] = "failed" if metrics["reasons"] else "passed"
+    if blind:  # too few inputs to tell, or a reference that barely varies
+        metrics["reasons"].append(
+            Reason(Kind.TOO_FEW_INPUTS if len(reference) < MIN_INPUTS else Kind.DEGENERATE_REFERENCE, blind)
+        )
+    metrics["status"] = Status.FAILED if metrics["reasons"] else Status.PASSED
     fidelity_broken = breaches({"fidelity": metrics["fidelity"]}, _fidelity_limits(thresholds))
     outliers = None if broken or blind or not fidelity_broken else outlier_inputs(task, outputs, reference, thresholds)
     if outliers:

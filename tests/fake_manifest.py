@@ -68,7 +68,9 @@ def verdict(fmt: str) -> dict:
     if fmt == "coreml":
         return {
             "status": "unavailable",
-            "reasons": ["not validated: Core ML predict needs macOS; this host is linux"],
+            "reasons": [
+                {"kind": "unavailable_here", "text": "not validated: Core ML predict needs macOS; this host is linux"}
+            ],
             "fidelity": None,
             "latency_ms": None,
         }

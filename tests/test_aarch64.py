@@ -320,5 +320,6 @@ def test_an_artifact_past_its_time_limit_is_named_and_the_next_runs(tmp_path, mo
         host, [tmp_path / "hang.ptl", tmp_path / "good.ptl"], x.numpy(), ["cortex-a53"], timeout=30
     )
     assert hang.error == "timed out after 30 s under qemu (cortex-a53)", hang.error
+    assert hang.timed_out and not good.timed_out  # what the aarch64 rows read (Kind.EMULATOR_TIMEOUT), not the text
     assert good.ok and np.allclose(good.outputs[0], expected["good.ptl"], atol=1e-5), good.error
     assert log.read_text().split() == ["cortex-a53"] * 2  # the hung one first: blamed at once

@@ -41,7 +41,16 @@ def _artifact(name, status="passed", size=2_000_000, p50=4.0, acc1=97.0, **extra
         "sha256": "0" * 64,
         "size_bytes": size,
         "status": status,
-        "reasons": [] if status == "passed" else ["top1_agreement 0.91 < 0.97"],
+        "reasons": []
+        if status == "passed"
+        else [
+            {
+                "kind": "threshold",
+                "text": "top1_agreement 0.91 (needs >= 0.97)",
+                "metric": "top1_agreement",
+                "value": 0.91,
+            }
+        ],
         "fidelity": {
             "samples": 12,
             "psnr_db": 41.0,
@@ -63,7 +72,7 @@ def _artifact(name, status="passed", size=2_000_000, p50=4.0, acc1=97.0, **extra
             latency_ms=None,
             eager_latency_ms=None,
             speedup_vs_eager=None,
-            reasons=["not validated: no Core ML runtime on Linux"],
+            reasons=[{"kind": "unavailable_here", "text": "not validated: no Core ML runtime on Linux"}],
         )
     return {**entry, **extra}
 

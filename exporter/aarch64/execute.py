@@ -37,6 +37,7 @@ class Result:
     cpu_seconds: float = 0.0  # CPU time of the whole qemu process that ran it (shared with the artifacts run with it)
     info: dict = field(default_factory=dict)  # what ran it (runtime, backends, delegate), load/run seconds
     error: str | None = None  # the artifact could not be run there (one line)
+    timed_out: bool = False  # that is because its process hit a time limit under qemu (the job's or the whole one's)
 
     @property
     def ok(self) -> bool:
@@ -154,6 +155,7 @@ def _on_cpu(
         if not unanswered:
             break
         reason = _reason(returncode, stderr, limit, timeout)
+        timed_out = _timed_out(returncode, stderr)
         if ended is None:  # the process ended before it began any of them: each fails with its reason
             for i in unanswered:
                 results[i] = Result(
@@ -162,6 +164,7 @@ def _on_cpu(
                     seconds=round(rest, 3) if i == charged else 0.0,
                     cpu_seconds=cpu_seconds,
                     error=f"{reason[:300]} ({cpu})",
+                    timed_out=timed_out,
                 )
             break
         after = unanswered[unanswered.index(ended) + 1 :]
@@ -175,6 +178,7 @@ def _on_cpu(
             seconds=round(rest, 3),
             cpu_seconds=cpu_seconds,
             error=f"{reason[:300]} ({cpu})",
+            timed_out=timed_out,
         )
         pending = after
     return [results[i] for i in range(len(jobs))]
@@ -191,6 +195,12 @@ def _reason(returncode: int | None, stderr: str, limit: float, timeout: float) -
         return f"timed out after {timeout:.0f} s under qemu"
     errors = [line for line in stderr.strip().splitlines() if line.strip()]
     return errors[-1] if errors else _ended(returncode)
+
+
+def _timed_out(returncode: int | None, stderr: str) -> bool:
+    """Whether the process ended at a time limit: the whole process's (no return code) or a job's (faulthandler's
+    "Timeout" on stderr, as _reason reads it)."""
+    return returncode is None or (returncode >= 0 and "Timeout (" in stderr)
 
 
 def _ended(returncode: int) -> str:

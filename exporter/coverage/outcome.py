@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..release.recommend import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
+from ..results import Kind, broken_metrics, broken_value, kinds, revived
 from .memory import oom_text, others_to_blame
 
 SYMBOLS = {
@@ -38,9 +38,14 @@ SYMBOLS = {
 }
 ORDER = tuple(SYMBOLS)
 
-# first match wins; tested against the first line of the error (lower case)
+# what a cell's kind is when its artifact's first reason has one of these kinds (exporter.results)
+KINDS = {
+    Kind.DEGENERATE_REFERENCE: "degenerate reference",
+    Kind.DISK_FULL: "disk full",  # the host's, not_a_verdict
+}
+
+# first match wins; tested against the first line of a converter's error (lower case): its text, not ours
 CLASSIFIERS = (
-    ("degenerate reference", re.compile(r"degenerate")),
     ("disk full", re.compile(r"no space left on device|disk quota exceeded")),  # the host's, not_a_verdict
     (
         "out of memory",
@@ -76,24 +81,12 @@ def classify(error_line: str) -> str:
     return "converter crash"
 
 
-def _first(reasons) -> str:
-    return (reasons or [""])[0]
-
-
 def broken_keys(reasons) -> set[str]:
-    """The metric names in reasons such as 'top1_agreement 0.375 (needs >= 0.97)'."""
-    return {r.split(" ", 1)[0] for r in reasons or [] if " (needs " in r}
+    """The threshold keys the reasons (JSON records, or Reason values) say were broken."""
+    return broken_metrics(reasons)
 
 
 FLOOR_PSNR_MARGIN_DB = 6.0  # twice the floor's RMS error
-
-
-def _broken_value(reasons, key: str) -> float | None:
-    for reason in reasons or []:
-        match = re.match(rf"^{key} (-?[0-9.]+(?:e[-+]?\d+)?) \(needs ", reason)
-        if match:
-            return float(match.group(1))
-    return None
 
 
 # decisions taken from margins (argmax, mask, matched boxes): on a random model's near-ties any rounding flips some
@@ -147,7 +140,7 @@ def _one_floor_explains(row: dict | None, reasons, psnr_db: float | None, margin
         # (measured: Wide-ResNet50-2's ONNX fp16 at 47.4 dB against a 44.2 dB floor that happened to flip none)
         closer = isinstance(psnr_db, (int, float)) and isinstance(floor_psnr, (int, float)) and psnr_db >= floor_psnr
         return closer or (kept == {"top1_agreement"} and near_ties(row, reasons, psnr_db, margins, flipped_rows))
-    artifact_psnr = _broken_value(reasons, "psnr_db")
+    artifact_psnr = broken_value(reasons, "psnr_db")
     if artifact_psnr is not None and isinstance(floor_psnr, (int, float)):
         return artifact_psnr >= floor_psnr - FLOOR_PSNR_MARGIN_DB
     return True
@@ -159,7 +152,7 @@ def near_ties(row: dict, reasons, psnr_db, margins, flipped_rows) -> bool:
     with the artifact's PSNR within FLOOR_PSNR_MARGIN_DB of the rounding's (measured: Swin-V2-S's random int8
     .pte flipped one of 8 at 39.5 dB, floors 39.6/39.9 dB, on an image whose margin was a fifth of the error)."""
     rms = row.get("rms")
-    agreement = _broken_value(reasons, "top1_agreement")
+    agreement = broken_value(reasons, "top1_agreement")
     floor_psnr = (row.get("fidelity") or {}).get("psnr_db")
     if not (
         margins
@@ -208,9 +201,12 @@ def floor_wanted(row: dict) -> bool:
 
 
 def cell_from_artifact(artifact: dict) -> dict:
-    """One manifest artifact entry -> a cell."""
-    reasons = list(artifact.get("reasons") or [])
-    reason = _first(reasons)
+    """One manifest artifact entry -> a cell: its outcome and kind from its reasons' kinds (exporter.results), and
+    an export failure's kind from the converter's error (CLASSIFIERS)."""
+    reasons = [r.to_json() for r in revived(artifact.get("reasons"))]
+    first = revived(reasons[:1])[0] if reasons else None
+    reason = first.text if first else ""
+    on_host = {r.kind for r in revived(reasons) if r.cpu is None}  # found on this host, not on an emulated CPU
     built = artifact.get("path") is not None
     details = artifact.get("details") or {}
     cell = {
@@ -273,28 +269,35 @@ def cell_from_artifact(artifact: dict) -> dict:
     accuracy = artifact.get("accuracy")
     if isinstance(accuracy, dict):  # labeled data (the trained tier): the artifact's and eager's
         cell["accuracy"] = {k: v for k, v in accuracy.items() if isinstance(v, (int, float))}
-    if any("degenerate" in r.lower() for r in reasons):
-        cell.update(outcome="failed" if built else "export", kind="degenerate reference")
+    if Kind.DEGENERATE_REFERENCE in kinds(reasons):
+        cell.update(outcome="failed" if built else "export", kind=KINDS[Kind.DEGENERATE_REFERENCE])
     elif artifact["status"] == "passed":
         cell["outcome"] = "passed"
     elif artifact["status"] == "unavailable":
-        refused = reason.startswith(NOT_MADE)
+        refused = first is not None and first.kind is Kind.NOT_MADE
         cell["outcome"] = "refused" if refused else "unavailable"
         cell["kind"] = "by design" if refused else ("built, cannot run here" if built else "cannot build here")
-    elif built and reasons and all(_emulator_timeout(r) for r in reasons):
+    elif built and reasons and all(map(_emulator_timeout, reasons)):
         cell.update(outcome="time", kind="time limit")  # qemu ran out of time: the artifact was not judged there
-    elif built and reason.startswith((DOES_NOT_LOAD, DOES_NOT_RUN)):
+    elif built and first is not None and first.cpu is None and first.kind in (Kind.DOES_NOT_LOAD, Kind.DOES_NOT_RUN):
         cell.update(outcome="failed", kind="runtime error")
     elif built:
         cell.update(outcome="failed", kind="validation")
-    else:
-        error = reason.removeprefix("export failed: ")
-        cell.update(outcome="export", kind=classify(error))
+    elif Kind.DISK_FULL in on_host:
+        cell.update(outcome="export", kind=KINDS[Kind.DISK_FULL])
+    else:  # the converter's own message says what kind of failure it was
+        cell.update(outcome="export", kind=classify(_error(reason)))
     return cell
 
 
-def _emulator_timeout(reason: str) -> bool:
-    return reason.startswith("aarch64 ") and "timed out after" in reason and "under qemu" in reason
+def _error(reason: str) -> str:
+    """The converter's error in a reason's text (after the exporter's own words), for CLASSIFIERS."""
+    return reason.removeprefix("export failed: ")
+
+
+def _emulator_timeout(reason) -> bool:
+    """The reason (a JSON record) is an emulated CPU's run stopped by its time limit under qemu."""
+    return Kind(reason["kind"]) is Kind.EMULATOR_TIMEOUT and reason.get("cpu") is not None
 
 
 def cells_from_manifest(doc: dict) -> list[dict]:
@@ -407,11 +410,11 @@ def reclassify(row: dict) -> dict:
         elif (
             cell.get("outcome") == "export"
             and cell.get("reason")
-            and cell.get("kind") not in ("out of memory", "time limit", "killed")
+            and cell.get("kind") not in ("out of memory", "time limit", "killed", KINDS[Kind.DEGENERATE_REFERENCE])
         ):
-            cell["kind"] = classify(cell["reason"].removeprefix("export failed: "))
+            cell["kind"] = classify(_error(cell["reason"]))
         elif cell.get("outcome") == "failed" and cell.get("kind") in JUDGED_KINDS:
-            reasons = cell.get("reasons") or [cell.get("reason")]
+            reasons = cell.get("reasons") or []
             if _one_floor_explains((row.get("floor") or {}).get(WEIGHT_FLOOR), reasons, cell.get("psnr_db")):
                 cell["kind"] = "quantized weight"
                 continue

@@ -8,12 +8,12 @@ import datetime
 import json
 import posixpath
 import shlex
-import re
 from collections import Counter
 from pathlib import Path
 
 from .. import files
 from ..errors import UsageError
+from ..results import Kind, Reason, revived
 from ..thresholds import THRESHOLD_KEYS
 from .outcome import FLOORS, ORDER, SYMBOLS, WEIGHT_FLOOR, broken_keys, not_a_verdict, reclassify
 from .select import TASK_ORDER
@@ -170,6 +170,14 @@ _JSON_TYPES = {
 }
 
 
+def _is_reason(value) -> bool:
+    """A reason's JSON record (exporter.results: a kind we know and its text); a sentence alone is not one."""
+    try:
+        return isinstance(value, dict) and isinstance(Reason.from_json(value).text, str)
+    except (KeyError, ValueError, TypeError):
+        return False
+
+
 def _json_type(value) -> str:
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
@@ -217,10 +225,10 @@ def _row_problem(row) -> str | None:
                 problem = f"cell {j} has no 'name' string"
             elif cell.get("outcome") not in ORDER:
                 problem = f"cell {j} ({cell['name']}): outcome {cell.get('outcome')!r} is not one of {', '.join(ORDER)}"
-            elif not (
-                isinstance(cell.get("reasons", []), list) and all(isinstance(r, str) for r in cell.get("reasons", []))
-            ):
-                problem = f"cell {j} ({cell['name']}): 'reasons' is not a list of strings"
+            elif not (isinstance(cell.get("reasons", []), list) and all(map(_is_reason, cell.get("reasons", [])))):
+                problem = (
+                    f"cell {j} ({cell['name']}): 'reasons' is not a list of reasons (objects with a kind and a text)"
+                )
     return f"({row['weight']} × {row['target']}) {problem}" if problem else None
 
 
@@ -414,10 +422,11 @@ def _provenance(merged_file: dict, root: str | None) -> str:
     )
 
 
-def _short_reason(reason: str) -> str:
-    match = re.match(r"^([A-Za-z0-9_]+) (-?[0-9.]+(?:e[-+]?\d+)?|inf|nan)", reason or "")
-    if match:
-        return f"{match.group(1)} {match.group(2)}"
+def _short_reason(reason: str, record: dict | None) -> str:
+    """A failed cell's first reason, short: a broken threshold's key and value (its JSON `record`), else the start
+    of its text."""
+    if record and Reason.from_json(record).kind is Kind.THRESHOLD:
+        return _measured(Reason.from_json(record))
     return (reason or "")[:40]
 
 
@@ -452,10 +461,11 @@ def cell_text(cell: dict) -> str:
             "quantized weight": " · the int8 weight's own",
         }.get(kind, "")
         reason, where = cell.get("reason") or "", ""
-        if reason.startswith("aarch64 "):  # "aarch64 <cpu> (emulated): <the reason there>"
-            where, _, reason = reason.removeprefix("aarch64 ").partition(" (emulated): ")
-            where += ": "
-        return f"{symbol} {where}{_short_reason(reason)}{suffix}{_outliers(cell)}{_acc1(cell)}{_arm(cell)}"
+        first = (cell.get("reasons") or [{}])[0]
+        if first.get("cpu"):  # found on an emulated aarch64 CPU: the CPU, then what its text says there
+            where = f"{first['cpu']}: "
+            reason = reason.removeprefix(f"aarch64 {first['cpu']} (emulated): ")
+        return f"{symbol} {where}{_short_reason(reason, first)}{suffix}{_outliers(cell)}{_acc1(cell)}{_arm(cell)}"
     if cell["outcome"] == "export":
         return f"{symbol} {kind}"
     if cell["outcome"] == "time" and cell.get("aarch64"):
@@ -465,18 +475,25 @@ def cell_text(cell: dict) -> str:
     return symbol
 
 
+def _measured(reason: Reason) -> str:
+    """A broken threshold as its key and the value measured, e.g. 'top1_agreement 0.75'; another reason's text."""
+    if reason.kind is not Kind.THRESHOLD:
+        return reason.text
+    return f"{reason.metric} {'nan' if reason.value is None else format(reason.value, '.4g')}"
+
+
 def floor_text(row: dict, cell: dict) -> str:
     """What eager rounded to the cell's precision reached (coverage.conditioning), e.g. 'eager rounded to int8:
     top1_agreement 0.5, psnr_db 29.6'."""
     weight = (row.get("floor") or {}).get(WEIGHT_FLOOR)
     if cell.get("kind") == "quantized weight" and weight:
-        return "the int8 weight in eager PyTorch: " + ", ".join(r.split(" (")[0] for r in weight.get("reasons", []))
+        return "the int8 weight in eager PyTorch: " + ", ".join(map(_measured, revived(weight.get("reasons"))))
     parts = []
     for name in FLOORS.get(cell.get("precision"), (cell.get("precision"),)):
         measured = (row.get("floor") or {}).get(name) or {}
         found = {
             k: (measured.get(THRESHOLD_KEYS[k][0][0]) or {}).get(THRESHOLD_KEYS[k][0][1])
-            for k in broken_keys(cell.get("reasons") or [cell.get("reason") or ""])
+            for k in broken_keys(cell.get("reasons"))
             if k in THRESHOLD_KEYS
         }
         values = ", ".join(f"{k} {_number(v)}" for k, v in sorted(found.items()) if v is not None)

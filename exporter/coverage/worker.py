@@ -32,8 +32,11 @@ def _first_line(e: BaseException) -> str:
 
 
 def _write(path: Path, result: dict) -> None:
+    """RESULT.json, its reasons (the floor's broken thresholds) as their JSON records."""
+    from ..results import jsonable
+
     tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.write_text(json.dumps(jsonable(result), indent=2) + "\n")
     os.replace(tmp, path)
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 from .. import files
 from ..formats import bundled_program
 from ..progress import Progress
+from ..results import Kind, Reason, Status
 from . import cache
 
 FORMAT = "executorch"
-FAILED = "not made, it failed: "  # a build with this note is not replayed from the whole-build record
+FAILED = "not made, it failed: "  # its note (Kind.BUNDLED_PROGRAM_FAILED): not replayed from the whole-build record
 FLATBUFFER_LIMIT = 2**31  # bytes: a flatbuffer's offsets are signed 32-bit, and a .bpte embeds its whole program
 
 
@@ -36,9 +37,10 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
     pte = out / entry["path"]
     size = pte.stat().st_size
     if size >= FLATBUFFER_LIMIT:  # measured: RegNetY-128GF's 2.6 GB fp32 .pte, BuilderSizeError
-        entry["details"]["golden_program"] = (
+        entry["details"]["golden_program"] = Reason(
+            Kind.NOTE,
             f"not made: the program is {size / 2**30:.2f} GiB, and a bundled program embeds it in one flatbuffer, "
-            f"which holds under 2 GiB (the .pte itself keeps its weights in segments outside its flatbuffer)"
+            f"which holds under 2 GiB (the .pte itself keeps its weights in segments outside its flatbuffer)",
         )
         return
     bpte = pte.with_suffix(bundled_program.SUFFIX)
@@ -46,16 +48,19 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
         details = _made(session, entry, pte, bpte, progress, prefix)
     except (RuntimeError, OSError, MemoryError, ValueError) as e:  # ExecuTorch's, as the 2 GiB limit: the .pte stands
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        entry["details"]["golden_program"] = f"{FAILED}{type(e).__name__}: {first}"
+        entry["details"]["golden_program"] = Reason(Kind.BUNDLED_PROGRAM_FAILED, f"{FAILED}{type(e).__name__}: {first}")
         progress.note(f"{prefix}golden program {bpte.name} {FAILED}{type(e).__name__}: {first}")
         return
     verified = bundled_program.verify(bpte, details["rtol"], details["atol"])
     entry["bundled_program"] = {**details, "verified": {"x86_64": verified}}
     if not verified["passed"]:
-        entry["status"] = "failed"
+        entry["status"] = Status.FAILED
         entry["reasons"] = [
             *entry.get("reasons", []),
-            f"golden program {bpte.name} fails ExecuTorch's verifier on this host: {verified['error']}",
+            Reason(
+                Kind.BUNDLED_PROGRAM_FAILED,
+                f"golden program {bpte.name} fails ExecuTorch's verifier on this host: {verified['error']}",
+            ),
         ]
 
 

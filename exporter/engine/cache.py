@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from .. import files
 from ..errors import UsageError
+from ..results import jsonable
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +32,11 @@ def _disk_full(error: OSError) -> bool:
     if isinstance(error, shutil.Error):  # copytree (a .mlpackage) gathers its files' errors, without an errno
         return any(os.strerror(code) in str(error) for code in DISK_FULL)
     return error.errno in DISK_FULL
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether `error` is a full disk (or quota): the host's, not a finding about what was being written."""
+    return isinstance(error, OSError) and _disk_full(error)
 
 
 def default_root() -> Path:
@@ -120,7 +126,7 @@ class BuildCache:
             with files.atomic_path(entry) as staging:
                 staging.mkdir()
                 files.copy(path, staging / "artifact")
-                record = {"sha256": files.sha256(staging / "artifact"), "details": details}
+                record = {"sha256": files.sha256(staging / "artifact"), "details": jsonable(details)}
                 (staging / "entry.json").write_text(json.dumps(record))
 
     def fetch_json(self, kind: str, digest: str) -> dict | None:
@@ -136,10 +142,13 @@ class BuildCache:
             return None
         return record["value"]
 
-    def store_json(self, kind: str, digest: str, value) -> None:
+    def store_json(self, kind: str, digest: str, value, plain: bool = False) -> None:
+        """Store `value` as JSON (its Reason values as their records, results.jsonable, unless `plain`: numbers
+        and lists alone, as a tensor's)."""
         if self.root is None:
             return
         entry = self._entry(kind, digest)
+        value = value if plain else jsonable(value)
         body = json.dumps(value, sort_keys=True)
         with self.unless_disk_full(f"a {kind} record"):
             entry.parent.mkdir(parents=True, exist_ok=True)
@@ -156,4 +165,4 @@ class BuildCache:
         return torch.tensor(value) if value is not None else None
 
     def store_tensor(self, digest: str, tensor: torch.Tensor) -> None:
-        self.store_json("tensors", digest, tensor.tolist())
+        self.store_json("tensors", digest, tensor.tolist(), plain=True)

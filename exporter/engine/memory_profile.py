@@ -16,6 +16,7 @@ import torch
 from .. import hostload
 from ..formats import FORMATS
 from ..progress import Progress
+from ..results import texts
 from . import cache
 
 VERSION = 2  # bump when what is measured changes
@@ -38,7 +39,7 @@ def _reason(entry: dict, module) -> str | None:
     if entry["format"] in NOT_MEASURED:
         return NOT_MEASURED[entry["format"]]
     if not entry.get("path") or entry.get("status") not in ("passed", "failed") or entry.get("fidelity") is None:
-        return "not run on this host: " + "; ".join(entry.get("reasons") or ["no artifact"])
+        return "not run on this host: " + "; ".join(texts(entry.get("reasons")) or ["no artifact"])
     if not hasattr(module, "memory"):
         return f"{entry['format']} has no memory measurement"
     return None

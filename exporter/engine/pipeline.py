@@ -19,7 +19,7 @@ import torch
 
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, report
-from ..release.recommend import DOES_NOT_LOAD, DOES_NOT_RUN, NOT_MADE
+from ..results import Kind, Reason, Status, revived, texts
 from . import bundled_program_step, cache, default_out, memory_profile, profiles, validate_on_arm
 from .plan import ArtifactSpec, Plan, export_order, make_all, make as make_plan
 from ..tasks import Task
@@ -234,6 +234,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
             (out / "previews").mkdir(exist_ok=True)
             with files.atomic_path(out / cached["preview"]) as tmp:
                 tmp.write_bytes(base64.b64decode(picture))
+        cached["reasons"] = revived(cached.get("reasons"))  # stored as JSON records
         entry.update(cached, validation_reused_from_cache=True)
         noisy = hostload.summary(entry.get("latency_conditions") or {})
         if not noisy:
@@ -284,7 +285,7 @@ def _run_validation(
             raise
         except RuntimeUnavailable as e:
             shown.unavailable(str(e))
-            entry.update(status="unavailable", reasons=[f"not validated: {e}"])
+            entry.update(status=Status.UNAVAILABLE, reasons=[Reason(Kind.UNAVAILABLE_HERE, f"not validated: {e}")])
             if hasattr(module, "proxies"):
                 # Stand-ins (e.g. the package's weights put back into eager): labelled proxy, never
                 # reported as the runtime's own numbers, and they do not decide the status. Not timed:
@@ -299,13 +300,14 @@ def _run_validation(
                 }
             return True
         except Exception as e:  # made, but its runtime refuses it: a finding about this artifact, as an export's is
-            entry.update(status="failed", reasons=[DOES_NOT_LOAD + _first_line(e)])
+            entry.update(status=Status.FAILED, reasons=[Reason(Kind.DOES_NOT_LOAD, f"does not load: {_first_line(e)}")])
             return False
         try:
             metrics, outputs = _evaluate(session, _reporting_failures(runner), entry["thresholds"])
         except ArtifactRunFailed as e:  # e.g. ONNX Runtime failing on one image's shapes
             torch.set_num_threads(session.latency["threads"])
-            entry.update(status="failed", reasons=[DOES_NOT_RUN + str(e)])
+            reason = Reason(Kind.DOES_NOT_RUN, f"does not run on every validation input: {e}")
+            entry.update(status=Status.FAILED, reasons=[reason])
             return False
         entry.update(metrics)
         if session.plan.validate.aarch64_cpus:
@@ -381,7 +383,7 @@ def _new_entry(session: Session, spec: ArtifactSpec) -> dict:
         "path": None,
         "sha256": None,
         "size_bytes": None,
-        "status": "failed",
+        "status": Status.FAILED,
         "reasons": [],
         "details": {},
         "thresholds": session.plan.thresholds_for(spec.precision),
@@ -397,10 +399,11 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
     entry = _new_entry(session, spec)
     refusal = _not_made(spec, session.loaded.quantized, type(session.task))
     if refusal:
-        entry.update(status="unavailable", reasons=[refusal])
+        entry.update(status=Status.UNAVAILABLE, reasons=[refusal])
         return entry
     if spec.precision not in module.PRECISIONS:
-        entry["reasons"] = [f"{spec.format} does not offer {spec.precision} (it offers {', '.join(module.PRECISIONS)})"]
+        offers = f"{spec.format} does not offer {spec.precision} (it offers {', '.join(module.PRECISIONS)})"
+        entry["reasons"] = [Reason(Kind.NOT_OFFERED, offers)]
         return entry
     calibration = session.calibration(spec.precision, progress.note)
     if not _made(session, spec, module, entry, calibration, out / filename, progress, prefix):
@@ -459,11 +462,12 @@ def _made(
     except UsageError:
         raise
     except RuntimeUnavailable as e:
-        entry.update(status="unavailable", reasons=[f"not built on this host: {e}"])
+        entry.update(status=Status.UNAVAILABLE, reasons=[Reason(Kind.UNAVAILABLE_HERE, f"not built on this host: {e}")])
         memory_profile.add(session, entry, path.parent, progress, prefix)  # not measured either: says why
         return False
     except Exception as e:  # a conversion failure is a finding about this artifact, not a crash
-        entry["reasons"] = [f"export failed: {_first_line(e)}"]
+        kind = Kind.DISK_FULL if cache.disk_full(e) else Kind.EXPORT_FAILED  # a full disk: the host's, not the model's
+        entry["reasons"] = [Reason(kind, f"export failed: {_first_line(e)}")]
         return False
     entry["export_s"] = progress.timings.get(label)
     entry.update(path=path.name, sha256=files.sha256(path), size_bytes=files.size(path))
@@ -480,7 +484,11 @@ def _ranges_did_not_hold(entry: dict) -> bool:
         and entry.get("fidelity") is not None
         and bool(quantization.get("meets_budget"))
         and bool(entry["reasons"])
-        and all(reason.split()[0] in entry["thresholds"] for reason in entry["reasons"])
+        and all(
+            r.kind is Kind.THRESHOLD and r.metric in entry["thresholds"]
+            for r in entry["reasons"]
+            if r.kind is not Kind.ILL_CONDITIONED_REFERENCE  # a finding about eager, which ranges may still beat
+        )
     )
 
 
@@ -495,7 +503,7 @@ def _made_again(
     (details.validation_retry)."""
     progress.note(
         f"  {first['name']}: calibrated int8 ranges met the budget on the check images and failed on the "
-        f"validation inputs ({'; '.join(first['reasons'])}): made again with ranges chosen per inference"
+        f"validation inputs ({'; '.join(texts(first['reasons']))}): made again with ranges chosen per inference"
     )
     final, staged = out / first["path"], out / f".per-inference-{first['path']}"
     preview = out / "previews" / f"{first['name']}.png"
@@ -507,10 +515,13 @@ def _made_again(
         quantization = entry["details"].get("quantization") or {}
         if made and quantization.get("lowering_fault"):  # its per-inference program was lowered wrong: not one
             entry.update(
-                status="failed",
+                status=Status.FAILED,
                 reasons=[
-                    "its program with ranges chosen per inference was lowered wrong "
-                    "(details.quantization.lowering_fault)"
+                    Reason(
+                        Kind.LOWERING_FAULT,
+                        "its program with ranges chosen per inference was lowered wrong "
+                        "(details.quantization.lowering_fault)",
+                    )
                 ],
                 fidelity=None,
             )
@@ -554,14 +565,14 @@ def _made_again(
     return first
 
 
-def _not_made(spec: ArtifactSpec, quantized: bool, task_class: type[Task]) -> str | None:
+def _not_made(spec: ArtifactSpec, quantized: bool, task_class: type[Task]) -> Reason | None:
     """Why this artifact is not made from the weight, by design (its format cannot take an eager-quantized model,
     or the task's graph), or None."""
     why = FORMATS[spec.format].no_quantized_eager if quantized else None
     if why:
-        return f"{NOT_MADE}an eager-quantized model: {why}"
+        return Reason(Kind.NOT_MADE, f"cannot take an eager-quantized model: {why}")
     why = task_class.refuses(spec.format, spec.precision)
-    return f"{NOT_MADE}{_a(task_class.name)} graph: {why}" if why else None
+    return Reason(Kind.NOT_MADE, f"cannot take {_a(task_class.name)} graph: {why}") if why else None
 
 
 def _artifacts(plan: Plan, quantized: bool) -> tuple[ArtifactSpec, ...]:
@@ -577,7 +588,7 @@ def refusal(resolved, task_class: type[Task], plan: Plan) -> str | None:
         why = _not_made(spec, quantized, task_class)
         if not why:
             return None
-        reasons.setdefault(f"{spec.format}: {why}")
+        reasons.setdefault(f"{spec.format}: {why.text}")
     return "; ".join(reasons)
 
 
@@ -641,8 +652,8 @@ def _a(noun: str) -> str:
     return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
-def _overall_status(artifacts: list[dict]) -> str:
-    return "failed" if any(a["status"] == "failed" for a in artifacts) else "passed"
+def _overall_status(artifacts: list[dict]) -> Status:
+    return Status.FAILED if any(a["status"] == Status.FAILED for a in artifacts) else Status.PASSED
 
 
 def _timings(progress: Progress, prefix: str) -> dict:
@@ -651,9 +662,11 @@ def _timings(progress: Progress, prefix: str) -> dict:
 
 
 def _finish(out: Path, doc: dict, progress: Progress, prefix: str = "") -> dict:
+    """Write the manifest and the reports; the manifest as its JSON file holds it (what a build returns)."""
     doc["status"] = _overall_status(doc["artifacts"])
     doc["timings_s"] = _timings(progress, prefix)
     manifest.write(out, doc)
+    doc = manifest.record(doc)
     files.write_text(out / "report.md", report.markdown(doc))
     files.write_text(out / "report.html", html_report.render([doc], [out]))
     return doc
@@ -802,6 +815,7 @@ def validate(
     """See build.validate_build."""
     doc = manifest.read_build(out)
     for entry in doc["artifacts"]:
+        entry["reasons"] = revived(entry["reasons"])  # JSON records on disk, Reason values in the engine
         if entry.get("path"):
             path = out / entry["path"]
             if not path.exists() or files.sha256(path) != entry["sha256"]:

@@ -21,8 +21,7 @@ from rich.markup import escape
 
 from .. import files
 from ..release import html_report, manifest, report
-from ..release.recommend import DOES_NOT_LOAD, DOES_NOT_RUN
-from .bundled_program_step import FAILED as GOLDEN_PROGRAM_FAILED
+from ..results import Kind, kinds, revived
 from . import cache, default_out
 from .cache import BuildCache
 from ..formats import FORMATS
@@ -32,6 +31,8 @@ from ..progress import Progress
 # replayed only when the checkpoint it read is still there, unchanged, so it never needs the network
 NOT_KEYED = ("out", "force", "cache", "cache_dir", "target", "offline")
 RENDERED = ("manifest.json", "report.md", "report.html")  # written afresh at every restore
+# outcomes a converter's or a runtime's crash (or a full disk) may not repeat: a build with one is not replayed
+UNSETTLED = {Kind.EXPORT_FAILED, Kind.DISK_FULL, Kind.DOES_NOT_LOAD, Kind.DOES_NOT_RUN}
 
 
 def _absolute(value):
@@ -126,6 +127,15 @@ def _files_under(directory: Path, names: list[str]) -> list[Path]:
     return found
 
 
+def _unsettled(artifact: dict) -> bool:
+    """Whether the artifact's outcome is a crash that may not happen again: its export, load or run on this host
+    failed (an emulated CPU's verdict stands), or its golden program could not be made."""
+    golden = (artifact.get("details") or {}).get("golden_program")
+    return any(r.kind in UNSETTLED and r.cpu is None for r in revived(artifact["reasons"])) or (
+        Kind.BUNDLED_PROGRAM_FAILED in kinds([golden] if golden else [])
+    )
+
+
 def _unsettled_timing(docs: list[dict]) -> bool:
     """Whether any artifact's latency or operator profile was judged unreliable (exporter.hostload: timed on a
     busy host)."""
@@ -207,13 +217,7 @@ class BuildRecord:
         return docs
 
     def store(self, base: Path, docs: list[dict], progress: Progress | None = None) -> None:
-        unsettled = ("export failed", DOES_NOT_LOAD, DOES_NOT_RUN, GOLDEN_PROGRAM_FAILED)
-        if any(
-            r.startswith(unsettled)
-            for doc in docs
-            for a in doc["artifacts"]
-            for r in [*a["reasons"], (a.get("details") or {}).get("golden_program", "")]
-        ):
+        if any(_unsettled(a) for doc in docs for a in doc["artifacts"]):
             return  # a crash in a converter or a runtime may not happen again; only settled outcomes are replayed
         if _unsettled_timing(docs):
             return  # latency or a profile timed on a busy host is not settled: the next run times it again

@@ -19,6 +19,7 @@ import torch
 from .. import aarch64, files, validation
 from ..formats import FORMATS
 from ..progress import Progress
+from ..results import Kind, Reason, Status, revived
 from . import cache
 
 RUNS_ON_AARCH64 = (".pte", ".ptl", ".onnx")
@@ -79,8 +80,8 @@ def row(session, entry: dict, cpu: str, result, x86: torch.Tensor | None) -> dic
     if not result.ok:
         return {
             **base,
-            "status": "failed",
-            "reasons": [f"could not run on aarch64: {result.error}"],
+            "status": Status.FAILED,
+            "reasons": [Reason(_failed_run_kind(result), f"could not run on aarch64: {result.error}")],
             "fidelity": None,
             "accuracy": None,
             "vs_x86": None,
@@ -91,8 +92,8 @@ def row(session, entry: dict, cpu: str, result, x86: torch.Tensor | None) -> dic
     except (ValueError, IndexError) as e:
         return {
             **base,
-            "status": "failed",
-            "reasons": [f"aarch64 outputs do not match the graph's: {e}"],
+            "status": Status.FAILED,
+            "reasons": [Reason(Kind.AARCH64_MISMATCH, f"aarch64 outputs do not match the graph's: {e}")],
             "fidelity": None,
             "accuracy": None,
             "vs_x86": None,
@@ -112,12 +113,19 @@ def row(session, entry: dict, cpu: str, result, x86: torch.Tensor | None) -> dic
     if verified is not None:  # the .pte's golden program, checked by ExecuTorch's verifier on this CPU
         judged["bundled_program"] = verified
         if not verified.get("passed"):
-            judged["status"] = "failed"
+            judged["status"] = Status.FAILED
             judged["reasons"] = [
                 *judged["reasons"],
-                f"golden program fails ExecuTorch's verifier: {verified.get('error')}",
+                Reason(
+                    Kind.BUNDLED_PROGRAM_FAILED, f"golden program fails ExecuTorch's verifier: {verified.get('error')}"
+                ),
             ]
     return judged
+
+
+def _failed_run_kind(result) -> Kind:
+    """An emulated run that did not finish: stopped by its time limit under qemu, or its runtime failed there."""
+    return Kind.EMULATOR_TIMEOUT if result.timed_out else Kind.DOES_NOT_RUN
 
 
 def x86_outputs(session, entry: dict, out: Path) -> torch.Tensor | None:
@@ -196,8 +204,8 @@ def add(
     for entry in entries:
         for cpu in cpus:
             cached = session.cache.fetch_json("aarch64", _key(session, entry, cpu, runner))
-            if cached is not None:
-                rows[entry["name"]][cpu] = {**cached, "reused_from_cache": True}
+            if cached is not None:  # its reasons stored as JSON records
+                rows[entry["name"]][cpu] = {**cached, "reasons": revived(cached["reasons"]), "reused_from_cache": True}
                 session.cache.events.append(f"{entry['name']}: aarch64 {cpu} row reused from the cache")
 
     def show_progress():  # an emulated CPU can take many minutes: the manifest holds the rows made so far
@@ -246,9 +254,9 @@ def add(
 def judge_entry(entry: dict) -> None:
     """The artifact fails when any CPU's row fails; each such row's reasons join the artifact's, named by CPU."""
     for arch_row in entry.get("aarch64", []):
-        if arch_row["status"] == "failed":
-            entry["status"] = "failed"
+        if arch_row["status"] == Status.FAILED:
+            entry["status"] = Status.FAILED
             entry["reasons"] = [
                 *entry.get("reasons", []),
-                *(f"aarch64 {arch_row['cpu']} (emulated): {r}" for r in arch_row["reasons"]),
+                *(r.on_cpu(arch_row["cpu"]) for r in revived(arch_row["reasons"])),
             ]

@@ -12,6 +12,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..results import Kind, Reason, texts
 from ..tasks import Classification
 from ..validation import run_all
 from .calibration import STATIC_RANGES, Calibration
@@ -412,7 +413,7 @@ def _missed_budget(found: _Found, settings, model, check, reference, task, budge
         if not settings["fallback"]
         else found.stopped or f"the cap of {found.cap} float layers was reached"
     )
-    note = f"budget not met on the check images ({'; '.join(chosen.metrics['reasons'])}): {why}"
+    note = f"budget not met on the check images ({'; '.join(texts(chosen.metrics['reasons']))}): {why}"
     if found.sensitivity is not None:
         kept = len(chosen.recipe.float_layers)
         note += f"; kept the fewest float layers ({kept}) within {MIN_GAIN_DB} dB of the best step"
@@ -442,7 +443,7 @@ def _judge(model: torch.nn.Module, check: torch.Tensor, check_labels, task, budg
             return {
                 "fidelity": {task.agreement: 0.0, "psnr_db": -math.inf},
                 "accuracy": None,
-                "reasons": [f"does not run on every check image: {error}"],
+                "reasons": [Reason(Kind.DOES_NOT_RUN, f"does not run on every check image: {error}")],
             }
 
     return reference, task, judge

@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 from .. import files
 from . import manifest
 from ..errors import UsageError
+from ..results import texts
 
 # Bumped only when an existing reader would misread a bundle it used to read. "task" is additive: a
 # classification bundle reads as before, a bundle without "task" is classification, and apps decide
@@ -115,7 +116,7 @@ def _why_missing(doc: dict, key: tuple[str, str]) -> str:
 
 def _reasons(entry: dict) -> str:
     """An artifact's reasons on one line (an exception's message may run over several)."""
-    return " ".join(", ".join(str(r) for r in entry["reasons"]).split()) or "no reason recorded"
+    return " ".join(", ".join(texts(entry["reasons"])).split()) or "no reason recorded"
 
 
 def _inside(root: Path, relative: str) -> Path:

@@ -7,6 +7,7 @@ import html
 import math
 from pathlib import Path
 
+from ..results import texts
 from . import arch_report, previews, recommend, svg_text
 from .report import COLUMNS, eager_summary, latency_warnings, outliers_summary, rows, task_name
 from .svg_text import Box
@@ -217,7 +218,7 @@ def _reasons(docs: list[dict]) -> str:
     items = [
         f"<li><b>{_esc(name)}</b> {_badge(a['status'])} {_esc(r)}</li>"
         for name, a in _named(docs)
-        for r in a.get("reasons", [])
+        for r in texts(a.get("reasons"))
     ]
     items += [
         f"<li><b>{_esc(name)}</b> {_esc(outliers_summary(a))}</li>"

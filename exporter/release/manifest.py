@@ -12,8 +12,9 @@ from pathlib import Path
 
 from .. import files
 from ..errors import UsageError
+from ..results import jsonable
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4  # 4: each reason an object with its kind ({"kind", "text", ...}), no longer a sentence
 SCHEMA_FILE = Path(__file__).parent / "schema" / "manifest.schema.json"
 # a build directory's own files and folders, beside its artifacts (removed first on --force)
 BUILD_FILES = ("manifest.json", "report.md", "report.html", "labels.txt", "preprocessing.json")
@@ -86,6 +87,11 @@ def host(threads: int) -> dict:
 
 
 def _jsonable(value):
+    """The manifest as JSON holds it: Reason values as their records, statuses as strings, infinities as text."""
+    return _finite(jsonable(value))
+
+
+def _finite(value):
     """Numbers JSON cannot hold, written so that the manifest always writes: an infinity as the text "inf" or
     "-inf" (a PSNR of identical outputs), NaN as null (not measured: what a NaN metric means, as the contract
     already records it; validation._measured). An artifact with non-finite outputs also fails with a reason of
@@ -95,10 +101,15 @@ def _jsonable(value):
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: _finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [_finite(v) for v in value]
     return value
+
+
+def record(manifest: dict) -> dict:
+    """The manifest as its JSON file holds it (what a build returns and the whole-build record stores)."""
+    return jsonable(manifest)
 
 
 def dumps(manifest: dict) -> str:

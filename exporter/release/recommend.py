@@ -5,9 +5,7 @@ can be the smallest but never the fastest; a failed or unvalidated (unavailable)
 
 from __future__ import annotations
 
-NOT_MADE = "cannot take "  # how a build's reason begins when a format cannot take the model at all (no runtime needed)
-# how it begins when the artifact was made but its runtime fails on it: it loads on none, or runs on only some inputs
-DOES_NOT_LOAD, DOES_NOT_RUN = "does not load: ", "does not run on every validation input: "
+from ..results import Kind, kinds
 
 
 def _p50(a: dict) -> float:
@@ -20,7 +18,8 @@ def _size(a: dict) -> float:
 
 
 def _not_made(artifact: dict) -> bool:
-    return any(r.startswith(NOT_MADE) for r in artifact.get("reasons") or [])
+    """The format (or the task's graph) cannot take this model at all: refused by design, no runtime needed."""
+    return Kind.NOT_MADE in kinds(artifact.get("reasons"))
 
 
 def choose(doc: dict) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from .. import hostload
+from ..results import texts
 from . import arch_report, recommend
 
 
@@ -95,12 +96,12 @@ def retry_summary(details: dict) -> str:
         first = retry["first"]
         return (
             f"made again with ranges chosen per inference: with {first['ranges']} ranges it had failed validation "
-            f"({'; '.join(first['reasons'])}) after meeting its budget on the check images"
+            f"({'; '.join(texts(first['reasons']))}) after meeting its budget on the check images"
         )
     other = retry["per_inference"]
     return (
         f"made again with ranges chosen per inference after failing validation; that one did not pass either "
-        f"({'; '.join(other['reasons'])}), so this (calibrated ranges) is kept"
+        f"({'; '.join(texts(other['reasons']))}), so this (calibrated ranges) is kept"
     )
 
 
@@ -301,7 +302,7 @@ def markdown(doc: dict) -> str:
     lines += arch_report.markdown(doc)
     notes = []
     for a in doc["artifacts"]:
-        for reason in a.get("reasons", []):
+        for reason in texts(a.get("reasons")):
             notes.append(f"- `{a['name']}` {a['status']}: {reason}")
         if a.get("outlier_inputs"):
             notes.append(f"- `{a['name']}`: {outliers_summary(a)}")
