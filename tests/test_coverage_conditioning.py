@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from exporter.coverage import outcome
+from exporter.results import Kind
 
 from .helpers import QUANTIZED_WEIGHT
 
@@ -158,7 +159,10 @@ def test_a_quantized_weight_is_judged_as_it_is_against_its_float_model(quantized
     tight = conditioning.weight_row(
         task, loaded.model, inputs.validation, reference, inputs.labels, {"accuracy_drop": -100.0, "psnr_db": 200.0}
     )
-    assert {r.split()[0] for r in tight["reasons"]} == {"accuracy_drop", "psnr_db"}
+    assert {(r.kind, r.metric) for r in tight["reasons"]} == {
+        (Kind.THRESHOLD, "accuracy_drop"),
+        (Kind.THRESHOLD, "psnr_db"),
+    }
     assert 15 < tight["fidelity"]["psnr_db"] < 80  # int8 against float: close, not equal
     loose = conditioning.weight_row(
         task, loaded.model, inputs.validation, reference, inputs.labels, {"accuracy_drop": 100.0, "psnr_db": 0.0}

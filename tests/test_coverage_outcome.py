@@ -10,7 +10,27 @@ import pytest
 from exporter import coverage
 from exporter.coverage import outcome, rowcache, sweep, table
 
+from exporter.results import Kind, Reason
+from exporter.thresholds import THRESHOLD_KEYS, breaches
+
 from .coverage_helpers import merge_doc
+
+
+def _said(kind: str, text: str) -> dict:
+    """A reason's JSON record, as a manifest holds it."""
+    return Reason(Kind(kind), text).to_json()
+
+
+def _broken(key: str, value: float, limit: float) -> dict:
+    """A broken threshold's record, as a build writes it (thresholds.breaches)."""
+    (section, name), _ = THRESHOLD_KEYS[key]
+    (reason,) = breaches({section: {name: value}}, {key: limit})
+    return reason.to_json()
+
+
+def _on(cpu: str, record: dict) -> dict:
+    """The record of a reason found on an emulated aarch64 CPU."""
+    return Reason.from_json(record).on_cpu(cpu).to_json()
 
 
 def test_a_build_killed_from_outside_the_sweep_is_not_kept_as_the_weights_verdict(tmp_path):
@@ -44,7 +64,7 @@ def test_an_artifact_a_full_disk_stopped_is_not_kept_as_the_weights_verdict(tmp_
             "format": "torchscript_lite",
             "precision": "fp32",
             "status": "failed",
-            "reasons": ["export failed: OSError: [Errno 28] No space left on device: '/b/r.ptl'"],
+            "reasons": [_said("disk_full", "export failed: OSError: [Errno 28] No space left on device: '/b/r.ptl'")],
             "details": {},
         }
     )
@@ -100,26 +120,31 @@ def test_cells_read_from_a_manifest():
             status="unavailable",
             path="m.mlpackage",
             size_bytes=5_000_000,
-            reasons=["not validated: Core ML predict needs macOS"],
+            reasons=[_said("unavailable_here", "not validated: Core ML predict needs macOS")],
         )
     )
     assert (core_ml["outcome"], table.cell_text(core_ml)) == ("unavailable", "⚪ 5.0 MB")
     refused = outcome.cell_from_artifact(
-        artifact(status="unavailable", reasons=["cannot take an eager-quantized model: …"])
+        artifact(status="unavailable", reasons=[_said("not_made", "cannot take an eager-quantized model: …")])
     )
     assert refused["outcome"] == "refused"
     broke = outcome.cell_from_artifact(
-        artifact(path="m.pte", size_bytes=1, reasons=["top1_agreement 0.375 (needs >= 0.97)"])
+        artifact(path="m.pte", size_bytes=1, reasons=[_broken("top1_agreement", 0.375, 0.97)])
     )
     assert (broke["outcome"], table.cell_text(broke)) == ("failed", "❎ top1_agreement 0.375")
     degenerate = outcome.cell_from_artifact(
-        artifact(path="m.pte", reasons=["degenerate eager reference: constant outputs"])
+        artifact(path="m.pte", reasons=[_said("degenerate_reference", "degenerate eager reference: constant outputs")])
     )
     assert (degenerate["outcome"], degenerate["kind"]) == ("failed", "degenerate reference")
     stops = outcome.cell_from_artifact(
         artifact(
             path="m.onnx",
-            reasons=["does not run on every validation input: RuntimeError: [ONNXRuntimeError] : 1 : FAIL : Reshape"],
+            reasons=[
+                _said(
+                    "does_not_run",
+                    "does not run on every validation input: RuntimeError: [ONNXRuntimeError] : 1 : FAIL : Reshape",
+                )
+            ],
         )
     )
     assert (stops["outcome"], stops["kind"], table.cell_text(stops)) == (
@@ -128,7 +153,9 @@ def test_cells_read_from_a_manifest():
         "❎ runtime error (RuntimeError)",
     )
     assert not outcome.floor_wanted({"cells": [stops]})  # no rounding of eager explains a crash
-    crashed = outcome.cell_from_artifact(artifact(reasons=["export failed: TypeError: bad thing"]))
+    crashed = outcome.cell_from_artifact(
+        artifact(reasons=[_said("export_failed", "export failed: TypeError: bad thing")])
+    )
     assert (crashed["outcome"], crashed["kind"], table.cell_text(crashed)) == (
         "export",
         "converter crash",
@@ -163,7 +190,7 @@ def test_cells_read_from_a_manifest():
         artifact(
             path="m.pte",
             aarch64=rows("passed", "failed"),
-            reasons=["aarch64 cortex-a76 (emulated): psnr_db 25.1 (needs >= 30)"],
+            reasons=[_on("cortex-a76", _broken("psnr_db", 25.1, 30))],
         )
     )
     assert (broke_there["outcome"], table.cell_text(broke_there)) == ("failed", "❎ cortex-a76: psnr_db 25.1")
@@ -173,7 +200,12 @@ def test_cells_read_from_a_manifest():
             path="m.ptl",
             aarch64=rows("passed", "failed"),
             reasons=[
-                "aarch64 cortex-a76 (emulated): could not run on aarch64: timed out after 1800 s under qemu (cortex-a76)"
+                _on(
+                    "cortex-a76",
+                    _said(
+                        "emulator_timeout", "could not run on aarch64: timed out after 1800 s under qemu (cortex-a76)"
+                    ),
+                )
             ],
         )
     )
@@ -234,9 +266,9 @@ def test_an_oom_kill_is_the_weights_verdict_only_when_the_build_had_the_host():
 def test_an_int8_failure_the_static_floor_shows_is_ill_conditioned():
     """EfficientNetV2-S's random int8 .pte: 22.7 dB from eager, the dynamic floor 29.9 (7.2 dB better: not
     explained), eager with static ranges from the calibration images 24.5 dB."""
-    int8 = {"int8": {"fidelity": {"psnr_db": 29.9}, "reasons": ["psnr_db 29.9 (needs >= 30)"]}}
-    static = {"int8_static": {"fidelity": {"psnr_db": 24.5}, "reasons": ["psnr_db 24.5 (needs >= 30)"]}}
-    cell = {"precision": "int8", "outcome": "failed", "kind": "validation", "reasons": ["psnr_db 22.7 (needs >= 30)"]}
+    int8 = {"int8": {"fidelity": {"psnr_db": 29.9}, "reasons": [_broken("psnr_db", 29.9, 30)]}}
+    static = {"int8_static": {"fidelity": {"psnr_db": 24.5}, "reasons": [_broken("psnr_db", 24.5, 30)]}}
+    cell = {"precision": "int8", "outcome": "failed", "kind": "validation", "reasons": [_broken("psnr_db", 22.7, 30)]}
     assert outcome.reclassify({"floor": int8, "cells": [dict(cell)]})["cells"][0]["kind"] == "validation"
     row = outcome.reclassify({"floor": dict(int8, **static), "cells": [dict(cell)]})
     assert row["cells"][0]["kind"] == "ill-conditioned reference"
@@ -244,7 +276,7 @@ def test_an_int8_failure_the_static_floor_shows_is_ill_conditioned():
         "eager rounded to int8: psnr_db 29.9; with static int8 ranges: psnr_db 24.5"
     )
     # far below even the static floor: ours to explain
-    far = dict(cell, reasons=["psnr_db 12 (needs >= 30)"])
+    far = dict(cell, reasons=[_broken("psnr_db", 12, 30)])
     assert outcome.reclassify({"floor": dict(int8, **static), "cells": [far]})["cells"][0]["kind"] == "validation"
     # a cached row measured before the static floor existed asks for it; one that has it, or is explained, does not
     assert outcome.floor_wanted({"floor": int8, "cells": [dict(cell)]})
@@ -262,18 +294,18 @@ def test_a_labeled_int8_failure_needs_a_floor_judged_on_the_labels():
         "precision": "int8",
         "outcome": "failed",
         "kind": "validation",
-        "reasons": ["psnr_db 26.83 (needs >= 30)", "accuracy_drop 1.163 (needs <= 1)"],
+        "reasons": [_broken("psnr_db", 26.83, 30), _broken("accuracy_drop", 1.163, 1)],
     }
     unlabeled = {
-        "int8": {"fidelity": {"psnr_db": 27.4}, "reasons": ["psnr_db 27.4 (needs >= 30)"]},
-        "int8_static": {"fidelity": {"psnr_db": 26.0}, "reasons": ["psnr_db 26 (needs >= 30)"]},
+        "int8": {"fidelity": {"psnr_db": 27.4}, "reasons": [_broken("psnr_db", 27.4, 30)]},
+        "int8_static": {"fidelity": {"psnr_db": 26.0}, "reasons": [_broken("psnr_db", 26, 30)]},
     }
     assert outcome.reclassify({"floor": unlabeled, "cells": [dict(cell)]})["cells"][0]["kind"] == "validation"
     assert outcome.floor_wanted({"floor": unlabeled, "cells": [dict(cell)]})
     lost = {
         "fidelity": {"psnr_db": 27.4},
         "accuracy": {"drop_points": 2.326},
-        "reasons": ["psnr_db 27.4 (needs >= 30)", "accuracy_drop 2.326 (needs <= 1)"],
+        "reasons": [_broken("psnr_db", 27.4, 30), _broken("accuracy_drop", 2.326, 1)],
     }
     row = outcome.reclassify({"floor": dict(unlabeled, labeled=True, int8=lost), "cells": [dict(cell)]})
     assert row["cells"][0]["kind"] == "ill-conditioned reference"
@@ -292,7 +324,7 @@ def test_a_failure_the_floor_also_shows_is_marked_ill_conditioned():
     floor = {
         "int8": {
             "fidelity": {"top1_agreement": 0.5, "psnr_db": 29.6},
-            "reasons": ["top1_agreement 0.5 (needs >= 0.97)", "psnr_db 29.6 (needs >= 30)"],
+            "reasons": [_broken("top1_agreement", 0.5, 0.97), _broken("psnr_db", 29.6, 30)],
         },
         "fp32": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 130.0}, "reasons": []},
     }
@@ -303,18 +335,18 @@ def test_a_failure_the_floor_also_shows_is_marked_ill_conditioned():
             "precision": precision,
             "outcome": "failed",
             "kind": "validation",
-            "reason": reasons[0],
+            "reason": reasons[0]["text"],
             "reasons": reasons,
         }
 
     row = {
         "floor": floor,
         "cells": [
-            cell("int8", ["top1_agreement 0.375 (needs >= 0.97)"]),
-            cell("int8", ["top1_agreement 0.375 (needs >= 0.97)", "accuracy_drop 5 (needs <= 1)"]),
-            cell("fp32", ["top1_agreement 0.875 (needs >= 1)"]),
-            cell("int8", ["top1_agreement 0.5 (needs >= 0.97)", "psnr_db 25.1 (needs >= 30)"]),
-            cell("int8", ["top1_agreement 0 (needs >= 0.97)", "psnr_db 11.86 (needs >= 30)"]),
+            cell("int8", [_broken("top1_agreement", 0.375, 0.97)]),
+            cell("int8", [_broken("top1_agreement", 0.375, 0.97), _broken("accuracy_drop", 5, 1)]),
+            cell("fp32", [_broken("top1_agreement", 0.875, 1)]),
+            cell("int8", [_broken("top1_agreement", 0.5, 0.97), _broken("psnr_db", 25.1, 30)]),
+            cell("int8", [_broken("top1_agreement", 0, 0.97), _broken("psnr_db", 11.86, 30)]),
         ],
     }
     kinds = [c["kind"] for c in outcome.reclassify(row)["cells"]]
@@ -324,7 +356,7 @@ def test_a_failure_the_floor_also_shows_is_marked_ill_conditioned():
     assert table.cell_text(row["cells"][0]) == "❎ top1_agreement 0.375 · ill-conditioned"
     assert table.floor_text(row, row["cells"][0]) == "eager rounded to int8: top1_agreement 0.5"
     assert (
-        outcome.reclassify({"cells": [cell("int8", ["top1_agreement 0.375 (needs >= 0.97)"])]})["cells"][0]["kind"]
+        outcome.reclassify({"cells": [cell("int8", [_broken("top1_agreement", 0.375, 0.97)])]})["cells"][0]["kind"]
         == "validation"
     )
 
@@ -333,7 +365,7 @@ def test_a_quantized_weights_own_loss_is_told_from_its_exports():
     """torchvision's int8 weights are judged against their float model: the digits-trained quantized MobileNetV2's
     .ptl lost 1.16 points of acc@1 because the int8 weight itself does (eager, run as it is); a .ptl losing what
     the weight does not is ours to explain, and a quantized row measured before the weight's row asks for it."""
-    weight = {"fidelity": {"psnr_db": 31.8}, "reasons": ["accuracy_drop 1.163 (needs <= 1)"]}
+    weight = {"fidelity": {"psnr_db": 31.8}, "reasons": [_broken("accuracy_drop", 1.163, 1)]}
     floor = {
         "int8": {"fidelity": {"psnr_db": 40.0}, "reasons": []},
         "int8_static": {"fidelity": {"psnr_db": 38.0}, "reasons": []},
@@ -344,13 +376,13 @@ def test_a_quantized_weights_own_loss_is_told_from_its_exports():
         "kind": "validation",
         "psnr_db": 31.76,
         "reason": "accuracy_drop 1.163 (needs <= 1)",
-        "reasons": ["accuracy_drop 1.163 (needs <= 1)"],
+        "reasons": [_broken("accuracy_drop", 1.163, 1)],
     }
     row = outcome.reclassify({"quantized": True, "floor": dict(floor, quantized_weight=weight), "cells": [dict(cell)]})
     assert row["cells"][0]["kind"] == "quantized weight"
     assert table.cell_text(row["cells"][0]) == "❎ accuracy_drop 1.163 · the int8 weight's own"
     assert table.floor_text(row, row["cells"][0]) == "the int8 weight in eager PyTorch: accuracy_drop 1.163"
-    worse = dict(cell, reasons=["accuracy_drop 1.163 (needs <= 1)", "psnr_db 20.1 (needs >= 30)"], psnr_db=20.1)
+    worse = dict(cell, reasons=[_broken("accuracy_drop", 1.163, 1), _broken("psnr_db", 20.1, 30)], psnr_db=20.1)
     assert (
         outcome.reclassify({"quantized": True, "floor": dict(floor, quantized_weight=weight), "cells": [worse]})[
             "cells"
@@ -370,7 +402,7 @@ def test_decisions_flipped_by_an_artifact_closer_to_eager_than_the_floor_are_ill
         "precision": "fp16",
         "outcome": "failed",
         "kind": "validation",
-        "reasons": ["top1_agreement 0.75 (needs >= 0.99)"],
+        "reasons": [_broken("top1_agreement", 0.75, 0.99)],
     }
     row = {
         "floor": floor,
@@ -379,7 +411,7 @@ def test_decisions_flipped_by_an_artifact_closer_to_eager_than_the_floor_are_ill
             dict(closer, psnr_db=40.0),
             dict(closer),
             dict(
-                closer, psnr_db=47.36, reasons=["top1_agreement 0.75 (needs >= 0.99)", "accuracy_drop 5 (needs <= 1)"]
+                closer, psnr_db=47.36, reasons=[_broken("top1_agreement", 0.75, 0.99), _broken("accuracy_drop", 5, 1)]
             ),
         ],
     }
@@ -389,10 +421,10 @@ def test_decisions_flipped_by_an_artifact_closer_to_eager_than_the_floor_are_ill
     # ShuffleNetV2-0.5's random Q/DQ ONNX: one top-1 of 8 flipped at 27.3 dB; eager rounded to int8 (25.1 dB) broke
     # the PSNR threshold too but flipped none. Every threshold the artifact broke is either broken by the floor
     # or a decision flipped closer to eager than the floor; 6 dB farther than the floor, not.
-    int8 = {"int8": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 25.08}, "reasons": ["psnr_db 25.08 (needs >= 30)"]}}
-    reasons = ["top1_agreement 0.875 (needs >= 0.97)", "psnr_db 27.28 (needs >= 30)"]
+    int8 = {"int8": {"fidelity": {"top1_agreement": 1.0, "psnr_db": 25.08}, "reasons": [_broken("psnr_db", 25.08, 30)]}}
+    reasons = [_broken("top1_agreement", 0.875, 0.97), _broken("psnr_db", 27.28, 30)]
     flipped = {"precision": "int8", "outcome": "failed", "kind": "validation", "reasons": reasons, "psnr_db": 27.28}
-    farther = dict(flipped, reasons=[reasons[0], "psnr_db 19 (needs >= 30)"], psnr_db=19.0)
+    farther = dict(flipped, reasons=[reasons[0], _broken("psnr_db", 19, 30)], psnr_db=19.0)
     kinds = [c["kind"] for c in outcome.reclassify({"floor": int8, "cells": [flipped, farther]})["cells"]]
     assert kinds == ["ill-conditioned reference", "validation"]
     artifact = {
@@ -420,14 +452,14 @@ def test_a_top1_flipped_on_a_near_tie_is_the_references_not_the_exports():
         "outcome": "failed",
         "kind": "validation",
         "psnr_db": 39.51,
-        "reasons": ["top1_agreement 0.875 (needs >= 0.97)"],
+        "reasons": [_broken("top1_agreement", 0.875, 0.97)],
     }
     tie = dict(cell, flipped_rows=[{"row": 0, "top1_flipped": 1.0}])
     cells = [
         tie,
         dict(cell, flipped_rows=[{"row": 7, "top1_flipped": 1.0}]),  # a margin 13x the error: the export's
         dict(cell),  # the flipped images unknown
-        dict(tie, reasons=["top1_agreement 0.75 (needs >= 0.97)"]),  # two flipped, one listed
+        dict(tie, reasons=[_broken("top1_agreement", 0.75, 0.97)]),  # two flipped, one listed
         dict(tie, psnr_db=33.0),
     ]  # 6.6 dB farther than eager's own rounding
     row = outcome.reclassify({"floor": floor, "cells": cells})

@@ -104,7 +104,39 @@ MERGE_ROW = {
         ([dict(MERGE_ROW, params="4M")], "'params', not a number"),
         (
             [dict(MERGE_ROW, cells=[{"name": "onnx_fp32", "outcome": "failed", "kind": "validation", "reasons": 5}])],
-            "row 1 (W.V1 × android) cell 1 (onnx_fp32): 'reasons' is not a list of strings",
+            "row 1 (W.V1 × android) cell 1 (onnx_fp32): 'reasons' is not a list of reasons (objects with a kind",
+        ),
+        (  # a sentence without its kind (a row from before manifest schema 4): nothing to decide on
+            [
+                dict(
+                    MERGE_ROW,
+                    cells=[
+                        {
+                            "name": "onnx_fp32",
+                            "outcome": "failed",
+                            "kind": "validation",
+                            "reasons": ["top1_agreement 0.5 (needs >= 0.97)"],
+                        }
+                    ],
+                )
+            ],
+            "row 1 (W.V1 × android) cell 1 (onnx_fp32): 'reasons' is not a list of reasons (objects with a kind",
+        ),
+        (  # a kind this exporter does not know
+            [
+                dict(
+                    MERGE_ROW,
+                    cells=[
+                        {
+                            "name": "onnx_fp32",
+                            "outcome": "failed",
+                            "kind": "validation",
+                            "reasons": [{"kind": "bad_luck", "text": "x"}],
+                        }
+                    ],
+                )
+            ],
+            "row 1 (W.V1 × android) cell 1 (onnx_fp32): 'reasons' is not a list of reasons (objects with a kind",
         ),
         (
             [dict(MERGE_ROW, earlier_runs=[{"seconds": "1 h"}])],

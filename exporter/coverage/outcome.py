@@ -46,6 +46,7 @@ KINDS = {
 
 # first match wins; tested against the first line of a converter's error (lower case): its text, not ours
 CLASSIFIERS = (
+    ("degenerate reference", re.compile(r"degenerate")),  # an error a build stopped with (its reasons have kinds)
     ("disk full", re.compile(r"no space left on device|disk quota exceeded")),  # the host's, not_a_verdict
     (
         "out of memory",
