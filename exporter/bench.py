@@ -78,7 +78,7 @@ CALIBRATION_IMAGES = 32
 
 def _available(fmt: str):
     try:
-        return formats.FORMATS[fmt].load_module() if fmt in formats.FORMATS else None
+        return formats.FORMATS[fmt].format() if fmt in formats.FORMATS else None
     except Exception:
         return None
 
@@ -110,14 +110,14 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
     runners = {"eager": model, "eager NHWC": lambda _x: channels_last(example_cl)}
     build_s, quantization, memory, paths, rewrites = {}, {}, {}, {}, {}
     for label, fmt, precision, budget in RUNTIMES:
-        module = _available(fmt)
-        if module is None:
+        format_ = _available(fmt)
+        if format_ is None:
             continue
-        path = workdir / f"{name}_{fmt}_{precision}_{budget}{module.SUFFIX}"
+        path = workdir / f"{name}_{fmt}_{precision}_{budget}{format_.suffix}"
         start = time.perf_counter()
-        details = module.export(model, example, precision, calibrations.get(budget, inputs.calibration), path, meta)
+        details = format_.export(model, example, precision, calibrations.get(budget, inputs.calibration), path, meta)
         build_s[label] = round(time.perf_counter() - start, 1)
-        paths[label] = (module, path)
+        paths[label] = (format_, path)
         if details.get("rewrites"):
             rewrites[label] = details["rewrites"]
             log(f"  {name}: {label}: rewritten before lowering: {_rewrites_line(details['rewrites'])}")
@@ -135,23 +135,23 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
                 f"  {name}: {label}: {len(q['float_layers'])} of {q['layers']} layers in float{_kinds_line(q)}, "
                 f"check PSNR {q['before']['psnr_db']} -> {q['after']['psnr_db']} dB"
             )
-        runners[label] = module.load(path, threads)
+        runners[label] = format_.load(path, threads)
         torch.set_num_threads(threads)
-        if hasattr(module, "memory"):  # a fresh process per artifact (docs/validation.md#ram-and-where-the-time-goes)
+        if format_.memory is not None:  # a fresh process per artifact (docs/validation.md#ram-and-where-the-time-goes)
             try:
-                memory[label] = module.memory(path, tuple(example.shape), threads)["peak_rss_increase_bytes"]
+                memory[label] = format_.memory(path, tuple(example.shape), threads)["peak_rss_increase_bytes"]
             except Exception as e:  # a column left empty, never a failed benchmark
                 log(f"  {name}: {label}: memory not measured: {type(e).__name__}: {e}")
         outside = (details.get("delegation") or {}).get("ops_outside_delegate")
         log(f"  {name}: built {label} in {build_s[label]} s" + (f"; outside delegate: {outside}" if outside else ""))
     if "pte fp32" in rewrites:  # the same graph lowered without the rewrites, to show what they buy
-        module, _ = paths["pte fp32"]
-        path = workdir / f"{name}_executorch_fp32_plain{module.SUFFIX}"
-        module.export(model, example, "fp32", inputs.calibration, path, meta, rewrites=False)
-        runners[UNREWRITTEN] = module.load(path, threads)
+        format_, _ = paths["pte fp32"]
+        path = workdir / f"{name}_executorch_fp32_plain{format_.suffix}"
+        format_.export(model, example, "fp32", inputs.calibration, path, meta, rewrites=False)
+        runners[UNREWRITTEN] = format_.load(path, threads)
     if "onnx fp32 (ORT)" in paths:
-        module, path = paths["onnx fp32 (ORT)"]
-        runners[ORT_AS_ON_ARM] = module.load(path, threads, nchwc=False)
+        format_, path = paths["onnx fp32 (ORT)"]
+        runners[ORT_AS_ON_ARM] = format_.load(path, threads, nchwc=False)
     timing, conditions = validation.measure_latency_on_host(runners, example, warmup, iterations, rounds=10)
     conditions = hostload.judged(conditions, threads)  # what the host did while timing; busy: unreliable
     if not conditions["reliable"]:
@@ -159,9 +159,9 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
     profiles = {}
     for label in PROFILED:  # after the timed rounds, in sessions of their own
         if label in paths:
-            module, path = paths[label]
+            format_, path = paths[label]
             try:
-                profiles[label] = module.profile(path, example, 5, threads)
+                profiles[label] = format_.profile(path, example, 5, threads)
             except Exception as e:
                 log(f"  {name}: {label}: not profiled: {type(e).__name__}: {e}")
             torch.set_num_threads(threads)

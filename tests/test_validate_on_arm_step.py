@@ -44,7 +44,7 @@ class FakeArm:
         self.runs.append(({Path(a).name for a in artifacts}, tuple(cpus)))
         for artifact in (a.resolve() for a in artifacts):
             fmt = {".pte": "executorch", ".ptl": "torchscript_lite", ".onnx": "onnx"}[artifact.suffix]
-            forward = FORMATS[fmt].load_module().load(artifact, threads)
+            forward = FORMATS[fmt].format().load(artifact, threads)
             with torch.no_grad():
                 outputs = np.concatenate(
                     [forward(torch.from_numpy(inputs[i : i + 1])).float().numpy() for i in range(len(inputs))]

@@ -34,13 +34,13 @@ def _unavailable(reason: str) -> dict:
     return {"available": False, "reason": reason}
 
 
-def _reason(entry: dict, module) -> str | None:
+def _reason(entry: dict, fmt) -> str | None:
     """Why this artifact gets no measurement here, or None."""
     if entry["format"] in NOT_MEASURED:
         return NOT_MEASURED[entry["format"]]
     if not entry.get("path") or entry.get("status") not in ("passed", "failed") or entry.get("fidelity") is None:
         return "not run on this host: " + "; ".join(texts(entry.get("reasons")) or ["no artifact"])
-    if not hasattr(module, "memory"):
+    if fmt is None or fmt.memory is None:
         return f"{entry['format']} has no memory measurement"
     return None
 
@@ -55,8 +55,8 @@ def _measure(what: str, function, *args) -> dict:
 
 def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
     """entry["memory"] and entry["profile"], from the cache when this artifact was measured before."""
-    module = FORMATS[entry["format"]].load_module() if FORMATS[entry["format"]].installed() else None
-    reason = _reason(entry, module)
+    fmt = FORMATS[entry["format"]].format() if FORMATS[entry["format"]].installed() else None
+    reason = _reason(entry, fmt)
     if reason is not None:
         entry["memory"] = entry["profile"] = _unavailable(reason)
         return
@@ -79,10 +79,10 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
         return
     path = out / entry["path"]
     with progress.step(f"{prefix}memory and profile {entry['name']}"):
-        entry["memory"] = _measure("memory", module.memory, path, tuple(example.shape), threads)
-        if hasattr(module, "profile"):
+        entry["memory"] = _measure("memory", fmt.memory, path, tuple(example.shape), threads)
+        if fmt.profile is not None:
             with hostload.Window() as window:
-                entry["profile"] = _measure("profile", module.profile, path, example, profile_runs(entry), threads)
+                entry["profile"] = _measure("profile", fmt.profile, path, example, profile_runs(entry), threads)
             if entry["profile"].get("available"):  # its times are wall clock: a busy host stretches them
                 entry["profile"]["conditions"] = hostload.judged(window.conditions, threads)
         else:

@@ -214,7 +214,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
     from .. import hostload
 
     # a format whose stand-ins for an unavailable runtime changed says so, and is not served the older ones
-    proxies = getattr(FORMATS[entry["format"]].load_module(), "PROXIES_VERSION", None)
+    proxies = FORMATS[entry["format"]].format().proxies_version
     digest = cache.key(
         kind="validation",
         artifact=entry["sha256"],
@@ -242,7 +242,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
             return
         # fidelity is settled; a latency taken on a busy host is not: timed again, and the record replaced
         with progress.step(f"{prefix}time {entry['name']}{step} again"):
-            runner = FORMATS[entry["format"]].load_module().load(out / entry["path"], session.latency["threads"])
+            runner = FORMATS[entry["format"]].format().load(out / entry["path"], session.latency["threads"])
             entry.update(
                 validation.latency_against_eager(
                     runner,
@@ -277,21 +277,21 @@ def _run_validation(
 ) -> bool:
     """Whether the artifact was run (or, unavailable here, said why); one that loads or runs on no or only some
     validation inputs has failed, with the runtime's error."""
-    module = FORMATS[entry["format"]].load_module()
+    fmt = FORMATS[entry["format"]].format()
     with progress.step(f"{prefix}validate {entry['name']}{step}") as shown:
         try:
-            runner = module.load(out / entry["path"], session.latency["threads"])
+            runner = fmt.load(out / entry["path"], session.latency["threads"])
         except UsageError:
             raise
         except RuntimeUnavailable as e:
             shown.unavailable(str(e))
             entry.update(status=Status.UNAVAILABLE, reasons=[Reason(Kind.UNAVAILABLE_HERE, f"not validated: {e}")])
-            if hasattr(module, "proxies"):
+            if fmt.proxies is not None:
                 # Stand-ins (e.g. the package's weights put back into eager): labelled proxy, never
                 # reported as the runtime's own numbers, and they do not decide the status. Not timed:
                 # eager in fp16 on a CPU says nothing about Core ML's speed (and takes seconds per image).
                 try:
-                    proxies = module.proxies(out / entry["path"], session.loaded.model)
+                    proxies = fmt.proxies(out / entry["path"], session.loaded.model)
                 except ValueError as e:  # a stand-in that cannot be made says why; the artifact is not failed
                     entry["proxy_unavailable"] = str(e)
                     return True
@@ -392,27 +392,27 @@ def _new_entry(session: Session, spec: ArtifactSpec) -> dict:
 
 
 def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress, prefix: str = "") -> dict:
-    module = FORMATS[spec.format].load_module()
+    fmt = FORMATS[spec.format].format()
     model_name = session.loaded.model_name
     name = spec.label
-    filename = f"{model_name}_{name}{module.SUFFIX}"
+    filename = f"{model_name}_{name}{fmt.suffix}"
     entry = _new_entry(session, spec)
     refusal = _not_made(spec, session.loaded.quantized, type(session.task))
     if refusal:
         entry.update(status=Status.UNAVAILABLE, reasons=[refusal])
         return entry
-    if spec.precision not in module.PRECISIONS:
-        offers = f"{spec.format} does not offer {spec.precision} (it offers {', '.join(module.PRECISIONS)})"
+    if spec.precision not in fmt.precisions:
+        offers = f"{spec.format} does not offer {spec.precision} (it offers {', '.join(fmt.precisions)})"
         entry["reasons"] = [Reason(Kind.NOT_OFFERED, offers)]
         return entry
     calibration = session.calibration(spec.precision, progress.note)
-    if not _made(session, spec, module, entry, calibration, out / filename, progress, prefix):
+    if not _made(session, spec, fmt, entry, calibration, out / filename, progress, prefix):
         return entry
     _validate(session, entry, out, progress, prefix)
-    remade = getattr(module, "per_inference_ranges", None)
+    remade = fmt.per_inference_ranges
     calibration = remade(calibration, entry["details"]) if remade and _ranges_did_not_hold(entry) else None
     if calibration is not None:
-        entry = _made_again(session, spec, module, entry, calibration, out, progress, prefix)
+        entry = _made_again(session, spec, fmt, entry, calibration, out, progress, prefix)
     bundled_program_step.add(session, entry, out, progress, prefix)
     memory_profile.add(session, entry, out, progress, prefix)
     return entry
@@ -421,7 +421,7 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
 def _made(
     session: Session,
     spec: ArtifactSpec,
-    module,
+    fmt,
     entry: dict,
     calibration,
     path: Path,
@@ -449,7 +449,7 @@ def _made(
                 entry["details"], entry["artifact_reused_from_cache"] = details, True
                 session.cache.events.append(f"{entry['name']}: artifact reused from the cache")
             else:
-                entry["details"] = module.export(
+                entry["details"] = fmt.export(
                     session.loaded.model,
                     session.inputs.example,
                     spec.precision,
@@ -496,7 +496,7 @@ REMADE = " (ranges per inference)"  # the remade artifact's steps in the progres
 
 
 def _made_again(
-    session: Session, spec: ArtifactSpec, module, first: dict, calibration, out: Path, progress: Progress, prefix: str
+    session: Session, spec: ArtifactSpec, fmt, first: dict, calibration, out: Path, progress: Progress, prefix: str
 ) -> dict:
     """The artifact made again with ranges chosen per inference (beside the first, under a staging name), validated
     on the same inputs and moved over the first only if it passes. Either way the manifest has both verdicts
@@ -511,7 +511,7 @@ def _made_again(
     kept_outputs = session.x86_outputs.pop(first["name"], None)  # a cached validation of the remade stores none
     entry = _new_entry(session, spec)
     try:
-        made = _made(session, spec, module, entry, calibration, staged, progress, prefix, REMADE)
+        made = _made(session, spec, fmt, entry, calibration, staged, progress, prefix, REMADE)
         quantization = entry["details"].get("quantization") or {}
         if made and quantization.get("lowering_fault"):  # its per-inference program was lowered wrong: not one
             entry.update(
@@ -597,14 +597,12 @@ def _preflight(plan: Plan) -> None:
     if plan.post_build:
         _post_build_function(plan)
     for spec in plan.artifacts:
-        module = FORMATS[spec.format].load_module()
-        if hasattr(module, "preflight"):
-            try:
-                module.preflight(spec.precision, **spec.options)
-            except RuntimeUnavailable:
-                pass  # reported per artifact by export
-            except TypeError as e:
-                raise UsageError(f"target {plan.target}: bad options for {spec.format}: {e}") from None
+        try:
+            FORMATS[spec.format].format().preflight(spec.precision, **spec.options)
+        except RuntimeUnavailable:
+            pass  # reported per artifact by export
+        except TypeError as e:
+            raise UsageError(f"target {plan.target}: bad options for {spec.format}: {e}") from None
 
 
 def _write_device_files(out: Path, task) -> None:

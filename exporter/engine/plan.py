@@ -144,7 +144,7 @@ def _options_applied(targets: list[dict], options: Mapping) -> list[dict]:
     for profile in targets:
         artifacts = []
         for entry in profile["artifacts"]:
-            accepted = set(FORMATS[entry["format"]].load_module().OPTIONS) & set(options)
+            accepted = set(FORMATS[entry["format"]].format().options) & set(options)
             if accepted:
                 entry = {**entry, "options": {**entry.get("options", {}), **{k: options[k] for k in sorted(accepted)}}}
                 unused -= accepted

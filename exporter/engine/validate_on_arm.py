@@ -134,7 +134,7 @@ def x86_outputs(session, entry: dict, out: Path) -> torch.Tensor | None:
     if kept is not None:
         return kept
     try:
-        runner = FORMATS[entry["format"]].load_module().load(out / entry["path"], session.latency["threads"])
+        runner = FORMATS[entry["format"]].format().load(out / entry["path"], session.latency["threads"])
         outputs = validation.run_all(runner, session.inputs.validation)
     except Exception:  # noqa: BLE001 - the comparison is then reported as not made, the rows still judged
         return None

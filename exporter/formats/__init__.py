@@ -1,25 +1,17 @@
-"""Export formats. Each is one module with the same small interface:
+"""Export formats: the registry. Each format is one module exposing one object, `FORMAT`, that implements
+the interface declared in formats/interface.py (`Format`: name, suffix, precisions, options, export(), load(),
+and the optional hooks preflight, proxies, proxies_version, per_inference_ranges, memory and profile, each with
+its default there). The engine calls a format only through that object, got from `FORMATS[name].format()`.
 
-    NAME, SUFFIX, PRECISIONS, OPTIONS (option names it accepts)
-    export(model, example, precision, calib, path, meta, **options) -> dict  # writes `path`, returns details
-    load(path, threads) -> Runner                                             # Runner(x: Tensor) -> Tensor
-
-`meta` describes the weight: {"weight", "model", "labels", "preprocessing", "exporter_version"}.
-
-Optional:
-    proxies(path, model) -> dict[str, Runner]   # stand-ins measured when the runtime is unavailable; a
-                                                # runner with a `shared_key` is the same for every artifact
-                                                # of one model (eager in fp16): measured once per build
-    preflight(precision, **options) -> None     # raise UsageError / RuntimeUnavailable before any work
-    memory(path, input_shape, threads) -> dict  # RAM: planned/constant bytes, peak RSS of a fresh process (formats/memory.py)
-    profile(path, example, runs, threads) -> dict  # top operators by time from the runtime's own profiler
+A new format is its module and one line in FORMATS below; the engine's calls on formats stay as they are.
 
 A torchvision int8 weight (already quantized in eager mode) is exported only by formats whose
 FormatSpec has no `no_quantized_eager` reason; the others are reported `unavailable` with it.
 
-`options` come from the target profile's [[artifacts]] `options` table. Either function may
+`options` come from the target profile's [[artifacts]] `options` table. export() or load() may
 raise RuntimeUnavailable (no GPU, no macOS): the artifact is then reported `unavailable`, not
-`failed`. No format knows about validation, targets or the CLI.
+`failed`. No format knows about validation, targets or the CLI. This module imports no torch and
+no format module (FormatSpec.format() does, when asked).
 """
 
 from __future__ import annotations
@@ -27,15 +19,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from types import ModuleType
-from typing import TYPE_CHECKING, Callable
 
 from ..errors import MissingExtraError
-
-if TYPE_CHECKING:  # the registry itself needs no torch
-    import torch
-
-    Runner = Callable[[torch.Tensor], torch.Tensor]
+from .interface import Format
 
 
 class RuntimeUnavailable(Exception):
@@ -60,10 +46,11 @@ class FormatSpec:
         except (ImportError, ValueError):
             return False
 
-    def load_module(self) -> ModuleType:
+    def format(self) -> Format:
+        """The format's object (its module's FORMAT), importing the module; MissingExtraError without its extra."""
         if not self.installed():
             raise MissingExtraError(f"format '{self.name}'", self.extra)
-        return importlib.import_module(self.module)
+        return importlib.import_module(self.module).FORMAT
 
 
 FORMATS = {

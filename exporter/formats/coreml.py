@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map
 
 from ..errors import UsageError
 from . import RuntimeUnavailable
+from .interface import Format
 from .rewrites import global_pool3d_as_mean, rel_pos_within_rank5
 
 NAME = "coreml"
@@ -707,9 +708,6 @@ def _with_package_weights(model: nn.Module, layers: list[dict]) -> nn.Module:
     return fused
 
 
-PROXIES_VERSION = 2  # 2: the fp16 proxy emulates half precision in float32 (1: ran it in CPU half kernels)
-
-
 def proxies(path: Path, model: nn.Module) -> dict:
     """Numerical stand-ins on hosts without Core ML; they are not Core ML's results.
 
@@ -777,3 +775,24 @@ class _RoundedToHalf(TorchDispatchMode):
         return tree_map(
             lambda t: t.half().float() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, out
         )
+
+
+# Each method calls the module's function of the same name, looked up when called (tests patch them there).
+class CoreMLFormat(Format):
+    name, suffix, precisions, options = NAME, SUFFIX, PRECISIONS, OPTIONS
+    proxies_version = 2  # 2: the fp16 proxy emulates half precision in float32 (1: ran it in CPU half kernels)
+
+    def preflight(self, precision, **options) -> None:
+        preflight(precision, **options)
+
+    def export(self, model, example, precision, calib, path: Path, meta: dict, **options) -> dict:
+        return export(model, example, precision, calib, path, meta, **options)
+
+    def load(self, path: Path, threads: int):
+        return load(path, threads)
+
+    def proxies(self, path: Path, model: nn.Module) -> dict:
+        return proxies(path, model)
+
+
+FORMAT = CoreMLFormat()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from .interface import Format
 from .memory import native_stderr_silenced as _native_stderr_silenced  # the runtime's C++ logging goes to fd 2
 
 NAME = "executorch"
@@ -322,3 +323,26 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
     return shared.top_ops(
         {op: (ms, n) for op, (ms, n) in totals.items()}, wall, runs, "ExecuTorch ETDump (executorch.devtools.Inspector)"
     )
+
+
+# Each method calls the module's function of the same name, looked up when called (tests patch them there).
+class ExecuTorchFormat(Format):
+    name, suffix, precisions, options = NAME, SUFFIX, PRECISIONS, OPTIONS
+
+    def export(self, model, example, precision, calib, path: Path, meta: dict, **options) -> dict:
+        return export(model, example, precision, calib, path, meta, **options)
+
+    def load(self, path: Path, threads: int | None = None):
+        return load(path, threads)
+
+    def per_inference_ranges(self, calib, details: dict):
+        return per_inference_ranges(calib, details)
+
+    def memory(self, path: Path, input_shape, threads: int) -> dict:
+        return memory(path, input_shape, threads)
+
+    def profile(self, path: Path, example, runs: int, threads: int) -> dict:
+        return profile(path, example, runs, threads)
+
+
+FORMAT = ExecuTorchFormat()

@@ -30,6 +30,7 @@ from .. import files
 from ..errors import UsageError
 from ..quant import as_calibration, quantize_with_budget
 from ..quant.onnx_qdq import OnnxQdqBackend
+from .interface import Format
 
 NAME = "onnx"
 SUFFIX = ".onnx"
@@ -478,3 +479,26 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
     return shared.top_ops(
         {op: (ms, n) for op, (ms, n) in totals.items()}, wall, runs, "ONNX Runtime profiler (kernel time per op type)"
     )
+
+
+# Each method calls the module's function of the same name, looked up when called (tests patch them there).
+class OnnxFormat(Format):
+    name, suffix, precisions, options = NAME, SUFFIX, PRECISIONS, OPTIONS
+
+    def preflight(self, precision, **options) -> None:
+        preflight(precision, **options)
+
+    def export(self, model, example, precision, calib, path: Path, meta: dict, **options) -> dict:
+        return export(model, example, precision, calib, path, meta, **options)
+
+    def load(self, path: Path, threads: int, **options):  # nchwc=False: ONNX Runtime as on ARM (bench.py)
+        return load(path, threads, **options)
+
+    def memory(self, path: Path, input_shape, threads: int) -> dict:
+        return memory(path, input_shape, threads)
+
+    def profile(self, path: Path, example, runs: int, threads: int) -> dict:
+        return profile(path, example, runs, threads)
+
+
+FORMAT = OnnxFormat()

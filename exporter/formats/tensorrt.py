@@ -17,6 +17,7 @@ from .. import files
 from ..errors import UsageError
 from . import RuntimeUnavailable
 from . import onnx as onnx_format
+from .interface import Format
 
 NAME = "tensorrt"
 SUFFIX = ".engine"
@@ -191,3 +192,20 @@ def load(path: Path, threads: int):
         return out[:n].cpu()
 
     return run
+
+
+# Each method calls the module's function of the same name, looked up when called (tests patch them there).
+class TensorRTFormat(Format):
+    name, suffix, precisions, options = NAME, SUFFIX, PRECISIONS, OPTIONS
+
+    def preflight(self, precision, **options) -> None:
+        preflight(precision, **options)
+
+    def export(self, model, example, precision, calib, path: Path, meta: dict, **options) -> dict:
+        return export(model, example, precision, calib, path, meta, **options)
+
+    def load(self, path: Path, threads: int):
+        return load(path, threads)
+
+
+FORMAT = TensorRTFormat()

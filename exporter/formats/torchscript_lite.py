@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from .interface import Format
+
 NAME = "torchscript_lite"
 SUFFIX = ".ptl"
 OPTIONS = ()
@@ -115,3 +117,23 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
         del trace
         gc.collect()  # a profiler refers to itself: only the cycle collector frees its trace
     return shared.top_ops(totals, wall, profiled, "torch.profiler (self time per aten operator)")
+
+
+# Each method calls the module's function of the same name, looked up when called (tests patch them there).
+class TorchScriptLiteFormat(Format):
+    name, suffix, precisions, options = NAME, SUFFIX, PRECISIONS, OPTIONS
+
+    def export(self, model, example, precision, calib, path: Path, meta: dict, **options) -> dict:
+        return export(model, example, precision, calib, path, meta, **options)
+
+    def load(self, path: Path, threads: int):
+        return load(path, threads)
+
+    def memory(self, path: Path, input_shape, threads: int) -> dict:
+        return memory(path, input_shape, threads)
+
+    def profile(self, path: Path, example, runs: int, threads: int) -> dict:
+        return profile(path, example, runs, threads)
+
+
+FORMAT = TorchScriptLiteFormat()
