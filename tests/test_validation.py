@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from exporter import validation
+from exporter.results import Kind, Reason
 from exporter.tasks import Segmentation, classification
 from exporter.tasks.segmentation import confusion, miou
 from exporter.thresholds import breaches
@@ -60,7 +61,13 @@ def test_accuracy_and_drop():
 def test_breaches_respect_direction_and_missing_metrics():
     metrics = {"fidelity": {"top1_agreement": 0.95, "psnr_db": 45.0}, "accuracy": None}
     reasons = breaches(metrics, {"top1_agreement": 0.97, "psnr_db": 30.0, "accuracy_drop": 1.0})
-    assert len(reasons) == 1 and reasons[0].startswith("top1_agreement 0.95")
+    assert len(reasons) == 1 and reasons[0].text.startswith("top1_agreement 0.95")
+    assert (reasons[0].kind, reasons[0].metric, reasons[0].value, reasons[0].limit) == (
+        Kind.THRESHOLD,
+        "top1_agreement",
+        0.95,
+        0.97,
+    )
     assert breaches({"accuracy": {"drop_points": 1.5}}, {"accuracy_drop": 1.0})
 
 
@@ -116,7 +123,8 @@ def test_segmentation_fidelity_and_labeled_metrics():
         None,
         {"pixel_agreement": 0.9, "psnr_db": 10.0},
     )
-    assert metrics["reasons"] and metrics["reasons"][0].startswith("pixel_agreement 0.833")
+    assert metrics["reasons"] and metrics["reasons"][0].text.startswith("pixel_agreement 0.833")
+    assert metrics["reasons"][0].metric == "pixel_agreement"
 
 
 def test_a_constant_reference_cannot_pass_anything():
@@ -131,7 +139,7 @@ def test_a_constant_reference_cannot_pass_anything():
         {"top1_agreement": 1.0, "psnr_db": 60.0},
         timed=False,
     )
-    assert metrics["status"] == "failed" and metrics["reasons"] == [reason]
+    assert metrics["status"] == "failed" and metrics["reasons"] == [Reason(Kind.DEGENERATE_REFERENCE, reason)]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -150,7 +158,8 @@ def test_outputs_that_are_not_finite_fail_saying_so_and_the_manifest_still_write
     outputs[3, reference[3].argmin()] = bad
     task = classification.Classification(num_classes=10, input_size=(8, 8))
     metrics = validation.judge(task, outputs, reference, None, None, {"top1_agreement": 0.5, "psnr_db": 30.0})
-    assert metrics["status"] == "failed" and metrics["reasons"][0].startswith("outputs not finite: 1 of 80 values")
+    assert metrics["status"] == "failed" and metrics["reasons"][0].text.startswith("outputs not finite: 1 of 80 values")
+    assert metrics["reasons"][0].kind is Kind.NON_FINITE
     assert metrics["fidelity"]["psnr_db"] is None and metrics["fidelity"]["cosine"] is None
     fidelity = json.loads(manifest.dumps(metrics))["fidelity"]
     jsonschema.validate(fidelity, {"$defs": manifest.schema()["$defs"], "$ref": "#/$defs/fidelity"})
@@ -167,7 +176,9 @@ def test_outputs_that_are_not_finite_fail_saying_so_and_the_manifest_still_write
         {"flow_agreement": 0.5, "epe_vs_eager": 1.0, "epe_increase": 1.0},
     )
     assert metrics["status"] == "failed" and metrics["fidelity"]["epe_vs_eager"] is None, metrics
-    assert breaches({"fidelity": {"psnr_db": float("nan")}}, {"psnr_db": 30.0}) == ["psnr_db nan (needs >= 30)"]
+    assert breaches({"fidelity": {"psnr_db": float("nan")}}, {"psnr_db": 30.0}) == [
+        Reason(Kind.THRESHOLD, "psnr_db nan (needs >= 30)", metric="psnr_db", value=None, limit=30.0)
+    ]
 
 
 def test_a_near_constant_reference_is_caught_at_the_thresholds_it_cannot_resolve():
@@ -242,7 +253,9 @@ def test_a_build_on_a_zero_initialised_head_fails_saying_why(tmp_path):
 
     (entry,) = json.loads((out / "manifest.json").read_text())["artifacts"]
     assert entry["status"] == "failed" and entry["fidelity"]["psnr_db"] == "inf"  # a perfect match, on nothing
-    assert any("degenerate eager reference" in r for r in entry["reasons"]), entry["reasons"]
+    assert any(
+        r["kind"] == "degenerate_reference" and "degenerate eager reference" in r["text"] for r in entry["reasons"]
+    ), entry["reasons"]
 
 
 def test_a_few_inputs_past_the_calibration_ranges_are_named_and_the_rest_judged(digits_model):
@@ -267,7 +280,7 @@ def test_a_few_inputs_past_the_calibration_ranges_are_named_and_the_rest_judged(
     outputs = ((reference.clamp(low, high) - low) / step).round() * step + low
     thresholds = {"top1_agreement": 0.97, "psnr_db": 30.0}
     judged = validation.judge(task, outputs, reference, None, None, thresholds)
-    assert judged["status"] == "failed" and any(r.startswith("psnr_db") for r in judged["reasons"])
+    assert judged["status"] == "failed" and any(r.metric == "psnr_db" for r in judged["reasons"])
     outliers, clipped = judged["outlier_inputs"], ((reference < low) | (reference > high)).any(1)
     assert set(bright) <= set(outliers["rows"]) and all(
         clipped[r] for r in outliers["rows"]
