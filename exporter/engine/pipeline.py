@@ -20,7 +20,7 @@ import torch
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, report
 from ..results import Kind, Reason, Status, revived, texts
-from . import bundled_program_step, cache, default_out, memory_profile, profiles, validate_on_arm
+from . import bundled_program_step, cache, conditioning, default_out, memory_profile, profiles, validate_on_arm
 from .plan import ArtifactSpec, Plan, export_order, make_all, make as make_plan
 from ..tasks import Task
 from ..quant import Calibration
@@ -310,6 +310,7 @@ def _run_validation(
             entry.update(status=Status.FAILED, reasons=[reason])
             return False
         entry.update(metrics)
+        conditioning.add(session, entry)  # a failed fidelity: is eager itself that far off at this precision?
         if session.plan.validate.aarch64_cpus:
             session.x86_outputs[entry["name"]] = outputs
         # what a device's run of this artifact on golden/ is held to (device_validate.py)
