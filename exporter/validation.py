@@ -20,7 +20,9 @@ from .tasks import Task
 from .thresholds import MIN_INPUTS, THRESHOLD_KEYS, breaches
 
 Runner = Callable[[torch.Tensor], torch.Tensor]
-CONTRACT = 2  # what a cached validation holds (2: outlier_inputs); a new one is not served an older record
+# what a cached validation holds (2: outlier_inputs; 3: reasons with kinds, an ill-conditioned reference named among
+# them); a new one is not served an older record
+CONTRACT = 3
 
 
 def run_all(runner: Runner, inputs: torch.Tensor) -> torch.Tensor:
