@@ -412,7 +412,16 @@ def _manifest_refused(result, path, *needles):
 WRONG_SHAPES = {  # what is done to a good manifest -> what the one line says
     "a list": (lambda doc: [1, 2], "is not a build manifest: it holds list, not an object"),
     "schema version only": (lambda doc: {"schema_version": manifest.SCHEMA_VERSION}, "is a required property"),
-    "schema version 2": (lambda doc: dict(doc, schema_version=2), "schema_version 2 (this exporter reads 3"),
+    "schema version 2": (lambda doc: dict(doc, schema_version=2), "schema_version 2 (this exporter reads 4"),
+    # schema 3 wrote each reason as a sentence; 4 as an object with its kind: a schema-3 build is built again
+    "schema version 3": (
+        lambda doc: dict(doc, schema_version=3),
+        "schema_version 3 (this exporter reads 4: build it again)",
+    ),
+    "a reason without its kind": (
+        lambda doc: dict(doc, artifacts=[dict(doc["artifacts"][0], reasons=["top1_agreement 0.5 (needs >= 1)"])]),
+        "artifacts[0].reasons[0]",
+    ),
     "no target": (
         lambda doc: {k: v for k, v in doc.items() if k != "target"},
         "top level: 'target' is a required property",
@@ -482,8 +491,18 @@ def test_validate_on_a_several_target_folder_names_its_targets(tmp_path):
 
 
 def test_bundle_with_no_selected_file_says_why_each_is_missing(tmp_path):
-    failed = _entry("executorch", "int8", "failed", ["export failed: RuntimeError: quantize\n  at op 3"])
-    unavailable = _entry("torchscript_lite", "fp32", "unavailable", ["not built on this host: no lite interpreter"])
+    failed = _entry(
+        "executorch",
+        "int8",
+        "failed",
+        [{"kind": "export_failed", "text": "export failed: RuntimeError: quantize\n  at op 3"}],
+    )
+    unavailable = _entry(
+        "torchscript_lite",
+        "fp32",
+        "unavailable",
+        [{"kind": "unavailable_here", "text": "not built on this host: no lite interpreter"}],
+    )
     out = _fake_build(
         tmp_path / "build",
         [failed, unavailable, _entry("onnx", "fp32", path="tiny.onnx", data=b"onnx")],
