@@ -105,7 +105,7 @@ def test_impossible_threshold_fails_with_exit_1(tmp_path, digits_model):
     assert result.exit_code == 1, result.output
     doc = json.loads((out / "manifest.json").read_text())
     (lite,) = doc["artifacts"]
-    assert lite["status"] == "failed" and lite["reasons"][0].startswith("psnr_db")
+    assert lite["status"] == "failed" and lite["reasons"][0]["metric"] == "psnr_db"
     assert doc["status"] == "failed"
     assert (out / lite["path"]).exists()  # everything is still written
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from exporter.formats import bundled_program
+from exporter.results import Kind, Reason
 
 INSIDE = Path(__file__).resolve().parent.parent / "exporter" / "aarch64" / "inside.py"
 FP32 = "mobilenet_v3_small_executorch_fp32.pte"
@@ -249,7 +250,8 @@ def test_a_program_too_large_for_one_flatbuffer_gets_no_golden_program_and_says_
     monkeypatch.setattr(bundled_program_step, "FLATBUFFER_LIMIT", 64)
     bundled_program_step.add(None, entry, tmp_path, None)  # nothing of the session is needed to decide
     assert entry["status"] == "passed" and "bundled_program" not in entry
-    assert entry["details"]["golden_program"].startswith("not made: the program is 0.00 GiB")
+    assert entry["details"]["golden_program"].kind is Kind.NOTE  # a note: its artifact stands, the build is replayed
+    assert entry["details"]["golden_program"].text.startswith("not made: the program is 0.00 GiB")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]
 
 
@@ -282,9 +284,9 @@ def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_s
     )
     bundled_program_step.add(session, entry, tmp_path, Progress(quiet=True))
     assert entry["status"] == "passed" and entry["reasons"] == [] and "bundled_program" not in entry
-    assert entry["details"]["golden_program"].startswith(bundled_program_step.FAILED + "RuntimeError: "), entry[
-        "details"
-    ]
+    note = entry["details"]["golden_program"]
+    assert note.kind is Kind.BUNDLED_PROGRAM_FAILED, note  # what the whole-build record reads: not replayed
+    assert note.text.startswith(bundled_program_step.FAILED + "RuntimeError: "), note
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]
 
 
@@ -295,9 +297,12 @@ def test_a_build_whose_golden_program_failed_is_not_replayed_from_the_whole_buil
     stored = []
     record = object.__new__(BuildRecord)  # store decides before it reads anything of its own but its key
     record.key, record._key = "its key", lambda: stored.append("went on") or "another key"
-    entry = {"reasons": [], "details": {"golden_program": golden_program.FAILED + "RuntimeError: out of memory"}}
+    failed = Reason(Kind.BUNDLED_PROGRAM_FAILED, golden_program.FAILED + "RuntimeError: out of memory")
+    entry = {"reasons": [], "details": {"golden_program": failed.to_json()}}
     record.store(Path("unused"), [{"artifacts": [entry]}])
     assert stored == []
-    entry["details"]["golden_program"] = "not made: the program is 2.37 GiB, ..."  # settled: it will not change
+    entry["details"]["golden_program"] = Reason(
+        Kind.NOTE, "not made: the program is 2.37 GiB, ..."
+    ).to_json()  # settled
     record.store(Path("unused"), [{"artifacts": [entry]}])
     assert stored == ["went on"]

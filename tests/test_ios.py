@@ -61,7 +61,12 @@ def test_build_exits_0_with_core_ml_unavailable_and_proxies(ios_build):
     assert [a["name"] for a in doc["artifacts"]] == list(KEPT)
     for entry in doc["artifacts"]:
         assert entry["status"] == "unavailable"
-        assert entry["reasons"] == [f"not validated: Core ML predict needs macOS; this host is {sys.platform}"]
+        assert entry["reasons"] == [
+            {
+                "kind": "unavailable_here",
+                "text": f"not validated: Core ML predict needs macOS; this host is {sys.platform}",
+            }
+        ]
         # nothing is reported as Core ML's own numbers
         assert entry["fidelity"] is None and entry["latency_ms"] is None
         assert set(entry["proxy"]) == {"weights", "fp16"}

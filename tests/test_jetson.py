@@ -44,7 +44,8 @@ def test_onnx_artifacts_pass_and_engines_are_unavailable(jetson_build):
         assert onnx["details"]["opset"] == 18 and onnx["details"]["batch_check"]["batch"] == 8
         engine = _artifact(doc, f"tensorrt_{precision}")
         assert engine["status"] == "unavailable" and engine["path"] is None
-        assert engine["reasons"][0].startswith("not built on this host: ")
+        assert engine["reasons"][0]["kind"] == "unavailable_here"
+        assert engine["reasons"][0]["text"].startswith("not built on this host: ")
     assert _artifact(doc, "onnx_fp32")["fidelity"]["psnr_db"] >= 60
 
 
@@ -202,7 +203,9 @@ def test_an_engine_this_host_cannot_build_is_shown_unavailable_with_the_reason_n
     ]
     result = run_cli(*args)
     assert result.exit_code == 0, result.output
-    reason = _artifact(json.loads((tmp_path / "out" / "manifest.json").read_text()), "tensorrt_fp32")["reasons"][0]
+    reason = _artifact(json.loads((tmp_path / "out" / "manifest.json").read_text()), "tensorrt_fp32")["reasons"][0][
+        "text"
+    ]
     stderr = result.stderr.splitlines()
     (line,) = [line for line in stderr if "export tensorrt_fp32" in line]
     assert (
@@ -439,8 +442,11 @@ def test_an_artifact_its_runtime_fails_on_one_input_is_failed_with_the_error(dig
     assert result.exit_code == 1 and "Traceback" not in result.output, (result.output, result.exception)
     (entry,) = [a for a in json.loads((tmp_path / "build" / "manifest.json").read_text())["artifacts"] if a.get("path")]
     assert entry["status"] == "failed" and entry["reasons"] == [
-        "does not run on every validation input: RuntimeError: [ONNXRuntimeError] : 1 : FAIL : Reshape: input {0,44} "
-        "to {0,-1}"
+        {
+            "kind": "does_not_run",
+            "text": "does not run on every validation input: RuntimeError: [ONNXRuntimeError] : 1 : FAIL : Reshape: "
+            "input {0,44} to {0,-1}",
+        }
     ], entry
     assert (tmp_path / "build" / entry["path"]).exists() and entry["fidelity"] is None
     monkeypatch.undo()
@@ -464,6 +470,9 @@ def test_an_artifact_its_runtime_fails_on_one_input_is_failed_with_the_error(dig
     (entry,) = [a for a in json.loads((tmp_path / "again" / "manifest.json").read_text())["artifacts"] if a.get("path")]
     assert result.exit_code == 1 and entry["status"] == "failed", (result.output, entry)
     assert entry["reasons"] == [
-        "does not load: RuntimeError: [ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed"
+        {
+            "kind": "does_not_load",
+            "text": "does not load: RuntimeError: [ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed",
+        }
     ]
     assert entry["fidelity"] is entry["latency_ms"] is None and "golden_fidelity" not in entry, entry

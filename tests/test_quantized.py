@@ -14,6 +14,7 @@ from exporter import files, weights
 from exporter.errors import UsageError
 from exporter.formats import FORMATS
 
+from exporter.results import jsonable
 from exporter.thresholds import breaches
 
 from .helpers import FAST, assert_clean_refusal, run_cli
@@ -181,7 +182,7 @@ def test_android_build_writes_a_validated_int8_ptl(android_int8, quantized_digit
     by_name = {a["name"]: a for a in doc["artifacts"]}
     assert set(by_name) == {"executorch_int8", "torchscript_lite_int8"}
     pte = by_name["executorch_int8"]
-    assert pte["status"] == "unavailable" and "PT2E" in pte["reasons"][0] and pte["path"] is None
+    assert pte["status"] == "unavailable" and "PT2E" in pte["reasons"][0]["text"] and pte["path"] is None
 
     ptl = by_name["torchscript_lite_int8"]
     assert ptl["precision"] == "int8" and ptl["thresholds"] == doc["target"]["thresholds"]["int8"]
@@ -199,9 +200,11 @@ def test_android_build_writes_a_validated_int8_ptl(android_int8, quantized_digit
     # judged on the int8 thresholds alone: how much a stand-in's PTQ gives up is not the product's promise
     # (a model loaded wrongly is caught below, where the .ptl must reproduce the quantized eager model)
     assert ptl["status"] in ("passed", "failed")
-    assert all(r.split()[0] in ("top1_agreement", "psnr_db", "accuracy_drop") for r in ptl["reasons"]), ptl["reasons"]
-    assert ptl["reasons"] == breaches(
-        ptl, ptl["thresholds"]
+    assert all(r.get("metric") in ("top1_agreement", "psnr_db", "accuracy_drop") for r in ptl["reasons"]), ptl[
+        "reasons"
+    ]
+    assert ptl["reasons"] == jsonable(
+        breaches(ptl, ptl["thresholds"])
     )  # the verdict follows the thresholds, whatever the stand-in's PTQ cost
     assert ptl["latency_ms"]["p50"] > 0 and ptl["eager_latency_ms"]["p50"] > 0
     assert "unquantized float" in (out / "report.md").read_text()

@@ -206,7 +206,7 @@ def test_a_perturbed_artifact_fails_on_masks(tmp_path, lraspp_all):
     result = run_cli("validate", build, "--quiet")
     assert result.exit_code == 1, result.output
     after = next(a for a in json.loads((build / "manifest.json").read_text())["artifacts"] if a["name"] == "onnx_fp32")
-    assert after["status"] == "failed" and any(r.startswith("pixel_agreement") for r in after["reasons"])
+    assert after["status"] == "failed" and any(r.get("metric") == "pixel_agreement" for r in after["reasons"])
 
 
 # --- bad input: one line, exit 2, nothing written ---
