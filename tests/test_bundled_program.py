@@ -248,7 +248,7 @@ def test_a_program_too_large_for_one_flatbuffer_gets_no_golden_program_and_says_
         "details": {},
     }
     monkeypatch.setattr(bundled_program_step, "FLATBUFFER_LIMIT", 64)
-    bundled_program_step.add(None, entry, tmp_path, None)  # nothing of the session is needed to decide
+    bundled_program_step.add_golden_program(None, entry, tmp_path, None)  # nothing of the session is needed to decide
     assert entry["status"] == "passed" and "bundled_program" not in entry
     assert entry["details"]["golden_program"].kind is Kind.NOTE  # a note: its artifact stands, the build is replayed
     assert entry["details"]["golden_program"].text.startswith("not made: the program is 0.00 GiB")
@@ -282,7 +282,7 @@ def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_s
         digests=dict.fromkeys(("validation", "tools", "checkpoint", "reference", "task"), "d"),
         cache=SimpleNamespace(fetch_artifact=lambda digest, tmp: None),
     )
-    bundled_program_step.add(session, entry, tmp_path, Progress(quiet=True))
+    bundled_program_step.add_golden_program(session, entry, tmp_path, Progress(quiet=True))
     assert entry["status"] == "passed" and entry["reasons"] == [] and "bundled_program" not in entry
     note = entry["details"]["golden_program"]
     assert note.kind is Kind.BUNDLED_PROGRAM_FAILED, note  # what the whole-build record reads: not replayed
@@ -292,12 +292,13 @@ def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_s
 
 def test_a_build_whose_golden_program_failed_is_not_replayed_from_the_whole_build_record():
     """The failure may not happen again (memory, a one-off crash): like a failed export, it is not a settled outcome."""
+    from exporter.engine import bundled_program_step
     from exporter.engine.record import BuildRecord
 
     stored = []
     record = object.__new__(BuildRecord)  # store decides before it reads anything of its own but its key
     record.key, record._key = "its key", lambda: stored.append("went on") or "another key"
-    failed = Reason(Kind.BUNDLED_PROGRAM_FAILED, golden_program.FAILED + "RuntimeError: out of memory")
+    failed = Reason(Kind.BUNDLED_PROGRAM_FAILED, bundled_program_step.FAILED + "RuntimeError: out of memory")
     entry = {"reasons": [], "details": {"golden_program": failed.to_json()}}
     record.store(Path("unused"), [{"artifacts": [entry]}])
     assert stored == []

@@ -188,12 +188,15 @@ def test_faster_rcnn_takes_its_own_route_and_mask_rcnn_is_refused():
     from exporter.tasks.detection import Detection
     from exporter.tasks.region_detection import RegionDetection
 
-    assert Detection.refusal("retinanet_resnet50_fpn") is None and Detection.refusal("fcos_resnet50_fpn") is None
+    assert (
+        Detection.unsupported_model("retinanet_resnet50_fpn") is None
+        and Detection.unsupported_model("fcos_resnet50_fpn") is None
+    )
     assert Detection.for_model("retinanet_resnet50_fpn") is Detection
     assert Detection.for_model("fasterrcnn_resnet50_fpn") is RegionDetection
-    assert RegionDetection.refusal("fasterrcnn_resnet50_fpn") is None
-    assert "cannot be exported yet: its masks" in Detection.refusal("maskrcnn_resnet50_fpn")
-    assert "cannot be exported yet: its keypoints" in Detection.refusal("keypointrcnn_resnet50_fpn")
+    assert RegionDetection.unsupported_model("fasterrcnn_resnet50_fpn") is None
+    assert "cannot be exported yet: its masks" in Detection.unsupported_model("maskrcnn_resnet50_fpn")
+    assert "cannot be exported yet: its keypoints" in Detection.unsupported_model("keypointrcnn_resnet50_fpn")
 
 
 def test_a_checkpoint_resolves_constructs_and_exports_raw_heads(tmp_path):

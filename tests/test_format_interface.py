@@ -195,8 +195,8 @@ def test_memory_and_profile_say_when_a_format_has_none(monkeypatch, tmp_path):
     bare, memory_only = entry("bare"), entry("memory_only")
     threads = torch.get_num_threads()
     try:
-        memory_profile.add(session, bare, tmp_path, Progress(quiet=True))
-        memory_profile.add(session, memory_only, tmp_path, Progress(quiet=True))
+        memory_profile.measure(session, bare, tmp_path, Progress(quiet=True))
+        memory_profile.measure(session, memory_only, tmp_path, Progress(quiet=True))
     finally:
         torch.set_num_threads(threads)  # add() sets the build's threads
     none = {"available": False, "reason": "bare has no memory measurement"}

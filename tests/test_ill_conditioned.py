@@ -42,7 +42,7 @@ def _setup(big: float):
 
 
 def _session(task, model, inputs, reference):
-    """What conditioning.add reads of a build's session."""
+    """What conditioning.note_ill_conditioned reads of a build's session."""
     return SimpleNamespace(
         task=task,
         loaded=SimpleNamespace(eager=model),
@@ -56,7 +56,7 @@ def _validated(task, model, inputs, reference, runner, precision="fp32") -> dict
     context = validation.EagerReference(task, model, inputs, reference)
     metrics, _ = validation.evaluate(context, runner, THRESHOLDS, timed=False)
     entry = {"precision": precision, "thresholds": dict(THRESHOLDS), **metrics}
-    conditioning.add(_session(task, model, inputs, reference), entry)
+    conditioning.note_ill_conditioned(_session(task, model, inputs, reference), entry)
     return entry
 
 
@@ -131,7 +131,7 @@ def test_the_int8_floor_is_the_dynamic_one_or_the_static_one():
     metrics, _ = validation.evaluate(context, lambda x: conditioning.outputs(model, x, "int8"), THRESHOLDS, timed=False)
     assert task.fidelity(reference, floor)["psnr_db"] < THRESHOLDS["psnr_db"]
     entry = {"precision": "int8", "thresholds": dict(THRESHOLDS), **metrics}
-    conditioning.add(_session(task, model, inputs, reference), entry)
+    conditioning.note_ill_conditioned(_session(task, model, inputs, reference), entry)
     assert entry["reasons"][-1].kind is Kind.ILL_CONDITIONED_REFERENCE, entry["reasons"]
     assert "every layer's output to int8" in entry["reasons"][-1].text
 

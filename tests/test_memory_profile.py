@@ -247,7 +247,7 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
             "fidelity": {"psnr_db": 90.0},
             "latency_ms": {"p50": 4000.0},
         }
-        memory_profile.add(session, entry, tmp_path, Progress(quiet=True))
+        memory_profile.measure(session, entry, tmp_path, Progress(quiet=True))
         profile = entry["profile"]
         assert profile["available"] and profile["runs"] == 2, profile
         assert profile["conditions"]["reliable"] == (not busy) and profile["conditions"]["reasons"] == busy

@@ -287,7 +287,7 @@ def test_ranges_chosen_per_inference_are_tried_only_when_static_ranges_miss_and_
 
 
 def test_a_build_whose_calibrated_ranges_failed_validation_starts_from_ranges_chosen_per_inference(budget_search):
-    """static_ranges=False (set by a build, exporter.engine.pipeline._made_again): the search starts from the fallback
+    """static_ranges=False (set by a build, exporter.engine.pipeline._remake_with_per_inference_ranges): the search starts from the fallback
     range method even where static ranges would meet the budget, and never tries those; without a fallback method,
     or with dynamic ranges turned off, it is the static search as before."""
     candidate, report = budget_search(

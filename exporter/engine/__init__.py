@@ -74,7 +74,7 @@ def target_refusal(weight: str, target: str, formats=()) -> str | None:
     task_class = weights.task_class(resolved)
     profile = target_profile(BuildRequest(weight, target=target, formats=list(formats)), target)
     (plan,) = make_all([profile], task_class.name, required=task_class.format_options())
-    return pipeline.refusal(resolved, task_class, plan)
+    return pipeline.whole_target_refusal(resolved, task_class, plan)
 
 
 def build(request: BuildRequest, progress: Progress | None = None) -> dict:

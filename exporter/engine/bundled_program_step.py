@@ -28,7 +28,7 @@ def wanted(entry: dict) -> bool:
     )  # it ran on the validation inputs
 
 
-def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
+def add_golden_program(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
     """Write the entry's `.bpte` (from the cache when the same one was made before), verify it on this host and
     record it as entry["bundled_program"]."""
     if not wanted(entry):
@@ -45,7 +45,7 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
         return
     bpte = pte.with_suffix(bundled_program.SUFFIX)
     try:
-        details = _made(session, entry, pte, bpte, progress, prefix)
+        details = _write_bpte(session, entry, pte, bpte, progress, prefix)
     except (RuntimeError, OSError, MemoryError, ValueError) as e:  # ExecuTorch's, as the 2 GiB limit: the .pte stands
         first = (str(e).strip().splitlines() or [""])[0][:300]
         entry["details"]["golden_program"] = Reason(Kind.BUNDLED_PROGRAM_FAILED, f"{FAILED}{type(e).__name__}: {first}")
@@ -64,7 +64,7 @@ def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -
         ]
 
 
-def _made(session, entry: dict, pte: Path, bpte: Path, progress: Progress, prefix: str) -> dict:
+def _write_bpte(session, entry: dict, pte: Path, bpte: Path, progress: Progress, prefix: str) -> dict:
     """The .bpte written (or fetched from the cache): its details."""
     rows = session.golden_rows
     digest = cache.key(

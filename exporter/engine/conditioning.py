@@ -31,7 +31,7 @@ import copy
 import torch
 from torch import nn
 
-from ..results import Kind, Reason
+from ..results import Kind, Reason, kinds
 from ..thresholds import THRESHOLD_KEYS, breaches
 
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -213,13 +213,13 @@ def _far_below(fidelity: dict, floor: dict, margin_db: float) -> bool:
     return numbers and artifact < reached - margin_db
 
 
-def add(session, entry: dict) -> None:
+def note_ill_conditioned(session, entry: dict) -> None:
     """After an artifact's validation: when it failed a fidelity threshold, the reason saying that its reference
     is ill-conditioned at its precision, if it is (see ill_conditioned). A passing artifact costs nothing; a floor
     that cannot be computed (a graph that does not run in float64) says nothing."""
     if entry.get("status") != "failed" or not broken_fidelity(entry.get("fidelity"), entry["thresholds"]):
         return
-    if {getattr(r, "kind", None) for r in entry["reasons"]} & {Kind.NON_FINITE, Kind.DEGENERATE_REFERENCE}:
+    if kinds(entry["reasons"]) & {Kind.NON_FINITE, Kind.DEGENERATE_REFERENCE}:
         return  # no rounding of eager explains NaN, and a degenerate reference judges nothing
     try:
         reason = ill_conditioned(

@@ -53,7 +53,7 @@ def _measure(what: str, function, *args) -> dict:
         return _unavailable(f"{what} not measured: {type(e).__name__}: {first}")
 
 
-def add(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
+def measure(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
     """entry["memory"] and entry["profile"], from the cache when this artifact was measured before."""
     fmt = FORMATS[entry["format"]].format() if FORMATS[entry["format"]].installed() else None
     reason = _reason(entry, fmt)

@@ -34,7 +34,7 @@ from ..progress import Progress
 
 
 @dataclass
-class Session:
+class BuildContext:
     """What every artifact of one build is validated against."""
 
     loaded: weights.LoadedModel
@@ -140,9 +140,9 @@ def _check_enough(inputs: data.Inputs, path: Path | None, calibrated: list[str],
 
 def _start_session(
     loaded, task, inputs, plan: Plan, progress: Progress, build_cache: BuildCache | None = None
-) -> Session:
+) -> BuildContext:
     torch.set_num_threads(plan.latency.threads)
-    session = Session(loaded, task, inputs, None, None, plan, build_cache or BuildCache(None))
+    session = BuildContext(loaded, task, inputs, None, None, plan, build_cache or BuildCache(None))
     reference_key = cache.key(
         kind="eager",
         **{k: session.digests[k] for k in ("checkpoint", "reference", "model", "task", "validation", "tools")},
@@ -165,7 +165,7 @@ def _start_session(
     return session
 
 
-def _evaluate(session: Session, runner, thresholds: dict, timed: bool = True) -> tuple[dict, torch.Tensor]:
+def _evaluate(session: BuildContext, runner, thresholds: dict, timed: bool = True) -> tuple[dict, torch.Tensor]:
     reference = validation.EagerReference(
         session.task,
         session.eager,
@@ -207,7 +207,9 @@ NOT_MEASURED = {
 GOLDEN_COUNT = 8  # validation inputs written to golden/ for on-device checks
 
 
-def _validate(session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "", step: str = "") -> None:
+def _validate(
+    session: BuildContext, entry: dict, out: Path, progress: Progress, prefix: str = "", step: str = ""
+) -> None:
     """Validation, reusing an earlier identical one (same artifact bytes, inputs, thresholds, host
     and thread settings) from the cache; the manifest says when it did. A cached latency judged unreliable
     (hostload: a busy host) is never served: its fidelity is, and the latency is timed again."""
@@ -273,7 +275,7 @@ def _validate(session: Session, entry: dict, out: Path, progress: Progress, pref
 
 
 def _run_validation(
-    session: Session, entry: dict, out: Path, progress: Progress, prefix: str = "", step: str = ""
+    session: BuildContext, entry: dict, out: Path, progress: Progress, prefix: str = "", step: str = ""
 ) -> bool:
     """Whether the artifact was run (or, unavailable here, said why); one that loads or runs on no or only some
     validation inputs has failed, with the runtime's error."""
@@ -310,7 +312,9 @@ def _run_validation(
             entry.update(status=Status.FAILED, reasons=[reason])
             return False
         entry.update(metrics)
-        conditioning.add(session, entry)  # a failed fidelity: is eager itself that far off at this precision?
+        conditioning.note_ill_conditioned(
+            session, entry
+        )  # a failed fidelity: is eager itself that far off at this precision?
         if session.plan.validate.aarch64_cpus:
             session.x86_outputs[entry["name"]] = outputs
         # what a device's run of this artifact on golden/ is held to (device_validate.py)
@@ -338,7 +342,7 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
-def _proxy_metrics(session: Session, proxy, thresholds: dict) -> dict:
+def _proxy_metrics(session: BuildContext, proxy, thresholds: dict) -> dict:
     """A proxy's metrics; one every artifact shares (eager in fp16 for each fp16 Core ML package: about 2 s an
     SSDlite image on this CPU's half-precision convolutions) is evaluated once per build."""
     shared = getattr(proxy, "shared_key", None)
@@ -350,7 +354,7 @@ def _proxy_metrics(session: Session, proxy, thresholds: dict) -> dict:
     return copy.deepcopy(session.shared_proxies[key])
 
 
-def _write_preview(session: Session, entry: dict, out: Path, outputs: torch.Tensor) -> None:
+def _write_preview(session: BuildContext, entry: dict, out: Path, outputs: torch.Tensor) -> None:
     """The task's pictures of the validation inputs where this artifact departs most from eager (eager beside
     the artifact), with `preview_rows` naming them; `preview_rows: []` and no picture when the artifact's
     outputs are bit-identical to eager's on every input."""
@@ -376,7 +380,7 @@ def _write_preview(session: Session, entry: dict, out: Path, outputs: torch.Tens
     entry["preview"] = path.as_posix()
 
 
-def _new_entry(session: Session, spec: ArtifactSpec) -> dict:
+def _new_entry(session: BuildContext, spec: ArtifactSpec) -> dict:
     return {
         "name": spec.label,
         "format": spec.format,
@@ -392,13 +396,13 @@ def _new_entry(session: Session, spec: ArtifactSpec) -> dict:
     }
 
 
-def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress, prefix: str = "") -> dict:
+def _export(session: BuildContext, spec: ArtifactSpec, out: Path, progress: Progress, prefix: str = "") -> dict:
     fmt = FORMATS[spec.format].format()
     model_name = session.loaded.model_name
     name = spec.label
     filename = f"{model_name}_{name}{fmt.suffix}"
     entry = _new_entry(session, spec)
-    refusal = _not_made(spec, session.loaded.quantized, type(session.task))
+    refusal = _refused_by_design(spec, session.loaded.quantized, type(session.task))
     if refusal:
         entry.update(status=Status.UNAVAILABLE, reasons=[refusal])
         return entry
@@ -407,20 +411,20 @@ def _export(session: Session, spec: ArtifactSpec, out: Path, progress: Progress,
         entry["reasons"] = [Reason(Kind.NOT_OFFERED, offers)]
         return entry
     calibration = session.calibration(spec.precision, progress.note)
-    if not _made(session, spec, fmt, entry, calibration, out / filename, progress, prefix):
+    if not _export_into(session, spec, fmt, entry, calibration, out / filename, progress, prefix):
         return entry
     _validate(session, entry, out, progress, prefix)
     remade = fmt.per_inference_ranges
     calibration = remade(calibration, entry["details"]) if remade and _ranges_did_not_hold(entry) else None
     if calibration is not None:
-        entry = _made_again(session, spec, fmt, entry, calibration, out, progress, prefix)
-    bundled_program_step.add(session, entry, out, progress, prefix)
-    memory_profile.add(session, entry, out, progress, prefix)
+        entry = _remake_with_per_inference_ranges(session, spec, fmt, entry, calibration, out, progress, prefix)
+    bundled_program_step.add_golden_program(session, entry, out, progress, prefix)
+    memory_profile.measure(session, entry, out, progress, prefix)
     return entry
 
 
-def _made(
-    session: Session,
+def _export_into(
+    session: BuildContext,
     spec: ArtifactSpec,
     fmt,
     entry: dict,
@@ -464,7 +468,7 @@ def _made(
         raise
     except RuntimeUnavailable as e:
         entry.update(status=Status.UNAVAILABLE, reasons=[Reason(Kind.UNAVAILABLE_HERE, f"not built on this host: {e}")])
-        memory_profile.add(session, entry, path.parent, progress, prefix)  # not measured either: says why
+        memory_profile.measure(session, entry, path.parent, progress, prefix)  # not measured either: says why
         return False
     except Exception as e:  # a conversion failure is a finding about this artifact, not a crash
         kind = Kind.DISK_FULL if cache.disk_full(e) else Kind.EXPORT_FAILED  # a full disk: the host's, not the model's
@@ -496,8 +500,8 @@ def _ranges_did_not_hold(entry: dict) -> bool:
 REMADE = " (ranges per inference)"  # the remade artifact's steps in the progress and timings
 
 
-def _made_again(
-    session: Session, spec: ArtifactSpec, fmt, first: dict, calibration, out: Path, progress: Progress, prefix: str
+def _remake_with_per_inference_ranges(
+    session: BuildContext, spec: ArtifactSpec, fmt, first: dict, calibration, out: Path, progress: Progress, prefix: str
 ) -> dict:
     """The artifact made again with ranges chosen per inference (beside the first, under a staging name), validated
     on the same inputs and moved over the first only if it passes. Either way the manifest has both verdicts
@@ -512,7 +516,7 @@ def _made_again(
     kept_outputs = session.x86_outputs.pop(first["name"], None)  # a cached validation of the remade stores none
     entry = _new_entry(session, spec)
     try:
-        made = _made(session, spec, fmt, entry, calibration, staged, progress, prefix, REMADE)
+        made = _export_into(session, spec, fmt, entry, calibration, staged, progress, prefix, REMADE)
         quantization = entry["details"].get("quantization") or {}
         if made and quantization.get("lowering_fault"):  # its per-inference program was lowered wrong: not one
             entry.update(
@@ -566,13 +570,13 @@ def _made_again(
     return first
 
 
-def _not_made(spec: ArtifactSpec, quantized: bool, task_class: type[Task]) -> Reason | None:
+def _refused_by_design(spec: ArtifactSpec, quantized: bool, task_class: type[Task]) -> Reason | None:
     """Why this artifact is not made from the weight, by design (its format cannot take an eager-quantized model,
     or the task's graph), or None."""
     why = FORMATS[spec.format].no_quantized_eager if quantized else None
     if why:
         return Reason(Kind.NOT_MADE, f"cannot take an eager-quantized model: {why}")
-    why = task_class.refuses(spec.format, spec.precision)
+    why = task_class.format_refusal(spec.format, spec.precision)
     return Reason(Kind.NOT_MADE, f"cannot take {_a(task_class.name)} graph: {why}") if why else None
 
 
@@ -580,13 +584,13 @@ def _artifacts(plan: Plan, quantized: bool) -> tuple[ArtifactSpec, ...]:
     return (plan.for_eager_quantized() if quantized else plan).artifacts
 
 
-def refusal(resolved, task_class: type[Task], plan: Plan) -> str | None:
+def whole_target_refusal(resolved, task_class: type[Task], plan: Plan) -> str | None:
     """Why the target would make none of its artifacts from this weight (every one refused by design), or None:
     such a build would pass with nothing to ship."""
     quantized = weights.is_quantized(resolved)
     reasons = {}
     for spec in _artifacts(plan, quantized):
-        why = _not_made(spec, quantized, task_class)
+        why = _refused_by_design(spec, quantized, task_class)
         if not why:
             return None
         reasons.setdefault(f"{spec.format}: {why.text}")
@@ -611,7 +615,7 @@ def _write_device_files(out: Path, task) -> None:
         files.write_text(out / name, text)
 
 
-def _write_golden(out: Path, session: Session) -> None:
+def _write_golden(out: Path, session: BuildContext) -> None:
     """The task's golden validation inputs and what eager made of them (the task says which files), for on-device checks."""
     import numpy as np
 
@@ -628,7 +632,7 @@ def _write_golden(out: Path, session: Session) -> None:
                 np.save(f, content)
 
 
-def _post_build(plan: Plan, out: Path, doc: dict, session: Session) -> None:
+def _post_build(plan: Plan, out: Path, doc: dict, session: BuildContext) -> None:
     if not plan.post_build:
         return
     _post_build_function(plan)(out, doc, session)
@@ -682,7 +686,7 @@ def run(
     task_class = weights.task_class(resolved)
     plans = make_all(targets, task_class.name, request.options, task_class.format_options())
     single = len(plans) == 1
-    refusals = [refusal(resolved, task_class, plan) for plan in plans]
+    refusals = [whole_target_refusal(resolved, task_class, plan) for plan in plans]
     if all(refusals):  # a target that makes nothing beside one that does says why in its manifest
         why = refusals[0] if single else "; ".join(f"{p.target}: {r}" for p, r in zip(plans, refusals))
         raise UsageError(
@@ -696,7 +700,11 @@ def run(
         labels = (
             []
             if quantized
-            else [a.label for a in plan.artifacts if a.precision == "int8" and not _not_made(a, quantized, task_class)]
+            else [
+                a.label
+                for a in plan.artifacts
+                if a.precision == "int8" and not _refused_by_design(a, quantized, task_class)
+            ]
         )
         if labels and plan.data.calib_size == 0:
             raise UsageError(
@@ -744,7 +752,7 @@ def run(
     return base, docs
 
 
-def _build_one(request: BuildRequest, session: Session, out: Path, progress: Progress, prefix: str) -> dict:
+def _build_one(request: BuildRequest, session: BuildContext, out: Path, progress: Progress, prefix: str) -> dict:
     loaded, inputs, plan = session.loaded, session.inputs, session.plan
     out.mkdir(parents=True, exist_ok=True)
     manifest.clear_build_files(out)
@@ -788,7 +796,7 @@ def _build_one(request: BuildRequest, session: Session, out: Path, progress: Pro
         doc["artifacts"] = [made[k] for k in sorted(made)]
         doc["timings_s"] = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
-    validate_on_arm.add(
+    validate_on_arm.add_rows(
         session,
         doc,
         out,
@@ -861,7 +869,7 @@ def validate(
                 entry.pop(stale, None)
             entry.update(NOT_MEASURED, reasons=[], status="failed")
             _validate(session, entry, out, progress)
-            bundled_program_step.add(session, entry, out, progress)
-    validate_on_arm.add(session, doc, out, progress, None, False)
+            bundled_program_step.add_golden_program(session, entry, out, progress)
+    validate_on_arm.add_rows(session, doc, out, progress, None, False)
     doc["validated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return _finish(out, doc, progress)

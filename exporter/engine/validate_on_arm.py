@@ -169,7 +169,7 @@ def _key(session, entry: dict, cpu: str, runner) -> str:
     )
 
 
-def add(
+def add_rows(
     session,
     doc: dict,
     out: Path,

@@ -17,7 +17,7 @@ def _size(a: dict) -> float:
     return a.get("size_bytes") or float("inf")
 
 
-def _not_made(artifact: dict) -> bool:
+def _refused_by_design(artifact: dict) -> bool:
     """The format (or the task's graph) cannot take this model at all: refused by design, no runtime needed."""
     return Kind.NOT_MADE in kinds(artifact.get("reasons"))
 
@@ -36,8 +36,10 @@ def choose(doc: dict) -> dict:
             (a for a in passed if a.get("size_bytes")), key=lambda a: (_size(a), _p50(a), a["name"]), default=None
         ),
         "failed": [a["name"] for a in doc["artifacts"] if a["status"] == "failed"],
-        "unavailable": [a["name"] for a in doc["artifacts"] if a["status"] == "unavailable" and not _not_made(a)],
-        "not_made": [a["name"] for a in doc["artifacts"] if a["status"] == "unavailable" and _not_made(a)],
+        "unavailable": [
+            a["name"] for a in doc["artifacts"] if a["status"] == "unavailable" and not _refused_by_design(a)
+        ],
+        "not_made": [a["name"] for a in doc["artifacts"] if a["status"] == "unavailable" and _refused_by_design(a)],
     }
 
 

@@ -39,7 +39,7 @@ def for_group(group: str, weight_name: str, model_name: str) -> type[Task]:
     """The task class for a torchvision model group, or a one-line refusal saying why not."""
     if group in GROUPS:
         task = GROUPS[group].for_model(model_name)
-        refusal = task.refusal(model_name)
+        refusal = task.unsupported_model(model_name)
         if refusal:
             raise UsageError(f"{weight_name}: {refusal}")
         return task

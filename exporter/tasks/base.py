@@ -41,7 +41,7 @@ class Task:
 
     # --- before the task is bound: the model ---
     @classmethod
-    def refusal(cls, model_name: str) -> str | None:
+    def unsupported_model(cls, model_name: str) -> str | None:
         """Why this model of the task cannot be exported, or None."""
         return None
 
@@ -62,7 +62,7 @@ class Task:
         return {}
 
     @classmethod
-    def refuses(cls, format_name: str, precision: str | None = None) -> str | None:
+    def format_refusal(cls, format_name: str, precision: str | None = None) -> str | None:
         """Why a format (at a precision) cannot take this task's graph (measured), or None: the pipeline asks,
         formats never see the task."""
         return None

@@ -177,7 +177,7 @@ class Detection(Task):
     drop = "map_drop_points"
 
     @classmethod
-    def refusal(cls, model_name: str) -> str | None:
+    def unsupported_model(cls, model_name: str) -> str | None:
         if not model_name.startswith(SINGLE_STAGE):
             extra = "masks" if model_name.startswith("maskrcnn") else "keypoints"
             return (

@@ -110,7 +110,7 @@ class OpticalFlow(Task):
     drop = "epe_increase"
 
     @classmethod
-    def refuses(cls, format_name: str, precision: str | None = None) -> str | None:
+    def format_refusal(cls, format_name: str, precision: str | None = None) -> str | None:
         return REFUSED.get(format_name)
 
     @classmethod

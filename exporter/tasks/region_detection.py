@@ -92,11 +92,11 @@ class RegionDetection(Detection):
         return model_name.startswith(TWO_STAGE)
 
     @classmethod
-    def refusal(cls, model_name: str) -> str | None:
+    def unsupported_model(cls, model_name: str) -> str | None:
         return None
 
     @classmethod
-    def refuses(cls, format_name: str, precision: str | None = None) -> str | None:
+    def format_refusal(cls, format_name: str, precision: str | None = None) -> str | None:
         if format_name in ("onnx", "tensorrt"):
             return None
         if format_name == "torchscript_lite":

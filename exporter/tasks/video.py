@@ -47,7 +47,7 @@ class Video(Classification):
         return crop[0], crop[-1]
 
     @classmethod
-    def refuses(cls, format_name: str, precision: str | None = None) -> str | None:
+    def format_refusal(cls, format_name: str, precision: str | None = None) -> str | None:
         return REFUSED.get(format_name)
 
     def describe(self):
