@@ -200,12 +200,11 @@ def test_android_build_writes_a_validated_int8_ptl(android_int8, quantized_digit
     # judged on the int8 thresholds alone: how much a stand-in's PTQ gives up is not the product's promise
     # (a model loaded wrongly is caught below, where the .ptl must reproduce the quantized eager model)
     assert ptl["status"] in ("passed", "failed")
-    assert all(r.get("metric") in ("top1_agreement", "psnr_db", "accuracy_drop") for r in ptl["reasons"]), ptl[
-        "reasons"
-    ]
-    assert ptl["reasons"] == jsonable(
-        breaches(ptl, ptl["thresholds"])
-    )  # the verdict follows the thresholds, whatever the stand-in's PTQ cost
+    # beside the breaches, the build may say the reference is ill-conditioned at int8 (a note, never alone)
+    broken = [r for r in ptl["reasons"] if r["kind"] != "ill_conditioned_reference"]
+    assert broken or len(broken) == len(ptl["reasons"]), ptl["reasons"]
+    assert all(r.get("metric") in ("top1_agreement", "psnr_db", "accuracy_drop") for r in broken), ptl["reasons"]
+    assert broken == jsonable(breaches(ptl, ptl["thresholds"]))  # the verdict follows the thresholds, whatever PTQ cost
     assert ptl["latency_ms"]["p50"] > 0 and ptl["eager_latency_ms"]["p50"] > 0
     assert "unquantized float" in (out / "report.md").read_text()
 
