@@ -6,7 +6,8 @@ as {"kind", "text", ...} (schema 4): JSON is made and read here and in release/m
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 
 
 class Status(str, enum.Enum):
@@ -114,7 +115,7 @@ def broken_value(reasons, metric: str) -> float | None:
 def jsonable(value):
     """`value` with every Reason as its JSON record and every Status or Kind as its string, through dicts, lists
     and tuples (lists in the result); anything else as it is. What the manifest writer and the caches store."""
-    if isinstance(value, Reason):
+    if isinstance(value, (Reason, EmulatedRow, ArtifactResult, Manifest)):
         return value.to_json()
     if isinstance(value, enum.Enum):
         return value.value
@@ -123,3 +124,204 @@ def jsonable(value):
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
     return value
+
+
+def _record(obj, always: tuple[str, ...]) -> dict:
+    """A result's JSON record, its fields in declared order: those in `always` whatever their value, the others
+    only when set (not None), as the manifest has always written them; then the fields it was read with that this
+    exporter does not know (the schema leaves records open), as they were."""
+    values = ((f.name, getattr(obj, f.name)) for f in fields(obj) if f.name != "extra")
+    record = {name: jsonable(value) for name, value in values if name in always or value is not None}
+    return {**record, **{k: v for k, v in obj.extra.items() if k not in record}}
+
+
+def _from_record(cls, record: Mapping):
+    known = {f.name for f in fields(cls)} - {"extra"}
+    return cls(
+        **{k: v for k, v in _typed(record).items() if k in known},
+        extra={k: v for k, v in record.items() if k not in known},
+    )
+
+
+def _extra() -> dict:
+    """Fields a record was read with that this exporter does not know, kept as they were."""
+    return field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclass(kw_only=True)
+class EmulatedRow:
+    """One artifact judged on one emulated aarch64 CPU (exporter.engine.validate_on_arm): the contract on the
+    emulated outputs, never timed, and how far they are from the same artifact's x86 outputs."""
+
+    arch: str = "aarch64"
+    cpu: str
+    why: str | None = None  # why the profile names this CPU
+    emulated: bool = True
+    latency_ms: None = None  # an emulated run has no latency
+    seconds: float | None = None  # the emulated run's wall time (not the artifact's latency)
+    runtime: dict | None = None  # what ran it there (versions)
+    status: Status
+    reasons: list[Reason] = field(default_factory=list)
+    fidelity: dict | None = None
+    accuracy: dict | None = None
+    vs_x86: dict | None = None
+    bundled_program: dict | None = None  # the .pte's golden program, verified on this CPU
+    reused_from_cache: bool | None = None
+    extra: dict = _extra()
+
+    ALWAYS = ("arch", "cpu", "why", "emulated", "latency_ms", "seconds", "runtime", "status", "reasons")
+    ALWAYS += ("fidelity", "accuracy", "vs_x86")
+
+    def __post_init__(self):
+        self.status, self.reasons = Status(self.status), revived(self.reasons)
+
+    def failed(self) -> bool:
+        return self.status is Status.FAILED
+
+    def to_json(self) -> dict:
+        return _record(self, self.ALWAYS)
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> EmulatedRow:
+        return _from_record(cls, record)
+
+
+@dataclass
+class ArtifactResult:
+    """One artifact of a build, as the engine fills it in (export, validation, golden program, memory, aarch64
+    rows) and the manifest records it. Fields below `speedup_vs_eager` appear in the record only once set."""
+
+    name: str
+    format: str
+    precision: str
+    path: str | None = None  # relative to the build directory; None until the artifact is complete
+    sha256: str | None = None
+    size_bytes: int | None = None
+    status: Status = Status.FAILED
+    reasons: list[Reason] = field(default_factory=list)
+    details: dict = field(default_factory=dict)  # what its format's export says (quantization report, sizes…)
+    thresholds: dict = field(default_factory=dict)
+    # the contract's measurements: in every record, None where not measured
+    fidelity: dict | None = None
+    accuracy: dict | None = None
+    latency_ms: dict | None = None
+    eager_latency_ms: dict | None = None
+    speedup_vs_eager: float | None = None
+    export_s: float | None = None
+    artifact_reused_from_cache: bool | None = None
+    validation_reused_from_cache: bool | None = None
+    outlier_inputs: list | None = None
+    latency_conditions: dict | None = None
+    golden_fidelity: dict | None = None
+    preview_rows: list | None = None  # [] when the artifact's outputs are bit-identical to eager's
+    preview: str | None = None
+    proxy: dict | None = None  # stand-ins' metrics where its runtime is not on this host
+    proxy_unavailable: str | None = None
+    bundled_program: dict | None = None
+    memory: dict | None = None
+    profile: dict | None = None
+    aarch64: list[EmulatedRow] | None = None  # one row per emulated CPU
+    extra: dict = _extra()
+
+    ALWAYS = (
+        *("name", "format", "precision", "path", "sha256", "size_bytes", "status", "reasons", "details"),
+        *("thresholds", "fidelity", "accuracy", "latency_ms", "eager_latency_ms", "speedup_vs_eager"),
+    )
+
+    def __post_init__(self):
+        self.status, self.reasons = Status(self.status), revived(self.reasons)
+        if self.aarch64 is not None:
+            self.aarch64 = [row if isinstance(row, EmulatedRow) else EmulatedRow.from_json(row) for row in self.aarch64]
+
+    def update(self, values: Mapping | None = None, **more) -> None:
+        """Set the fields named in `values` and `more` (a metrics record, a cached validation); an unknown name
+        is an error, never a silent new key."""
+        for name, value in _typed({**(values or {}), **more}).items():
+            if name not in _ARTIFACT_FIELDS:
+                raise TypeError(f"ArtifactResult has no field {name!r}")
+            setattr(self, name, value)
+
+    def clear(self, *names: str) -> None:
+        for name in names:
+            setattr(self, name, None)
+
+    def fields(self, names) -> dict:
+        """The fields among `names` that are set, by name (what a cached validation stores)."""
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def passed(self) -> bool:
+        return self.status is Status.PASSED
+
+    def ran_here(self) -> bool:
+        """Made and run on this host's validation inputs (passed or failed by them, not unavailable)."""
+        return bool(self.path) and self.status in (Status.PASSED, Status.FAILED) and self.fidelity is not None
+
+    def to_json(self) -> dict:
+        return _record(self, self.ALWAYS)
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> ArtifactResult:
+        return _from_record(cls, record)
+
+
+_ARTIFACT_FIELDS = frozenset(f.name for f in fields(ArtifactResult)) - {"extra"}
+
+
+def _typed(values: Mapping) -> dict:
+    """`values` with a status as a Status and reasons as Reason values (a JSON record holds their strings)."""
+    typed = dict(values)
+    if "status" in typed:
+        typed["status"] = Status(typed["status"])
+    if "reasons" in typed:
+        typed["reasons"] = revived(typed["reasons"])
+    return typed
+
+
+_ARTIFACT_FIELDS = frozenset(f.name for f in fields(ArtifactResult))
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """A build's manifest as the engine holds it (release/manifest.py writes and reads its JSON file)."""
+
+    schema_version: int
+    exporter_version: str
+    exporter_commit: str | None = None  # the git commit exporter ran from, when a checkout
+    created: str
+    command: list | None = None
+    status: Status
+    weight: dict
+    task: dict | None = None
+    checkpoint: dict
+    preprocessing: dict
+    labels: dict
+    target: dict
+    tools: dict
+    host: dict
+    data: dict
+    eager: dict
+    artifacts: list[ArtifactResult] = field(default_factory=list)
+    timings_s: dict = field(default_factory=dict)
+    aarch64: dict | None = None  # the emulated CPUs' summary, when the target validates on them
+    jetson: dict | None = None  # the Jetson device kit (its post_build step)
+    cache: dict | None = None
+    validated: str | None = None  # when `exporter validate` judged it again
+    extra: dict = _extra()
+
+    ALWAYS = ("schema_version", "exporter_version", "exporter_commit", "created", "command", "status", "weight")
+    ALWAYS += ("checkpoint", "preprocessing", "labels", "target", "tools", "host", "data", "eager", "artifacts")
+    ALWAYS += ("timings_s",)
+
+    def __post_init__(self):
+        self.status = Status(self.status)
+        self.artifacts = [a if isinstance(a, ArtifactResult) else ArtifactResult.from_json(a) for a in self.artifacts]
+
+    def overall_status(self) -> Status:
+        return Status.FAILED if any(a.status is Status.FAILED for a in self.artifacts) else Status.PASSED
+
+    def to_json(self) -> dict:
+        return _record(self, self.ALWAYS)
+
+    @classmethod
+    def from_json(cls, doc: Mapping) -> Manifest:
+        return _from_record(cls, doc)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from exporter.formats import bundled_program
-from exporter.results import Kind, Reason
+from exporter.results import ArtifactResult, Kind, Reason, Status
 
 INSIDE = Path(__file__).resolve().parent.parent / "exporter" / "aarch64" / "inside.py"
 FP32 = "mobilenet_v3_small_executorch_fp32.pte"
@@ -240,18 +240,14 @@ def test_a_program_too_large_for_one_flatbuffer_gets_no_golden_program_and_says_
     from exporter.engine import bundled_program_step
 
     (tmp_path / "model.pte").write_bytes(b"x" * 64)
-    entry = {
-        "format": "executorch",
-        "path": "model.pte",
-        "status": "passed",
-        "fidelity": {"psnr_db": 80.0},
-        "details": {},
-    }
+    entry = ArtifactResult(
+        "executorch_fp32", "executorch", "fp32", path="model.pte", status=Status.PASSED, fidelity={"psnr_db": 80.0}
+    )
     monkeypatch.setattr(bundled_program_step, "FLATBUFFER_LIMIT", 64)
     bundled_program_step.add_golden_program(None, entry, tmp_path, None)  # nothing of the session is needed to decide
-    assert entry["status"] == "passed" and "bundled_program" not in entry
-    assert entry["details"]["golden_program"].kind is Kind.NOTE  # a note: its artifact stands, the build is replayed
-    assert entry["details"]["golden_program"].text.startswith("not made: the program is 0.00 GiB")
+    assert entry.status is Status.PASSED and entry.bundled_program is None
+    assert entry.details["golden_program"].kind is Kind.NOTE  # a note: its artifact stands, the build is replayed
+    assert entry.details["golden_program"].text.startswith("not made: the program is 0.00 GiB")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]
 
 
@@ -266,16 +262,15 @@ def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_s
     from exporter.progress import Progress
 
     (tmp_path / "model.pte").write_bytes(b"not a program")
-    entry = {
-        "name": "executorch_fp32",
-        "format": "executorch",
-        "path": "model.pte",
-        "sha256": "0" * 64,
-        "status": "passed",
-        "reasons": [],
-        "fidelity": {"psnr_db": 80.0},
-        "details": {},
-    }
+    entry = ArtifactResult(
+        "executorch_fp32",
+        "executorch",
+        "fp32",
+        path="model.pte",
+        sha256="0" * 64,
+        status=Status.PASSED,
+        fidelity={"psnr_db": 80.0},
+    )
     session = SimpleNamespace(
         golden_rows=[0],
         inputs=SimpleNamespace(validation=torch.zeros(1, 3, 8, 8)),
@@ -283,8 +278,8 @@ def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_s
         cache=SimpleNamespace(fetch_artifact=lambda digest, tmp: None),
     )
     bundled_program_step.add_golden_program(session, entry, tmp_path, Progress(quiet=True))
-    assert entry["status"] == "passed" and entry["reasons"] == [] and "bundled_program" not in entry
-    note = entry["details"]["golden_program"]
+    assert entry.status is Status.PASSED and entry.reasons == [] and entry.bundled_program is None
+    note = entry.details["golden_program"]
     assert note.kind is Kind.BUNDLED_PROGRAM_FAILED, note  # what the whole-build record reads: not replayed
     assert note.text.startswith(bundled_program_step.FAILED + "RuntimeError: "), note
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]

@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -258,9 +257,9 @@ def make_build(out: Path, task, target: str = "jetson", perturb: float = 0.0, la
     }
     doc = complete(doc)
     if target == "jetson":
-        from exporter.release.jetson_kit import write_device_kit
+        from exporter.release.jetson_kit import device_kit
 
-        write_device_kit(out, doc, SimpleNamespace(inputs=SimpleNamespace(example=np.zeros((1, 3, SIZE, SIZE)))))
+        doc["jetson"] = device_kit(out, doc, (3, SIZE, SIZE))
     (out / "labels.txt").write_text("\n".join(LABELS) + "\n")
     (out / "preprocessing.json").write_text(json.dumps(doc["preprocessing"], indent=2) + "\n")
     (out / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")

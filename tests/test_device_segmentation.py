@@ -8,7 +8,6 @@ import importlib.util
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -255,9 +254,9 @@ def make_build(
     if task is None:  # as device_validate may still meet it in a bundle made before tasks
         del doc["task"]
     if target == "jetson":
-        from exporter.release.jetson_kit import write_device_kit
+        from exporter.release.jetson_kit import device_kit
 
-        write_device_kit(out, doc, SimpleNamespace(inputs=SimpleNamespace(example=np.zeros((1, 3, H, W)))))
+        doc["jetson"] = device_kit(out, doc, (3, H, W))
     (out / "labels.txt").write_text("\n".join(LABELS) + "\n")
     (out / "preprocessing.json").write_text(json.dumps(doc["preprocessing"], indent=2) + "\n")
     (out / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")

@@ -17,6 +17,7 @@ from exporter.errors import UsageError
 from exporter.formats import FORMATS, FormatSpec, RuntimeUnavailable
 from exporter.formats.interface import Format
 from exporter.progress import Progress
+from exporter.results import ArtifactResult, Status
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONAL_HOOKS = ("proxies", "per_inference_ranges", "memory", "profile")
@@ -151,11 +152,11 @@ def test_validation_asks_the_format_for_its_proxies(monkeypatch, tmp_path):
     _registered(monkeypatch, Unavailable())
     _registered(monkeypatch, WithProxies())
     session = SimpleNamespace(latency={"threads": 1}, loaded=SimpleNamespace(model="the model"))
-    entries = {name: {"name": name, "format": name, "path": f"a.{name}"} for name in ("unavailable", "with_proxies")}
+    entries = {name: ArtifactResult(name, name, "fp32", path=f"a.{name}") for name in ("unavailable", "with_proxies")}
     for entry in entries.values():
         assert pipeline._run_validation(session, entry, tmp_path, Progress(quiet=True))
-    assert entries["unavailable"]["status"] == "unavailable" and "proxy_unavailable" not in entries["unavailable"]
-    assert entries["with_proxies"]["proxy_unavailable"] == "no stand-in for this one"
+    assert entries["unavailable"].status is Status.UNAVAILABLE and entries["unavailable"].proxy_unavailable is None
+    assert entries["with_proxies"].proxy_unavailable == "no stand-in for this one"
     assert WithProxies.asked == [("a.with_proxies", "the model")]
 
 
@@ -190,7 +191,7 @@ def test_memory_and_profile_say_when_a_format_has_none(monkeypatch, tmp_path):
     )
 
     def entry(fmt):
-        return {"name": fmt, "format": fmt, "path": "a", "sha256": "0" * 64, "status": "passed", "fidelity": {}}
+        return ArtifactResult(fmt, fmt, "fp32", path="a", sha256="0" * 64, status=Status.PASSED, fidelity={})
 
     bare, memory_only = entry("bare"), entry("memory_only")
     threads = torch.get_num_threads()
@@ -200,15 +201,15 @@ def test_memory_and_profile_say_when_a_format_has_none(monkeypatch, tmp_path):
     finally:
         torch.set_num_threads(threads)  # add() sets the build's threads
     none = {"available": False, "reason": "bare has no memory measurement"}
-    assert bare["memory"] == none and bare["profile"] == none
-    assert memory_only["memory"] == {"available": True, "peak_rss_increase_bytes": 1, "shape": [1, 3, 4, 4]}
-    assert memory_only["profile"] == {"available": False, "reason": "memory_only has no profiler here"}
+    assert bare.memory == none and bare.profile == none
+    assert memory_only.memory == {"available": True, "peak_rss_increase_bytes": 1, "shape": [1, 3, 4, 4]}
+    assert memory_only.profile == {"available": False, "reason": "memory_only has no profiler here"}
 
 
 def test_the_engine_does_not_probe_formats():
     """Hooks are called on the interface: no hasattr/getattr on a format, no format module imported by name."""
     probe = re.compile(
-        r"\b(hasattr|getattr)\([^)]*[\"'](%s)[\"']" % "|".join((*OPTIONAL_HOOKS, "preflight", "[A-Z_]+"))
+        r"\b(hasattr|getattr)\([^)]*[\"'](%s)[\"']" % "|".join((*OPTIONAL_HOOKS, "preflight", "shared_key", "[A-Z_]+"))
     )
     sources = [*sorted((ROOT / "exporter" / "engine").glob("*.py")), ROOT / "exporter" / "bench.py"]
     found = [

@@ -12,7 +12,7 @@ from torch import nn
 
 from exporter import validation
 from exporter.engine import conditioning
-from exporter.results import Kind
+from exporter.results import ArtifactResult, Kind
 from exporter.tasks import classification
 
 from .helpers import build_args, run_cli
@@ -51,11 +51,12 @@ def _session(task, model, inputs, reference):
     )
 
 
-def _validated(task, model, inputs, reference, runner, precision="fp32") -> dict:
+def _validated(task, model, inputs, reference, runner, precision="fp32") -> ArtifactResult:
     """An artifact's entry as the pipeline has it after validation, the conditioning check included."""
     context = validation.EagerReference(task, model, inputs, reference)
     metrics, _ = validation.evaluate(context, runner, THRESHOLDS, timed=False)
-    entry = {"precision": precision, "thresholds": dict(THRESHOLDS), **metrics}
+    entry = ArtifactResult("a", "f", precision, thresholds=dict(THRESHOLDS))
+    entry.update(metrics)
     conditioning.note_ill_conditioned(_session(task, model, inputs, reference), entry)
     return entry
 
@@ -70,22 +71,22 @@ def _exact(model):
 def test_an_ill_conditioned_reference_is_named_when_the_artifact_fails():
     task, model, inputs, reference = _setup(big=1e6)
     entry = _validated(task, model, inputs, reference, _exact(model))
-    assert entry["status"] == "failed"
-    assert entry["fidelity"]["psnr_db"] < THRESHOLDS["psnr_db"], entry["fidelity"]  # the export is right...
-    kinds = [r.kind for r in entry["reasons"]]
-    assert kinds[0] is Kind.THRESHOLD and kinds[-1] is Kind.ILL_CONDITIONED_REFERENCE, entry["reasons"]
-    text = entry["reasons"][-1].text
+    assert entry.status == "failed"
+    assert entry.fidelity["psnr_db"] < THRESHOLDS["psnr_db"], entry.fidelity  # the export is right...
+    kinds = [r.kind for r in entry.reasons]
+    assert kinds[0] is Kind.THRESHOLD and kinds[-1] is Kind.ILL_CONDITIONED_REFERENCE, entry.reasons
+    text = entry.reasons[-1].text
     assert "eager computed in float64 instead of float32" in text and "psnr_db" in text
     assert "the checkpoint's" in text and "not the export's" in text
-    json.loads(json.dumps([r.to_json() for r in entry["reasons"]]))  # a reason like the others in the manifest
+    json.loads(json.dumps([r.to_json() for r in entry.reasons]))  # a reason like the others in the manifest
 
 
 def test_a_bad_artifact_on_a_well_conditioned_reference_is_not_excused():
     task, model, inputs, reference = _setup(big=0.0)
     noise = torch.Generator().manual_seed(2)
     entry = _validated(task, model, inputs, reference, lambda x: model(x) + torch.randn(1, 10, generator=noise))
-    assert entry["status"] == "failed" and entry["reasons"], entry
-    assert Kind.ILL_CONDITIONED_REFERENCE not in {r.kind for r in entry["reasons"]}, entry["reasons"]
+    assert entry.status == "failed" and entry.reasons, entry
+    assert Kind.ILL_CONDITIONED_REFERENCE not in {r.kind for r in entry.reasons}, entry.reasons
     # eager in float64 is that close to eager in float32 on these inputs: nothing to excuse
     floor = conditioning.outputs(model, inputs, "fp32").reshape(len(inputs), -1)
     assert task.fidelity(reference, floor)["psnr_db"] > THRESHOLDS["psnr_db"]
@@ -95,23 +96,23 @@ def test_an_artifact_far_worse_than_its_ill_conditioned_reference_is_not_excused
     """The floor breaks psnr_db too, but the artifact sits far below it: more than any rounding explains."""
     task, model, inputs, reference = _setup(big=1e6)
     entry = _validated(task, model, inputs, reference, lambda x: -model(x))
-    assert entry["status"] == "failed"
-    assert Kind.ILL_CONDITIONED_REFERENCE not in {r.kind for r in entry["reasons"]}, entry["reasons"]
+    assert entry.status == "failed"
+    assert Kind.ILL_CONDITIONED_REFERENCE not in {r.kind for r in entry.reasons}, entry.reasons
 
 
 def test_a_passing_artifact_costs_nothing(monkeypatch):
     task, model, inputs, reference = _setup(big=1e6)
     monkeypatch.setattr(conditioning, "outputs", lambda *a, **k: pytest_fail("a floor computed for a pass"))
     entry = _validated(task, model, inputs, reference, model)  # eager itself: bit-identical
-    assert entry["status"] == "passed" and entry["reasons"] == []
+    assert entry.status == "passed" and entry.reasons == []
 
 
 def test_a_non_finite_artifact_is_not_excused(monkeypatch):
     task, model, inputs, reference = _setup(big=1e6)
     monkeypatch.setattr(conditioning, "outputs", lambda *a, **k: pytest_fail("a floor computed for NaN outputs"))
     entry = _validated(task, model, inputs, reference, lambda x: model(x) * float("nan"))
-    assert [r.kind for r in entry["reasons"]][0] is Kind.NON_FINITE
-    assert Kind.ILL_CONDITIONED_REFERENCE not in {r.kind for r in entry["reasons"]}
+    assert [r.kind for r in entry.reasons][0] is Kind.NON_FINITE
+    assert Kind.ILL_CONDITIONED_REFERENCE not in {r.kind for r in entry.reasons}
 
 
 def test_the_int8_floor_is_the_dynamic_one_or_the_static_one():
@@ -130,10 +131,11 @@ def test_the_int8_floor_is_the_dynamic_one_or_the_static_one():
     context = validation.EagerReference(task, model, inputs, reference)
     metrics, _ = validation.evaluate(context, lambda x: conditioning.outputs(model, x, "int8"), THRESHOLDS, timed=False)
     assert task.fidelity(reference, floor)["psnr_db"] < THRESHOLDS["psnr_db"]
-    entry = {"precision": "int8", "thresholds": dict(THRESHOLDS), **metrics}
+    entry = ArtifactResult("a", "f", "int8", thresholds=dict(THRESHOLDS))
+    entry.update(metrics)
     conditioning.note_ill_conditioned(_session(task, model, inputs, reference), entry)
-    assert entry["reasons"][-1].kind is Kind.ILL_CONDITIONED_REFERENCE, entry["reasons"]
-    assert "every layer's output to int8" in entry["reasons"][-1].text
+    assert entry.reasons[-1].kind is Kind.ILL_CONDITIONED_REFERENCE, entry.reasons
+    assert "every layer's output to int8" in entry.reasons[-1].text
 
 
 def pytest_fail(message):

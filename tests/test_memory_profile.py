@@ -12,6 +12,7 @@ import torch
 
 from exporter.engine import memory_profile
 from exporter.release import manifest
+from exporter.results import ArtifactResult, Status
 
 
 @pytest.fixture(scope="module")
@@ -219,13 +220,15 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
     from exporter.progress import Progress
     from exporter.release.report import profile_line
 
-    assert [memory_profile.profile_runs({"latency_ms": {"p50": p50}}) for p50 in (3.2, 2500.0, 4000.0, 13622.9)] == [
+    timed = [ArtifactResult("a", "onnx", "fp32", latency_ms={"p50": p50}) for p50 in (3.2, 2500.0, 4000.0, 13622.9)]
+    assert [memory_profile.profile_runs(entry) for entry in timed] == [
         10,
         4,
         2,
         1,
     ]
-    assert memory_profile.profile_runs({}) == memory_profile.PROFILE_RUNS  # no latency measured: the default
+    untimed = ArtifactResult("a", "onnx", "fp32")
+    assert memory_profile.profile_runs(untimed) == memory_profile.PROFILE_RUNS  # no latency measured: the default
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3),
@@ -253,17 +256,18 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
         session = SimpleNamespace(
             latency={"threads": 1}, inputs=SimpleNamespace(validation=example), cache=Cache(), digests={"tools": "test"}
         )
-        entry = {
-            "name": "onnx_fp32",
-            "format": "onnx",
-            "path": "tiny.onnx",
-            "sha256": "0" * 64,
-            "status": "passed",
-            "fidelity": {"psnr_db": 90.0},
-            "latency_ms": {"p50": 4000.0},
-        }
+        entry = ArtifactResult(
+            "onnx_fp32",
+            "onnx",
+            "fp32",
+            path="tiny.onnx",
+            sha256="0" * 64,
+            status=Status.PASSED,
+            fidelity={"psnr_db": 90.0},
+            latency_ms={"p50": 4000.0},
+        )
         memory_profile.measure(session, entry, tmp_path, Progress(quiet=True))
-        profile = entry["profile"]
+        profile = entry.profile
         assert profile["available"] and profile["runs"] == 2, profile
         assert profile["conditions"]["reliable"] == (not busy) and profile["conditions"]["reasons"] == busy
         assert len(session.cache.stored) == (0 if busy else 1)  # measured again by the next build, as latency is

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from exporter.release import html_report, manifest, previews, recommend, report, svg_text
+from exporter.results import ArtifactResult
 from exporter.tasks.classification import Classification
 from exporter.tasks.detection import Detection
 from exporter.tasks.segmentation import Segmentation
@@ -379,14 +380,14 @@ def test_the_build_writes_the_picture_and_the_rows(tmp_path):
     outputs = reference.clone()
     outputs[2, 7] += 4.0
     outputs[5, 7] += 9.0
-    entry = {"name": "executorch_int8"}
+    entry = ArtifactResult("executorch_int8", "executorch", "int8")
     _write_preview(_session(reference), entry, tmp_path, outputs)
-    assert entry["preview"] == "previews/executorch_int8.png" and [r["row"] for r in entry["preview_rows"]] == [5, 2]
-    with Image.open(tmp_path / entry["preview"]) as im:
+    assert entry.preview == "previews/executorch_int8.png" and [r["row"] for r in entry.preview_rows] == [5, 2]
+    with Image.open(tmp_path / entry.preview) as im:
         assert im.height == 2 * (8 + previews.TITLE) + previews.GAP
     # `exporter validate` again, now bit-identical: the earlier picture's keys go
     _write_preview(_session(reference), entry, tmp_path, reference.clone())
-    assert entry["preview_rows"] == [] and "preview" not in entry
+    assert entry.preview_rows == [] and entry.preview is None and "preview" not in entry.to_json()
 
 
 def _png(directory: Path, name: str) -> str:

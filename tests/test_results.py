@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from exporter.coverage import outcome
 from exporter.engine import record
 from exporter.release import manifest, recommend
-from exporter.results import Kind, Reason, Status, jsonable, kinds, texts, threshold
+from exporter.results import ArtifactResult, Kind, Reason, Status, jsonable, kinds, texts, threshold
 from exporter.thresholds import breaches
 
 REWORDED = "said another way entirely"  # no sentence any code could recognise
@@ -141,6 +143,39 @@ def test_the_int8_remake_reads_which_thresholds_broke_from_the_reasons_kinds():
         fidelity={"psnr_db": 25.0},
         details={"quantization": {"meets_budget": True}},
     )
-    assert pipeline._ranges_did_not_hold(entry)
+    assert pipeline._ranges_did_not_hold(ArtifactResult.from_json(entry))
     for other in (Reason(Kind.DEGENERATE_REFERENCE, "psnr_db 25 (needs >= 30)"), Reason(Kind.NON_FINITE, "psnr_db")):
-        assert not pipeline._ranges_did_not_hold(dict(entry, reasons=[*entry["reasons"], other])), other
+        remade = ArtifactResult.from_json(dict(entry, reasons=[*entry["reasons"], other]))
+        assert not pipeline._ranges_did_not_hold(remade), other
+
+
+def test_a_manifest_reads_and_writes_back_as_it_was_read_its_unknown_fields_kept():
+    """release/manifest.py reads a manifest into Manifest (`exporter validate`) and writes it back: every field it
+    was read with comes back, those this exporter does not know (the schema leaves records open) included."""
+    from exporter.results import EmulatedRow, Manifest
+
+    row = {"arch": "aarch64", "cpu": "cortex-a53", "why": "w", "emulated": True, "latency_ms": None, "seconds": 1.5}
+    row |= {"runtime": {}, "status": "failed", "fidelity": None, "accuracy": None, "vs_x86": None, "note": "mine"}
+    row["reasons"] = [Reason(Kind.DOES_NOT_RUN, "could not run on aarch64: x").to_json()]
+    artifact = _artifact([threshold("psnr_db", "psnr_db 25 (needs >= 30)", 25.0, 30.0).to_json()], aarch64=[row])
+    artifact |= {"sha256": None, "thresholds": {}, "fidelity": None, "accuracy": None, "latency_ms": None}
+    artifact |= {"eager_latency_ms": None, "speedup_vs_eager": None, "annotation": {"by": "a user"}}
+    doc = {name: {} for name in ("weight", "task", "checkpoint", "preprocessing", "labels", "target", "tools")}
+    doc |= {name: {} for name in ("host", "data", "eager", "timings_s")}
+    doc |= {"schema_version": 4, "exporter_version": "0", "exporter_commit": None, "created": "2026-12-03"}
+    doc |= {"command": ["exporter"], "status": "failed", "artifacts": [artifact], "reviewed": True}
+    manifest = Manifest.from_json(json.loads(json.dumps(doc)))
+    assert manifest.status is Status.FAILED and manifest.artifacts[0].status is Status.FAILED
+    assert isinstance(manifest.artifacts[0].aarch64[0], EmulatedRow) and manifest.artifacts[0].aarch64[0].failed()
+    assert manifest.artifacts[0].reasons[0].metric == "psnr_db"
+    assert jsonable(manifest) == doc
+
+
+def test_an_artifact_result_takes_only_its_own_fields_and_types_what_it_is_given():
+    entry = ArtifactResult("a", "onnx", "fp32", status="passed", reasons=[Reason(Kind.NOTE, "x").to_json()])
+    assert entry.passed() and entry.reasons == [Reason(Kind.NOTE, "x")]
+    entry.update({"status": "failed", "fidelity": {"psnr_db": 1.0}})
+    assert entry.status is Status.FAILED and not entry.passed()
+    with pytest.raises(TypeError, match="fidelty"):
+        entry.update(fidelty={})  # a misspelt field is an error, never a new key in the manifest
+    assert "fidelty" not in entry.to_json() and entry.to_json()["fidelity"] == {"psnr_db": 1.0}

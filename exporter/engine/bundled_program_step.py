@@ -11,7 +11,7 @@ from pathlib import Path
 from .. import files
 from ..formats import bundled_program
 from ..progress import Progress
-from ..results import Kind, Reason, Status
+from ..results import ArtifactResult, Kind, Reason, Status
 from . import cache
 
 FORMAT = "executorch"
@@ -19,25 +19,20 @@ FAILED = "not made, it failed: "  # its note (Kind.BUNDLED_PROGRAM_FAILED): not 
 FLATBUFFER_LIMIT = 2**31  # bytes: a flatbuffer's offsets are signed 32-bit, and a .bpte embeds its whole program
 
 
-def wanted(entry: dict) -> bool:
-    return (
-        entry["format"] == FORMAT
-        and bool(entry.get("path"))
-        and entry.get("status") in ("passed", "failed")
-        and entry.get("fidelity") is not None
-    )  # it ran on the validation inputs
+def wanted(entry: ArtifactResult) -> bool:
+    return entry.format == FORMAT and entry.ran_here()
 
 
-def add_golden_program(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
+def add_golden_program(session, entry: ArtifactResult, out: Path, progress: Progress, prefix: str = "") -> None:
     """Write the entry's `.bpte` (from the cache when the same one was made before), verify it on this host and
-    record it as entry["bundled_program"]."""
+    record it as entry.bundled_program."""
     if not wanted(entry):
         return
-    entry["details"].pop("golden_program", None)  # a note from an earlier run (exporter validate runs it again)
-    pte = out / entry["path"]
+    entry.details.pop("golden_program", None)  # a note from an earlier run (exporter validate runs it again)
+    pte = out / entry.path
     size = pte.stat().st_size
     if size >= FLATBUFFER_LIMIT:  # measured: RegNetY-128GF's 2.6 GB fp32 .pte, BuilderSizeError
-        entry["details"]["golden_program"] = Reason(
+        entry.details["golden_program"] = Reason(
             Kind.NOTE,
             f"not made: the program is {size / 2**30:.2f} GiB, and a bundled program embeds it in one flatbuffer, "
             f"which holds under 2 GiB (the .pte itself keeps its weights in segments outside its flatbuffer)",
@@ -48,15 +43,15 @@ def add_golden_program(session, entry: dict, out: Path, progress: Progress, pref
         details = _write_bpte(session, entry, pte, bpte, progress, prefix)
     except (RuntimeError, OSError, MemoryError, ValueError) as e:  # ExecuTorch's, as the 2 GiB limit: the .pte stands
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        entry["details"]["golden_program"] = Reason(Kind.BUNDLED_PROGRAM_FAILED, f"{FAILED}{type(e).__name__}: {first}")
+        entry.details["golden_program"] = Reason(Kind.BUNDLED_PROGRAM_FAILED, f"{FAILED}{type(e).__name__}: {first}")
         progress.note(f"{prefix}golden program {bpte.name} {FAILED}{type(e).__name__}: {first}")
         return
     verified = bundled_program.verify(bpte, details["rtol"], details["atol"])
-    entry["bundled_program"] = {**details, "verified": {"x86_64": verified}}
+    entry.bundled_program = {**details, "verified": {"x86_64": verified}}
     if not verified["passed"]:
-        entry["status"] = Status.FAILED
-        entry["reasons"] = [
-            *entry.get("reasons", []),
+        entry.status = Status.FAILED
+        entry.reasons = [
+            *entry.reasons,
             Reason(
                 Kind.BUNDLED_PROGRAM_FAILED,
                 f"golden program {bpte.name} fails ExecuTorch's verifier on this host: {verified['error']}",
@@ -64,12 +59,12 @@ def add_golden_program(session, entry: dict, out: Path, progress: Progress, pref
         ]
 
 
-def _write_bpte(session, entry: dict, pte: Path, bpte: Path, progress: Progress, prefix: str) -> dict:
+def _write_bpte(session, entry: ArtifactResult, pte: Path, bpte: Path, progress: Progress, prefix: str) -> dict:
     """The .bpte written (or fetched from the cache): its details."""
     rows = session.golden_rows
     digest = cache.key(
         kind="bundled_program",
-        artifact=entry["sha256"],
+        artifact=entry.sha256,
         golden=rows,
         **{k: session.digests[k] for k in ("validation", "tools", "checkpoint", "reference", "task")},
     )
@@ -89,5 +84,5 @@ def _write_bpte(session, entry: dict, pte: Path, bpte: Path, progress: Progress,
                 )
                 session.cache.store_artifact(digest, tmp, details)
             else:
-                session.cache.events.append(f"{entry['name']}: golden program reused from the cache")
+                session.cache.events.append(f"{entry.name}: golden program reused from the cache")
     return details

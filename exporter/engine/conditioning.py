@@ -31,7 +31,7 @@ import copy
 import torch
 from torch import nn
 
-from ..results import Kind, Reason, kinds
+from ..results import ArtifactResult, Kind, Reason, Status, kinds
 from ..thresholds import THRESHOLD_KEYS, breaches
 
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -213,13 +213,13 @@ def _far_below(fidelity: dict, floor: dict, margin_db: float) -> bool:
     return numbers and artifact < reached - margin_db
 
 
-def note_ill_conditioned(session, entry: dict) -> None:
+def note_ill_conditioned(session, entry: ArtifactResult) -> None:
     """After an artifact's validation: when it failed a fidelity threshold, the reason saying that its reference
     is ill-conditioned at its precision, if it is (see ill_conditioned). A passing artifact costs nothing; a floor
     that cannot be computed (a graph that does not run in float64) says nothing."""
-    if entry.get("status") != "failed" or not broken_fidelity(entry.get("fidelity"), entry["thresholds"]):
+    if entry.status is not Status.FAILED or not broken_fidelity(entry.fidelity, entry.thresholds):
         return
-    if kinds(entry["reasons"]) & {Kind.NON_FINITE, Kind.DEGENERATE_REFERENCE}:
+    if kinds(entry.reasons) & {Kind.NON_FINITE, Kind.DEGENERATE_REFERENCE}:
         return  # no rounding of eager explains NaN, and a degenerate reference judges nothing
     try:
         reason = ill_conditioned(
@@ -227,12 +227,12 @@ def note_ill_conditioned(session, entry: dict) -> None:
             session.loaded.eager,
             session.inputs.validation,
             session.reference,
-            entry["precision"],
-            entry["thresholds"],
-            entry["fidelity"],
+            entry.precision,
+            entry.thresholds,
+            entry.fidelity,
             session.inputs.calibration,
         )
     except Exception:  # the floor is a hint about the reference; it never fails a build
         return
     if reason is not None:
-        entry["reasons"] = [*entry["reasons"], reason]
+        entry.reasons = [*entry.reasons, reason]

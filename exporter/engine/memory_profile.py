@@ -16,7 +16,7 @@ import torch
 from .. import hostload
 from ..formats import FORMATS
 from ..progress import Progress
-from ..results import texts
+from ..results import ArtifactResult, texts
 from . import cache
 
 VERSION = 2  # bump when what is measured changes
@@ -24,24 +24,21 @@ PROFILE_RUNS = 10  # profiled inferences after one warm-up, at most...
 # ...and fewer where one takes long: about this much inference in all, at least one run (RegNetY-128GF's .pte,
 # 13.6 s a run: its memory and profile step took 944 s of a 5400-s sweep build, on a busy host).
 PROFILE_BUDGET_MS = 10_000.0
-NOT_MEASURED = {
-    "coreml": "Core ML runs only on Apple's runtime (macOS/iOS): not measured on this host",
-    "tensorrt": "a TensorRT engine runs only on its GPU: not measured on this host",
-}
 
 
 def _unavailable(reason: str) -> dict:
     return {"available": False, "reason": reason}
 
 
-def _reason(entry: dict, fmt) -> str | None:
+def _reason(entry: ArtifactResult, fmt) -> str | None:
     """Why this artifact gets no measurement here, or None."""
-    if entry["format"] in NOT_MEASURED:
-        return NOT_MEASURED[entry["format"]]
-    if not entry.get("path") or entry.get("status") not in ("passed", "failed") or entry.get("fidelity") is None:
-        return "not run on this host: " + "; ".join(texts(entry.get("reasons")) or ["no artifact"])
+    elsewhere = FORMATS[entry.format].runs_only_on
+    if elsewhere:
+        return f"{elsewhere}: not measured on this host"
+    if not entry.ran_here():
+        return "not run on this host: " + "; ".join(texts(entry.reasons) or ["no artifact"])
     if fmt is None or fmt.memory is None:
-        return f"{entry['format']} has no memory measurement"
+        return f"{entry.format} has no memory measurement"
     return None
 
 
@@ -53,12 +50,12 @@ def _measure(what: str, function, *args) -> dict:
         return _unavailable(f"{what} not measured: {type(e).__name__}: {first}")
 
 
-def measure(session, entry: dict, out: Path, progress: Progress, prefix: str = "") -> None:
-    """entry["memory"] and entry["profile"], from the cache when this artifact was measured before."""
-    fmt = FORMATS[entry["format"]].format() if FORMATS[entry["format"]].installed() else None
+def measure(session, entry: ArtifactResult, out: Path, progress: Progress, prefix: str = "") -> None:
+    """entry.memory and entry.profile, from the cache when this artifact was measured before."""
+    fmt = FORMATS[entry.format].format() if FORMATS[entry.format].installed() else None
     reason = _reason(entry, fmt)
     if reason is not None:
-        entry["memory"] = entry["profile"] = _unavailable(reason)
+        entry.memory = entry.profile = _unavailable(reason)
         return
     threads = session.latency["threads"]
     example = session.inputs.validation[:1]
@@ -66,7 +63,7 @@ def measure(session, entry: dict, out: Path, progress: Progress, prefix: str = "
     digest = cache.key(
         kind="memory_profile",
         version=VERSION,
-        artifact=entry["sha256"],
+        artifact=entry.sha256,
         threads=threads,
         shape=list(example.shape),
         cpu=session_cpu(session),
@@ -75,32 +72,32 @@ def measure(session, entry: dict, out: Path, progress: Progress, prefix: str = "
     cached = session.cache.fetch_json("memory", digest)
     if cached is not None:
         entry.update(cached)
-        session.cache.events.append(f"{entry['name']}: memory and profile reused from the cache")
+        session.cache.events.append(f"{entry.name}: memory and profile reused from the cache")
         return
-    path = out / entry["path"]
-    with progress.step(f"{prefix}memory and profile {entry['name']}"):
-        entry["memory"] = _measure("memory", fmt.memory, path, tuple(example.shape), threads)
+    path = out / entry.path
+    with progress.step(f"{prefix}memory and profile {entry.name}"):
+        entry.memory = _measure("memory", fmt.memory, path, tuple(example.shape), threads)
         if fmt.profile is not None:
             with hostload.Window() as window:
-                entry["profile"] = _measure("profile", fmt.profile, path, example, profile_runs(entry), threads)
-            if entry["profile"].get("available"):  # its times are wall clock: a busy host stretches them
-                entry["profile"]["conditions"] = hostload.judged(window.conditions, threads)
+                entry.profile = _measure("profile", fmt.profile, path, example, profile_runs(entry), threads)
+            if entry.profile.get("available"):  # its times are wall clock: a busy host stretches them
+                entry.profile["conditions"] = hostload.judged(window.conditions, threads)
         else:
-            entry["profile"] = _unavailable(f"{entry['format']} has no profiler here")
+            entry.profile = _unavailable(f"{entry.format} has no profiler here")
     torch.set_num_threads(threads)  # a runtime's profiler may have changed torch's; eager is timed with these
     # a profile taken on a busy host is measured again by the next build, as a latency is
     if (
-        entry["memory"].get("available")
-        and entry["profile"].get("available", True)
-        and (entry["profile"].get("conditions") or {}).get("reliable", True)
+        entry.memory.get("available")
+        and entry.profile.get("available", True)
+        and (entry.profile.get("conditions") or {}).get("reliable", True)
     ):
-        session.cache.store_json("memory", digest, {"memory": entry["memory"], "profile": entry["profile"]})
+        session.cache.store_json("memory", digest, {"memory": entry.memory, "profile": entry.profile})
 
 
-def profile_runs(entry: dict) -> int:
+def profile_runs(entry: ArtifactResult) -> int:
     """How many inferences to profile: PROFILE_RUNS, or as many as fit PROFILE_BUDGET_MS at the artifact's
     validated latency (at least one)."""
-    p50 = (entry.get("latency_ms") or {}).get("p50")
+    p50 = (entry.latency_ms or {}).get("p50")
     if not p50 or p50 <= 0:
         return PROFILE_RUNS
     return max(1, min(PROFILE_RUNS, int(PROFILE_BUDGET_MS // p50)))

@@ -19,7 +19,7 @@ import torch
 
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, report
-from ..results import Kind, Reason, Status, revived, texts
+from ..results import ArtifactResult, Kind, Manifest, Reason, Status, texts
 from . import bundled_program_step, cache, conditioning, default_out, memory_profile, profiles, validate_on_arm
 from .plan import ArtifactSpec, Plan, export_order, make_all, make as make_plan
 from ..tasks import Task
@@ -30,6 +30,7 @@ from .cache import BuildCache
 from ..errors import UsageError
 from ..thresholds import MIN_INPUTS
 from ..formats import FORMATS, RuntimeUnavailable
+from ..formats.interface import SharedProxy
 from ..progress import Progress
 
 
@@ -182,7 +183,7 @@ def _evaluate(session: BuildContext, runner, thresholds: dict, timed: bool = Tru
     return metrics, outputs
 
 
-VALIDATION_FIELDS = (
+VALIDATION_FIELDS = (  # what a validation sets on an artifact (and the cache keeps of it)
     "status",
     "reasons",
     "fidelity",
@@ -192,23 +193,17 @@ VALIDATION_FIELDS = (
     "latency_ms",
     "eager_latency_ms",
     "speedup_vs_eager",
+    "latency_conditions",
     "proxy",
     "proxy_unavailable",
     "preview",
     "preview_rows",
 )
-NOT_MEASURED = {
-    "fidelity": None,
-    "accuracy": None,
-    "latency_ms": None,
-    "eager_latency_ms": None,
-    "speedup_vs_eager": None,
-}
 GOLDEN_COUNT = 8  # validation inputs written to golden/ for on-device checks
 
 
 def _validate(
-    session: BuildContext, entry: dict, out: Path, progress: Progress, prefix: str = "", step: str = ""
+    session: BuildContext, entry: ArtifactResult, out: Path, progress: Progress, prefix: str = "", step: str = ""
 ) -> None:
     """Validation, reusing an earlier identical one (same artifact bytes, inputs, thresholds, host
     and thread settings) from the cache; the manifest says when it did. A cached latency judged unreliable
@@ -216,11 +211,11 @@ def _validate(
     from .. import hostload
 
     # a format whose stand-ins for an unavailable runtime changed says so, and is not served the older ones
-    proxies = FORMATS[entry["format"]].format().proxies_version
+    proxies = FORMATS[entry.format].format().proxies_version
     digest = cache.key(
         kind="validation",
-        artifact=entry["sha256"],
-        thresholds=entry["thresholds"],
+        artifact=entry.sha256,
+        thresholds=entry.thresholds,
         latency=session.latency,
         golden=session.golden_rows,
         preview=previews.VERSION,
@@ -236,15 +231,14 @@ def _validate(
             (out / "previews").mkdir(exist_ok=True)
             with files.atomic_path(out / cached["preview"]) as tmp:
                 tmp.write_bytes(base64.b64decode(picture))
-        cached["reasons"] = revived(cached.get("reasons"))  # stored as JSON records
-        entry.update(cached, validation_reused_from_cache=True)
-        noisy = hostload.summary(entry.get("latency_conditions") or {})
+        entry.update(cached, validation_reused_from_cache=True)  # its reasons stored as JSON records
+        noisy = hostload.summary(entry.latency_conditions or {})
         if not noisy:
-            session.cache.events.append(f"{entry['name']}: validation results reused from the cache")
+            session.cache.events.append(f"{entry.name}: validation results reused from the cache")
             return
         # fidelity is settled; a latency taken on a busy host is not: timed again, and the record replaced
-        with progress.step(f"{prefix}time {entry['name']}{step} again"):
-            runner = FORMATS[entry["format"]].format().load(out / entry["path"], session.latency["threads"])
+        with progress.step(f"{prefix}time {entry.name}{step} again"):
+            runner = FORMATS[entry.format].format().load(out / entry.path, session.latency["threads"])
             entry.update(
                 validation.latency_against_eager(
                     runner,
@@ -258,31 +252,31 @@ def _validate(
             )
         torch.set_num_threads(session.latency["threads"])
         session.cache.events.append(
-            f"{entry['name']}: validation results reused from the cache, latency measured "
+            f"{entry.name}: validation results reused from the cache, latency measured "
             f"again (the cached one was unreliable: {noisy})"
         )
     else:
         if not _run_validation(session, entry, out, progress, prefix, step):
             return  # not kept: what stopped it may be this host's (memory), not the artifact's
-        if entry.get("latency_conditions"):  # judged again with this profile's max_spread
-            entry["latency_conditions"] = hostload.judged(
-                entry["latency_conditions"], session.latency["threads"], session.latency.get("max_spread")
+        if entry.latency_conditions:  # judged again with this profile's max_spread
+            entry.latency_conditions = hostload.judged(
+                entry.latency_conditions, session.latency["threads"], session.latency.get("max_spread")
             )
-    record = {k: entry[k] for k in (*VALIDATION_FIELDS, "latency_conditions") if k in entry}
-    if "preview" in entry:
-        record["preview_png"] = base64.b64encode((out / entry["preview"]).read_bytes()).decode()
+    record = entry.fields(VALIDATION_FIELDS)
+    if entry.preview is not None:
+        record["preview_png"] = base64.b64encode((out / entry.preview).read_bytes()).decode()
     session.cache.store_json("validations", digest, record)
 
 
 def _run_validation(
-    session: BuildContext, entry: dict, out: Path, progress: Progress, prefix: str = "", step: str = ""
+    session: BuildContext, entry: ArtifactResult, out: Path, progress: Progress, prefix: str = "", step: str = ""
 ) -> bool:
     """Whether the artifact was run (or, unavailable here, said why); one that loads or runs on no or only some
     validation inputs has failed, with the runtime's error."""
-    fmt = FORMATS[entry["format"]].format()
-    with progress.step(f"{prefix}validate {entry['name']}{step}") as shown:
+    fmt = FORMATS[entry.format].format()
+    with progress.step(f"{prefix}validate {entry.name}{step}") as shown:
         try:
-            runner = fmt.load(out / entry["path"], session.latency["threads"])
+            runner = fmt.load(out / entry.path, session.latency["threads"])
         except UsageError:
             raise
         except RuntimeUnavailable as e:
@@ -293,33 +287,31 @@ def _run_validation(
                 # reported as the runtime's own numbers, and they do not decide the status. Not timed:
                 # eager in fp16 on a CPU says nothing about Core ML's speed (and takes seconds per image).
                 try:
-                    proxies = fmt.proxies(out / entry["path"], session.loaded.model)
+                    proxies = fmt.proxies(out / entry.path, session.loaded.model)
                 except ValueError as e:  # a stand-in that cannot be made says why; the artifact is not failed
-                    entry["proxy_unavailable"] = str(e)
+                    entry.proxy_unavailable = str(e)
                     return True
-                entry["proxy"] = {
-                    label: _proxy_metrics(session, proxy, entry["thresholds"]) for label, proxy in proxies.items()
+                entry.proxy = {
+                    label: _proxy_metrics(session, proxy, entry.thresholds) for label, proxy in proxies.items()
                 }
             return True
         except Exception as e:  # made, but its runtime refuses it: a finding about this artifact, as an export's is
             entry.update(status=Status.FAILED, reasons=[Reason(Kind.DOES_NOT_LOAD, f"does not load: {_first_line(e)}")])
             return False
         try:
-            metrics, outputs = _evaluate(session, _reporting_failures(runner), entry["thresholds"])
+            metrics, outputs = _evaluate(session, _reporting_failures(runner), entry.thresholds)
         except ArtifactRunFailed as e:  # e.g. ONNX Runtime failing on one image's shapes
             torch.set_num_threads(session.latency["threads"])
             reason = Reason(Kind.DOES_NOT_RUN, f"does not run on every validation input: {e}")
             entry.update(status=Status.FAILED, reasons=[reason])
             return False
         entry.update(metrics)
-        conditioning.note_ill_conditioned(
-            session, entry
-        )  # a failed fidelity: is eager itself that far off at this precision?
+        conditioning.note_ill_conditioned(session, entry)  # a failed fidelity: is eager that far off at this precision?
         if session.plan.validate.aarch64_cpus:
-            session.x86_outputs[entry["name"]] = outputs
+            session.x86_outputs[entry.name] = outputs
         # what a device's run of this artifact on golden/ is held to (device_validate.py)
         rows = session.golden_rows
-        entry["golden_fidelity"] = session.task.fidelity(session.reference[rows], outputs[rows])
+        entry.golden_fidelity = session.task.fidelity(session.reference[rows], outputs[rows])
         _write_preview(session, entry, out, outputs)
         return True
 
@@ -345,21 +337,19 @@ def _first_line(e: Exception) -> str:
 def _proxy_metrics(session: BuildContext, proxy, thresholds: dict) -> dict:
     """A proxy's metrics; one every artifact shares (eager in fp16 for each fp16 Core ML package: about 2 s an
     SSDlite image on this CPU's half-precision convolutions) is evaluated once per build."""
-    shared = getattr(proxy, "shared_key", None)
-    if shared is None:
+    if not isinstance(proxy, SharedProxy):
         return _evaluate(session, proxy, thresholds, timed=False)[0]
-    key = (shared, json.dumps(thresholds, sort_keys=True))
+    key = (proxy.shared_key, json.dumps(thresholds, sort_keys=True))
     if key not in session.shared_proxies:
         session.shared_proxies[key] = _evaluate(session, proxy, thresholds, timed=False)[0]
     return copy.deepcopy(session.shared_proxies[key])
 
 
-def _write_preview(session: BuildContext, entry: dict, out: Path, outputs: torch.Tensor) -> None:
+def _write_preview(session: BuildContext, entry: ArtifactResult, out: Path, outputs: torch.Tensor) -> None:
     """The task's pictures of the validation inputs where this artifact departs most from eager (eager beside
     the artifact), with `preview_rows` naming them; `preview_rows: []` and no picture when the artifact's
     outputs are bit-identical to eager's on every input."""
-    entry.pop("preview", None)  # `exporter validate` re-draws over an earlier run's entry
-    entry.pop("preview_rows", None)
+    entry.clear("preview", "preview_rows")  # `exporter validate` re-draws over an earlier run's entry
     picture, rows = previews.draw(
         session.task,
         session.inputs.validation,
@@ -370,33 +360,25 @@ def _write_preview(session: BuildContext, entry: dict, out: Path, outputs: torch
     )
     if picture is None and rows:  # the task draws no pictures
         return
-    entry["preview_rows"] = rows
+    entry.preview_rows = rows
     if picture is None:
         return
-    path = Path("previews") / f"{entry['name']}.png"
+    path = Path("previews") / f"{entry.name}.png"
     (out / "previews").mkdir(exist_ok=True)
     with files.atomic_path(out / path) as tmp:
         picture.save(tmp, format="PNG")
-    entry["preview"] = path.as_posix()
+    entry.preview = path.as_posix()
 
 
-def _new_entry(session: BuildContext, spec: ArtifactSpec) -> dict:
-    return {
-        "name": spec.label,
-        "format": spec.format,
-        "precision": spec.precision,
-        "path": None,
-        "sha256": None,
-        "size_bytes": None,
-        "status": Status.FAILED,
-        "reasons": [],
-        "details": {},
-        "thresholds": session.plan.thresholds_for(spec.precision),
-        **NOT_MEASURED,
-    }
+def _new_entry(session: BuildContext, spec: ArtifactSpec) -> ArtifactResult:
+    return ArtifactResult(
+        spec.label, spec.format, spec.precision, thresholds=session.plan.thresholds_for(spec.precision)
+    )
 
 
-def _export(session: BuildContext, spec: ArtifactSpec, out: Path, progress: Progress, prefix: str = "") -> dict:
+def _export(
+    session: BuildContext, spec: ArtifactSpec, out: Path, progress: Progress, prefix: str = ""
+) -> ArtifactResult:
     fmt = FORMATS[spec.format].format()
     model_name = session.loaded.model_name
     name = spec.label
@@ -408,14 +390,14 @@ def _export(session: BuildContext, spec: ArtifactSpec, out: Path, progress: Prog
         return entry
     if spec.precision not in fmt.precisions:
         offers = f"{spec.format} does not offer {spec.precision} (it offers {', '.join(fmt.precisions)})"
-        entry["reasons"] = [Reason(Kind.NOT_OFFERED, offers)]
+        entry.reasons = [Reason(Kind.NOT_OFFERED, offers)]
         return entry
     calibration = session.calibration(spec.precision, progress.note)
     if not _export_into(session, spec, fmt, entry, calibration, out / filename, progress, prefix):
         return entry
     _validate(session, entry, out, progress, prefix)
     remade = fmt.per_inference_ranges
-    calibration = remade(calibration, entry["details"]) if remade and _ranges_did_not_hold(entry) else None
+    calibration = remade(calibration, entry.details) if remade and _ranges_did_not_hold(entry) else None
     if calibration is not None:
         entry = _remake_with_per_inference_ranges(session, spec, fmt, entry, calibration, out, progress, prefix)
     bundled_program_step.add_golden_program(session, entry, out, progress, prefix)
@@ -427,7 +409,7 @@ def _export_into(
     session: BuildContext,
     spec: ArtifactSpec,
     fmt,
-    entry: dict,
+    entry: ArtifactResult,
     calibration,
     path: Path,
     progress: Progress,
@@ -435,7 +417,7 @@ def _export_into(
     step: str = "",
 ) -> bool:
     """Export (or fetch from the cache) the artifact into `path`; whether it was made (if not, `entry` says why)."""
-    label = f"{prefix}export {entry['name']}{step}"
+    label = f"{prefix}export {entry.name}{step}"
     digest = cache.key(
         kind="artifact",
         format=spec.format,
@@ -451,10 +433,10 @@ def _export_into(
         with progress.step(label, unavailable=RuntimeUnavailable), files.atomic_path(path) as tmp:
             details = session.cache.fetch_artifact(digest, tmp)
             if details is not None:
-                entry["details"], entry["artifact_reused_from_cache"] = details, True
-                session.cache.events.append(f"{entry['name']}: artifact reused from the cache")
+                entry.details, entry.artifact_reused_from_cache = details, True
+                session.cache.events.append(f"{entry.name}: artifact reused from the cache")
             else:
-                entry["details"] = fmt.export(
+                entry.details = fmt.export(
                     session.loaded.model,
                     session.inputs.example,
                     spec.precision,
@@ -463,7 +445,7 @@ def _export_into(
                     session.meta,
                     **dict(spec.options),
                 )
-                session.cache.store_artifact(digest, tmp, entry["details"])
+                session.cache.store_artifact(digest, tmp, entry.details)
     except UsageError:
         raise
     except RuntimeUnavailable as e:
@@ -472,26 +454,26 @@ def _export_into(
         return False
     except Exception as e:  # a conversion failure is a finding about this artifact, not a crash
         kind = Kind.DISK_FULL if cache.disk_full(e) else Kind.EXPORT_FAILED  # a full disk: the host's, not the model's
-        entry["reasons"] = [Reason(kind, f"export failed: {_first_line(e)}")]
+        entry.reasons = [Reason(kind, f"export failed: {_first_line(e)}")]
         return False
-    entry["export_s"] = progress.timings.get(label)
+    entry.export_s = progress.timings.get(label)
     entry.update(path=path.name, sha256=files.sha256(path), size_bytes=files.size(path))
     return True
 
 
-def _ranges_did_not_hold(entry: dict) -> bool:
+def _ranges_did_not_hold(entry: ArtifactResult) -> bool:
     """An int8 artifact whose search met its budget on the check images broke only thresholds on the validation
     inputs (not a degenerate reference, too few inputs or non-finite outputs, which no ranges change)."""
-    quantization = entry["details"].get("quantization") or {}
+    quantization = entry.details.get("quantization") or {}
     return (
-        entry["precision"] == "int8"
-        and entry["status"] == "failed"
-        and entry.get("fidelity") is not None
+        entry.precision == "int8"
+        and entry.status is Status.FAILED
+        and entry.fidelity is not None
         and bool(quantization.get("meets_budget"))
-        and bool(entry["reasons"])
+        and bool(entry.reasons)
         and all(
-            r.kind is Kind.THRESHOLD and r.metric in entry["thresholds"]
-            for r in entry["reasons"]
+            r.kind is Kind.THRESHOLD and r.metric in entry.thresholds
+            for r in entry.reasons
             if r.kind is not Kind.ILL_CONDITIONED_REFERENCE  # a finding about eager, which ranges may still beat
         )
     )
@@ -501,73 +483,102 @@ REMADE = " (ranges per inference)"  # the remade artifact's steps in the progres
 
 
 def _remake_with_per_inference_ranges(
-    session: BuildContext, spec: ArtifactSpec, fmt, first: dict, calibration, out: Path, progress: Progress, prefix: str
-) -> dict:
+    session: BuildContext,
+    spec: ArtifactSpec,
+    fmt,
+    first: ArtifactResult,
+    calibration,
+    out: Path,
+    progress: Progress,
+    prefix: str,
+) -> ArtifactResult:
     """The artifact made again with ranges chosen per inference (beside the first, under a staging name), validated
     on the same inputs and moved over the first only if it passes. Either way the manifest has both verdicts
     (details.validation_retry)."""
     progress.note(
-        f"  {first['name']}: calibrated int8 ranges met the budget on the check images and failed on the "
-        f"validation inputs ({'; '.join(texts(first['reasons']))}): made again with ranges chosen per inference"
+        f"  {first.name}: calibrated int8 ranges met the budget on the check images and failed on the "
+        f"validation inputs ({'; '.join(texts(first.reasons))}): made again with ranges chosen per inference"
     )
-    final, staged = out / first["path"], out / f".per-inference-{first['path']}"
-    preview = out / "previews" / f"{first['name']}.png"
-    kept_preview = preview.read_bytes() if preview.is_file() else None
-    kept_outputs = session.x86_outputs.pop(first["name"], None)  # a cached validation of the remade stores none
-    entry = _new_entry(session, spec)
+    staged = out / f".per-inference-{first.path}"
+    kept = _FirstValidation.set_aside(session, first, out)
     try:
-        made = _export_into(session, spec, fmt, entry, calibration, staged, progress, prefix, REMADE)
-        quantization = entry["details"].get("quantization") or {}
-        if made and quantization.get("lowering_fault"):  # its per-inference program was lowered wrong: not one
-            entry.update(
-                status=Status.FAILED,
-                reasons=[
-                    Reason(
-                        Kind.LOWERING_FAULT,
-                        "its program with ranges chosen per inference was lowered wrong "
-                        "(details.quantization.lowering_fault)",
-                    )
-                ],
-                fidelity=None,
-            )
-        elif made:
-            _validate(session, entry, out, progress, prefix, REMADE)
-        first_summary = {
-            "ranges": (first["details"]["quantization"].get("after") or {}).get("ranges"),
-            "status": first["status"],
-            "reasons": first["reasons"],
-            "fidelity": first["fidelity"],
-            "export_s": first.get("export_s"),
-            **({"outlier_inputs": first["outlier_inputs"]} if first.get("outlier_inputs") else {}),
-        }
-        if entry["status"] == "passed":
-            os.replace(staged, final)
-            entry.update(path=first["path"])
-            entry["details"]["validation_retry"] = {
+        remade = _remade(session, spec, fmt, calibration, staged, out, progress, prefix)
+        if remade.passed():
+            os.replace(staged, out / first.path)
+            remade.path = first.path
+            remade.details["validation_retry"] = {
                 "kept": "per-inference ranges",
-                "first": first_summary,
+                "first": _retry_summary(first),
                 "note": "the calibrated ranges met the budget on the search's check images and not on the validation "
                 "inputs (inputs the calibration images did not cover); the artifact was made again with ranges "
                 "chosen per inference and judged on the same inputs",
             }
-            return entry
+            return remade
     finally:
         staged.unlink(missing_ok=True)
-    if kept_preview is not None:
-        with files.atomic_path(preview) as tmp:
-            tmp.write_bytes(kept_preview)
-    elif first.get("preview") is None:
-        preview.unlink(missing_ok=True)
-    session.x86_outputs.pop(first["name"], None)
-    if kept_outputs is not None:
-        session.x86_outputs[first["name"]] = kept_outputs
-    first["details"]["validation_retry"] = {
+    kept.restore(session, first)
+    first.details["validation_retry"] = {
         "kept": "calibrated ranges",
-        "per_inference": {"status": entry["status"], "reasons": entry["reasons"], "fidelity": entry.get("fidelity")},
+        "per_inference": {"status": remade.status, "reasons": remade.reasons, "fidelity": remade.fidelity},
         "note": "made again with ranges chosen per inference after the calibrated ranges failed validation; that "
         "artifact did not pass either, so the first is kept",
     }
     return first
+
+
+def _remade(
+    session: BuildContext, spec: ArtifactSpec, fmt, calibration, staged: Path, out: Path, progress: Progress, prefix
+) -> ArtifactResult:
+    """The artifact exported into `staged` with the per-inference calibration and validated (unless its program was
+    lowered wrong: then it is not one to keep)."""
+    remade = _new_entry(session, spec)
+    if not _export_into(session, spec, fmt, remade, calibration, staged, progress, prefix, REMADE):
+        return remade
+    if (remade.details.get("quantization") or {}).get("lowering_fault"):
+        why = "its program with ranges chosen per inference was lowered wrong (details.quantization.lowering_fault)"
+        remade.update(status=Status.FAILED, reasons=[Reason(Kind.LOWERING_FAULT, why)], fidelity=None)
+    else:
+        _validate(session, remade, out, progress, prefix, REMADE)
+    return remade
+
+
+def _retry_summary(first: ArtifactResult) -> dict:
+    """The first (calibrated) artifact's verdict, kept in the remade one's details."""
+    summary = {
+        "ranges": (first.details["quantization"].get("after") or {}).get("ranges"),
+        "status": first.status,
+        "reasons": first.reasons,
+        "fidelity": first.fidelity,
+        "export_s": first.export_s,
+    }
+    return {**summary, "outlier_inputs": first.outlier_inputs} if first.outlier_inputs else summary
+
+
+@dataclass
+class _FirstValidation:
+    """What validating the remade artifact overwrites of the first one's (its preview picture, its outputs for the
+    aarch64 rows), set aside and put back if the first is kept."""
+
+    preview: Path
+    picture: bytes | None
+    outputs: torch.Tensor | None
+
+    @classmethod
+    def set_aside(cls, session: BuildContext, first: ArtifactResult, out: Path) -> _FirstValidation:
+        preview = out / "previews" / f"{first.name}.png"
+        picture = preview.read_bytes() if preview.is_file() else None
+        # popped: a cached validation of the remade one stores no outputs, and must not leave the first's
+        return cls(preview, picture, session.x86_outputs.pop(first.name, None))
+
+    def restore(self, session: BuildContext, first: ArtifactResult) -> None:
+        if self.picture is not None:
+            with files.atomic_path(self.preview) as tmp:
+                tmp.write_bytes(self.picture)
+        elif first.preview is None:
+            self.preview.unlink(missing_ok=True)
+        session.x86_outputs.pop(first.name, None)
+        if self.outputs is not None:
+            session.x86_outputs[first.name] = self.outputs
 
 
 def _refused_by_design(spec: ArtifactSpec, quantized: bool, task_class: type[Task]) -> Reason | None:
@@ -632,7 +643,7 @@ def _write_golden(out: Path, session: BuildContext) -> None:
                 np.save(f, content)
 
 
-def _post_build(plan: Plan, out: Path, doc: dict, session: BuildContext) -> None:
+def _post_build(plan: Plan, out: Path, doc: Manifest, session: BuildContext) -> None:
     if not plan.post_build:
         return
     _post_build_function(plan)(out, doc, session)
@@ -655,19 +666,15 @@ def _a(noun: str) -> str:
     return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
-def _overall_status(artifacts: list[dict]) -> Status:
-    return Status.FAILED if any(a["status"] == Status.FAILED for a in artifacts) else Status.PASSED
-
-
 def _timings(progress: Progress, prefix: str) -> dict:
     """Shared steps plus this target's own (labels of other targets carry their prefix)."""
     return {k: v for k, v in progress.timings.items() if k.startswith(prefix) or ": " not in k}
 
 
-def _finish(out: Path, doc: dict, progress: Progress, prefix: str = "") -> dict:
+def _finish(out: Path, doc: Manifest, progress: Progress, prefix: str = "") -> dict:
     """Write the manifest and the reports; the manifest as its JSON file holds it (what a build returns)."""
-    doc["status"] = _overall_status(doc["artifacts"])
-    doc["timings_s"] = _timings(progress, prefix)
+    doc.status = doc.overall_status()
+    doc.timings_s = _timings(progress, prefix)
     manifest.write(out, doc)
     doc = manifest.record(doc)
     files.write_text(out / "report.md", report.markdown(doc))
@@ -756,45 +763,43 @@ def _build_one(request: BuildRequest, session: BuildContext, out: Path, progress
     loaded, inputs, plan = session.loaded, session.inputs, session.plan
     out.mkdir(parents=True, exist_ok=True)
     manifest.clear_build_files(out)
-    doc = {
-        "schema_version": manifest.SCHEMA_VERSION,
-        "exporter_version": __version__,
-        "exporter_commit": manifest.exporter_commit(),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": list(sys.argv),
-        "status": "building",
-        "weight": {
+    doc = Manifest(
+        schema_version=manifest.SCHEMA_VERSION,
+        exporter_version=__version__,
+        exporter_commit=manifest.exporter_commit(),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=list(sys.argv),
+        status=Status.BUILDING,
+        weight={
             "name": loaded.weight_name,
             "model": loaded.model_name,
             "num_classes": loaded.num_classes,
             "meta": weights.meta_summary(loaded.weights),
         },
-        "task": session.task.describe(),
-        "checkpoint": loaded.checkpoint,
-        "preprocessing": session.task.preprocessing(loaded.weights),
-        "labels": {
+        task=session.task.describe(),
+        checkpoint=loaded.checkpoint,
+        preprocessing=session.task.preprocessing(loaded.weights),
+        labels={
             "file": "labels.txt",
             "count": len(loaded.labels),
             "from_file": str(request.labels) if request.labels else None,
         },
-        "target": plan.describe(),
-        "tools": manifest.tool_versions(),
-        "host": manifest.host(plan.latency.threads),
-        "data": inputs.description,
-        "eager": {"accuracy": session.eager_accuracy, "reference": loaded.reference},
-        "artifacts": [],
-        "timings_s": {},
-    }
+        target=plan.describe(),
+        tools=manifest.tool_versions(),
+        host=manifest.host(plan.latency.threads),
+        data=inputs.description,
+        eager={"accuracy": session.eager_accuracy, "reference": loaded.reference},
+    )
     files.write_text(out / "labels.txt", "".join(f"{label}\n" for label in loaded.labels))
-    files.write_text(out / "preprocessing.json", json.dumps(doc["preprocessing"], indent=2) + "\n")
+    files.write_text(out / "preprocessing.json", json.dumps(doc.preprocessing, indent=2) + "\n")
     manifest.write(out, doc)
     _write_golden(out, session)
     _write_device_files(out, session.task)
     specs, made = _artifacts(plan, loaded.quantized), {}
     for i in export_order([spec.precision for spec in specs]):
         made[i] = _export(session, specs[i], out, progress, prefix)
-        doc["artifacts"] = [made[k] for k in sorted(made)]
-        doc["timings_s"] = _timings(progress, prefix)
+        doc.artifacts = [made[k] for k in sorted(made)]
+        doc.timings_s = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
     validate_on_arm.add_rows(
         session,
@@ -809,7 +814,7 @@ def _build_one(request: BuildRequest, session: BuildContext, out: Path, progress
         runner_shown=True,
     )
     _post_build(plan, out, doc, session)
-    doc["cache"] = {
+    doc.cache = {
         "root": str(session.cache.root) if session.cache.root else None,
         "events": list(session.cache.events),
     }
@@ -820,56 +825,54 @@ def validate(
     out: Path, data_dir: Path | None, thresholds: list[str], progress: Progress, checkpoint: Path | None
 ) -> dict:
     """See build.validate_build."""
-    doc = manifest.read_build(out)
-    for entry in doc["artifacts"]:
-        entry["reasons"] = revived(entry["reasons"])  # JSON records on disk, Reason values in the engine
-        if entry.get("path"):
-            path = out / entry["path"]
-            if not path.exists() or files.sha256(path) != entry["sha256"]:
+    doc = manifest.read(out)
+    for entry in doc.artifacts:
+        if entry.path:
+            path = out / entry.path
+            if not path.exists() or files.sha256(path) != entry.sha256:
                 raise UsageError(f"{path} does not match the sha256 in its manifest (changed or truncated)")
     profile = {
-        "name": doc["target"]["name"],
-        "path": doc["target"]["profile"],
-        "artifacts": doc["target"]["artifacts"],
-        "thresholds": doc["target"]["thresholds"],
-        "data": doc["target"]["data"],
-        "latency": doc["target"]["latency"],
-        "task": doc["task"]["name"],
-        "validate": doc["target"].get("validate", {}),
+        "name": doc.target["name"],
+        "path": doc.target["profile"],
+        "artifacts": doc.target["artifacts"],
+        "thresholds": doc.target["thresholds"],
+        "data": doc.target["data"],
+        "latency": doc.target["latency"],
+        "task": doc.task["name"],
+        "validate": doc.target.get("validate", {}),
     }
     profile = profiles.with_overrides(profile, thresholds=list(thresholds))
     profiles.check_precisions([profile], thresholds)
-    plan = make_plan(profile, doc["task"]["name"])
+    plan = make_plan(profile, doc.task["name"])
     _preflight(plan)
     with progress.step("load weights"):
-        recorded = doc["checkpoint"]
-        reference = (doc["eager"].get("reference") or {}).get("checkpoint") or {}
+        recorded = doc.checkpoint
+        reference = (doc.eager.get("reference") or {}).get("checkpoint") or {}
         loaded = weights.load(
-            doc["weight"]["name"], checkpoint or recorded["path"], verify=False, float_checkpoint=reference.get("path")
+            doc.weight["name"], checkpoint or recorded["path"], verify=False, float_checkpoint=reference.get("path")
         )
         if loaded.checkpoint["sha256"] != recorded["sha256"]:
             raise UsageError(f"checkpoint {loaded.checkpoint['path']} is not the one this build used (sha256 differs)")
     task = loaded.task_class.bind(
-        loaded.weights, loaded.model_name, doc["task"]["num_classes"], tuple(doc["task"]["input_size"])
+        loaded.weights, loaded.model_name, doc.task["num_classes"], tuple(doc.task["input_size"])
     )
-    source = data_dir or (None if doc["data"]["source"] == "synthetic" else Path(doc["data"]["source"]))
+    source = data_dir or (None if doc.data["source"] == "synthetic" else Path(doc.data["source"]))
     with progress.step("load data"):
         inputs = _load_inputs(source, loaded, task, plan.data)
     session = _start_session(loaded, task, inputs, plan, progress)
     _write_device_files(out, task)  # what this validation decodes with is what the build ships
     _write_golden(out, session)  # the inputs golden_fidelity is measured on, whatever --data says now
-    doc["task"] = task.describe()
-    doc["target"]["thresholds"] = plan.describe()["thresholds"]
-    doc["data"] = inputs.description
-    doc["eager"] = {"accuracy": session.eager_accuracy, "reference": loaded.reference}
-    for entry in doc["artifacts"]:
-        entry["thresholds"] = plan.thresholds_for(entry["precision"])
-        if entry.get("path"):
-            for stale in (*VALIDATION_FIELDS, "latency_conditions", "aarch64", "bundled_program"):
-                entry.pop(stale, None)
-            entry.update(NOT_MEASURED, reasons=[], status="failed")
+    doc.task = task.describe()
+    doc.target["thresholds"] = plan.describe()["thresholds"]
+    doc.data = inputs.description
+    doc.eager = {"accuracy": session.eager_accuracy, "reference": loaded.reference}
+    for entry in doc.artifacts:
+        entry.thresholds = plan.thresholds_for(entry.precision)
+        if entry.path:
+            entry.clear(*VALIDATION_FIELDS, "aarch64", "bundled_program")
+            entry.update(reasons=[], status=Status.FAILED)
             _validate(session, entry, out, progress)
             bundled_program_step.add_golden_program(session, entry, out, progress)
     validate_on_arm.add_rows(session, doc, out, progress, None, False)
-    doc["validated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    doc.validated = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return _finish(out, doc, progress)

@@ -102,7 +102,7 @@ class Plan:
     latency: LatencySettings
     quant_settings: Mapping  # exporter.quant SETTINGS with the profile's [quantization] on top
     quant_budget: Mapping  # what int8 must hold: [thresholds.int8] unless [quantization.budget] says otherwise
-    post_build: str | None = None  # "module:function" called with (out_dir, manifest, session) after the artifacts
+    post_build: str | None = None  # "module:function" called with (out_dir, the Manifest, session) after the artifacts
     validate: ValidateSettings = ValidateSettings()
 
     def thresholds_for(self, precision: str) -> dict:

@@ -22,7 +22,7 @@ SECTIONS = {
     "thresholds": dict,
     "data": dict,
     "latency": dict,
-    "post_build": str,  # "module:function" called with (out_dir, manifest, session) after the artifacts
+    "post_build": str,  # "module:function" called with (out_dir, the Manifest, session) after the artifacts
     "quantization": dict,  # how int8 artifacts meet their budget (exporter.quant); [quantization.budget] overrides
     "validate": dict,  # where the artifacts are validated besides this host: arch = [...], cpus = [...]
     # [tasks.<task>.thresholds.<precision>] and [tasks.<task>.data] for tasks other than classification,
@@ -37,7 +37,10 @@ LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
 ARTIFACT_KEYS = {"name", "format", "precision", "options"}
 ARCHES = ("x86_64", "aarch64")  # x86_64: this host (always); aarch64: the emulated runner (exporter.aarch64)
 VALIDATE_KEYS = {"arch": list, "cpus": list}
-AARCH64_FORMATS = ("executorch", "torchscript_lite", "onnx")  # what the aarch64 runner runs
+
+
+def _runs_on_aarch64(format_name) -> bool:
+    return format_name in FORMATS and FORMATS[format_name].runs_on_aarch64
 
 
 def available_targets() -> list[str]:
@@ -183,7 +186,7 @@ def _check_validate(table: dict, artifacts: list, where: str) -> None:
         named.check(cpus)
     except UsageError as e:
         raise UsageError(f"{where}: {e}") from None
-    if "aarch64" in arches and not cpus and any(a.get("format") in AARCH64_FORMATS for a in artifacts):
+    if "aarch64" in arches and not cpus and any(_runs_on_aarch64(a.get("format")) for a in artifacts):
         raise UsageError(
             f"{where}: arch includes aarch64 but no cpus are named; e.g. cpus = {list(named.FOR_TARGET['android'])}"
         )

@@ -19,31 +19,20 @@ import torch
 from .. import aarch64, files, validation
 from ..formats import FORMATS
 from ..progress import Progress
-from ..results import Kind, Reason, Status, revived
+from ..results import ArtifactResult, EmulatedRow, Kind, Manifest, Reason, Status
 from . import cache
 
-RUNS_ON_AARCH64 = (".pte", ".ptl", ".onnx")
-NOT_RUN = {  # formats whose runtime the aarch64 runner does not have, and why
-    "coreml": "Core ML runs only on Apple's runtime (macOS/iOS)",
-    "tensorrt": "a TensorRT engine is built for one GPU and runs only there",
-}
 
-
-def _not_run(entry: dict) -> str:
-    if entry["format"] in NOT_RUN:
-        return NOT_RUN[entry["format"]]
-    ran_here = not entry.get("path") or entry.get("status") != "failed" or entry.get("fidelity") is not None
+def _not_run(entry: ArtifactResult) -> str:
+    spec = FORMATS[entry.format]
+    if not spec.runs_on_aarch64:
+        return spec.runs_only_on or f"the aarch64 runner has no runtime for {entry.format}"
+    ran_here = not entry.path or entry.status is not Status.FAILED or entry.fidelity is not None
     return "not built" if ran_here else "its runtime fails on it on x86 already"
 
 
-def wanted(entry: dict) -> bool:
-    path = entry.get("path")
-    return (
-        bool(path)
-        and Path(path).suffix in RUNS_ON_AARCH64
-        and entry.get("status") in ("passed", "failed")
-        and entry.get("fidelity") is not None
-    )  # it ran here
+def wanted(entry: ArtifactResult) -> bool:
+    return entry.ran_here() and FORMATS[entry.format].runs_on_aarch64
 
 
 def versus_x86(outputs: torch.Tensor, x86: torch.Tensor | None) -> dict | None:
@@ -66,60 +55,36 @@ def _flat(result_outputs: list, count: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(first.reshape(count, -1)))
 
 
-def row(session, entry: dict, cpu: str, result, x86: torch.Tensor | None) -> dict:
+def row(session, entry: ArtifactResult, cpu: str, result, x86: torch.Tensor | None) -> EmulatedRow:
     """One CPU's row for one artifact: the validation contract on the emulated outputs, never timed."""
-    base = {
-        "arch": "aarch64",
-        "cpu": cpu,
-        "why": aarch64.WHY.get(cpu, ""),
-        "emulated": True,
-        "latency_ms": None,
-        "seconds": result.seconds,
-        "runtime": result.info,
-    }
+    where = {"cpu": cpu, "why": aarch64.WHY.get(cpu, ""), "seconds": result.seconds, "runtime": result.info}
+
+    def failed(reason: Reason) -> EmulatedRow:
+        return EmulatedRow(**where, status=Status.FAILED, reasons=[reason])
+
     if not result.ok:
-        return {
-            **base,
-            "status": Status.FAILED,
-            "reasons": [Reason(_failed_run_kind(result), f"could not run on aarch64: {result.error}")],
-            "fidelity": None,
-            "accuracy": None,
-            "vs_x86": None,
-        }
-    count = len(session.inputs.validation)
+        return failed(Reason(_failed_run_kind(result), f"could not run on aarch64: {result.error}"))
     try:
-        outputs = _flat(result.outputs, count)
+        outputs = _flat(result.outputs, len(session.inputs.validation))
     except (ValueError, IndexError) as e:
-        return {
-            **base,
-            "status": Status.FAILED,
-            "reasons": [Reason(Kind.AARCH64_MISMATCH, f"aarch64 outputs do not match the graph's: {e}")],
-            "fidelity": None,
-            "accuracy": None,
-            "vs_x86": None,
-        }
+        return failed(Reason(Kind.AARCH64_MISMATCH, f"aarch64 outputs do not match the graph's: {e}"))
     metrics = validation.judge(
-        session.task, outputs, session.reference, session.inputs.labels, session.eager_accuracy, entry["thresholds"]
+        session.task, outputs, session.reference, session.inputs.labels, session.eager_accuracy, entry.thresholds
     )
-    judged = {
-        **base,
-        "status": metrics["status"],
-        "reasons": metrics["reasons"],
-        "fidelity": metrics["fidelity"],
-        "accuracy": metrics.get("accuracy"),
-        "vs_x86": versus_x86(outputs, x86),
-    }
-    verified = result.info.pop("bundled", None)
-    if verified is not None:  # the .pte's golden program, checked by ExecuTorch's verifier on this CPU
-        judged["bundled_program"] = verified
-        if not verified.get("passed"):
-            judged["status"] = Status.FAILED
-            judged["reasons"] = [
-                *judged["reasons"],
-                Reason(
-                    Kind.BUNDLED_PROGRAM_FAILED, f"golden program fails ExecuTorch's verifier: {verified.get('error')}"
-                ),
-            ]
+    verified = result.info.pop("bundled", None)  # the .pte's golden program, checked by ExecuTorch's verifier there
+    judged = EmulatedRow(
+        **where,
+        status=metrics["status"],
+        reasons=metrics["reasons"],
+        fidelity=metrics["fidelity"],
+        accuracy=metrics.get("accuracy"),
+        vs_x86=versus_x86(outputs, x86),
+        bundled_program=verified,
+    )
+    if verified is not None and not verified.get("passed"):
+        judged.status = Status.FAILED
+        why = f"golden program fails ExecuTorch's verifier: {verified.get('error')}"
+        judged.reasons = [*judged.reasons, Reason(Kind.BUNDLED_PROGRAM_FAILED, why)]
     return judged
 
 
@@ -128,13 +93,13 @@ def _failed_run_kind(result) -> Kind:
     return Kind.EMULATOR_TIMEOUT if result.timed_out else Kind.DOES_NOT_RUN
 
 
-def x86_outputs(session, entry: dict, out: Path) -> torch.Tensor | None:
+def x86_outputs(session, entry: ArtifactResult, out: Path) -> torch.Tensor | None:
     """The artifact's outputs on this host (kept from its validation, or run again when that came from the cache)."""
-    kept = session.x86_outputs.get(entry["name"])
+    kept = session.x86_outputs.get(entry.name)
     if kept is not None:
         return kept
     try:
-        runner = FORMATS[entry["format"]].format().load(out / entry["path"], session.latency["threads"])
+        runner = FORMATS[entry.format].format().load(out / entry.path, session.latency["threads"])
         outputs = validation.run_all(runner, session.inputs.validation)
     except Exception:  # noqa: BLE001 - the comparison is then reported as not made, the rows still judged
         return None
@@ -149,29 +114,29 @@ def _script() -> str:
     return files.sha256(Path(aarch64.__file__).with_name("inside.py"))
 
 
-def _golden(entry: dict, out: Path) -> dict | None:
-    golden = entry.get("bundled_program")
+def _golden(entry: ArtifactResult, out: Path) -> dict | None:
+    golden = entry.bundled_program
     if not golden:
         return None
-    return {(out / entry["path"]).resolve(): (out / golden["path"], golden["rtol"], golden["atol"])}
+    return {(out / entry.path).resolve(): (out / golden["path"], golden["rtol"], golden["atol"])}
 
 
-def _key(session, entry: dict, cpu: str, runner) -> str:
+def _key(session, entry: ArtifactResult, cpu: str, runner) -> str:
     return cache.key(
         kind="aarch64",
-        artifact=entry["sha256"],
+        artifact=entry.sha256,
         cpu=cpu,
         runner=runner.info.get("key"),
         script=_script(),
-        thresholds=entry["thresholds"],
-        bundled_program=(entry.get("bundled_program") or {}).get("sha256"),
+        thresholds=entry.thresholds,
+        bundled_program=(entry.bundled_program or {}).get("sha256"),
         **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")},
     )
 
 
 def add_rows(
     session,
-    doc: dict,
+    doc: Manifest,
     out: Path,
     progress: Progress,
     request_cache_dir: Path | None,
@@ -186,13 +151,13 @@ def add_rows(
     if "aarch64" not in session.plan.validate.arches:
         return
     cpus = list(session.plan.validate.cpus)
-    entries = [e for e in doc["artifacts"] if wanted(e)]
+    entries = [e for e in doc.artifacts if wanted(e)]
     summary = {
         "cpus": {cpu: aarch64.WHY.get(cpu, "") for cpu in cpus},
         "emulated": True,
-        "not_run": {e["name"]: _not_run(e) for e in doc["artifacts"] if not wanted(e)},
+        "not_run": {e.name: _not_run(e) for e in doc.artifacts if not wanted(e)},
     }
-    doc["aarch64"] = summary
+    doc.aarch64 = summary
     if not entries or not cpus:
         return
     started = time.perf_counter()
@@ -200,63 +165,60 @@ def add_rows(
         runner = aarch64.prepare(request_cache_dir, progress, offline=offline or None, root=runners)
     summary["runner"] = {k: runner.info.get(k) for k in ("key", "qemu", "packages", "seconds", "size_bytes")}
     inputs = session.inputs.validation.contiguous().numpy()
-    rows: dict[str, dict] = {entry["name"]: {} for entry in entries}
+    rows: dict[str, dict[str, EmulatedRow]] = {entry.name: {} for entry in entries}
     for entry in entries:
         for cpu in cpus:
             cached = session.cache.fetch_json("aarch64", _key(session, entry, cpu, runner))
-            if cached is not None:  # its reasons stored as JSON records
-                rows[entry["name"]][cpu] = {**cached, "reasons": revived(cached["reasons"]), "reused_from_cache": True}
-                session.cache.events.append(f"{entry['name']}: aarch64 {cpu} row reused from the cache")
+            if cached is not None:
+                rows[entry.name][cpu] = EmulatedRow.from_json({**cached, "reused_from_cache": True})
+                session.cache.events.append(f"{entry.name}: aarch64 {cpu} row reused from the cache")
 
     def show_progress():  # an emulated CPU can take many minutes: the manifest holds the rows made so far
-        summary["pending_cpus"] = [c for c in cpus if any(c not in rows[e["name"]] for e in entries)]
+        summary["pending_cpus"] = [c for c in cpus if any(c not in rows[e.name] for e in entries)]
         for entry in entries:
-            entry["aarch64"] = [rows[entry["name"]][c] for c in cpus if c in rows[entry["name"]]]
+            entry.aarch64 = [rows[entry.name][c] for c in cpus if c in rows[entry.name]]
         write()
 
     show_progress()
     x86 = {}
     for cpu in cpus:  # one emulated process per CPU runs every artifact missing there (Python and torch start once)
-        missing = [entry for entry in entries if cpu not in rows[entry["name"]]]
+        missing = [entry for entry in entries if cpu not in rows[entry.name]]
         if not missing:
             continue
         golden = {}
         for entry in missing:
             golden.update(_golden(entry, out) or {})
-        with progress.step(f"{prefix}aarch64 {', '.join(e['name'] for e in missing)} on {cpu} (emulated)"):
+        with progress.step(f"{prefix}aarch64 {', '.join(e.name for e in missing)} on {cpu} (emulated)"):
             # the threads of the x86 run: fp32 reductions split by thread, so another count changes the bits
             results = aarch64.run(
                 runner,
-                [out / e["path"] for e in missing],
+                [out / e.path for e in missing],
                 inputs,
                 [cpu],
                 threads=session.latency["threads"],
                 bundled=golden,
             )
         for entry, result in zip(missing, results):
-            if entry["name"] not in x86:
-                x86[entry["name"]] = x86_outputs(session, entry, out)
-            rows[entry["name"]][cpu] = row(session, entry, cpu, result, x86[entry["name"]])
-            session.cache.store_json("aarch64", _key(session, entry, cpu, runner), rows[entry["name"]][cpu])
+            if entry.name not in x86:
+                x86[entry.name] = x86_outputs(session, entry, out)
+            rows[entry.name][cpu] = row(session, entry, cpu, result, x86[entry.name])
+            session.cache.store_json("aarch64", _key(session, entry, cpu, runner), rows[entry.name][cpu])
         show_progress()
     del summary["pending_cpus"]
     for entry in entries:
-        entry["aarch64"] = [rows[entry["name"]][cpu] for cpu in cpus]
-        if entry.get("bundled_program"):
-            entry["bundled_program"]["verified"].update(
-                {r["cpu"]: r["bundled_program"] for r in entry["aarch64"] if r.get("bundled_program")}
+        entry.aarch64 = [rows[entry.name][cpu] for cpu in cpus]
+        if entry.bundled_program:
+            entry.bundled_program["verified"].update(
+                {r.cpu: r.bundled_program for r in entry.aarch64 if r.bundled_program}
             )
         judge_entry(entry)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     write()
 
 
-def judge_entry(entry: dict) -> None:
+def judge_entry(entry: ArtifactResult) -> None:
     """The artifact fails when any CPU's row fails; each such row's reasons join the artifact's, named by CPU."""
-    for arch_row in entry.get("aarch64", []):
-        if arch_row["status"] == Status.FAILED:
-            entry["status"] = Status.FAILED
-            entry["reasons"] = [
-                *entry.get("reasons", []),
-                *(r.on_cpu(arch_row["cpu"]) for r in revived(arch_row["reasons"])),
-            ]
+    for arch_row in entry.aarch64 or []:
+        if arch_row.failed():
+            entry.status = Status.FAILED
+            entry.reasons = [*entry.reasons, *(r.on_cpu(arch_row.cpu) for r in arch_row.reasons)]

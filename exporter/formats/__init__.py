@@ -37,6 +37,10 @@ class FormatSpec:
     # why the format cannot take a model already quantized in eager mode (torchvision's int8
     # weights), checked before any export; None when it can
     no_quantized_eager: str | None = None
+    runs_on_aarch64: bool = False  # the aarch64 runner (exporter.aarch64) has its runtime
+    # where alone its runtime runs, when that is neither this host nor the aarch64 runner: nothing of it is run
+    # or measured here (it is validated through proxies, if the format has them)
+    runs_only_on: str | None = None
 
     def installed(self) -> bool:
         # find_spec, not an import: coremltools and executorch take seconds to import, and a
@@ -63,8 +67,9 @@ FORMATS = {
             ("executorch",),
             "ExecuTorch lowers a torch.export graph, and its int8 comes from PT2E quantization of the "
             "float model; build the float weight (meta['unquantized']) for an int8 .pte",
+            runs_on_aarch64=True,
         ),
-        FormatSpec("torchscript_lite", "exporter.formats.torchscript_lite", "android", ()),
+        FormatSpec("torchscript_lite", "exporter.formats.torchscript_lite", "android", (), runs_on_aarch64=True),
         FormatSpec(
             "onnx",
             "exporter.formats.onnx",
@@ -72,6 +77,7 @@ FORMATS = {
             ("onnx", "onnxruntime", "onnxscript"),
             "the ONNX exporter (dynamo) traces with torch.export, which does not take eager-mode quantized "
             "modules; build the float weight (meta['unquantized']) for an int8 Q/DQ ONNX",
+            runs_on_aarch64=True,
         ),
         FormatSpec(
             "tensorrt",
@@ -79,6 +85,7 @@ FORMATS = {
             "jetson",
             (),
             "TensorRT engines are built from the ONNX export, which cannot take it",
+            runs_only_on="a TensorRT engine is built for one GPU and runs only there",
         ),
         FormatSpec(
             "coreml",
@@ -87,6 +94,7 @@ FORMATS = {
             ("coremltools",),
             "Core ML converts a torch.export graph, which does not take eager-mode quantized modules; "
             "build the float weight (meta['unquantized']) and compress it in Core ML",
+            runs_only_on="Core ML runs only on Apple's runtime (macOS/iOS)",
         ),
     )
 }

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 
 from ..errors import UsageError
 from . import RuntimeUnavailable
-from .interface import Format
+from .interface import Format, SharedProxy
 from .rewrites import global_pool3d_as_mean, rel_pos_within_rank5
 
 NAME = "coreml"
@@ -726,7 +726,7 @@ def proxies(path: Path, model: nn.Module) -> dict:
     return runners
 
 
-class EagerFp16:
+class EagerFp16(SharedProxy):
     """The eager model with half-precision storage: its weights, its input and every op's result rounded to
     float16, each op computed in float32 from those (as CPU half-precision kernels compute, rounding once at
     the end). Emulated rather than run in half precision: this host's half-precision matrix products can be

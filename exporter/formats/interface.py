@@ -36,6 +36,13 @@ if TYPE_CHECKING:  # the interface itself needs no torch
     Runner = Callable[[torch.Tensor], torch.Tensor]
 
 
+class SharedProxy:
+    """A proxy runner that is the same for every artifact of one model (eager in fp16 for each fp16 Core ML
+    package): its metrics are measured once per build, under `shared_key`."""
+
+    shared_key: ClassVar[str]
+
+
 class Format:
     """One export format. Subclasses set the four class attributes, define export() and load(), and define
     whichever optional hooks they have; every other hook keeps the default declared here."""
@@ -63,8 +70,8 @@ class Format:
 
     # Optional hooks; None: this format has none.
     # proxies(path, model) -> {label: Runner}: numerical stand-ins on a host without the runtime (Core ML on
-    # Linux), labelled proxy and never deciding the status; raise ValueError when they cannot be made. A runner
-    # with a `shared_key` is the same for every artifact of one model (eager in fp16): measured once per build.
+    # Linux), labelled proxy and never deciding the status; raise ValueError when they cannot be made. A
+    # SharedProxy is the same for every artifact of one model (eager in fp16): measured once per build.
     proxies: Callable[[Path, Any], dict[str, Runner]] | None = None
     # per_inference_ranges(calib, details) -> Calibration | None: the calibration that makes an int8 artifact
     # again with ranges chosen per inference, after its calibrated ranges failed validation (None: not remade).

@@ -4,7 +4,7 @@ Engines are not portable across GPU model or TensorRT version, so the kit ships 
 build_engine.sh (trtexec, TensorRT 10 and 11 variants of what exporter.formats.tensorrt builds) and
 device_validate.py (golden inputs against golden eager logits on the device), and lists, for detection,
 the build's detection_decode.py beside it (the validator decodes boxes with it). Pre-flight warnings go to the
-manifest under doc["jetson"]["warnings"].
+manifest under jetson.warnings.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .. import files
 from ..device import device_validate
 from ..formats import onnx as onnx_format
 from ..formats import tensorrt as tensorrt_format
+from ..results import Manifest
 
 NANO_CLASS_LIMIT_MB = 100  # larger models often fail on the Jetson Nano's memory
 SCRIPT = "build_engine.sh"
@@ -104,9 +105,14 @@ def _warnings(doc: dict, onnx_entries: list[dict], builds: list[dict]) -> list[s
     return warnings
 
 
-def write_device_kit(out: Path, doc: dict, session) -> None:
+def write_device_kit(out: Path, doc: Manifest, session) -> None:
+    """The target's post_build step: the kit written into `out`, described as the manifest's `jetson`."""
+    doc.jetson = device_kit(out, doc.to_json(), tuple(session.inputs.example.shape[1:]))
+
+
+def device_kit(out: Path, doc: dict, chw: tuple) -> dict:
+    """Write the kit for the build whose manifest record is `doc` (input of shape `chw`) into `out`; its description."""
     out = Path(out)
-    chw = tuple(session.inputs.example.shape[1:])
     model = doc["weight"]["model"]
     onnx_entries = [a for a in doc["artifacts"] if a["format"] == "onnx" and a["path"]]
     builds = []
@@ -135,4 +141,4 @@ def write_device_kit(out: Path, doc: dict, session) -> None:
         names.append(DECODER)
     kit["sha256"] = {name: files.sha256(out / name) for name in names if (out / name).is_file()}
     kit["warnings"] = _warnings(doc, onnx_entries, builds)
-    doc["jetson"] = kit
+    return kit

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import files
 from ..errors import UsageError
-from ..results import jsonable
+from ..results import Manifest, jsonable
 
 SCHEMA_VERSION = 4  # 4: each reason an object with its kind ({"kind", "text", ...}), no longer a sentence
 SCHEMA_FILE = Path(__file__).parent / "schema" / "manifest.schema.json"
@@ -107,16 +107,16 @@ def _finite(value):
     return value
 
 
-def record(manifest: dict) -> dict:
+def record(manifest: Manifest) -> dict:
     """The manifest as its JSON file holds it (what a build returns and the whole-build record stores)."""
     return jsonable(manifest)
 
 
-def dumps(manifest: dict) -> str:
+def dumps(manifest: Manifest | dict) -> str:
     return json.dumps(_jsonable(manifest), indent=2, allow_nan=False) + "\n"
 
 
-def write(out_dir: Path, manifest: dict) -> Path:
+def write(out_dir: Path, manifest: Manifest | dict) -> Path:
     path = Path(out_dir) / "manifest.json"
     files.write_text(path, dumps(manifest))
     return path
@@ -158,6 +158,15 @@ def read_build(out_dir) -> dict:
     if problem:
         raise UsageError(f"{path} does not match the manifest schema: {problem}")
     return doc
+
+
+def read(out_dir) -> Manifest:
+    """The build's manifest (read_build's checks) as the engine holds it, for `exporter validate`."""
+    doc = read_build(out_dir)
+    try:
+        return Manifest.from_json(doc)
+    except (TypeError, ValueError) as e:  # a field the schema requires, missing where the schema does not look
+        raise UsageError(f"{Path(out_dir) / 'manifest.json'} does not match the manifest schema: {e}") from None
 
 
 def schema_problem(doc: dict) -> str | None:
