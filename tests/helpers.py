@@ -39,6 +39,13 @@ FAST = ["--calib-size", "64", "--val-size", "120", "--warmup", "2", "--iteration
     for t in ("android", "jetson")
 }  # one value, or these builds' int8 would differ from the default's
 INT8_SLACK = ["--threshold", "int8.accuracy_drop=5", "--quant-budget", f"accuracy_drop={_BUDGET}"]
+# For builds whose subject is the artifacts' bytes, not their accuracy: 112 px (a quarter of the calibration's and
+# the search's work at 224, the same code paths), few validation images, one timed iteration, thresholds that
+# cannot fail.
+BYTES_ONLY = [
+    *("--input-size", "112", "112", "--val-size", "8", "--warmup", "0", "--iterations", "1"),
+    *("--threshold", "top1_agreement=0", "--threshold", "psnr_db=0", "--threshold", "accuracy_drop=100"),
+]
 
 
 def hide_module(monkeypatch, hidden: str) -> None:

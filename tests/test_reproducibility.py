@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import ROOT, build_args
+from .helpers import BYTES_ONLY, ROOT, build_args
 
 pytest.importorskip("executorch")
 ct = pytest.importorskip("coremltools")
@@ -36,21 +36,7 @@ def test_int8_pte_and_core_ml_packages_are_byte_identical(tmp_path, digits_model
     # Both builds at once: exporting is mostly single-threaded Python, so on two cores this takes
     # about as long as one build. They run with 1 and 2 threads, as a laptop and a CI runner
     # would: int8 calibration once gave a different .pte per thread count. Bytes are under test,
-    # not accuracy: few images, one timed iteration, thresholds that cannot fail.
-    cheap = [
-        "--val-size",
-        "8",
-        "--warmup",
-        "0",
-        "--iterations",
-        "1",
-        "--threshold",
-        "top1_agreement=0",
-        "--threshold",
-        "psnr_db=0",
-        "--threshold",
-        "accuracy_drop=100",
-    ]
+    # not accuracy (BYTES_ONLY).
     procs = {}
     for name, threads in (("one", 1), ("two", 2)):
         args = build_args(
@@ -65,7 +51,7 @@ def test_int8_pte_and_core_ml_packages_are_byte_identical(tmp_path, digits_model
             "executorch:int8",
             "--format",
             "coreml",
-            *cheap,
+            *BYTES_ONLY,
         )
         env = dict(os.environ, EXPORTER_CACHE=str(tmp_path / name / "cache"))
         procs[name] = subprocess.Popen(

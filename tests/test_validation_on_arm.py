@@ -32,7 +32,7 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
 ):
     from .helpers import INT8_SLACK, build_args, run_cli
 
-    _, baseline = android_build  # its artifacts and x86 validations come back from the suite's cache
+    _, baseline = android_build  # its .pte files come back from the suite's cache (not keyed on the validation size)
     assert baseline.exit_code == 0, baseline.output
     monkeypatch.setenv("EXPORTER_AARCH64_CACHE", str(arm_runner.path.parent))
     out = tmp_path / "build"
@@ -49,6 +49,9 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
             "--format",
             "onnx:int8",
             *INT8_SLACK,
+            # a third of the suite's validation digits (the first 40 of the same 120): emulation runs every input,
+            # about 0.45 s a digit for the fp32 .pte under qemu
+            *("--val-size", "40"),
             *(a for cpu in E2E_CPUS for a in ("--cpu", cpu)),
         )
     )
@@ -65,6 +68,8 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
         "mobilenet_v3_small_executorch_int8.pte",
         "mobilenet_v3_small_onnx_int8.onnx",
     ], sorted(entries)
+    for path in ("mobilenet_v3_small_executorch_fp32.pte", "mobilenet_v3_small_executorch_int8.pte"):
+        assert entries[path].get("artifact_reused_from_cache"), path  # exported once, whatever the validation size
     for path, entry in entries.items():
         rows = {r["cpu"]: r for r in entry["aarch64"]}
         if path.endswith(".pte"):  # its golden program, verified by ExecuTorch on x86 and on each CPU

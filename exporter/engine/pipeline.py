@@ -424,10 +424,13 @@ def _export_into(
         precision=spec.precision,
         options=dict(spec.options),
         example=list(session.inputs.example.shape),
+        example_values=cache.tensors_digest([session.inputs.example]),
         # every setting, whichever format reads it (without dynamic_ranges, a static .pte was
         # reused for a build that asked for dynamic ranges)
         quantization=(calibration.describe(BACKEND_SETTINGS) if isinstance(calibration, Calibration) else None),
-        **session.digests,
+        # what an export reads: not the validation inputs or their labels beyond the example (the same artifact
+        # serves a build that validates on more or fewer of them)
+        **{k: v for k, v in session.digests.items() if k not in ("validation", "labels")},
     )
     try:
         with progress.step(label, unavailable=RuntimeUnavailable), files.atomic_path(path) as tmp:
