@@ -71,6 +71,14 @@ FORMATS = {
         ),
         FormatSpec("torchscript_lite", "exporter.formats.torchscript_lite", "android", (), runs_on_aarch64=True),
         FormatSpec(
+            "litert",
+            "exporter.formats.litert",
+            "litert",
+            ("litert_torch", "ai_edge_litert"),
+            "litert-torch converts a torch.export graph, and its int8 comes from PT2E quantization of the float "
+            "model; build the float weight (meta['unquantized']) for an int8 .tflite",
+        ),
+        FormatSpec(
             "onnx",
             "exporter.formats.onnx",
             "jetson",

@@ -1,11 +1,14 @@
-"""PT2E static int8 (torchao) with ExecuTorch's XNNPACK quantizer, and layers kept in float on request.
+"""PT2E static int8 (torchao) with a format's PT2E quantizer, and layers kept in float on request.
 
-Histogram-calibrated activations and per-channel symmetric weights come from the XNNPACK quantizer's
-own symmetric config. Keeping a layer in float means its weights, its input and its output stay float: XNNPACK's
-annotation quantizes an op's output on the producer's side, so the annotation of the producer
-(through view-like and elementwise ops that carry no annotation of their own) is dropped too; other
-consumers of that tensor still quantize it on their own input edge. The XNNPACK partitioner takes
-the mixed graph into its delegate."""
+The quantizer is the backend's parameter (`Pt2eQuantizer`): ExecuTorch's XNNPACK quantizer by default (`XNNPACK`);
+a format that lowers elsewhere passes its own (LiteRT's PT2EQuantizer, exporter/formats/litert.py), and the search,
+the float fallback and the report stay the same. Histogram-calibrated activations and per-channel symmetric
+weights come from that quantizer's own symmetric config.
+
+Keeping a layer in float means its weights, its input and its output stay float: both quantizers annotate an op's
+output on the producer's side, so the annotation of the producer (through view-like and elementwise ops that carry
+no annotation of their own) is dropped too; other consumers of that tensor still quantize it on their own input
+edge. The XNNPACK partitioner takes the mixed graph into its delegate."""
 
 from __future__ import annotations
 
@@ -146,13 +149,12 @@ def _float_pattern(node: Node, floated: set[str]) -> None:
         node = node.args[0]
 
 
-def _share_through_zero_pads(model) -> None:
+def _share_through_zero_pads(model, propagate_annotation) -> None:
     """A zero pad of an int8 tensor shares its input's quantization, as XNNPACK's quantizer does for views (and so
     does an op a rewrite marked SHARES_INPUT_RANGE, as the op it replaced did).
     Left unannotated, the XNNPACK delegate still takes the pad with its int8 input but a float output when the
     next op is float (a LayerNorm after Swin's window and patch-merging pads), and the program then fails to
     load (StaticConstantPad: xnn_status_invalid_parameter). Padding with zeros is exact at the input's scale."""
-    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer_utils import propagate_annotation
     from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, SharedQuantizationSpec
 
     shared = False
@@ -319,16 +321,47 @@ def _own_dynamic_quantize(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return module
 
 
-def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynamic: bool = False):
-    """dynamic: activations quantized per inference from their own range (XNNPACK's qd8 kernels), for the convolutions
-    and linear layers XNNPACK lowers correctly so (not depthwise convs, nor a conv reading a transpose: those stay
-    float, and count as float layers); every other op computes in float."""
-    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
-        XNNPACKQuantizer,
-        get_symmetric_quantization_config,
-    )
+class Pt2eQuantizer:
+    """Which PT2E quantizer annotates the graph, for the runtime that lowers it. The default is ExecuTorch's
+    XNNPACK quantizer (`XNNPACK`); a format lowering to another runtime subclasses this with its own. A subclass
+    whose quantizer has no annotation helpers like XNNPACK's (`propagate_annotation`: views sharing their
+    producer's quantization) names its own; only XNNPACK has the dynamic (qd8) patterns of ranges per inference."""
 
-    class FloatFallbackQuantizer(XNNPACKQuantizer):
+    name = "XNNPACKQuantizer"
+    dynamic_ranges = True  # ranges chosen per inference (XNNPACK's qd8 kernels) as the search's fallback
+    fold_quantize = True  # convert_pt2e stores int8 weights (False: float weights and their quantize ops kept)
+
+    def quantizer_class(self) -> type:
+        from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import XNNPACKQuantizer
+
+        return XNNPACKQuantizer
+
+    def config(self, dynamic: bool = False):
+        """The quantizer's symmetric config: per-channel int8 weights, histogram activations (dynamic: per inference)."""
+        from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import get_symmetric_quantization_config
+
+        return get_symmetric_quantization_config(is_per_channel=True, is_dynamic=dynamic)
+
+    def propagate_annotation(self, model) -> None:
+        from executorch.backends.xnnpack.quantizer.xnnpack_quantizer_utils import propagate_annotation
+
+        propagate_annotation(model)
+
+
+XNNPACK = Pt2eQuantizer()
+
+
+def _quantizer(
+    float_layers: set[str], float_kinds: tuple[str, ...] = (), dynamic: bool = False, kind: Pt2eQuantizer = XNNPACK
+):
+    """kind's quantizer (XNNPACK's by default), annotating as it does, then leaving `float_layers` and every op of
+    `float_kinds` in float. dynamic (XNNPACK only): activations quantized per inference from their own range
+    (XNNPACK's qd8 kernels), for the convolutions and linear layers XNNPACK lowers correctly so (not depthwise convs,
+    nor a conv reading a transpose: those stay float, and count as float layers); every other op computes in float."""
+    if dynamic and not kind.dynamic_ranges:
+        raise ValueError(f"{kind.name} has no ranges chosen per inference")
+
+    class FloatFallbackQuantizer(kind.quantizer_class()):
         floated: set[str] = set()  # the layers in float in the end: those asked for and their producers
 
         def annotate(self, model):
@@ -336,7 +369,7 @@ def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynami
             if dynamic:
                 _dynamic_convs_before_relu(model, self.global_config)
                 _float_dynamic_after_transpose(model)
-            _share_through_zero_pads(model)
+            _share_through_zero_pads(model, kind.propagate_annotation)
             self.floated = set(float_layers)
             for node in list(model.graph.nodes):
                 if node.op == "call_function" and node.target in LAYER_TARGETS and layer_name(node) in float_layers:
@@ -357,9 +390,7 @@ def _quantizer(float_layers: set[str], float_kinds: tuple[str, ...] = (), dynami
                 }
             return model
 
-    return FloatFallbackQuantizer().set_global(
-        get_symmetric_quantization_config(is_per_channel=True, is_dynamic=dynamic)
-    )
+    return FloatFallbackQuantizer().set_global(kind.config(dynamic))
 
 
 def _conv_per_batchnorm(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -438,9 +469,16 @@ class Pt2eBackend:
     settings = ("dynamic_ranges", STATIC_RANGES)
     op_fallbacks = tuple(OP_KINDS)
 
-    def __init__(self, model: torch.nn.Module, example: torch.Tensor, exported=None):
-        """exported: `model`'s ExportedProgram as the format rewrote it (by default, exported here)."""
+    def __init__(
+        self, model: torch.nn.Module, example: torch.Tensor, exported=None, quantizer: Pt2eQuantizer = XNNPACK
+    ):
+        """exported: `model`'s ExportedProgram as the format rewrote it (by default, exported here); quantizer: the
+        PT2E quantizer of the runtime that lowers the result (ExecuTorch's XNNPACK by default)."""
         self.model = model
+        self.quantizer = quantizer
+        if not quantizer.dynamic_ranges:  # static ranges only: no fallback ranges, no setting that asks for them
+            self.fallback_range_methods = ()
+            self.settings = ()
         if exported is None:
             with torch.no_grad():
                 exported = torch.export.export(model, (example,))
@@ -457,28 +495,28 @@ class Pt2eBackend:
     def layers(self) -> list[str]:
         return list(self._layers)
 
-    @staticmethod
-    def describe(method: str) -> str:
+    def describe(self, method: str) -> str:
         if method == DYNAMIC:
             return (
                 "dynamic activation ranges (the input of each convolution and linear layer XNNPACK has a dynamic "
                 "int8 kernel for quantized per inference from its own range; other layers and every other op in "
                 "float), per-channel symmetric weights (PT2E, XNNPACKQuantizer is_dynamic)"
             )
-        return "histogram activation ranges (HistogramObserver), per-channel symmetric weights (PT2E, XNNPACKQuantizer)"
+        return f"histogram activation ranges (HistogramObserver), per-channel symmetric weights (PT2E, {self.quantizer.name})"
 
     def quantize(
         self, float_layers: list[str], range_images: list[torch.Tensor], method: str, float_kinds: tuple[str, ...] = ()
     ) -> torch.fx.GraphModule:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-        quantizer = _quantizer(set(float_layers), float_kinds, dynamic=method == DYNAMIC)
+        quantizer = _quantizer(set(float_layers), float_kinds, dynamic=method == DYNAMIC, kind=self.quantizer)
         prepared = prepare_pt2e(self._graph_module(), quantizer)
         self._floated[(tuple(float_layers), method)] = [name for name in self._layers if name in quantizer.floated]
         with torch.no_grad(), one_thread():
             for x in range_images[:1] if method == DYNAMIC else range_images:  # nothing to observe but the graph
                 prepared(x)
-        return _own_dynamic_quantize(convert_pt2e(prepared)) if method == DYNAMIC else convert_pt2e(prepared)
+        converted = convert_pt2e(prepared, fold_quantize=self.quantizer.fold_quantize)
+        return _own_dynamic_quantize(converted) if method == DYNAMIC else converted
 
     def float_closure(self, float_layers: list[str], method: str = "histogram") -> list[str]:
         return self._floated.get((tuple(float_layers), method), list(float_layers))
@@ -495,7 +533,7 @@ class Pt2eBackend:
             method == DYNAMIC
         ):  # as prepare_pt2e does before annotating: which convs the dynamic patterns take depends on it
             _fuse_conv_bn_(module)
-        annotated = _quantizer(set(float_layers), float_kinds, dynamic=method == DYNAMIC).annotate(module)
+        annotated = _quantizer(set(float_layers), float_kinds, method == DYNAMIC, self.quantizer).annotate(module)
         counts = Counter()
         for node in annotated.graph.nodes:
             if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):

@@ -34,7 +34,19 @@ def clear_build_files(out: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-TOOLS = ("exporter", "torch", "torchvision", "executorch", "torchao", "coremltools", "onnx", "onnxruntime", "tensorrt")
+TOOLS = (
+    "exporter",
+    "torch",
+    "torchvision",
+    "executorch",
+    "torchao",
+    "coremltools",
+    "onnx",
+    "onnxruntime",
+    "tensorrt",
+    "litert-torch",
+    "ai-edge-litert",
+)
 
 
 def tool_versions() -> dict:

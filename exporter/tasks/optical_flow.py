@@ -41,6 +41,9 @@ REFUSED = {
     "128x128); the TorchScript lite .ptl is the Android route",
     "coreml": "coremltools 9 rejects RAFT's correlation step: an integer sqrt in CorrBlock, then a rank-6 "
     "correlation volume (Core ML's limit is rank 5)",
+    "litert": "not attempted yet: LiteRT (.tflite) is built for classification, segmentation and single-stage "
+    "detection graphs (issue 62); RAFT's correlation and update steps are not measured there; the TorchScript "
+    "lite .ptl is the Android route",
 }
 
 

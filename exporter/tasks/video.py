@@ -29,6 +29,8 @@ REFUSED = {
     "executorch": "XNNPACK has no 3-D convolution, and the portable conv kernel outside it refuses 5-D input at run "
     "time ('Expect input tensor to be 3-D or 4-D'; r3d_18, mc3_18, r2plus1d_18); s3d's .pte also lacks "
     "max_pool3d/avg_pool3d kernels, swin3d_t's and mvit_v2_s's fail to load in XNNPACK",
+    "litert": "not attempted yet: LiteRT (.tflite) is built for classification, segmentation and single-stage "
+    "detection graphs (issue 62); a video classifier's 3-D convolutions on 5-D input are not measured there",
 }
 
 

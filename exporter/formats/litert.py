@@ -1,0 +1,312 @@
+"""LiteRT (TensorFlow Lite) flatbuffer (.tflite) from litert-torch, run by ai-edge-litert's interpreter (XNNPACK
+delegate, as on Android), fp32 or int8 (PT2E static, through exporter.quant's shared budget search).
+
+fp32: `litert_torch.convert(model, (example,))`, which exports with torch.export and lowers to TFLite ops.
+
+int8: the same budget search as the .pte's (exporter.quant: plain PTQ, sensitivity, float fallback, held-out check
+images), with `quant.pt2e.Pt2eBackend` given LiteRT's own PT2E quantizer (`LITERT`: litert_torch's PT2EQuantizer,
+its symmetric config with per-channel weights and histogram activation ranges). convert_pt2e keeps float weights and
+their quantize ops (`fold_quantize=False`, as litert-torch needs: a folded graph failed to convert in its users'
+reports) and the converter, told the graph is static PT2E (`QuantConfig(pt2e_quantizer=...)`), turns its
+quantize/dequantize pairs into int8 TFLite kernels. LiteRT's quantizer has no ranges chosen per inference here (its
+dynamic mode is weight-only, a different kernel family), so the search has no such fallback for this format.
+
+**The int8 file takes and returns float32** (`details.io`). The converter writes an int8 file whose input and
+output tensors are int8 (the PT2E graph's first quantize and last dequantize folded into the interface, scale and
+zero point in the tensors' quantization). The export puts them back inside the file: one QUANTIZE op from a float
+input and one DEQUANTIZE op to a float output (the same scale and zero point, computed by the interpreter, inside
+the XNNPACK delegate). Why: an app then feeds every artifact of a build, the `.pte` fp32 and int8 and the `.tflite`
+fp32 and int8, the same float tensor after the same preprocessing and reads float logits back, so switching runtime
+or precision changes no app code and the bundle's input spec is one for all; the numbers are the same as with int8
+I/O (the input is quantized with the same parameters either way, by the app or by the op); and what is validated
+against eager is the file the app runs, not the file plus quantization code every app would have to write. int8 I/O
+pays only on accelerators that take integer models only (Edge TPU, some NPU delegates), which are not this target's;
+the runner below still feeds and dequantizes an int8 interface correctly should a file have one.
+
+No per-operator profile: ai-edge-litert 2.3.0's Python API exposes no profiler (its interpreter has no profiler
+hook; per-operator times come from the C++ benchmark_model tool's --enable_op_profiling, not in the wheel), so the
+format defines no `profile` and the manifest says it has none. RAM: the peak resident set of a fresh process running
+the file (formats/memory.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..quant.pt2e import Pt2eQuantizer
+from .memory import native_stderr_silenced as _native_stderr_silenced  # the runtime logs to fd 2
+
+NAME = "litert"
+SUFFIX = ".tflite"
+OPTIONS = ()
+PRECISIONS = ("fp32", "int8")
+# how the int8 file's interface was written (details.io.interface)
+FLOAT_INTERFACE = (
+    "float32 input and output: the converter's int8 interface put back inside the file (a QUANTIZE op after the "
+    "input, a DEQUANTIZE op before the output, with the converter's scale and zero point), so an app feeds the "
+    "same float tensor as to every other artifact of the build"
+)
+
+
+class LiteRTQuantizer(Pt2eQuantizer):
+    """litert_torch's PT2EQuantizer for exporter.quant's PT2E backend: static int8, per-channel weights."""
+
+    name = "PT2EQuantizer (litert_torch)"
+    dynamic_ranges = False  # LiteRT's dynamic mode quantizes weights only (DRQ kernels): not the search's fallback
+    fold_quantize = False  # the converter reads float weights and their quantize ops
+
+    def quantizer_class(self) -> type:
+        from litert_torch.quantize.pt2e_quantizer import PT2EQuantizer
+
+        return PT2EQuantizer
+
+    def config(self, dynamic: bool = False):
+        from litert_torch.quantize.pt2e_quantizer import get_symmetric_quantization_config
+
+        return get_symmetric_quantization_config(is_per_channel=True, is_dynamic=False)
+
+    def propagate_annotation(self, model) -> None:
+        from litert_torch.quantize.pt2e_quantizer_utils import propagate_annotation
+
+        propagate_annotation(model)
+
+
+LITERT = LiteRTQuantizer()
+
+
+@contextlib.contextmanager
+def _quiet_converter():
+    """litert-torch prints a progress line per conversion step (rich, on stdout) unless told otherwise by its
+    environment variable; set for the conversion only."""
+    key = "LITERT_TORCH_SHOW_PROGRESS"
+    before = os.environ.get(key)
+    os.environ[key] = "n"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
+    import litert_torch
+
+    example = example.contiguous()
+    details: dict = {"converter": f"litert-torch {_version('litert-torch')}"}
+    quant_config = None
+    if precision == "int8":
+        from litert_torch.quantize.quant_config import QuantConfig
+
+        from ..quant import as_calibration, quantize_with_budget
+        from ..quant.pt2e import Pt2eBackend
+
+        backend = Pt2eBackend(model, example, quantizer=LITERT)
+        model, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))
+        for module in model.modules():  # a PT2E graph computes as exported; the flag only makes the converter warn
+            module.training = False
+        quantizer = LITERT.quantizer_class()().set_global(LITERT.config())
+        quant_config = QuantConfig(pt2e_quantizer=quantizer)
+    elif precision != "fp32":
+        raise ValueError(f"litert takes {' or '.join(PRECISIONS)}, not {precision}")
+    with _quiet_converter(), torch.no_grad():
+        content = bytes(litert_torch.convert(model, (example,), quant_config=quant_config).model_content())
+    if precision == "int8":
+        content, details["io_rewritten"] = float_interface(content)
+    interpreter = _interpreter(content, 1)
+    details["io"] = _io(interpreter)
+    if precision == "int8":
+        details["io"]["interface"] = FLOAT_INTERFACE
+    details["ops"] = _op_counts(interpreter)
+    path.write_bytes(content)
+    return details
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def runtime_version() -> str:
+    return _version("ai-edge-litert")
+
+
+def float_interface(content: bytes) -> tuple[bytes, dict]:
+    """The model with every int8 input and output of its main subgraph made float32: a QUANTIZE op from a new float
+    input into the int8 tensor the input was, and a DEQUANTIZE op from the int8 tensor the output was into a new
+    float output (the tensors' own scale and zero point). Returns the model and what was rewritten."""
+    from ai_edge_litert import schema_py_generated as schema
+    from ai_edge_litert.tools import flatbuffer_utils
+
+    model = flatbuffer_utils.read_model_from_bytearray(bytearray(content))
+    graph = model.subgraphs[0]
+    changed: dict[int, int] = {}  # old interface tensor -> the new float one
+    ops_first, ops_last = [], []
+    for role, indices in (("input", graph.inputs), ("output", graph.outputs)):
+        for position, index in enumerate(indices):
+            tensor = graph.tensors[index]
+            if tensor.type != schema.TensorType.INT8:
+                continue
+            floating = schema.TensorT()
+            floating.shape, floating.shapeSignature = tensor.shape, tensor.shapeSignature
+            floating.type, floating.buffer, floating.name = schema.TensorType.FLOAT32, 0, tensor.name
+            tensor.name = (tensor.name or b"") + b"_int8"
+            graph.tensors.append(floating)
+            new = len(graph.tensors) - 1
+            changed[index] = new
+            indices[position] = new
+            op = schema.OperatorT()
+            if role == "input":
+                op.opcodeIndex = _opcode(model, schema.BuiltinOperator.QUANTIZE)
+                op.inputs, op.outputs = [new], [index]
+                ops_first.append(op)
+            else:
+                op.opcodeIndex = _opcode(model, schema.BuiltinOperator.DEQUANTIZE)
+                op.inputs, op.outputs = [index], [new]
+                ops_last.append(op)
+    if not changed:
+        return content, {}
+    graph.operators = ops_first + list(graph.operators) + ops_last
+    for signature in model.signatureDefs or []:
+        if signature.subgraphIndex != 0:
+            continue
+        for entry in list(signature.inputs or []) + list(signature.outputs or []):
+            entry.tensorIndex = changed.get(entry.tensorIndex, entry.tensorIndex)
+    rewritten = {
+        "inputs": sum(1 for op in ops_first),
+        "outputs": sum(1 for op in ops_last),
+        "note": "int8 interface tensors made float32 by a QUANTIZE/DEQUANTIZE op inside the file",
+    }
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(model)), rewritten
+
+
+def _opcode(model, builtin: int) -> int:
+    """The index of the model's operator code for `builtin`, added when the model has none."""
+    from ai_edge_litert import schema_py_generated as schema
+    from ai_edge_litert.tools import flatbuffer_utils
+
+    for index, code in enumerate(model.operatorCodes):
+        if flatbuffer_utils.get_builtin_code_from_operator_code(code) == builtin:
+            return index
+    code = schema.OperatorCodeT()
+    code.builtinCode, code.deprecatedBuiltinCode, code.version = builtin, min(builtin, 127), 2
+    model.operatorCodes.append(code)
+    return len(model.operatorCodes) - 1
+
+
+def _interpreter(source: Path | bytes, threads: int | None):
+    from ai_edge_litert.interpreter import Interpreter
+
+    where = {"model_content": source} if isinstance(source, bytes) else {"model_path": str(source)}
+    with _native_stderr_silenced():  # "Created TensorFlow Lite XNNPACK delegate for CPU."
+        interpreter = Interpreter(**where, num_threads=threads)
+        interpreter.allocate_tensors()
+    return interpreter
+
+
+def _tensor_spec(detail: dict) -> dict:
+    spec = {"name": detail["name"], "shape": [int(s) for s in detail["shape"]], "dtype": np.dtype(detail["dtype"]).name}
+    scale, zero_point = detail["quantization"]
+    if scale:
+        spec.update(scale=float(scale), zero_point=int(zero_point))
+    return spec
+
+
+def _io(interpreter) -> dict:
+    return {
+        "inputs": [_tensor_spec(d) for d in interpreter.get_input_details()],
+        "outputs": [_tensor_spec(d) for d in _outputs(interpreter)],
+    }
+
+
+def _outputs(interpreter) -> list[dict]:
+    """Output details in the signature's order (output_0, output_1, ...), which is the model's."""
+    details = {d["index"]: d for d in interpreter.get_output_details()}
+    signatures = interpreter._get_full_signature_list()
+    if len(signatures) == 1:
+        (signature,) = signatures.values()
+        ordered = [details[i] for _, i in sorted(signature["outputs"].items(), key=lambda kv: _output_rank(kv[0]))]
+        if len(ordered) == len(details):
+            return ordered
+    return list(details.values())
+
+
+def _output_rank(name: str):
+    tail = name.rsplit("_", 1)[-1]
+    return (0, int(tail), name) if tail.isdigit() else (1, 0, name)
+
+
+def _op_counts(interpreter) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for op in interpreter._get_ops_details():
+        if op["op_name"] != "DELEGATE":
+            counts[op["op_name"]] = counts.get(op["op_name"], 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def load(path: Path, threads: int | None = None):
+    """The file in ai-edge-litert's interpreter (XNNPACK delegate) with `threads` (None: the runtime's default).
+    Inputs are batch-1 as exported (validation feeds one image at a time); a batch of N is run one exported
+    batch at a time. An int8 interface is fed quantized and read dequantized with its tensors' parameters."""
+    interpreter = _interpreter(Path(path), threads)
+    (feed,) = interpreter.get_input_details()
+    (fetch, *_) = _outputs(interpreter)
+    shape = tuple(int(s) for s in feed["shape"])
+
+    def run_batch(x: np.ndarray) -> torch.Tensor:
+        interpreter.set_tensor(feed["index"], _quantize(x, feed))
+        interpreter.invoke()
+        return torch.from_numpy(_dequantize(interpreter.get_tensor(fetch["index"]), fetch))
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        array = x.detach().float().contiguous().numpy()
+        if array.shape == shape:
+            return run_batch(array)
+        if array.shape[1:] != shape[1:] or array.shape[0] % shape[0]:
+            raise ValueError(f"the .tflite takes {list(shape)}, not {list(array.shape)}")
+        return torch.cat([run_batch(array[i : i + shape[0]]) for i in range(0, array.shape[0], shape[0])])
+
+    return run
+
+
+def _quantize(x: np.ndarray, detail: dict) -> np.ndarray:
+    dtype = np.dtype(detail["dtype"])
+    if dtype == np.float32:
+        return x
+    scale, zero_point = detail["quantization"]
+    info = np.iinfo(dtype)
+    return np.clip(np.round(x / scale) + zero_point, info.min, info.max).astype(dtype)
+
+
+def _dequantize(y: np.ndarray, detail: dict) -> np.ndarray:
+    if np.dtype(detail["dtype"]) == np.float32:
+        return y.copy()
+    scale, zero_point = detail["quantization"]
+    return ((y.astype(np.float32) - zero_point) * scale).astype(np.float32)
+
+
+_RSS_IMPORTS = "from ai_edge_litert.interpreter import Interpreter"
+_RSS_LOAD = """\
+interpreter = Interpreter(model_path=path, num_threads=threads)
+interpreter.allocate_tensors()
+feed = interpreter.get_input_details()[0]
+if feed["dtype"] != np.float32:
+    scale, zero_point = feed["quantization"]
+    x = np.clip(np.round(x / scale) + zero_point, -128, 127).astype(feed["dtype"])"""
+_RSS_RUN = """\
+interpreter.set_tensor(feed["index"], x)
+interpreter.invoke()"""
+
+
+def memory(path: Path, input_shape, threads: int) -> dict:
+    """Peak resident memory of a fresh process running the .tflite in ai-edge-litert's interpreter (its arena and
+    XNNPACK's packed weights show there; the interpreter reports no memory plan of its own from Python)."""
+    from . import memory as shared
+
+    return shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, _RSS_RUN, path, input_shape, threads)
