@@ -26,7 +26,7 @@ def test_manifest_matches_schema(doc):
 def test_every_artifact_passed_and_is_what_the_manifest_says(android_build, doc):
     out, _ = android_build
     by_name = {a["name"]: a for a in doc["artifacts"]}
-    assert set(by_name) == {"executorch_fp32", "executorch_int8", "torchscript_lite_fp32"}
+    assert set(by_name) == {"executorch_fp32", "executorch_int8", "litert_fp32", "litert_int8", "torchscript_lite_fp32"}
     for a in doc["artifacts"]:
         assert a["status"] == "passed", a["reasons"]
         path = out / a["path"]
@@ -38,7 +38,13 @@ def test_every_artifact_passed_and_is_what_the_manifest_says(android_build, doc)
 
 def test_float_artifacts_are_made_before_the_int8_search_and_listed_in_the_targets_order(doc):
     exports = dict.fromkeys(step.split()[1] for step in doc["timings_s"] if step.startswith("export "))
-    assert list(exports) == ["executorch_fp32", "torchscript_lite_fp32", "executorch_int8"]
+    assert list(exports) == [
+        "executorch_fp32",
+        "litert_fp32",
+        "torchscript_lite_fp32",
+        "executorch_int8",
+        "litert_int8",
+    ]
     assert [a["name"] for a in doc["artifacts"]] == [
         spec["format"] + "_" + spec["precision"] for spec in doc["target"]["artifacts"]
     ]
@@ -117,7 +123,13 @@ def test_validate_reruns_and_detects_tampering(tmp_path, android_build, doc):
     assert result.exit_code == 1
     again = json.loads((out / "manifest.json").read_text())
     statuses = {a["name"]: a["status"] for a in again["artifacts"]}
-    assert statuses == {"executorch_fp32": "passed", "executorch_int8": "failed", "torchscript_lite_fp32": "passed"}
+    assert statuses == {
+        "executorch_fp32": "passed",
+        "executorch_int8": "failed",
+        "litert_fp32": "passed",
+        "litert_int8": "failed",
+        "torchscript_lite_fp32": "passed",
+    }
     result = run_cli("validate", out, "--quiet", "--threshold", "fp16.psnr_db=1")
     assert result.exit_code == 2 and "android builds no fp16 artifact" in result.stderr, result.output
     assert json.loads((out / "manifest.json").read_text()) == again

@@ -180,7 +180,8 @@ def test_android_build_writes_a_validated_int8_ptl(android_int8, quantized_digit
     doc = json.loads((out / "manifest.json").read_text())
     assert result.exit_code == (1 if doc["status"] == "failed" else 0), result.output
     by_name = {a["name"]: a for a in doc["artifacts"]}
-    assert set(by_name) == {"executorch_int8", "torchscript_lite_int8"}
+    assert set(by_name) == {"executorch_int8", "litert_int8", "torchscript_lite_int8"}
+    assert by_name["litert_int8"]["status"] == "unavailable" and by_name["litert_int8"]["path"] is None
     pte = by_name["executorch_int8"]
     assert pte["status"] == "unavailable" and "PT2E" in pte["reasons"][0]["text"] and pte["path"] is None
 

@@ -94,12 +94,21 @@ def _quiet_converter():
             os.environ[key] = before
 
 
+def _import_converter():
+    """litert_torch, imported with native stderr silenced: its libraries log absl and oneDNN notices at import."""
+    with _native_stderr_silenced():
+        import litert_torch
+        import litert_torch.quantize.pt2e_quantizer  # noqa: F401  (its native dependencies load here too)
+    return litert_torch
+
+
 def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
-    import litert_torch
+    litert_torch = _import_converter()
 
     example = example.contiguous()
     details: dict = {"converter": f"litert-torch {_version('litert-torch')}"}
     quant_config = None
+    eager = model
     if precision == "int8":
         from litert_torch.quantize.quant_config import QuantConfig
 
@@ -124,6 +133,13 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
         details["io"]["interface"] = FLOAT_INTERFACE
     details["ops"] = _op_counts(interpreter)
     path.write_bytes(content)
+    if precision == "int8":
+        # the search scored PT2E graphs in eager; the converter lowers the chosen one and can change its numbers:
+        # the file itself is scored on the same check images (as the .pte's program is)
+        from ..quant import as_calibration
+        from ..quant.search import lowered_quality
+
+        details["quantization"]["program"] = lowered_quality(eager, lambda: load(path), as_calibration(calib))
     return details
 
 
@@ -148,11 +164,20 @@ def float_interface(content: bytes) -> tuple[bytes, dict]:
     graph = model.subgraphs[0]
     changed: dict[int, int] = {}  # old interface tensor -> the new float one
     ops_first, ops_last = [], []
+    replaced: dict[str, list] = {"inputs": [], "outputs": []}  # the int8 interface the converter wrote
     for role, indices in (("input", graph.inputs), ("output", graph.outputs)):
         for position, index in enumerate(indices):
             tensor = graph.tensors[index]
             if tensor.type != schema.TensorType.INT8:
                 continue
+            quantization = tensor.quantization
+            replaced[f"{role}s"].append(
+                {
+                    "name": (tensor.name or b"").decode(errors="replace"),
+                    "scale": [float(v) for v in (quantization.scale if quantization is not None else [])],
+                    "zero_point": [int(v) for v in (quantization.zeroPoint if quantization is not None else [])],
+                }
+            )
             floating = schema.TensorT()
             floating.shape, floating.shapeSignature = tensor.shape, tensor.shapeSignature
             floating.type, floating.buffer, floating.name = schema.TensorType.FLOAT32, 0, tensor.name
@@ -179,9 +204,9 @@ def float_interface(content: bytes) -> tuple[bytes, dict]:
         for entry in list(signature.inputs or []) + list(signature.outputs or []):
             entry.tensorIndex = changed.get(entry.tensorIndex, entry.tensorIndex)
     rewritten = {
-        "inputs": sum(1 for op in ops_first),
-        "outputs": sum(1 for op in ops_last),
-        "note": "int8 interface tensors made float32 by a QUANTIZE/DEQUANTIZE op inside the file",
+        "int8_interface": replaced,
+        "note": "the converter's int8 input/output tensors (scale and zero point above) made float32 by a "
+        "QUANTIZE op after the input and a DEQUANTIZE op before the output, inside the file",
     }
     return bytes(flatbuffer_utils.convert_object_to_bytearray(model)), rewritten
 
@@ -201,10 +226,10 @@ def _opcode(model, builtin: int) -> int:
 
 
 def _interpreter(source: Path | bytes, threads: int | None):
-    from ai_edge_litert.interpreter import Interpreter
-
     where = {"model_content": source} if isinstance(source, bytes) else {"model_path": str(source)}
-    with _native_stderr_silenced():  # "Created TensorFlow Lite XNNPACK delegate for CPU."
+    with _native_stderr_silenced():  # absl's notices at import, "Created TensorFlow Lite XNNPACK delegate for CPU."
+        from ai_edge_litert.interpreter import Interpreter
+
         interpreter = Interpreter(**where, num_threads=threads)
         interpreter.allocate_tensors()
     return interpreter
