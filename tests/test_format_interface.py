@@ -74,6 +74,7 @@ def test_what_the_formats_declare():
             have[name] = (*hooks, *(["preflight"] if overridden else []), fmt.proxies_version)
     expected = {
         "executorch": ("per_inference_ranges", "memory", "profile", None),
+        "litert": ("memory", None),  # ai-edge-litert has no per-operator profiler from Python
         "torchscript_lite": ("memory", "profile", None),
         "onnx": ("memory", "profile", "preflight", None),
         "tensorrt": ("preflight", None),

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..quant.pt2e import Pt2eQuantizer
+from .interface import Format
 from .memory import native_stderr_silenced as _native_stderr_silenced  # the runtime logs to fd 2
 
 NAME = "litert"
@@ -123,7 +124,8 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
         quant_config = QuantConfig(pt2e_quantizer=quantizer)
     elif precision != "fp32":
         raise ValueError(f"litert takes {' or '.join(PRECISIONS)}, not {precision}")
-    with _quiet_converter(), torch.no_grad():
+    # the converter's native code logs to fd 2 ("Estimated count of arithmetic ops"); an error still raises
+    with _quiet_converter(), _native_stderr_silenced(), torch.no_grad():
         content = bytes(litert_torch.convert(model, (example,), quant_config=quant_config).model_content())
     if precision == "int8":
         content, details["io_rewritten"] = float_interface(content)
@@ -335,3 +337,22 @@ def memory(path: Path, input_shape, threads: int) -> dict:
     from . import memory as shared
 
     return shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, _RSS_RUN, path, input_shape, threads)
+
+
+class LiteRTFormat(Format):
+    """The LiteRT format as the engine calls it (formats/interface.py): export, load and memory; no profile
+    (ai-edge-litert has no per-operator profiler from Python: the engine says so)."""
+
+    name, suffix, precisions, options = NAME, SUFFIX, PRECISIONS, OPTIONS
+
+    def export(self, model, example, precision, calib, path: Path, meta: dict, **options) -> dict:
+        return export(model, example, precision, calib, path, meta, **options)
+
+    def load(self, path: Path, threads: int | None = None):
+        return load(path, threads)
+
+    def memory(self, path: Path, input_shape, threads: int) -> dict:
+        return memory(path, input_shape, threads)
+
+
+FORMAT = LiteRTFormat()
