@@ -41,6 +41,12 @@ APP_READS = {
             "artifacts[].name",
             "artifacts[].status",
             "artifacts[].runtime.executorch",
+            "artifacts[].runtime.ai-edge-litert",
+            "artifacts[].runtime.io.inputs[].shape",
+            "artifacts[].runtime.io.inputs[].dtype",
+            "artifacts[].runtime.io.inputs[].name",
+            "artifacts[].runtime.io.outputs[].dtype",
+            "artifacts[].runtime.io.outputs[].name",
         ],
         "preprocessing.json": ["resize_size", "crop_size", "interpolation", "mean", "std", "layout", "dtype"],
     },
@@ -156,6 +162,8 @@ def test_android_selection_validation_results_and_runtime(android):
     assert [(a["format"], a["precision"], a["role"]) for a in info["artifacts"]] == [
         ("executorch", "int8", "primary"),
         ("executorch", "fp32", "fallback"),
+        ("litert", "int8", "alternative"),
+        ("litert", "fp32", "alternative"),
         ("torchscript_lite", "fp32", "alternative"),
     ]
     for artifact in info["artifacts"]:
@@ -167,7 +175,12 @@ def test_android_selection_validation_results_and_runtime(android):
             entry["accuracy"],
         )
     assert info["artifacts"][0]["runtime"] == {"executorch": doc["tools"]["executorch"], "delegate": "XnnpackBackend"}
-    assert info["artifacts"][2]["runtime"] == {"torch": doc["tools"]["torch"]}
+    assert info["artifacts"][4]["runtime"] == {"torch": doc["tools"]["torch"]}
+    for litert in info["artifacts"][2:4]:  # what an app feeds the .tflite and reads back, and the runtime it needs
+        io = entries[litert["name"]]["details"]["io"]
+        assert litert["runtime"] == {"ai-edge-litert": doc["tools"]["ai-edge-litert"], "io": io}
+        assert [t["dtype"] for t in io["inputs"] + io["outputs"]] == ["float32", "float32"]
+        assert io["inputs"][0]["shape"] == [1, 3, *doc["task"]["input_size"]]
     assert info["eager"] == doc["eager"] and info["eager"]["accuracy"] is not None
 
 

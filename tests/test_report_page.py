@@ -471,6 +471,7 @@ def test_an_untimed_artifact_can_be_the_smallest_but_not_the_fastest():
     assert (
         recommend.line(only)
         == "Ship for android (1 passed): fastest: none was timed on this host; smallest executorch_int8 (11.00 MB)."
+        " The app then needs the ExecuTorch runtime (XNNPACK backend)."
     )
 
 
@@ -484,9 +485,35 @@ def test_one_artifact_fastest_and_smallest_and_ties():
     )
     assert recommend.line(doc) == (
         "Ship for android: executorch_int8, the fastest (p50 2.00 ms) and the smallest (11.00 MB) of the 3 that passed."
+        " The app then needs the ExecuTorch runtime (XNNPACK backend)."
     )
     alone = _doc([_artifact("onnx_fp32", p50=7.9, size=3_400_000)], target="jetson")
-    assert recommend.line(alone) == "Ship for jetson: onnx_fp32, the only one that passed (p50 7.90 ms, 3.40 MB)."
+    assert recommend.line(alone) == (
+        "Ship for jetson: onnx_fp32, the only one that passed (p50 7.90 ms, 3.40 MB). The app then needs ONNX Runtime."
+    )
+
+
+def test_ship_for_android_chooses_across_runtimes_and_names_the_one_the_app_needs():
+    faster_tflite = _doc(
+        [
+            _artifact("executorch_int8", p50=2.0, size=1_700_000),
+            _artifact("litert_int8", p50=1.5, size=1_900_000),
+            _artifact("litert_fp32", p50=3.0, size=6_200_000),
+        ]
+    )
+    assert recommend.line(faster_tflite) == (
+        "Ship for android (3 passed): fastest litert_int8 (p50 1.50 ms); smallest executorch_int8 (1.70 MB)."
+        " The app then needs LiteRT (TensorFlow Lite, XNNPACK delegate) for the fastest, the ExecuTorch runtime"
+        " (XNNPACK backend) for the smallest."
+    )
+    one = _doc([_artifact("litert_int8", p50=1.5, size=1_600_000), _artifact("executorch_int8", p50=2.0)])
+    assert recommend.line(one).endswith(
+        "of the 2 that passed. The app then needs LiteRT (TensorFlow Lite, XNNPACK delegate)."
+    )
+    unknown = _doc([_artifact("someformat_fp32", p50=1.0)])  # a format this exporter does not know: no runtime named
+    assert (
+        recommend.line(unknown) == "Ship for android: someformat_fp32, the only one that passed (p50 1.00 ms, 2.00 MB)."
+    )
 
 
 def test_nothing_passed_says_so():

@@ -1,4 +1,4 @@
-"""aarch64 rows in a build (`--arch aarch64`): every .pte and .ptl is judged per emulated CPU against the same
+"""aarch64 rows in a build (`--arch aarch64`): every .pte, .tflite and .ptl is judged per emulated CPU against the same
 eager reference and thresholds, compared with its own x86 outputs, and fails the artifact when one CPU does.
 
 The runner is faked here (the artifact's own x86 outputs, or a perturbed copy, stand in for qemu's), so these
@@ -44,7 +44,9 @@ class FakeArm:
         results = []
         self.runs.append(({Path(a).name for a in artifacts}, tuple(cpus)))
         for artifact in (a.resolve() for a in artifacts):
-            fmt = {".pte": "executorch", ".ptl": "torchscript_lite", ".onnx": "onnx"}[artifact.suffix]
+            fmt = {".pte": "executorch", ".ptl": "torchscript_lite", ".onnx": "onnx", ".tflite": "litert"}[
+                artifact.suffix
+            ]
             forward = FORMATS[fmt].format().load(artifact, threads)
             with torch.no_grad():
                 outputs = np.concatenate(
@@ -87,20 +89,14 @@ def test_every_pte_and_ptl_gets_a_row_per_cpu_judged_like_x86(monkeypatch, tmp_p
     result, doc, out = _build(monkeypatch, tmp_path, digits_model, fake, "cortex-a53", "cortex-a76")
     # while the second CPU runs, the manifest already holds the first one's rows and names the CPU still to run
     assert [w["aarch64"]["pending_cpus"] for w in written] == [["cortex-a53", "cortex-a76"], ["cortex-a76"]]
-    assert all(
-        [r["cpu"] for r in a["aarch64"]] == ["cortex-a53"]
-        for a in written[1]["artifacts"]
-        if a.get("path") and a["format"] != "litert"
-    )
+    assert all([r["cpu"] for r in a["aarch64"]] == ["cortex-a53"] for a in written[1]["artifacts"] if a.get("path"))
     assert "pending_cpus" not in doc["aarch64"]
     _, baseline = android_build
     assert result.exit_code == baseline.exit_code  # outputs identical to x86: the verdict is x86's
     jsonschema.validate(doc, manifest.schema())
     assert doc["target"]["validate"] == {"arch": ["x86_64", "aarch64"], "cpus": ["cortex-a53", "cortex-a76"]}
-    # the .tflite files have no aarch64 runtime yet (issue 62): not run, and the manifest says why
-    run = [a for a in doc["artifacts"] if a.get("path") and a["format"] != "litert"]
-    assert {a["format"] for a in run} == {"executorch", "torchscript_lite"}
-    assert {"litert_fp32", "litert_int8"} <= set(doc["aarch64"]["not_run"])
+    run = [a for a in doc["artifacts"] if a.get("path")]
+    assert {a["format"] for a in run} == {"executorch", "litert", "torchscript_lite"}
     # one emulated process per CPU runs every artifact
     assert fake.runs == [({a["path"] for a in run}, (cpu,)) for cpu in ("cortex-a53", "cortex-a76")], fake.runs
     assert all(n == doc["data"]["validation"] for _, _, n in fake.calls)
@@ -122,9 +118,9 @@ def test_every_pte_and_ptl_gets_a_row_per_cpu_judged_like_x86(monkeypatch, tmp_p
     again = run_cli("validate", out, "--quiet")  # re-validation judges the rows again (from the row cache here)
     assert again.exit_code == result.exit_code, again.output
     revalidated = json.loads((out / "manifest.json").read_text())
-    assert [
-        [r["cpu"] for r in a["aarch64"]] for a in revalidated["artifacts"] if a.get("path") and a["format"] != "litert"
-    ] == [["cortex-a53", "cortex-a76"]] * len(run)
+    assert [[r["cpu"] for r in a["aarch64"]] for a in revalidated["artifacts"] if a.get("path")] == [
+        ["cortex-a53", "cortex-a76"]
+    ] * len(run)
     assert all(
         set(a["bundled_program"]["verified"]) == {"x86_64", "cortex-a53", "cortex-a76"}
         for a in revalidated["artifacts"]
@@ -153,7 +149,7 @@ def test_an_artifact_that_departs_from_eager_on_one_cpu_fails(monkeypatch, tmp_p
     )
     result, doc, _ = _build(monkeypatch, tmp_path, digits_model, fake, "cortex-a53", "neoverse-n2")
     assert result.exit_code == 1 and doc["status"] == "failed"
-    for entry in (a for a in doc["artifacts"] if a.get("path") and a["format"] != "litert"):
+    for entry in (a for a in doc["artifacts"] if a.get("path")):
         rows = {r["cpu"]: r for r in entry["aarch64"]}
         assert entry["status"] == "failed"
         if entry["format"] == "executorch":

@@ -1,5 +1,5 @@
 """On ARM kernels, for real (opt-in: EXPORTER_TEST_AARCH64=1; `.ci/run` sets it): a build with `--arch aarch64`
-judges the digits classifier's .pte fp32 and int8 and its ONNX int8 on two named emulated CPUs, and their
+judges the digits classifier's .pte fp32 and int8, its .tflite int8 and its ONNX int8 on two named emulated CPUs, and the
 .bpte golden programs verify there. The runner lives outside the clone (~/.cache/exporter/aarch64, or
 $EXPORTER_TEST_AARCH64_CACHE), so a second run on the same machine reuses it; on a fresh machine conftest.py
 starts setting it up in the background when the session starts, and this file runs late in the suite.
@@ -47,6 +47,8 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
             "--format",
             "executorch",
             "--format",
+            "litert:int8",
+            "--format",
             "onnx:int8",
             *INT8_SLACK,
             # a third of the suite's validation digits (the first 40 of the same 120): emulation runs every input,
@@ -66,9 +68,14 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
     assert sorted(entries) == [
         "mobilenet_v3_small_executorch_fp32.pte",
         "mobilenet_v3_small_executorch_int8.pte",
+        "mobilenet_v3_small_litert_int8.tflite",
         "mobilenet_v3_small_onnx_int8.onnx",
     ], sorted(entries)
-    for path in ("mobilenet_v3_small_executorch_fp32.pte", "mobilenet_v3_small_executorch_int8.pte"):
+    for path in (
+        "mobilenet_v3_small_executorch_fp32.pte",
+        "mobilenet_v3_small_executorch_int8.pte",
+        "mobilenet_v3_small_litert_int8.tflite",
+    ):
         assert entries[path].get("artifact_reused_from_cache"), path  # exported once, whatever the validation size
     for path, entry in entries.items():
         rows = {r["cpu"]: r for r in entry["aarch64"]}
@@ -89,6 +96,9 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
                     "cases": 8,
                     "error": None,
                 }, where
+            if path.endswith(".tflite"):  # the x86 runtime's release, its XNNPACK delegate applied
+                assert row["runtime"]["version"] == doc["tools"]["ai-edge-litert"], where
+                assert row["runtime"]["delegate_nodes"] > 0, where
             # the distance to x86 is recorded, not held to bit-identity: x86's own int8 kernels differ by ISA (AVX2,
             # AVX-512, VNNI), and SSDlite's int8 .pte already differs on ARM (measured); the verdict is the contract's
             assert row["vs_x86"] is not None and row["vs_x86"]["max_abs_diff"] >= 0, where

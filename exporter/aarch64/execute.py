@@ -20,7 +20,7 @@ from ..errors import UsageError
 from . import cpus as named
 from .layout import Runner
 
-SUFFIXES = (".pte", ".ptl", ".onnx")
+SUFFIXES = (".pte", ".ptl", ".onnx", ".tflite")
 # The package's inside.py, run by its host path (qemu falls back to host paths outside the -L prefix): the copy
 # in a runner's root dates from its set-up, and may predate a mode (--jobs) this module asks for.
 INSIDE = Path(__file__).with_name("inside.py")

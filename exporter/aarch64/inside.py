@@ -122,7 +122,44 @@ def _onnx(path, threads):
     }
 
 
-LOADERS = {".pte": _executorch, ".ptl": _lite, ".onnx": _onnx}
+def _litert(path, threads):
+    import numpy as np
+    from ai_edge_litert import __version__ as version
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=str(path), num_threads=threads)  # XNNPACK delegate by default
+    interpreter.allocate_tensors()
+    (feed,) = interpreter.get_input_details()
+    fetches = interpreter.get_output_details()
+    (signature, *more) = interpreter._get_full_signature_list().values() or [None]
+    if signature and not more:  # the model's output order (output_0, output_1, ...), as formats/litert.py reads it
+        by_index = {d["index"]: d for d in fetches}
+        names = sorted(signature["outputs"], key=lambda n: (len(n), n))
+        fetches = [by_index[signature["outputs"][n]] for n in names]
+
+    def quantized(x, detail):
+        if detail["dtype"] == np.float32:
+            return x
+        scale, zero_point = detail["quantization"]
+        info = np.iinfo(detail["dtype"])
+        return np.clip(np.round(x / scale) + zero_point, info.min, info.max).astype(detail["dtype"])
+
+    def dequantized(y, detail):
+        if detail["dtype"] == np.float32:
+            return y.copy()
+        scale, zero_point = detail["quantization"]
+        return ((y.astype(np.float32) - zero_point) * scale).astype(np.float32)
+
+    def forward(x):
+        interpreter.set_tensor(feed["index"], quantized(x, feed))
+        interpreter.invoke()
+        return [dequantized(interpreter.get_tensor(d["index"]), d) for d in fetches]
+
+    delegated = sum(op["op_name"] == "DELEGATE" for op in interpreter._get_ops_details())
+    return forward, {"runtime": "ai-edge-litert", "version": version, "delegate_nodes": delegated}
+
+
+LOADERS = {".pte": _executorch, ".ptl": _lite, ".onnx": _onnx, ".tflite": _litert}
 
 
 def check():
@@ -133,8 +170,13 @@ def check():
     from executorch.extension.pybindings import _C
     from torch.jit.mobile import _load_for_lite_interpreter  # noqa: F401
 
+    try:
+        from ai_edge_litert import __version__ as litert
+    except ImportError:  # a runner set up where the [litert] extra is not installed
+        litert = None
     return {
         "numpy": numpy.__version__,
+        "ai-edge-litert": litert,
         "torch": torch.__version__,
         "cuda": torch.cuda.is_available(),
         "onnxruntime": onnxruntime.__version__,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 # the packages validated on aarch64 (import name -> distribution)
-PACKAGES = ("torch", "executorch", "onnxruntime", "numpy")
+PACKAGES = ("torch", "executorch", "onnxruntime", "ai-edge-litert", "numpy")
 # what those need to import (pure Python, or small wheels), at the host's versions where installed
 SUPPORT = (
     "typing_extensions",

@@ -41,6 +41,7 @@ class FormatSpec:
     # where alone its runtime runs, when that is neither this host nor the aarch64 runner: nothing of it is run
     # or measured here (it is validated through proxies, if the format has them)
     runs_only_on: str | None = None
+    app_runtime: str = ""  # what an app links to run the file ("Ship for <target>" names it)
 
     def installed(self) -> bool:
         # find_spec, not an import: coremltools and executorch take seconds to import, and a
@@ -68,8 +69,16 @@ FORMATS = {
             "ExecuTorch lowers a torch.export graph, and its int8 comes from PT2E quantization of the "
             "float model; build the float weight (meta['unquantized']) for an int8 .pte",
             runs_on_aarch64=True,
+            app_runtime="the ExecuTorch runtime (XNNPACK backend)",
         ),
-        FormatSpec("torchscript_lite", "exporter.formats.torchscript_lite", "android", (), runs_on_aarch64=True),
+        FormatSpec(
+            "torchscript_lite",
+            "exporter.formats.torchscript_lite",
+            "android",
+            (),
+            runs_on_aarch64=True,
+            app_runtime="PyTorch Mobile's lite interpreter (end-of-life)",
+        ),
         FormatSpec(
             "litert",
             "exporter.formats.litert",
@@ -77,6 +86,8 @@ FORMATS = {
             ("litert_torch", "ai_edge_litert"),
             "litert-torch converts a torch.export graph, and its int8 comes from PT2E quantization of the float "
             "model; build the float weight (meta['unquantized']) for an int8 .tflite",
+            runs_on_aarch64=True,
+            app_runtime="LiteRT (TensorFlow Lite, XNNPACK delegate)",
         ),
         FormatSpec(
             "onnx",
@@ -86,6 +97,7 @@ FORMATS = {
             "the ONNX exporter (dynamo) traces with torch.export, which does not take eager-mode quantized "
             "modules; build the float weight (meta['unquantized']) for an int8 Q/DQ ONNX",
             runs_on_aarch64=True,
+            app_runtime="ONNX Runtime",
         ),
         FormatSpec(
             "tensorrt",
@@ -94,6 +106,7 @@ FORMATS = {
             (),
             "TensorRT engines are built from the ONNX export, which cannot take it",
             runs_only_on="a TensorRT engine is built for one GPU and runs only there",
+            app_runtime="TensorRT (the engine built on the device from the ONNX file)",
         ),
         FormatSpec(
             "coreml",
@@ -103,6 +116,7 @@ FORMATS = {
             "Core ML converts a torch.export graph, which does not take eager-mode quantized modules; "
             "build the float weight (meta['unquantized']) and compress it in Core ML",
             runs_only_on="Core ML runs only on Apple's runtime (macOS/iOS)",
+            app_runtime="Core ML",
         ),
     )
 }

@@ -38,7 +38,9 @@ SELECTION = {
     "android": {
         ("executorch", "int8"): "primary",
         ("executorch", "fp32"): "fallback",
-        ("torchscript_lite", "fp32"): "alternative",
+        ("litert", "int8"): "alternative",
+        ("litert", "fp32"): "alternative",
+        ("torchscript_lite", "fp32"): "alternative",  # PyTorch Mobile: end-of-life, last
     },
     "ios": {
         ("coreml", "fp16"): "primary",
@@ -58,6 +60,8 @@ SELECTION = {
 RUNTIME = {
     "executorch": (("executorch",), {"delegate": "delegation.delegate"}),
     "torchscript_lite": (("torch",), {}),
+    # the interpreter's input and output tensors (name, shape, dtype): float32 for both precisions (formats/litert.py)
+    "litert": (("ai-edge-litert",), {"io": "io"}),
     "coreml": (("coremltools",), {"minimum_deployment_target": "deployment_target", "spec_version": "spec_version"}),
     "onnx": (("onnx", "onnxruntime"), {"opset": "opset"}),
 }

@@ -5,6 +5,7 @@ can be the smallest but never the fastest; a failed or unvalidated (unavailable)
 
 from __future__ import annotations
 
+from ..formats import FORMATS
 from ..results import Kind, kinds
 
 
@@ -43,9 +44,25 @@ def choose(doc: dict) -> dict:
     }
 
 
+def _app_runtime(artifact: dict | None) -> str:
+    spec = FORMATS.get(artifact["format"]) if artifact else None
+    return spec.app_runtime if spec else ""
+
+
+def runtime_needed(fastest: dict | None, smallest: dict | None) -> str:
+    """What the app links to run the pick, as a sentence ("" when no format of the pick declares one)."""
+    on_fastest, on_smallest = _app_runtime(fastest), _app_runtime(smallest)
+    if on_fastest == on_smallest or not (on_fastest and on_smallest):
+        runtime = on_fastest or on_smallest
+        return f" The app then needs {runtime}." if runtime else ""
+    return f" The app then needs {on_fastest} for the fastest, {on_smallest} for the smallest."
+
+
 def line(doc: dict, markdown: bool = False) -> str:
     """One sentence for the target of `doc`, e.g. "Ship for android: executorch_int8, the fastest (p50 1.20 ms)
-    and the smallest (2.41 MB) of the 2 that passed." Artifact names in backticks when `markdown`."""
+    and the smallest (2.41 MB) of the 2 that passed. The app then needs the ExecuTorch runtime (XNNPACK backend)."
+    Every artifact of the target competes, whichever runtime runs it (on android the .pte and the .tflite).
+    Artifact names in backticks when `markdown`."""
     pick, target = choose(doc), doc["target"]["name"]
     code = (lambda n: f"`{n}`") if markdown else (lambda n: n)
     unvalidated = (
@@ -63,6 +80,7 @@ def line(doc: dict, markdown: bool = False) -> str:
     if fastest and not (fastest.get("latency_conditions") or {}).get("reliable", True):
         speed += ", timed on a busy host: unreliable"
     mb = f"{smallest['size_bytes'] / 1e6:.2f} MB" if smallest else None
+    unvalidated = runtime_needed(fastest, smallest) + unvalidated
     if fastest and smallest and fastest is smallest:
         if count == 1:
             return f"Ship for {target}: {code(fastest['name'])}, the only one that passed ({speed}, {mb}).{unvalidated}"

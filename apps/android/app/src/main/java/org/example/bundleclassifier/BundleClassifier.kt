@@ -7,9 +7,6 @@ import android.graphics.Color
 import android.graphics.Paint
 import org.json.JSONArray
 import org.json.JSONObject
-import org.pytorch.executorch.EValue
-import org.pytorch.executorch.Module
-import org.pytorch.executorch.Tensor
 import java.io.File
 import kotlin.math.exp
 import kotlin.math.round
@@ -44,14 +41,18 @@ class Segmentation(val width: Int, val height: Int, val mask: IntArray, val frac
 /** The output layout each task's model has (bundle.json task.output.layout). */
 private val LAYOUTS = mapOf("classification" to "NC", "segmentation" to "NCHW", "detection" to "NAK")
 
+/** The artifact formats (bundle.json artifacts[].format) this app has a runtime for. */
+private val RUNTIMES = listOf("executorch", "litert")
+
 /**
  * An image classifier, segmenter or object detector over the bundle in the app's assets. bundle.json
- * says which (its "task"; a bundle without one is a classifier) and picks the .pte (in its order: the
- * int8 program first, the fp32 one as fallback), preprocessing.json says how to turn a Bitmap into the
- * input tensor, labels.txt names the classes; a detector's anchors and decode parameters come from
- * bundle.json's task.decode. Nothing model-specific is in the code.
+ * says which (its "task"; a bundle without one is a classifier) and picks the model file (in its order: the
+ * ExecuTorch int8 program first, fp32 as fallback, then the LiteRT files; [runtime], when given, keeps one
+ * runtime's files only), preprocessing.json says how to turn a Bitmap into the input tensor, labels.txt names
+ * the classes; a detector's anchors and decode parameters come from bundle.json's task.decode. Nothing
+ * model-specific is in the code.
  */
-class BundleClassifier(context: Context) {
+class BundleClassifier(context: Context, runtime: String? = null) {
     private val bundle = JSONObject(asset(context, "bundle.json"))
     private val task = bundle.optJSONObject("task")
     /** "classification" (top5), "segmentation" (segment, overlay) or "detection" (detect, drawBoxes). */
@@ -65,8 +66,9 @@ class BundleClassifier(context: Context) {
     private val mean = spec.getJSONArray("mean").floats()
     private val std = spec.getJSONArray("std").floats()
     private val bilinear = spec.getString("interpolation") != "nearest"
+    /** The artifact running (bundle.json artifacts[].name), with its status when it did not pass. */
     val artifactName: String
-    private val module: Module
+    private val runner: ModelRunner
 
     init {
         require(taskName in LAYOUTS) { "this app runs ${LAYOUTS.keys.joinToString()} bundles; this one is $taskName" }
@@ -77,9 +79,9 @@ class BundleClassifier(context: Context) {
         require(spec.getString("layout") == "NCHW" && spec.getString("dtype") == "float32") {
             "this app feeds NCHW float32; preprocessing.json asks for ${spec.getString("layout")} ${spec.getString("dtype")}"
         }
-        val (name, loaded) = loadFirstThatLoads(context)
+        val (name, loaded) = loadFirstThatLoads(context, runtime)
         artifactName = name
-        module = loaded
+        runner = loaded
     }
 
     // after the checks above: a detector's boxes come from its raw heads, the anchors and task.decode
@@ -88,30 +90,50 @@ class BundleClassifier(context: Context) {
         DetectionDecoder(it, anchors, inputSize!![0], inputSize[1])
     }
 
-    private fun loadFirstThatLoads(context: Context): Pair<String, Module> {
-        val candidates = (0 until bundle.getJSONArray("artifacts").length())
-            .map { bundle.getJSONArray("artifacts").getJSONObject(it) }
-            .filter { it.getString("format") == "executorch" }
-            .sortedBy { it.getString("status") == "failed" } // stable: keeps the bundle's order otherwise
+    /**
+     * The first artifact in bundle.json's order that passed, has a runtime here (or is of the one [runtime] names)
+     * and loads; one that did not pass only when none of those loads.
+     */
+    private fun loadFirstThatLoads(context: Context, runtime: String?): Pair<String, ModelRunner> {
+        val formats = if (runtime.isNullOrEmpty()) RUNTIMES else listOf(runtime)
+        require(formats.all { it in RUNTIMES }) { "runtime $runtime: this app has ${RUNTIMES.joinToString(" and ")}" }
+        val artifacts = bundle.getJSONArray("artifacts")
+        val candidates = (0 until artifacts.length()).map { artifacts.getJSONObject(it) }
+            .filter { it.getString("format") in formats }
+            .sortedBy { it.getString("status") != "passed" } // stable: keeps the bundle's order otherwise
+        check(candidates.isNotEmpty()) { "the bundle has no ${formats.joinToString(" or ")} file" }
         val errors = mutableListOf<String>()
         for (artifact in candidates) {
-            val file = File(context.filesDir, artifact.getString("file"))
-            context.assets.open(artifact.getString("file")).use { input -> file.outputStream().use { input.copyTo(it) } }
+            val name = artifact.getString("file")
+            val file = File(context.filesDir, name)
+            context.assets.open(name).use { input -> file.outputStream().use { input.copyTo(it) } }
             try {
-                val module = Module.load(file.absolutePath)
-                val status = module.loadMethod("forward")
-                if (status == 0) return artifact.getString("name") to module
-                module.destroy()
-                errors += "${artifact.getString("file")}: ExecuTorch error 0x${status.toString(16)}"
+                val loaded = runnerFor(artifact, file)
+                val status = artifact.getString("status")
+                return artifact.getString("name") + (if (status == "passed") "" else " ($status)") to loaded
             } catch (e: RuntimeException) {
-                errors += "${artifact.getString("file")}: ${e.message}"
+                errors += "$name: ${e.message}"
             }
         }
-        throw IllegalStateException("no .pte in the bundle loads: ${errors.joinToString("; ")}")
+        throw IllegalStateException("no ${formats.joinToString(" or ")} file in the bundle loads: ${errors.joinToString("; ")}")
+    }
+
+    private fun runnerFor(artifact: JSONObject, file: File): ModelRunner {
+        if (artifact.getString("format") == "executorch") return ExecuTorchRunner(file)
+        // LiteRT: the interface the build read from the file (runtime.io); the app feeds and reads float32 only
+        val io = artifact.getJSONObject("runtime").getJSONObject("io")
+        val input = io.getJSONArray("inputs").getJSONObject(0)
+        val outputs = io.getJSONArray("outputs").let { list -> (0 until list.length()).map { list.getJSONObject(it) } }
+        for (tensor in listOf(input) + outputs) {
+            require(tensor.getString("dtype") == "float32") {
+                "${tensor.getString("name")} is ${tensor.getString("dtype")}; this app feeds and reads float32"
+            }
+        }
+        return LiteRtRunner(file, input.getJSONArray("shape").ints().toIntArray(), outputs.map { it.getString("name") })
     }
 
     /** The weight's transform: resize, center crop (classification only), scale to [0, 1], normalize. */
-    fun preprocess(bitmap: Bitmap): Tensor {
+    fun preprocess(bitmap: Bitmap): FloatTensor {
         val (width, height) = resizedSize(bitmap.width, bitmap.height)
         val resized = Bitmap.createScaledBitmap(bitmap, width, height, bilinear)
         val (cropH, cropW) = crop ?: listOf(height, width)
@@ -131,7 +153,7 @@ class BundleClassifier(context: Context) {
             data[plane + i] = ((p shr 8 and 0xFF) / 255f - mean[1]) / std[1]
             data[2 * plane + i] = ((p and 0xFF) / 255f - mean[2]) / std[2]
         }
-        return Tensor.fromBlob(data, longArrayOf(1, 3, cropH.toLong(), cropW.toLong()))
+        return FloatTensor(longArrayOf(1, 3, cropH.toLong(), cropW.toLong()), data)
     }
 
     /** One size sets the shorter side (the longer one truncated, as torchvision does); two are (h, w). */
@@ -145,7 +167,7 @@ class BundleClassifier(context: Context) {
 
     fun top5(bitmap: Bitmap): List<Pair<String, Float>> {
         check(taskName == "classification") { "top5 needs a classification bundle; this one is $taskName" }
-        val logits = module.forward(EValue.from(preprocess(bitmap)))[0].toTensor().dataAsFloatArray
+        val logits = runner.run(preprocess(bitmap))[0].data
         check(logits.size == labels.size) { "model outputs ${logits.size} classes, labels.txt has ${labels.size}" }
         val max = logits.max()
         val weights = logits.map { exp(it - max) }
@@ -156,13 +178,13 @@ class BundleClassifier(context: Context) {
     /** The argmax over C of the 1 x C x H x W logits, and each present class's share of the pixels, largest first. */
     fun segment(bitmap: Bitmap): Segmentation {
         check(taskName == "segmentation") { "segment needs a segmentation bundle; this one is $taskName" }
-        val output = module.forward(EValue.from(preprocess(bitmap)))[0].toTensor()
-        val shape = output.shape()
+        val output = runner.run(preprocess(bitmap))[0]
+        val shape = output.shape
         check(shape.size == 4 && shape[0] == 1L && shape[1] == labels.size.toLong()) {
             "model outputs ${shape.joinToString(" x ")}; labels.txt has ${labels.size} classes, so 1 x ${labels.size} x H x W"
         }
         val (height, width) = shape[2].toInt() to shape[3].toInt()
-        val logits = output.dataAsFloatArray
+        val logits = output.data
         val plane = height * width
         val mask = IntArray(plane)
         val counts = IntArray(labels.size)
@@ -183,15 +205,15 @@ class BundleClassifier(context: Context) {
      */
     fun detect(bitmap: Bitmap): List<Detection> {
         val decoder = checkNotNull(detector) { "detect needs a detection bundle; this one is $taskName" }
-        val output = module.forward(EValue.from(preprocess(bitmap)))[0].toTensor()
-        val shape = output.shape()
+        val output = runner.run(preprocess(bitmap))[0]
+        val shape = output.shape
         check(shape.size == 3 && shape[0] == 1L && shape[1] == decoder.anchorCount.toLong() && shape[2] == 4L + labels.size) {
             "model outputs ${shape.joinToString(" x ")}; the bundle has ${decoder.anchorCount} anchors and ${labels.size} classes, " +
                 "so 1 x ${decoder.anchorCount} x ${4 + labels.size}"
         }
         val scaleX = bitmap.width.toFloat() / inputSize!![1]
         val scaleY = bitmap.height.toFloat() / inputSize[0]
-        return decoder.decode(output.dataAsFloatArray).filter { it.score >= decoder.matchScore }.map {
+        return decoder.decode(output.data).filter { it.score >= decoder.matchScore }.map {
             val (x0, y0, x1, y1) = it.box
             Detection(it.label, it.score, floatArrayOf(x0 * scaleX, y0 * scaleY, x1 * scaleX, y1 * scaleY))
         }

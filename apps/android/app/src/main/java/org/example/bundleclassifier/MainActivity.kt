@@ -18,12 +18,16 @@ import java.util.concurrent.Executors
  * segmenter the mask over the image and each class's share of the pixels, a detector the boxes over the
  * image and each object's class, score and box. "Self-test" (or launching with `--ez selftest true`) checks the
  * bundle's ExecuTorch golden programs (.bpte) on this phone ([SelfTest]) and logs PASSED/FAILED per artifact.
+ * Launching with `--es runtime litert` (or `executorch`) runs only that runtime's files, over the build's
+ * `-Pruntime` (BuildConfig.RUNTIME, empty: the first file of bundle.json's order that loads).
  */
 class MainActivity : ComponentActivity() {
     private lateinit var output: TextView
     private lateinit var picture: ImageView
     private val worker = Executors.newSingleThreadExecutor()
-    private val classifier by lazy { BundleClassifier(applicationContext) }
+    private val classifier by lazy {
+        BundleClassifier(applicationContext, intent.getStringExtra("runtime") ?: BuildConfig.RUNTIME)
+    }
     private val pickImage = registerForActivityResult(ActivityResultContracts.GetContent()) { uri -> uri?.let(::classify) }
 
     override fun onCreate(savedInstanceState: Bundle?) {
