@@ -1,6 +1,7 @@
 """End to end: the android target on a really trained model, through the CLI."""
 
 import json
+import re
 import shutil
 
 import jsonschema
@@ -96,7 +97,16 @@ def test_report_and_side_files(android_build, doc):
     page = (out / "report.html").read_text()
     for a in doc["artifacts"]:
         assert a["name"] in report and a["name"] in page
-    assert page.count("<svg") == 2 and "http" not in page.split("<body>")[0]  # self-contained
+    # a latency chart, an accuracy-vs-size chart, and a sensitivity chart per int8 artifact whose budget search
+    # measured its layers (how many did depends on the stand-in, trained on this host)
+    charts = re.findall(r'<svg role="img" aria-label="([^"]*)"', page)
+    int8 = {a["name"] for a in doc["artifacts"] if a["precision"] == "int8"}
+    assert sorted(c for c in charts if not c.startswith("int8 layer sensitivity of ")) == [
+        "acc@1 vs size",
+        "latency p50",
+    ]
+    assert {c.removeprefix("int8 layer sensitivity of ") for c in charts if c.startswith("int8 ")} <= int8, charts
+    assert page.count("<svg") == len(charts) and "http" not in page.split("<body>")[0]  # self-contained
     assert (out / "labels.txt").read_text().splitlines()[7] == "digit 7"
     assert json.loads((out / "preprocessing.json").read_text())["crop_size"] == [224]
     import numpy as np

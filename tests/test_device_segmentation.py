@@ -77,7 +77,10 @@ TASK_READS = {
 # Per target, the artifacts of a hand-written build: (format, precision, file, input of a Core ML package).
 TARGET_ARTIFACTS = {
     "jetson": [("onnx", "fp32", "tiny_onnx_fp32.onnx", None)],
-    "android": [("executorch", "fp32", "tiny_executorch_fp32.pte", None)],
+    "android": [
+        ("executorch", "fp32", "tiny_executorch_fp32.pte", None),
+        ("litert", "fp32", "tiny_litert_fp32.tflite", None),
+    ],
     "ios": [("coreml", "fp16", "tiny_coreml_fp16.mlpackage", {"name": "image", "type": "image"})],
 }
 
@@ -225,6 +228,12 @@ def make_build(
             entry["fidelity"] = FIDELITY[task == "segmentation"]
         if model_input:
             entry["details"]["input"] = model_input
+        if fmt == "litert":  # its interpreter's tensors, as formats/litert.py records them
+            logits = [1, len(LABELS)] + ([H, W] if task == "segmentation" else [])
+            entry["details"]["io"] = {
+                "inputs": [{"name": "serving_default_args_0", "shape": [1, 3, H, W], "dtype": "float32"}],
+                "outputs": [{"name": "serving_default_output_0", "shape": logits, "dtype": "float32"}],
+            }
         artifacts.append(entry)
 
     doc = {
@@ -245,6 +254,7 @@ def make_build(
             "executorch": "1.5.1",
             "torch": "2.14.1",
             "coremltools": "9.0",
+            "ai-edge-litert": "2.3.0",
         },
         "data": {"kind": "synthetic"},
         "eager": {"accuracy": None},

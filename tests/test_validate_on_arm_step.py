@@ -145,7 +145,9 @@ def test_an_artifact_that_departs_from_eager_on_one_cpu_fails(monkeypatch, tmp_p
     fake = FakeArm(
         "fake-perturbed",
         perturb={(".pte", "neoverse-n2"): noisy},
-        broken={(".ptl", "cortex-a53"): "RuntimeError: illegal instruction (cortex-a53)"},
+        broken={
+            (suffix, "cortex-a53"): "RuntimeError: illegal instruction (cortex-a53)" for suffix in (".ptl", ".tflite")
+        },
     )
     result, doc, _ = _build(monkeypatch, tmp_path, digits_model, fake, "cortex-a53", "neoverse-n2")
     assert result.exit_code == 1 and doc["status"] == "failed"
