@@ -264,7 +264,7 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
     "arches",
     multiple=True,
     type=click.Choice(["x86_64", "aarch64"]),
-    help="Also validate on this architecture (repeatable): aarch64 re-runs every .pte, .ptl and ONNX on "
+    help="Also validate on this architecture (repeatable): aarch64 re-runs every .pte, .tflite, .ptl and ONNX on "
     "emulated CPUs (qemu-user; the runner is set up on first use, see `exporter arm-setup`).",
 )
 @click.option(
@@ -646,7 +646,7 @@ def _command_line(ctx: click.Context) -> str:
     "coverage_arch",
     type=click.Choice(["aarch64"]),
     default=None,
-    help="Also validate each .pte, .ptl and ONNX artifact on emulated aarch64 CPUs (the target's [validate] "
+    help="Also validate each .pte, .tflite, .ptl and ONNX artifact on emulated aarch64 CPUs (the target's [validate] "
     "cpus); the table is coverage[-digits]-aarch64.",
 )
 @click.option(

@@ -18,8 +18,11 @@ def merge_doc(
     time_limit: float,
     torch_version: str = "2.14.1",
     classifier_size: int | None = None,
+    formats: tuple[str, ...] = (),
 ) -> Path:
-    settings = sweep.Settings(targets=("android",), time_limit=time_limit, classifier_size=classifier_size).describe()
+    settings = sweep.Settings(
+        targets=("android",), time_limit=time_limit, classifier_size=classifier_size, formats=formats
+    ).describe()
     doc = table.new_document("test", settings, {}, {"torch": torch_version})
     doc.update(rows=rows, planned_rows=len(rows), complete=True)
     (tmp_path / name).write_text(json.dumps(doc))

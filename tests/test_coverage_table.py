@@ -57,6 +57,66 @@ def test_a_merge_keeps_measured_rows_and_says_what_its_files_were_made_with(tmp_
     assert "AMD EPYC" in host_line and "Intel Xeon" in host_line
 
 
+def test_a_sweep_of_one_format_adds_its_column_to_the_rows_of_a_whole_sweep(tmp_path):
+    def cell(name, outcome, **more):
+        fmt, precision = name.rsplit("_", 1)
+        return {"name": name, "format": fmt, "precision": precision, "status": "passed", "outcome": outcome, **more}
+
+    row = {"model": "w", "task": "classification", "params": 4e6, "target": "android", "reason": None}
+    built = dict(row, outcome="built", time_limit_s=900, status="passed")
+    whole = merge_doc(
+        tmp_path,
+        "whole.json",
+        [
+            dict(built, weight="W.V1", seconds=30.0, cells=[cell("executorch_fp32", "passed")]),
+            dict(built, weight="X.V1", seconds=40.0, cells=[cell("executorch_fp32", "passed")]),
+        ],
+        900,
+    )
+    refusal = "litert: torch.export stops in this graph; export failed: UnsupportedOp aten.foo"
+    column = merge_doc(
+        tmp_path,
+        "litert.json",
+        [
+            dict(
+                built,
+                weight="W.V1",
+                seconds=5.0,
+                status="failed",
+                cells=[cell("litert_fp32", "export", reason=refusal)],
+            ),
+            dict(row, weight="X.V1", outcome="skipped", reason="over --max-params", seconds=0.0, cells=[]),
+        ],
+        900,
+        formats=("litert:fp32",),
+    )
+    doc = coverage.merge([whole, column], tmp_path / "m", command="test")
+    rows = {r["weight"]: r for r in doc["rows"]}
+    assert [c["name"] for c in rows["W.V1"]["cells"]] == ["executorch_fp32", "litert_fp32"]
+    assert rows["W.V1"]["seconds"] == 35.0 and rows["W.V1"]["status"] == "failed"
+    assert [c["name"] for c in rows["X.V1"]["cells"]] == ["executorch_fp32"]  # a skip hides no measured row
+    header = next(line for line in (tmp_path / "m" / "coverage.md").read_text().splitlines() if "| weight |" in line)
+    assert "| executorch_fp32 | litert_fp32 |" in header
+    # the same column swept again replaces its cells, not the others; a whole sweep later replaces the row
+    again = merge_doc(
+        tmp_path,
+        "again.json",
+        [dict(built, weight="W.V1", seconds=6.0, cells=[cell("litert_fp32", "passed")])],
+        900,
+        formats=("litert:fp32",),
+    )
+    twice = {r["weight"]: r for r in coverage.merge([whole, column, again], tmp_path / "t", command="test")["rows"]}
+    assert [(c["name"], c["outcome"]) for c in twice["W.V1"]["cells"]] == [
+        ("executorch_fp32", "passed"),
+        ("litert_fp32", "passed"),
+    ]
+    rebuilt = {
+        r["weight"]: r
+        for r in coverage.merge([tmp_path / "m" / "coverage.json", whole], tmp_path / "w", command="test")["rows"]
+    }
+    assert [c["name"] for c in rebuilt["W.V1"]["cells"]] == ["executorch_fp32"]
+
+
 def test_rows_built_at_a_classifier_size_merge_with_rows_at_the_crop_and_say_their_size(tmp_path):
     row = {
         "weight": "W.V1",

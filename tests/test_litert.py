@@ -8,6 +8,7 @@ import json
 import tomllib
 
 import pytest
+import torch
 
 from .helpers import ROOT, assert_clean_refusal, build_args, hide_module, run_cli
 
@@ -72,3 +73,27 @@ def test_format_option_builds_the_tflite_alone(tmp_path, digits_model, android_b
     assert result.exit_code == 0, (result.output, result.exception)
     (entry,) = json.loads((out / "manifest.json").read_text())["artifacts"]
     assert entry["name"] == "litert_fp32" and entry["status"] == "passed"
+
+
+class _Bicubic(torch.nn.Module):  # the converter has no lowering for antialiased bicubic resizing
+    def forward(self, x):
+        return torch.nn.functional.interpolate(x, scale_factor=2, mode="bicubic", antialias=True)
+
+
+class _Fft(torch.nn.Module):  # its error ("Only 1D FFT ...") names no op; torch.fx's context does
+    def forward(self, x):
+        return torch.fft.rfft2(x).abs()
+
+
+@pytest.mark.parametrize("model,operator", [(_Bicubic(), "aten._upsample_bicubic2d_aa"), (_Fft(), "aten._fft_r2c")])
+def test_a_graph_the_converter_refuses_names_the_op_and_is_classified(model, operator, tmp_path):
+    from exporter.coverage.outcome import classify
+    from exporter.formats import litert
+
+    with pytest.raises(litert.ConverterRefused) as refused:
+        litert.export(model.eval(), torch.randn(1, 3, 8, 8), "fp32", [], tmp_path / "m.tflite", {})
+    first_line = str(refused.value).splitlines()[0]
+    assert first_line.startswith(f"unsupported op {operator}") and classify(first_line) == "unsupported op"
+    assert not (tmp_path / "m.tflite").exists()
+    unnamed = AssertionError("Number of input tokens (1) does not match output tokens (0)")
+    assert litert.refusal(unnamed) is unnamed  # an error that names no op is kept as the converter raised it

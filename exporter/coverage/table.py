@@ -254,6 +254,25 @@ def _kept(old: dict | None, new: dict) -> bool:
     return old is None or not stands_in(new) or stands_in(old)
 
 
+def _with_columns(old: dict, new: dict) -> dict:
+    """One weight x target from a sweep of a few formats (`--format`, e.g. a new format's column) merged into a
+    row that has the other artifacts: the new row's cells replace the old ones of the same name and join the rest.
+    A new row that built nothing (skipped, refused, ended from outside) leaves the old row as it was."""
+    if new.get("outcome") not in ("built", "stopped") or not_a_verdict(new):
+        return old
+    if old.get("outcome") not in ("built", "stopped"):
+        return new
+    names = {c["name"] for c in new["cells"]}
+    return dict(
+        old,
+        cells=[c for c in old["cells"] if c["name"] not in names] + new["cells"],
+        seconds=(old.get("seconds") or 0) + (new.get("seconds") or 0),
+        status="failed" if "failed" in (old.get("status"), new.get("status")) else old.get("status"),
+        floor={**(new.get("floor") or {}), **(old.get("floor") or {})} or None,
+        outcome="stopped" if "stopped" in (old["outcome"], new["outcome"]) else "built",
+    )
+
+
 def _tools(docs) -> dict:
     """The tools' versions; a tool the files differ on shows each version."""
     names = dict.fromkeys(k for _, d in docs for k in (d.get("tools") or {}))
@@ -266,7 +285,8 @@ def _tools(docs) -> dict:
 
 def merge(paths, command: str) -> dict:
     """One document from several coverage JSON files (or directories holding them, e.g. CI shard artifacts).
-    A weight x target present in several files keeps the last one read, unless that one was skipped for size."""
+    A weight x target present in several files keeps the last one read, unless that one was skipped for size; a
+    file swept for a few formats adds its cells to the row (`_with_columns`)."""
     docs = []
     for path, named in _row_files(paths):
         doc = _coverage_doc(path)
@@ -281,9 +301,9 @@ def merge(paths, command: str) -> dict:
         raise UsageError(f"--merge: no coverage JSON files (from `exporter coverage`) in {', '.join(map(str, paths))}")
     first = docs[0][1]
 
-    def comparable(settings):  # the time limit only decides whether a build finished; targets only select; a
-        # classifier built at another size says so in its row
-        return {k: v for k, v in settings.items() if k not in ("time_limit", "targets", "classifier_size")}
+    def comparable(settings):  # the time limit only decides whether a build finished; targets and formats only
+        # select; a classifier built at another size says so in its row
+        return {k: v for k, v in settings.items() if k not in ("time_limit", "targets", "formats", "classifier_size")}
 
     for path, doc in docs[1:]:
         if comparable(doc["settings"]) != comparable(first["settings"]):
@@ -293,9 +313,13 @@ def merge(paths, command: str) -> dict:
             )
     rows = {}
     for _, doc in docs:
+        columns_only = bool(doc["settings"].get("formats"))
         for row in map(reclassify, doc["rows"]):  # by today's rules, before one row stands in for another
-            if _kept(rows.get((row["weight"], row["target"])), row):
-                rows[(row["weight"], row["target"])] = row
+            key = (row["weight"], row["target"])
+            if columns_only and key in rows:
+                rows[key] = _with_columns(rows[key], row)
+            elif _kept(rows.get(key), row):
+                rows[key] = row
     targets = {t for _, d in docs for t in d["settings"].get("targets") or ()}
     settings = dict(first["settings"], targets=sorted(targets, key=lambda t: (_order(t, TARGET_ORDER), t)))
     merged = new_document(command, settings, dict(first.get("selection") or {}, shard=None), _tools(docs))
@@ -582,7 +606,7 @@ def _settings_line(settings: dict, rows: list[dict]) -> str:
         _time_limit_line(settings, rows),
         *(
             [
-                "every .pte, .ptl and ONNX also validated on emulated aarch64 ("
+                "every .pte, .tflite, .ptl and ONNX also validated on emulated aarch64 ("
                 + ("each target's own CPUs" if settings["cpus"] == ["target"] else ", ".join(settings["cpus"]))
                 + "): a cell passes only where it passes on every CPU"
             ]
@@ -673,6 +697,9 @@ and marked ⏱), offline and without `--data`:
   With `--builds DIR` a stopped build's exports and validations are kept (its build cache): building the row again
   goes on where it stopped, with the time limit for what is left; its "build s" then reads "N (+M earlier)", and
   its JSON row lists the earlier builds (`earlier_runs`) and each cell what it reused (`reused`).
+- **A column added later** (the `.tflite`'s, 2026-12-04) comes from a sweep of that format alone (`--format
+  litert:fp32`, its commands under "Merged from"), merged into the rows the whole sweeps made: its cells join the
+  row, its seconds add to "build s", and a weight it skipped for size keeps its row without the cell.
 - "ops outside XNNPACK" lists the `.pte` graphs' ops that touch tensors and were left outside the XNNPACK
   delegate (the manifest's `details.delegation.ops_outside_on_tensors`; scalar casts are not counted).
 """  # noqa: E501  (the page's text, as written to docs)
@@ -764,7 +791,7 @@ def _intro(settings: dict, trained: bool) -> str:
     )
     if settings.get("cpus"):
         intro += (
-            " Every `.pte`, `.ptl` and ONNX artifact also ran on **emulated aarch64 cores** (qemu-user, the "
+            " Every `.pte`, `.tflite`, `.ptl` and ONNX artifact also ran on **emulated aarch64 cores** (qemu-user, the "
             "aarch64 wheels of the same versions), judged by the same contract: a cell passes only where it "
             "passes on every core, and names them."
         )
@@ -901,7 +928,10 @@ def _target_section(target: str, rows: list[dict], trained: bool) -> list[str]:
     built = [r for r in rows if r["target"] == target and r["outcome"] in ("built", "stopped")]
     if not built:
         return []
-    columns = list(dict.fromkeys(c["name"] for r in built for c in r["cells"]))
+    format_of = {c["name"]: c.get("format") for r in built for c in r["cells"]}
+    formats = list(dict.fromkeys(format_of.values()))  # a format's precisions side by side, also where a later
+    # sweep added its column (`_with_columns`)
+    columns = sorted(format_of, key=lambda name: formats.index(format_of[name]))
     has_pte = any(c.get("delegation") for r in built for c in r["cells"])
     lines = [
         "",

@@ -1,4 +1,4 @@
-"""aarch64 rows: after a target's x86 validation, every .pte, .ptl and ONNX artifact run again on emulated
+"""aarch64 rows: after a target's x86 validation, every .pte, .tflite, .ptl and ONNX artifact run again on emulated
 aarch64 CPUs (exporter.aarch64), judged against the same eager reference with the same thresholds and task
 metrics, and compared with the same artifact's x86 outputs.
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -125,8 +126,14 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
     elif precision != "fp32":
         raise ValueError(f"litert takes {' or '.join(PRECISIONS)}, not {precision}")
     # the converter's native code logs to fd 2 ("Estimated count of arithmetic ops"); an error still raises
-    with _quiet_converter(), _native_stderr_silenced(), torch.no_grad():
-        content = bytes(litert_torch.convert(model, (example,), quant_config=quant_config).model_content())
+    try:
+        with _quiet_converter(), _native_stderr_silenced(), torch.no_grad():
+            content = bytes(litert_torch.convert(model, (example,), quant_config=quant_config).model_content())
+    except Exception as e:
+        refused = refusal(e)
+        if refused is e:
+            raise
+        raise refused from e
     if precision == "int8":
         content, details["io_rewritten"] = float_interface(content)
     interpreter = _interpreter(content, 1)
@@ -143,6 +150,30 @@ def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
 
         details["quantization"]["program"] = lowered_quality(eager, lambda: load(path), as_calibration(calib))
     return details
+
+
+class ConverterRefused(RuntimeError):
+    """The converter has no lowering for an operator of the graph; the message names it first."""
+
+
+# where the converter's error names the ATen operator it stopped at: its "Lowering not found: aten.x.default", or
+# torch.fx's "While executing %node : ... target=torch.ops.aten.x.default" under an error that does not
+_OPERATOR = re.compile(r"Lowering not found: (\S+)|target=torch\.ops\.([\w.]+)")
+
+
+def refusal(error: Exception) -> Exception:
+    """The converter's error with the operator it could not take in its first line (a build's reason keeps the first
+    line only: "Only 1D FFT on the last dimension is currently supported" alone does not say which op), or the error
+    as it was where it names none."""
+    text = str(error)
+    found = _OPERATOR.search(text)
+    if found is None:
+        return error
+    operator = (found.group(1) or found.group(2)).removeprefix("torch.ops.").rstrip(".")
+    first = (text.strip().splitlines() or [""])[0]
+    return ConverterRefused(
+        f"unsupported op {operator}: the LiteRT converter cannot take it ({type(error).__name__}: {first})"
+    )
 
 
 def _version(package: str) -> str:
