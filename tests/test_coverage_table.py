@@ -62,6 +62,9 @@ def test_a_sweep_of_one_format_adds_its_column_to_the_rows_of_a_whole_sweep(tmp_
         fmt, precision = name.rsplit("_", 1)
         return {"name": name, "format": fmt, "precision": precision, "status": "passed", "outcome": outcome, **more}
 
+    def acc(eager):
+        return {"eager_acc1": eager, "acc1": eager}
+
     row = {"model": "w", "task": "classification", "params": 4e6, "target": "android", "reason": None}
     built = dict(row, outcome="built", time_limit_s=900, status="passed")
     whole = merge_doc(
@@ -70,6 +73,7 @@ def test_a_sweep_of_one_format_adds_its_column_to_the_rows_of_a_whole_sweep(tmp_
         [
             dict(built, weight="W.V1", seconds=30.0, cells=[cell("executorch_fp32", "passed")]),
             dict(built, weight="X.V1", seconds=40.0, cells=[cell("executorch_fp32", "passed")]),
+            dict(built, weight="Y.V1", seconds=50.0, cells=[cell("executorch_fp32", "passed", accuracy=acc(99.4))]),
         ],
         900,
     )
@@ -86,6 +90,7 @@ def test_a_sweep_of_one_format_adds_its_column_to_the_rows_of_a_whole_sweep(tmp_
                 cells=[cell("litert_fp32", "export", reason=refusal)],
             ),
             dict(row, weight="X.V1", outcome="skipped", reason="over --max-params", seconds=0.0, cells=[]),
+            dict(built, weight="Y.V1", seconds=9.0, cells=[cell("litert_fp32", "passed", accuracy=acc(96.5))]),
         ],
         900,
         formats=("litert:fp32",),
@@ -97,6 +102,8 @@ def test_a_sweep_of_one_format_adds_its_column_to_the_rows_of_a_whole_sweep(tmp_
     assert [c["name"] for c in rows["X.V1"]["cells"]] == ["executorch_fp32"]  # a skip hides no measured row
     header = next(line for line in (tmp_path / "m" / "coverage.md").read_text().splitlines() if "| weight |" in line)
     assert "| executorch_fp32 | litert_fp32 |" in header
+    # a trained model trained again for the column's sweep is another model: its cell names its own eager
+    assert "acc@1 96.5 (its own eager 96.5)" in (tmp_path / "m" / "coverage.md").read_text()
     # the same column swept again replaces its cells, not the others; a whole sweep later replaces the row
     again = merge_doc(
         tmp_path,

@@ -263,14 +263,23 @@ def _with_columns(old: dict, new: dict) -> dict:
     if old.get("outcome") not in ("built", "stopped"):
         return new
     names = {c["name"] for c in new["cells"]}
+    old_eager = _eager_acc1(old["cells"])
+    added = [  # a trained tier's model trained again for the new sweep (on another host) may score otherwise
+        dict(c, own_eager_acc1=_eager_acc1([c])) if _eager_acc1([c]) not in (None, old_eager) else c
+        for c in new["cells"]
+    ]
     return dict(
         old,
-        cells=[c for c in old["cells"] if c["name"] not in names] + new["cells"],
+        cells=[c for c in old["cells"] if c["name"] not in names] + added,
         seconds=(old.get("seconds") or 0) + (new.get("seconds") or 0),
         status="failed" if "failed" in (old.get("status"), new.get("status")) else old.get("status"),
         floor={**(new.get("floor") or {}), **(old.get("floor") or {})} or None,
         outcome="stopped" if "stopped" in (old["outcome"], new["outcome"]) else "built",
     )
+
+
+def _eager_acc1(cells: list[dict]) -> float | None:
+    return next(((c.get("accuracy") or {}).get("eager_acc1") for c in cells if c.get("accuracy")), None)
 
 
 def _tools(docs) -> dict:
@@ -456,7 +465,8 @@ def _short_reason(reason: str, record: dict | None) -> str:
 
 def _acc1(cell: dict) -> str:
     acc1 = (cell.get("accuracy") or {}).get("acc1")
-    return f" · acc@1 {acc1:.1f}" if isinstance(acc1, (int, float)) else ""
+    own = f" (its own eager {cell['own_eager_acc1']:.1f})" if cell.get("own_eager_acc1") is not None else ""
+    return f" · acc@1 {acc1:.1f}{own}" if isinstance(acc1, (int, float)) else ""
 
 
 def _arm(cell: dict) -> str:
@@ -946,7 +956,7 @@ def _target_section(target: str, rows: list[dict], trained: bool) -> list[str]:
     for r in built:
         by_name = {c["name"]: c for c in r["cells"]}
         cells = [cell_text(by_name[name]) if name in by_name else "" for name in columns]
-        eager = next(((c.get("accuracy") or {}).get("eager_acc1") for c in r["cells"] if c.get("accuracy")), None)
+        eager = _eager_acc1(r["cells"])
         size = r.get("classifier_size")
         lines.append(
             f"| {_esc(r['weight'])}{f' ({size[0]}×{size[1]})' if size else ''} | {r['task']} | {_params(r)} | "
