@@ -1,6 +1,7 @@
 """int8 that holds its budget, through whole builds (`exporter build`): plain PTQ, then the most sensitive layers
 back in float until the budget holds on held-out calibration images. Proven on the trained digits model and on a
-copy of it with one deliberately fragile layer (same function in eager, hostile to a per-tensor int8 range)."""
+copy of it with one deliberately fragile layer (same function in eager, hostile to a per-tensor int8 range), for
+each int8 format the search serves: the .pte, the .tflite (LiteRT's own quantizer) and ONNX."""
 
 from __future__ import annotations
 
@@ -13,7 +14,18 @@ from exporter.standins import digits
 
 from .helpers import FAST, build_args, run_cli
 
-INT8 = ["--target", "android", "--target", "jetson", "--format", "executorch:int8", "--format", "onnx:int8"]
+INT8 = [
+    "--target",
+    "android",
+    "--target",
+    "jetson",
+    "--format",
+    "executorch:int8",
+    "--format",
+    "litert:int8",
+    "--format",
+    "onnx:int8",
+]
 
 
 STRICT = [
@@ -54,7 +66,7 @@ def test_digits_int8_meets_the_strict_budget_on_its_check_images_and_is_judged_o
     artifacts = _int8_artifacts(out)
     failed = [name for name, a in artifacts.items() if a["status"] == "failed"]
     assert result.exit_code == (1 if failed else 0), result.output
-    for name in ("executorch_int8", "onnx_int8"):
+    for name in ("executorch_int8", "litert_int8", "onnx_int8"):
         a = artifacts[name]
         assert (a["status"] == "passed") == (a["reasons"] == []), (name, a["reasons"])
         assert set(r.get("metric") for r in a["reasons"]) <= {"accuracy_drop", "top1_agreement"}, a["reasons"]
@@ -115,7 +127,7 @@ def test_budgeted_build_keeps_the_fragile_layer_in_float_and_recovers(fragile_bu
     notes = (out / "android" / "report.md").read_text()
     kept_line = next(line for line in notes.splitlines() if line.startswith("- `executorch_int8`: int8 budget met"))
     assert digits.FRAGILE_LAYER in kept_line.split("kept in float: ")[1]
-    assert (out / "report.html").read_text().count('aria-label="int8 layer sensitivity') == 2
+    assert (out / "report.html").read_text().count('aria-label="int8 layer sensitivity') == 3
 
 
 @pytest.mark.slow
