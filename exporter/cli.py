@@ -510,14 +510,26 @@ def bundle(out_dir, allow_failed):
     "--offline", is_flag=True, help="Never download: use the cached runner or exit 2 (also EXPORTER_OFFLINE=1)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print what was set up as JSON.")
+@click.option(
+    "--counter/--no-counter",
+    default=True,
+    show_default=True,
+    help="Also build the counting qemu (qemu-aarch64 with TCG plugins, from Debian's source package, and our "
+    "instruction-counting plugin; a few minutes, needs gcc, ninja, pkg-config and glib's development files). "
+    "Where it cannot be built, one line says why and the runner is set up without it.",
+)
 @one_line_errors
-def arm_setup(rebuild, offline, as_json):
+def arm_setup(rebuild, offline, as_json, counter):
     """Set up (once) the aarch64 runner under $EXPORTER_AARCH64_CACHE or $EXPORTER_CACHE/aarch64: qemu-user, an arm64 Debian root with
-    Python and the aarch64 wheels of the pinned versions; print where it is, its size and set-up time."""
+    Python and the aarch64 wheels of the pinned versions, and the counting qemu; print where each is, its size and
+    set-up time."""
     from . import aarch64
+    from .aarch64 import counter as counting_qemu
+    from .errors import UsageError
     from .progress import Progress
 
-    runner = aarch64.prepare(progress=Progress(quiet=as_json), rebuild=rebuild, offline=offline or None)
+    progress = Progress(quiet=as_json)
+    runner = aarch64.prepare(progress=progress, rebuild=rebuild, offline=offline or None)
     info = runner.info
     summary = {
         "path": str(runner.path),
@@ -527,6 +539,17 @@ def arm_setup(rebuild, offline, as_json):
         "packages": info.get("packages"),
         "cpus": runner.cpus,
     }
+    if counter:
+        try:
+            built = counting_qemu.prepare(progress=progress, rebuild=rebuild, offline=offline or None)
+            summary["counter"] = {
+                "path": str(built.path),
+                "size_mb": round(built.info.get("size_bytes", 0) / 1e6, 1),
+                "setup_seconds": built.info.get("seconds"),
+                "qemu": built.version,
+            }
+        except UsageError as e:  # the runner stands without it: validation runs, instruction counts are unavailable
+            summary["counter"] = {"unavailable": str(e)}
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
@@ -536,6 +559,14 @@ def arm_setup(rebuild, offline, as_json):
         f"packages: {', '.join(f'{k} {v}' for k, v in (summary['packages'] or {}).items())}\n"
         f"cpus: {', '.join(summary['cpus'])}"
     )
+    built = summary.get("counter")
+    if built and "unavailable" in built:
+        click.echo(f"counting qemu: unavailable ({built['unavailable']}); instruction counts will not be taken")
+    elif built:
+        click.echo(
+            f"counting qemu: {built['path']}\nsize: {built['size_mb']} MB, built in {built['setup_seconds']} s "
+            f"({built['qemu']}, TCG plugins; counts emulated instructions, not time)"
+        )
 
 
 def _command_line(ctx: click.Context) -> str:

@@ -94,16 +94,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    """With the aarch64 step on and no runner ready, start `exporter arm-setup` when the session starts (minutes,
-    mostly downloads), so it overlaps the suite; the tests that need it wait on its lock (aarch64.prepare). Started
-    by the one process that outlives every test: pytest-xdist's controller, or pytest itself without workers."""
+    """With the aarch64 step on and no runner (or no counting qemu) ready, start `exporter arm-setup` when the
+    session starts (minutes: downloads, and compiling the counting qemu), so it overlaps the suite; the tests that
+    need it wait on its locks (aarch64.prepare, counter.prepare). Started by the one process that outlives every
+    test: pytest-xdist's controller, or pytest itself without workers."""
     import subprocess
     import sys
     import tempfile
 
     from exporter import aarch64
+    from exporter.aarch64 import counter
 
-    if os.environ.get("PYTEST_XDIST_WORKER") or not ARM_E2E or aarch64.find(ARM_CACHE) is not None:
+    if os.environ.get("PYTEST_XDIST_WORKER") or not ARM_E2E:
+        return
+    if aarch64.find(ARM_CACHE) is not None and counter.find(ARM_CACHE) is not None:
         return
     log = Path(tempfile.mkdtemp(prefix="arm-setup-")) / "arm-setup.log"
     env = {k: v for k, v in os.environ.items() if k not in ("EXPORTER_OFFLINE", "EXPORTER_CACHE")}

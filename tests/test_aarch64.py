@@ -146,6 +146,24 @@ def test_arm_setup_offline_with_nothing_cached_is_one_line(tmp_path):
     assert len(lines) == 1 and "offline" in lines[0] and "exporter arm-setup" in lines[0], result.output
 
 
+def test_arm_setup_without_a_counting_qemu_still_gives_the_runner(monkeypatch, tmp_path):
+    """The runner is cached, the counting qemu is not and cannot be built (offline): the runner is reported, the
+    counter's absence is one line with the reason, and the exit is 0 (validation runs without counts)."""
+    monkeypatch.delenv("EXPORTER_AARCH64_CACHE", raising=False)
+    aarch64.prepare(tmp_path, builder=FakeBuilder(), offline=False)  # for the versions this checkout pins
+    result = CliRunner().invoke(main, ["arm-setup", "--offline"], env={"EXPORTER_CACHE": str(tmp_path)})
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0].startswith("aarch64 runner: ") and str(tmp_path) in lines[0]
+    unavailable = [line for line in lines if line.startswith("counting qemu:")]
+    assert len(unavailable) == 1 and "unavailable (offline" in unavailable[0], result.output
+    assert not [p for p in (tmp_path / "aarch64" / "counter").glob("*") if p.name != ".lock"]
+    quiet = CliRunner().invoke(
+        main, ["arm-setup", "--offline", "--no-counter", "--json"], env={"EXPORTER_CACHE": str(tmp_path)}
+    )
+    assert quiet.exit_code == 0 and "counter" not in json.loads(quiet.output)
+
+
 def test_setting_up_without_root_is_one_line(monkeypatch, tmp_path):
     from exporter.aarch64 import debian
 
