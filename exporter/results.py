@@ -166,6 +166,8 @@ class EmulatedRow:
     accuracy: dict | None = None
     vs_x86: dict | None = None
     bundled_program: dict | None = None  # the .pte's golden program, verified on this CPU
+    # emulated instructions per inference at one thread on this CPU (not time), and eager's on the same CPU
+    instructions: dict | None = None
     reused_from_cache: bool | None = None
     extra: dict = _extra()
 

@@ -7,6 +7,7 @@ tests check the build's judging and reporting; tests/test_aarch64.py runs the re
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from pathlib import Path
 
 import jsonschema
@@ -14,7 +15,11 @@ import numpy as np
 import pytest
 
 from exporter import aarch64
+from exporter.aarch64.counting import Counts
+from exporter.aarch64.counter import Counter
 from exporter.aarch64.layout import Runner
+from exporter.engine import count_on_arm
+from exporter.errors import UsageError
 from exporter.formats import FORMATS
 from exporter.release import manifest
 from exporter.results import revived, texts
@@ -72,9 +77,14 @@ class FakeArm:
         return results
 
 
-def _build(monkeypatch, tmp_path, digits_model, fake, *cpus):
+def _no_counter(progress=None, **kwargs):
+    raise UsageError("no counting qemu in this test")
+
+
+def _build(monkeypatch, tmp_path, digits_model, fake, *cpus, counter=_no_counter):
     monkeypatch.setattr(aarch64, "prepare", fake.prepare)
     monkeypatch.setattr(aarch64, "run", fake.run)
+    monkeypatch.setattr(count_on_arm, "counting_qemu", SimpleNamespace(prepare=counter))
     out = tmp_path / "build"
     args = [a for cpu in cpus for a in ("--cpu", cpu)]
     result = run_cli(*build_args(digits_model, out, "--target", "android", "--arch", "aarch64", *args))
@@ -94,7 +104,12 @@ def test_every_pte_and_ptl_gets_a_row_per_cpu_judged_like_x86(monkeypatch, tmp_p
     _, baseline = android_build
     assert result.exit_code == baseline.exit_code  # outputs identical to x86: the verdict is x86's
     jsonschema.validate(doc, manifest.schema())
-    assert doc["target"]["validate"] == {"arch": ["x86_64", "aarch64"], "cpus": ["cortex-a53", "cortex-a76"]}
+    assert doc["target"]["validate"] == {
+        "arch": ["x86_64", "aarch64"],
+        "cpus": ["cortex-a53", "cortex-a76"],
+        "count": True,
+        "reference_cpu": "cortex-a76",
+    }
     run = [a for a in doc["artifacts"] if a.get("path")]
     assert {a["format"] for a in run} == {"executorch", "litert", "torchscript_lite"}
     # one emulated process per CPU runs every artifact
@@ -196,3 +211,60 @@ def test_distance_to_x86(outputs, x86, expected):
 
     assert versus_x86(torch.tensor(outputs), torch.tensor(x86)) == expected
     assert versus_x86(torch.tensor(outputs), None) is None
+
+
+def test_counts_join_each_row_with_eager_beside_and_ship_this_ranks_by_them(monkeypatch, tmp_path, digits_model):
+    """The counting itself is faked (tests/test_counting.py counts for real): a count per artifact that orders them
+    against their x86 latency, so the pick shows which measure decided; eager counts more than any artifact."""
+    fake, counted = FakeArm("fake-counts"), []
+
+    def count(runner, counter, what, inputs, cpu, warmup=1, runs=3):
+        name = what.name if isinstance(what, Path) else "eager"
+        counted.append((name, cpu, inputs.shape))
+        per = 10_000_000 if name == "eager" else 1_000_000 + Path(what).stat().st_size // 100
+        return Counts(name, cpu, per, 0.0, [per] * runs, [per + 7] * warmup, 5, 4600, "qemu 10 (fake)")
+
+    monkeypatch.setattr(count_on_arm.counting, "count", count)
+    result, doc, _ = _build(
+        monkeypatch,
+        tmp_path,
+        digits_model,
+        fake,
+        "cortex-a53",
+        "cortex-a76",
+        counter=lambda progress=None, **kwargs: Counter(tmp_path, {"key": "fake", "qemu_version": "qemu 10 (fake)"}),
+    )
+    jsonschema.validate(doc, manifest.schema())
+    summary = doc["aarch64"]["instructions"]
+    assert summary.get("reference_cpu") == "cortex-a76", summary
+    assert summary["eager"] == {
+        "cortex-a53": 10_000_000,
+        "cortex-a76": 10_000_000,
+    }
+    assert all(shape[0] == 1 for _, _, shape in counted)  # one input per core in a build
+    run = [a for a in doc["artifacts"] if a.get("aarch64")]
+    for a in run:
+        for row in a["aarch64"]:
+            counts = row["instructions"]
+            assert (
+                counts["per_inference"] == 1_000_000 + a["size_bytes"] // 100
+                and counts["warmup"] == counts["per_inference"] + 7
+            )
+            assert counts["ratio_to_eager"] == round(10_000_000 / counts["per_inference"], 3)
+            assert "not time" in counts["unit"]
+    passed = [a for a in run if a["status"] == "passed"]
+    smallest = min(passed, key=lambda a: a["size_bytes"])
+    line = (tmp_path / "build" / "report.md").read_text()
+    assert (
+        f"`{smallest['name']}`" in line and "emulated instructions per inference on cortex-a76, ranked by count" in line
+    )
+    assert "Instructions: emulated aarch64 instructions" in line and "instructions / inference" in line
+
+
+def test_a_build_without_a_counting_qemu_says_why_and_ranks_by_x86_latency(monkeypatch, tmp_path, digits_model):
+    result, doc, out = _build(monkeypatch, tmp_path, digits_model, FakeArm("fake-no-counter"), "cortex-a76")
+    assert doc["aarch64"]["instructions"]["unavailable"] == "no counting qemu in this test"
+    assert not any(row.get("instructions") for a in doc["artifacts"] for row in a.get("aarch64", []))
+    report = (out / "report.md").read_text()
+    assert "Instruction counts: unavailable (no counting qemu in this test)" in report
+    assert "ranked by count" not in report

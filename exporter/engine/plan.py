@@ -82,13 +82,24 @@ class ValidateSettings:
 
     arches: tuple[str, ...] = ("x86_64",)
     cpus: tuple[str, ...] = ()
+    count: bool = True  # instructions per inference on each CPU (exporter.aarch64.counting), where it can count
+    reference_cpu: str | None = None  # the core "ship this" ranks by count on (None, or not among cpus: x86 latency)
 
     @property
     def aarch64_cpus(self) -> tuple[str, ...]:
         return self.cpus if "aarch64" in self.arches else ()
 
+    @property
+    def ranking_cpu(self) -> str | None:
+        return self.reference_cpu if self.count and self.reference_cpu in self.aarch64_cpus else None
+
     def describe(self) -> dict:
-        return {"arch": list(self.arches), "cpus": list(self.cpus)}
+        return {
+            "arch": list(self.arches),
+            "cpus": list(self.cpus),
+            "count": self.count,
+            "reference_cpu": self.reference_cpu,
+        }
 
 
 @dataclass(frozen=True)
@@ -177,6 +188,8 @@ def make(profile: dict, task: str) -> Plan:
         validate=ValidateSettings(
             tuple(resolved.get("validate", {}).get("arch", ["x86_64"])),
             tuple(resolved.get("validate", {}).get("cpus", [])),
+            resolved.get("validate", {}).get("count", True),
+            resolved.get("validate", {}).get("reference_cpu"),
         ),
     )
 

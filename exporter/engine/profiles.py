@@ -36,7 +36,7 @@ DATA_KEYS = {"calib_size": int, "val_size": int, "seed": int}
 LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
 ARTIFACT_KEYS = {"name", "format", "precision", "options"}
 ARCHES = ("x86_64", "aarch64")  # x86_64: this host (always); aarch64: the emulated runner (exporter.aarch64)
-VALIDATE_KEYS = {"arch": list, "cpus": list}
+VALIDATE_KEYS = {"arch": list, "cpus": list, "count": bool, "reference_cpu": str}
 
 
 def _runs_on_aarch64(format_name) -> bool:
@@ -186,6 +186,11 @@ def _check_validate(table: dict, artifacts: list, where: str) -> None:
         named.check(cpus)
     except UsageError as e:
         raise UsageError(f"{where}: {e}") from None
+    reference = table.get("reference_cpu")
+    if reference is not None and reference not in cpus:
+        raise UsageError(
+            f"{where}: reference_cpu '{reference}' must be one of cpus ({', '.join(cpus) or 'none named'})"
+        )
     if "aarch64" in arches and not cpus and any(_runs_on_aarch64(a.get("format")) for a in artifacts):
         raise UsageError(
             f"{where}: arch includes aarch64 but no cpus are named; e.g. cpus = {list(named.FOR_TARGET['android'])}"
@@ -339,6 +344,8 @@ def with_overrides(
             dict.fromkeys([*validate.get("arch", ["x86_64"]), *arch, *(["aarch64"] if cpus else [])])
         )
         validate["cpus"] = list(dict.fromkeys(cpus)) or validate.get("cpus", [])
+        if validate.get("reference_cpu") not in validate["cpus"]:  # --cpus left it out: rank by x86 latency
+            validate.pop("reference_cpu", None)
         overrides["validate"] = {"arch": list(arch), "cpus": list(cpus)}
     check(profile, f"target {profile['name']} with CLI overrides")
     return profile

@@ -147,6 +147,11 @@ def _unsettled_timing(docs: list[dict]) -> bool:
     )
 
 
+def _counts_missing(docs: list[dict]) -> bool:
+    """Whether a build's instruction counts were unavailable (no counting qemu then): a later build may count."""
+    return any("unavailable" in ((doc.get("aarch64") or {}).get("instructions") or {}) for doc in docs)
+
+
 class BuildRecord:
     def __init__(self, cache_root: Path, request, profiles: list[dict]):
         self.cache_root = Path(cache_root)
@@ -169,7 +174,9 @@ class BuildRecord:
     def restore(self, progress: Progress) -> list[dict] | None:
         """The earlier build's manifests, with its files restored into --out; None when there is none."""
         record = self.cache.fetch_json("builds", self.key)
-        if record is None or _unsettled_timing(record["docs"]) or not _inputs_unchanged(record["inputs"]):
+        if record is None or _unsettled_timing(record["docs"]) or _counts_missing(record["docs"]):
+            return None
+        if not _inputs_unchanged(record["inputs"]):
             return None
         base = Path(self.request.out or default_out(record["docs"][0]["weight"]["name"], record["targets"]))
         outs = self._outs(base, record["targets"])

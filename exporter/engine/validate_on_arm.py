@@ -21,6 +21,7 @@ from ..formats import FORMATS
 from ..progress import Progress
 from ..results import ArtifactResult, EmulatedRow, Kind, Manifest, Reason, Status
 from . import cache
+from .count_on_arm import add_counts
 
 
 def _not_run(entry: ArtifactResult) -> str:
@@ -212,6 +213,8 @@ def add_rows(
                 {r.cpu: r.bundled_program for r in entry.aarch64 if r.bundled_program}
             )
         judge_entry(entry)
+    write()
+    add_counts(session, doc, entries, out, runner, progress, offline, request_cache_dir, runners, prefix)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     write()
 

@@ -1,5 +1,6 @@
 """The aarch64 rows of a build (manifest `artifacts[].aarch64`, `aarch64`) as report.md lines and a report.html
-section: per artifact and emulated CPU, its verdict, fidelity to eager and distance to its own x86 outputs."""
+section: per artifact and emulated CPU, its verdict, fidelity to eager, distance to its own x86 outputs and its
+emulated instruction count (with eager's on the same core)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def _versus_x86(row: dict) -> str:
     return f"max |Δ| {vs['max_abs_diff']:.3g} ({vs['rows_differing']} inputs differ)"
 
 
+def _instructions(row: dict) -> str:
+    counted = row.get("instructions")
+    if not counted:
+        return "—"
+    ratio = counted.get("ratio_to_eager")
+    eager = f" (eager {counted['eager_per_inference'] / 1e6:.2f} M, ratio {ratio:.2f})" if ratio else ""
+    return f"{counted['per_inference'] / 1e6:.2f} M{eager}"
+
+
 def rows(doc: dict) -> list[dict]:
     """One row per artifact and CPU, for both reports."""
     table = []
@@ -42,6 +52,7 @@ def rows(doc: dict) -> list[dict]:
                     "status": row["status"],
                     "vs eager": _fidelity(row),
                     "vs x86": _versus_x86(row),
+                    "instructions / inference": _instructions(row),
                     "emulated run s": format(row.get("seconds", 0), ".0f"),
                 }
             )
@@ -59,6 +70,19 @@ def summary_line(doc: dict) -> str | None:
         f"{runner.get('key', '—')}), {arm.get('seconds', 0):.0f} s in all. Emulated: fidelity is these CPUs' "
         "kernels' own; no latency is taken under emulation."
     )
+    counted = arm.get("instructions") or {}
+    if "unavailable" in counted:
+        text += f" Instruction counts: unavailable ({counted['unavailable']})."
+    elif counted:
+        reference = counted.get("reference_cpu")
+        text += (
+            " Instructions: emulated aarch64 instructions per inference at one thread (deterministic, not time; a "
+            "ratio to eager's count is no speedup; compare on one core only)"
+            + (f"; ship-this ranks by them on {reference}" if reference else "")
+            + "."
+        )
+        if counted.get("failed"):
+            text += " Not counted: " + "; ".join(f"{k}: {v}" for k, v in counted["failed"].items()) + "."
     return text + (f" Not run there: {not_run}." if not_run else "")
 
 

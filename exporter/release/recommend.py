@@ -1,4 +1,10 @@
-"""Which artifact to ship, per target: the fastest that passed (p50) and the smallest that passed (bytes).
+"""Which artifact to ship, per target: the fastest that passed and the smallest that passed (bytes).
+
+"Fastest" is the fewest emulated instructions per inference on the profile's reference core where every artifact
+that passed was counted there (`[validate] reference_cpu`, an out-of-order core: the device's ISA, and the same
+count on a quiet or a busy host), else the x86 p50. Counts rank exactly within one runtime; between runtimes a
+difference under COUNT_TIE is a tie (measured: cross-engine counts are off by up to 1.8x on the same phone table,
+docs/benchmarks.md), which the x86 p50 then breaks.
 
 Only measured numbers count and only artifacts that passed: one without a latency (not timed on this host)
 can be the smallest but never the fastest; a failed or unvalidated (unavailable) one is never picked."""
@@ -14,6 +20,33 @@ def _p50(a: dict) -> float:
     return float("inf") if p50 is None else p50
 
 
+COUNT_TIE = 1.5
+
+
+def _count(a: dict, cpu: str | None) -> int | None:
+    for row in a.get("aarch64") or []:
+        if row.get("cpu") == cpu:
+            return (row.get("instructions") or {}).get("per_inference")
+    return None
+
+
+def reference_cpu(doc: dict) -> str | None:
+    return ((doc.get("aarch64") or {}).get("instructions") or {}).get("reference_cpu")
+
+
+def _fewest_instructions(passed: list[dict], cpu: str) -> dict:
+    """The pick by count on `cpu`: the lowest count of each runtime, then, where runtimes come within COUNT_TIE of
+    the lowest, the x86 p50 among those (then size, then name)."""
+    best: dict[str, dict] = {}
+    for a in sorted(passed, key=lambda a: (_count(a, cpu), _size(a), a["name"])):
+        best.setdefault(_app_runtime(a), a)
+    lowest = min(_count(a, cpu) for a in best.values())
+    close = [a for a in best.values() if _count(a, cpu) <= COUNT_TIE * lowest]
+    if len(close) == 1:
+        return close[0]
+    return min(close, key=lambda a: (_p50(a), _count(a, cpu), _size(a), a["name"]))
+
+
 def _size(a: dict) -> float:
     return a.get("size_bytes") or float("inf")
 
@@ -24,13 +57,18 @@ def _refused_by_design(artifact: dict) -> bool:
 
 
 def choose(doc: dict) -> dict:
-    """{"passed": names, "fastest": artifact or None, "smallest": artifact or None, "failed": names,
-    "unavailable": names (no runtime here), "not_made": names (the format cannot take this model)}; ties go to the
-    other measure, then to the name."""
+    """{"passed": names, "ranked_by": what "fastest" was decided by, "fastest": artifact or None, "smallest":
+    artifact or None, "failed": names, "unavailable": names (no runtime here), "not_made": names (the format cannot
+    take this model)}; ties go to the other measure, then to the name."""
     passed = [a for a in doc["artifacts"] if a["status"] == "passed"]
+    cpu = reference_cpu(doc)
+    by_count = bool(passed) and cpu is not None and all(_count(a, cpu) for a in passed)
     return {
         "passed": [a["name"] for a in passed],
-        "fastest": min(
+        "ranked_by": f"instructions on {cpu}" if by_count else "x86 latency",
+        "fastest": _fewest_instructions(passed, cpu)
+        if by_count
+        else min(
             (a for a in passed if _p50(a) != float("inf")), key=lambda a: (_p50(a), _size(a), a["name"]), default=None
         ),
         "smallest": min(
@@ -76,9 +114,7 @@ def line(doc: dict, markdown: bool = False) -> str:
         failed = f"{len(pick['failed'])} failed" if pick["failed"] else "none was validated"
         return f"Nothing to ship for {target}: no artifact passed ({failed}).{unvalidated}"
     fastest, smallest, count = pick["fastest"], pick["smallest"], len(pick["passed"])
-    speed = f"p50 {fastest['latency_ms']['p50']:.2f} ms" if fastest else None
-    if fastest and not (fastest.get("latency_conditions") or {}).get("reliable", True):
-        speed += ", timed on a busy host: unreliable"
+    speed = _speed(fastest, reference_cpu(doc) if pick["ranked_by"] != "x86 latency" else None)
     mb = f"{smallest['size_bytes'] / 1e6:.2f} MB" if smallest else None
     unvalidated = runtime_needed(fastest, smallest) + unvalidated
     if fastest and smallest and fastest is smallest:
@@ -93,3 +129,18 @@ def line(doc: dict, markdown: bool = False) -> str:
         f"smallest {code(smallest['name'])} ({mb})" if smallest else "smallest: no size recorded",
     ]
     return f"Ship for {target} ({count} passed): {'; '.join(parts)}.{unvalidated}"
+
+
+def _speed(fastest: dict | None, cpu: str | None) -> str | None:
+    """What made the pick the fastest: its count on the reference core (with its x86 p50 beside), or its x86 p50."""
+    if not fastest:
+        return None
+    p50 = (fastest.get("latency_ms") or {}).get("p50")
+    x86 = f"p50 {p50:.2f} ms" if p50 is not None else "x86 p50 not measured"
+    if p50 is not None and not (fastest.get("latency_conditions") or {}).get("reliable", True):
+        x86 += ", timed on a busy host: unreliable"
+    if cpu is None:
+        return x86
+    return (
+        f"{_count(fastest, cpu) / 1e6:.2f} M emulated instructions per inference on {cpu}, ranked by count; x86 {x86}"
+    )
