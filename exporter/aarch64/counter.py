@@ -31,8 +31,7 @@ from .. import files
 from ..errors import UsageError
 from ..progress import Progress
 from . import versions as pins
-from .layout import READY
-from .runner import cache_root, check_platform, offline_by_environment, tree_size
+from .runner import build_in_place, cache_root, check_platform, offline_by_environment, read_ready
 
 LAYOUT = 1  # bump when the build (configure options, files kept) changes
 PLUGIN_SOURCE = Path(__file__).with_name("count_plugin.c")
@@ -99,14 +98,6 @@ def counter_root(cache_dir: Path | None = None, root: Path | None = None) -> Pat
     return Path(root) if root is not None else cache_root(cache_dir) / "counter"
 
 
-def _read_ready(path: Path) -> dict | None:
-    try:
-        info = json.loads((path / READY).read_text())
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
-
-
 def find(cache_dir: Path | None = None, root: Path | None = None) -> Counter | None:
     """The newest complete counting qemu built with this plugin source and layout (whatever qemu version), or None.
     Temporary and READY-less directories are never returned."""
@@ -115,7 +106,7 @@ def find(cache_dir: Path | None = None, root: Path | None = None) -> Counter | N
     for path in root.glob("*") if root.is_dir() else []:
         if path.name.startswith(".") or not path.is_dir():
             continue
-        info = _read_ready(path)
+        info = read_ready(path)
         if info and info.get("layout") == LAYOUT and info.get("plugin_sha256") == plugin_hash():
             if (path / "qemu-aarch64").is_file() and (path / "libcount.so").is_file():
                 found.append((info.get("finished", 0), path, info))
@@ -431,24 +422,15 @@ def prepare(
             if final.exists():  # without READY, or rebuilding: never used as it is
                 progress.note(f"removing an incomplete or replaced counting qemu: {final}")
                 shutil.rmtree(final)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-            started = clock()
-            try:
-                info = build(tmp, apt, source_version, progress)
-                info.update(
-                    qemu_source=f"{SOURCE_PACKAGE}={source_version}",
-                    configure=list(CONFIGURE),
-                    plugin_sha256=plugin_hash(),
-                    layout=LAYOUT,
-                    key=final.name,
-                    seconds=round(clock() - started, 1),
-                    finished=clock(),
-                    size_bytes=tree_size(tmp),
-                )
-                (tmp / READY).write_text(json.dumps(info, indent=2, sort_keys=True))
-                os.replace(tmp, final)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            info = build_in_place(
+                final,
+                lambda tmp: build(tmp, apt, source_version, progress),
+                clock,
+                qemu_source=f"{SOURCE_PACKAGE}={source_version}",
+                configure=list(CONFIGURE),
+                plugin_sha256=plugin_hash(),
+                layout=LAYOUT,
+            )
         finally:
             shutil.rmtree(apt_dir, ignore_errors=True)
         return Counter(final, info)

@@ -146,20 +146,14 @@ def count(
             artifact = _eager_program(artifact_or_eager, np.asarray(array[:1], dtype=np.float32), work)
             name = f"eager {type(artifact_or_eager).__name__}"
         out = work / "counts.txt"
-        prefix = runner.path / "cpus" / cpu
-        command = [
-            str(counter.qemu),
-            "-cpu",
+        command = runner.python(
             cpu,
-            "-L",
-            str(prefix),
-            *counter.plugin_option(out),
-            str(prefix / "usr" / "bin" / "python3"),
-            "-s",
             str(INSIDE_COUNT),
             *("--artifact", str(artifact), "--inputs", str(batch)),
             *("--warmup", str(warmup), "--runs", str(runs), "--empty", str(empty)),
-        ]
+            qemu=counter.qemu,
+            options=counter.plugin_option(out),
+        )
         started = time.perf_counter()
         try:
             done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=timeout)

@@ -27,15 +27,17 @@ class Runner:
     def cpus(self) -> list[str]:
         return list(self.info.get("cpus", {}))
 
-    def python(self, cpu: str, script: str, *args: str) -> list[str]:
-        """The command running `script` (a path inside the root) with the runner's Python on `cpu`."""
+    def python(self, cpu: str, script: str, *args: str, qemu: Path | None = None, options=()) -> list[str]:
+        """The command running `script` (a path inside the root) with the runner's Python on `cpu`; `qemu` and
+        its `options`: another qemu-aarch64 (the counting one, with its plugin) instead of the runner's."""
         prefix = self.path / "cpus" / cpu
         return [
-            str(self.qemu),
+            str(qemu or self.qemu),
             "-cpu",
             cpu,
             "-L",
             str(prefix),
+            *options,
             str(prefix / "usr" / "bin" / "python3"),
             "-s",
             script,

@@ -32,7 +32,7 @@ def cache_root(cache_dir: Path | None = None) -> Path:
     return Path(base) / "aarch64"
 
 
-def _read_ready(path: Path) -> dict | None:
+def read_ready(path: Path) -> dict | None:
     try:
         info = json.loads((path / READY).read_text())
     except (OSError, ValueError):
@@ -51,7 +51,7 @@ def find(
     for path in root.glob("*") if root.is_dir() else []:
         if path.name.startswith(".") or not path.is_dir():
             continue
-        info = _read_ready(path)
+        info = read_ready(path)
         if info and info.get("packages") == wanted and info.get("layout") == pins.LAYOUT:
             found.append((info.get("finished", 0), path, info))
     if not found:
@@ -122,24 +122,37 @@ def prepare(
         if final.exists():  # without READY (or rebuilding): never used as it is
             progress.note(f"removing an incomplete or replaced aarch64 runner: {final}")
             shutil.rmtree(final)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-        started = clock()
-        try:
-            info = builder.build(tmp, wanted, progress)
-            info.update(
-                packages=wanted,
-                qemu=qemu,
-                layout=pins.LAYOUT,
-                key=final.name,
-                seconds=round(clock() - started, 1),
-                finished=clock(),
-                size_bytes=tree_size(tmp),
-            )
-            (tmp / READY).write_text(json.dumps(info, indent=2, sort_keys=True))
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        info = build_in_place(
+            final,
+            lambda tmp: builder.build(tmp, wanted, progress),
+            clock,
+            packages=wanted,
+            qemu=qemu,
+            layout=pins.LAYOUT,
+        )
         return Runner(final, info)
+
+
+def build_in_place(final: Path, build: Callable[[Path], dict], clock: Callable[[], float], **recorded) -> dict:
+    """`build(tmp)` in a temporary sibling of `final`, its answer with `recorded`, the key, time and size written
+    to READY last, then the directory renamed to `final`; a build that raises leaves nothing. The caller holds
+    the lock and has removed an earlier `final`."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    started = clock()
+    try:
+        info = build(tmp)
+        info.update(
+            recorded,
+            key=final.name,
+            seconds=round(clock() - started, 1),
+            finished=clock(),
+            size_bytes=tree_size(tmp),
+        )
+        (tmp / READY).write_text(json.dumps(info, indent=2, sort_keys=True))
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info
 
 
 def tree_size(path: Path) -> int:
