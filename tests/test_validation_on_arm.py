@@ -58,9 +58,9 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
         )
     )
     assert result.exit_code == 0, (result.output, result.exception)
-    entries = {}
+    entries, docs = {}, {}
     for target in ("android", "jetson"):
-        doc = json.loads((out / target / "manifest.json").read_text())
+        doc = docs[target] = json.loads((out / target / "manifest.json").read_text())
         assert doc["aarch64"]["runner"]["key"] == arm_runner.info["key"]
         # set up (or found) once, before anything is written: one step, not one more per target
         assert [step for step in doc["timings_s"] if "aarch64 runner" in step] == ["aarch64 runner"], doc["timings_s"]
@@ -104,6 +104,25 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
             assert row["vs_x86"] is not None and row["vs_x86"]["max_abs_diff"] >= 0, where
             if "fp32" in path:  # float kernels differ in summation order only: 1e-5 measured
                 assert row["vs_x86"]["max_abs_diff"] <= 1e-3, (where, row["vs_x86"])
+    # instruction counts on each core, eager's beside them; int8 costs fewer instructions than fp32 in one engine
+    for target, doc in docs.items():
+        counted = doc["aarch64"]["instructions"]
+        assert "unavailable" not in counted and not counted["failed"], counted
+        assert set(counted["eager"]) == set(E2E_CPUS) and counted["reference_cpu"] == "cortex-a76", counted
+    for path, entry in entries.items():
+        for row in entry["aarch64"]:
+            counts = row["instructions"]
+            assert counts["per_inference"] > 0 and counts["spread"] < 1e-3 and "not time" in counts["unit"], (
+                path,
+                counts,
+            )
+            assert counts["ratio_to_eager"] == round(counts["eager_per_inference"] / counts["per_inference"], 3)
+    a76 = {
+        p: {r["cpu"]: r for r in e["aarch64"]}["cortex-a76"]["instructions"]["per_inference"]
+        for p, e in entries.items()
+    }
+    assert a76["mobilenet_v3_small_executorch_int8.pte"] < a76["mobilenet_v3_small_executorch_fp32.pte"], a76
+    assert "ranked by count" in (out / "android" / "report.md").read_text()
 
 
 @pytest.mark.slow
