@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import data, formats, hostload, validation
+from . import bench_counts, data, formats, hostload, validation
 from .device import detection_decode
 from .release import manifest
 from .quant import SETTINGS, Calibration
@@ -89,7 +89,15 @@ def _available(fmt: str):
         return None
 
 
-def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: Path, log) -> dict:
+def bench_model(
+    name: str,
+    threads: int,
+    warmup: int,
+    iterations: int,
+    workdir: Path,
+    log,
+    arm: bench_counts.ArmCounter | None = None,
+) -> dict:
     torch.manual_seed(0)
     weights = resolve(MODELS[name])
     task = bind_task(weights)
@@ -171,6 +179,10 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
             except Exception as e:
                 log(f"  {name}: {label}: not profiled: {type(e).__name__}: {e}")
             torch.set_num_threads(threads)
+    if arm is not None:  # after every timed round: qemu never runs beside a timing
+        images = torch.cat([example, *inputs.calibration[:2]]).numpy()
+        counted = {label: path for label, (_, path) in paths.items()}
+        instructions = arm.count(name, model, counted, images)
     result = {
         "input": list(task.input_size),
         "latency_ms": timing,
@@ -180,6 +192,7 @@ def bench_model(name: str, threads: int, warmup: int, iterations: int, workdir: 
         "memory_bytes": memory,
         "profiles": profiles,
         "rewrites": rewrites,
+        **({"instructions": instructions} if arm is not None else {}),
     }
     if isinstance(task, Detection):
         with torch.no_grad():
@@ -332,6 +345,7 @@ def table(results: dict) -> str:
     for model, r in results.items():
         for label, rewrite in (r.get("rewrites") or {}).items():
             lines.append(f"- {model} {label} rewritten before lowering: {_rewrites_line(rewrite)}")
+    lines += bench_counts.table(results, [label for label, *_ in RUNTIMES])
     lines += _host_lines(results)
     lines += [
         "",
@@ -405,6 +419,11 @@ def main(argv=None) -> None:
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--out", type=Path, default=Path("exports/bench"))
     parser.add_argument("--baseline", type=Path, default=BASELINE, help="a previous bench.json to compare ratios with")
+    parser.add_argument(
+        "--arm-cpus",
+        default=",".join(bench_counts.profile_cpus()),
+        help="emulated cores to count instructions on (the android and jetson profiles' by default); none: skip",
+    )
     parser.add_argument("--save-baseline", action="store_true", help="make this run the baseline (then commit it)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.models.split(",")) - set(MODELS))
@@ -415,10 +434,12 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     host = manifest.host(args.threads)
     print(f"host: {host['cpu']}, {host['cores']} cores, {args.threads} threads for every runtime; batch 1")
+    cpus = [] if args.arm_cpus in ("", "none") else args.arm_cpus.split(",")
+    arm = bench_counts.ArmCounter(cpus, print) if cpus else None
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            results[name] = bench_model(name, args.threads, args.warmup, args.iterations, Path(tmp), print)
+            results[name] = bench_model(name, args.threads, args.warmup, args.iterations, Path(tmp), print, arm)
     baseline = json.loads(args.baseline.read_text()) if args.baseline.is_file() else None
     text = table(results) + against_baseline(results, baseline)
     print(text)

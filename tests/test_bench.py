@@ -68,3 +68,43 @@ def test_a_ratio_that_fell_against_the_baseline_is_flagged():
     assert "pte int8 plain vs pte fp32 5.00× → 2.50× ⚠ fell" in faster  # int8's lead over a faster fp32 shrank
     assert bench.against_baseline({"m": _run(2.5)}, None) == ""
     assert "new: not in the baseline" in bench.against_baseline({"new": _run(2.5)}, baseline)
+
+
+def test_the_arm_columns_give_millions_per_core_count_ratios_and_what_was_not_counted():
+    from exporter import bench_counts
+
+    run = _run(2.5)
+    run["instructions"] = {
+        "unit": bench_counts.UNIT,
+        "cpus": {
+            "cortex-a76": {"eager": 900e6, "pte fp32": 100e6, "onnx fp32 (ORT)": 150e6, "pte int8 plain": 40e6},
+            "cortex-a53": {"eager": 800e6, "pte fp32": 90e6},
+        },
+        "spread": 0.0,
+        "failed": {"tflite fp32 on cortex-a53": "RuntimeError: boom"},
+    }
+    text = bench.table({"m": run, "n": {**_run(2.5), "instructions": {"unavailable": "no counting qemu"}}})
+    a76 = text[text.index("on cortex-a76, millions") :]
+    assert "| m | 900.0 | 100.0 | 40.0 |" in a76 and "| 1.50× | — | — | — | 2.50× | 9.00× |" in a76
+    assert "on cortex-a53, millions" in text and "| m | 800.0 | 90.0 |" in text
+    assert "- m: not counted: tflite fp32 on cortex-a53: RuntimeError: boom" in text
+    assert "- n: unavailable (no counting qemu)" in text and "not time" in text
+    assert bench_counts.ratios(run["instructions"]["cpus"]["cortex-a76"])["pte fp32 vs ORT fp32"] == 1.5
+
+
+def test_the_bench_counts_on_the_profiles_cores_and_says_why_it_cannot(monkeypatch):
+    from exporter import bench_counts
+    from exporter.errors import UsageError
+
+    assert bench_counts.profile_cpus()[0] == "cortex-a76" and {"cortex-a53", "cortex-a57"} <= set(
+        bench_counts.profile_cpus()
+    )
+
+    def refuse(**kwargs):
+        raise UsageError("no aarch64 runner here")
+
+    monkeypatch.setattr("exporter.aarch64.runner.prepare", refuse)
+    said = []
+    arm = bench_counts.ArmCounter(["cortex-a76"], said.append, offline=True)
+    assert arm.count("m", None, {}, None) == {"unavailable": "no aarch64 runner here"}
+    assert said == ["ARM instruction counts: unavailable (no aarch64 runner here)"]

@@ -25,9 +25,15 @@ def _marker(tag: int, count: int, pid: int = 10, vcpu: int = 0) -> str:
     return f"marker {pid} {vcpu} {tag} {count}"
 
 
-def _regions_text(empty=(5000, 5010, 4990), load=100_000, runs=(1_300_000, 1_005_000, 1_004_000, 1_006_000)) -> str:
+def _regions_text(
+    empty=(5000, 5010, 4990), load=100_000, runs=(1_300_000, 1_005_000, 1_004_000, 1_006_000), artifacts=1
+) -> str:
+    """Artifact k's regions are its load and runs, each 10 * k instructions dearer than artifact 0's."""
     lines, at = [], 1_000_000
-    for tag, n in [(1, e) for e in empty] + [(3, load)] + [(5, r) for r in runs]:
+    regions = [(1, e) for e in empty]
+    for k in range(artifacts):
+        regions += [(10 * k + 3, load + 10 * k)] + [(10 * k + 5, r + 10 * k) for r in runs]
+    for tag, n in regions:
         lines += [_marker(tag, at), _marker(tag + 1, at + n)]
         at += n + 777  # what runs between two regions is never counted
     return "\n".join(lines)
@@ -45,10 +51,9 @@ def test_the_marker_cost_is_subtracted_and_the_warm_up_reported_apart():
     found = counting.regions(counter.read_lines(_regions_text()))
     assert found == {
         "empty": [5000, 5010, 4990],
-        "load": [100_000],
-        "run": [1_300_000, 1_005_000, 1_004_000, 1_006_000],
+        "artifacts": [{"load": [100_000], "run": [1_300_000, 1_005_000, 1_004_000, 1_006_000]}],
     }
-    summary = counting.summarize(found, warmup=1)
+    summary = counting.summarize(found["empty"], found["artifacts"][0], warmup=1)
     assert summary["marker_cost"] == 5000
     assert summary["load"] == 95_000
     assert summary["warmup"] == [1_295_000]
@@ -57,10 +62,18 @@ def test_the_marker_cost_is_subtracted_and_the_warm_up_reported_apart():
     assert summary["spread"] == pytest.approx(2_000 / 1_000_000)
 
 
+def test_each_artifact_of_one_process_has_its_own_regions_and_shares_the_marker_cost():
+    found = counting.regions(counter.read_lines(_regions_text(artifacts=3)))
+    assert len(found["artifacts"]) == 3
+    per = [counting.summarize(found["empty"], one, warmup=1) for one in found["artifacts"]]
+    assert [p["per_inference"] for p in per] == [1_000_000, 1_000_010, 1_000_020]
+    assert [p["load"] for p in per] == [95_000, 95_010, 95_020] and {p["marker_cost"] for p in per} == {5000}
+
+
 def test_only_the_counted_process_and_thread_are_read():
     child = "\n".join(_marker(tag, 1, pid=11) for tag in (5, 5, 5))  # a forked child's markers: another process
     found = counting.regions(counter.read_lines(_regions_text() + "\n" + child), pid=10)
-    assert len(found["run"]) == 4
+    assert len(found["artifacts"][0]["run"]) == 4
     two_threads = _marker(5, 0) + "\n" + _marker(6, 10, vcpu=1)
     with pytest.raises(UsageError, match="more than one thread"):
         counting.regions(counter.read_lines(two_threads))
@@ -72,6 +85,7 @@ def test_only_the_counted_process_and_thread_are_read():
         (_marker(5, 0) + "\n" + _marker(4, 10), "out of order"),
         (_marker(5, 0) + "\n" + _marker(5, 10), "out of order"),
         (_marker(9, 0), "out of order"),
+        (_marker(13, 0) + "\n" + _marker(4, 10), "out of order"),  # artifact 1's load closed as artifact 0's
         (_marker(1, 0) + "\n" + _marker(2, 10) + "\n" + _marker(3, 20), "never closed"),
     ],
 )
@@ -83,9 +97,9 @@ def test_markers_that_do_not_pair_are_refused(text, message):
 def test_too_few_regions_are_refused():
     found = counting.regions(counter.read_lines(_regions_text(runs=(1000,))))
     with pytest.raises(UsageError, match="more than 1 inferences"):
-        counting.summarize(found, warmup=1)
+        counting.summarize(found["empty"], found["artifacts"][0], warmup=1)
     with pytest.raises(UsageError, match="marker's own cost"):
-        counting.summarize({"empty": [], "load": [1], "run": [1, 2]}, warmup=1)
+        counting.summarize([], {"load": [1], "run": [1, 2]}, warmup=1)
 
 
 def test_the_key_follows_the_qemu_source_the_plugin_and_the_layout():
@@ -207,6 +221,8 @@ def test_bad_requests_are_refused_before_anything_runs(tmp_path):
         counting.count(runner, qemu, tmp_path / "model.txt", x[0], "cortex-a76")
     with pytest.raises(UsageError, match="runs 0"):
         counting.count(runner, qemu, tmp_path / "model.txt", x, "cortex-a76", runs=0)
+    with pytest.raises(UsageError, match="items >= 1"):
+        counting.count_many(runner, qemu, [], x, "cortex-a76")
 
 
 def test_the_tiny_program_is_an_aarch64_executable():
@@ -227,20 +243,22 @@ def _net(width: int):
     ).eval()
 
 
-def test_the_guest_script_runs_on_the_host_too(tmp_path):
+def test_the_guest_script_runs_on_the_host_too_and_one_broken_artifact_leaves_the_others_counted(tmp_path):
     """inside_count.py's own logic, with this host's Python and packages: on x86 the marker is an unknown syscall
-    (ENOSYS, harmless), so it runs the same sequence and answers its line."""
+    (ENOSYS, harmless), so it runs the same sequence and answers its line, an error for the file that is no model."""
     import numpy as np
     import torch
 
     x = torch.randn(2, 3, 16, 16)
     torch.onnx.export(_net(4), (x[:1],), tmp_path / "net.onnx", dynamo=False)
+    (tmp_path / "broken.onnx").write_bytes(b"not a model")
     np.save(tmp_path / "x.npy", x.numpy())
     done = subprocess.run(
         [
             sys.executable,
             str(counting.INSIDE_COUNT),
-            *("--artifact", str(tmp_path / "net.onnx"), "--inputs", str(tmp_path / "x.npy"), "--runs", "2"),
+            *(a for name in ("broken", "net") for a in ("--artifact", str(tmp_path / f"{name}.onnx"))),
+            *("--inputs", str(tmp_path / "x.npy"), "--runs", "2"),
         ],
         capture_output=True,
         text=True,
@@ -248,7 +266,8 @@ def test_the_guest_script_runs_on_the_host_too(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout.strip().splitlines()[-1])
-    assert answer["runtime"] == "onnxruntime" and answer["pid"] > 0
+    broken, net = answer["artifacts"]
+    assert "error" in broken and net["runtime"] == "onnxruntime" and answer["pid"] > 0, answer
 
 
 # -- for real, under the counting qemu ----------------------------------------------------------------------------
@@ -279,9 +298,12 @@ def test_the_counting_qemu_counts_a_six_instruction_program_exactly(counting_qem
 
 @pytest.mark.slow
 @needs_arm
-def test_a_pte_counts_the_same_twice_and_four_times_the_work_counts_clearly_more(arm_runner, counting_qemu, tmp_path):
-    """Two small conv nets (64 x 64, 16 and 32 channels: 3.7x the multiply-adds), fp32 .pte, on cortex-a76: one
-    process each, about 20 s each under emulation (most of it importing torch)."""
+def test_a_pte_counts_the_same_alone_and_in_a_batch_and_four_times_the_work_counts_clearly_more(
+    arm_runner, counting_qemu, tmp_path
+):
+    """Two small conv nets (64 x 64, 16 and 32 channels: 3.7x the multiply-adds), fp32 .pte, on cortex-a76: the
+    first alone, then both and a file that is no model in one process (about 20 s a process under emulation, most of
+    it importing torch)."""
     import torch
 
     from exporter.formats import executorch
@@ -289,9 +311,12 @@ def test_a_pte_counts_the_same_twice_and_four_times_the_work_counts_clearly_more
     x = torch.randn(2, 3, 64, 64)
     for width in (16, 32):
         executorch.export(_net(width), x[:1], "fp32", None, tmp_path / f"net{width}.pte", {})
-    small = [counting.count(arm_runner, counting_qemu, tmp_path / "net16.pte", x.numpy(), "cortex-a76") for _ in "ab"]
-    large = counting.count(arm_runner, counting_qemu, tmp_path / "net32.pte", x.numpy(), "cortex-a76")
-    first, second = small
+    (tmp_path / "broken.pte").write_bytes(b"not a program")
+    first = counting.count(arm_runner, counting_qemu, tmp_path / "net16.pte", x.numpy(), "cortex-a76")
+    second, broken, large = counting.count_many(
+        arm_runner, counting_qemu, [tmp_path / n for n in ("net16.pte", "broken.pte", "net32.pte")], x, "cortex-a76"
+    )
+    assert isinstance(broken, counting.Failed) and broken.artifact == "broken.pte", broken
     assert first.info["delegate"] == "XnnpackBackend" and first.cpu == "cortex-a76"
     assert first.qemu_version == counting_qemu.version
     assert abs(first.per_inference - second.per_inference) / first.per_inference < 1e-3, (first, second)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from exporter import aarch64
-from exporter.aarch64.counting import Counts
+from exporter.aarch64.counting import Counts, Failed
 from exporter.aarch64.counter import Counter
 from exporter.aarch64.layout import Runner
 from exporter.engine import count_on_arm
@@ -215,16 +215,23 @@ def test_distance_to_x86(outputs, x86, expected):
 
 def test_counts_join_each_row_with_eager_beside_and_ship_this_ranks_by_them(monkeypatch, tmp_path, digits_model):
     """The counting itself is faked (tests/test_counting.py counts for real): a count per artifact that orders them
-    against their x86 latency, so the pick shows which measure decided; eager counts more than any artifact."""
-    fake, counted = FakeArm("fake-counts"), []
+    against their x86 latency, so the pick shows which measure decided; eager counts more than any artifact, and
+    fails on cortex-a53 (its rows there have no ratio, the others are counted)."""
+    fake, batches = FakeArm("fake-counts"), []
 
-    def count(runner, counter, what, inputs, cpu, warmup=1, runs=3):
-        name = what.name if isinstance(what, Path) else "eager"
-        counted.append((name, cpu, inputs.shape))
-        per = 10_000_000 if name == "eager" else 1_000_000 + Path(what).stat().st_size // 100
-        return Counts(name, cpu, per, 0.0, [per] * runs, [per + 7] * warmup, 5, 4600, "qemu 10 (fake)")
+    def count_many(runner, counter, items, inputs, cpu, warmup=1, runs=3):
+        batches.append((cpu, inputs.shape, len(items)))
+        results = []
+        for what in items:
+            name = what.name if isinstance(what, Path) else "eager"
+            if name == "eager" and cpu == "cortex-a53":
+                results.append(Failed(name, cpu, "torch.export refused it"))
+                continue
+            per = 10_000_000 if name == "eager" else 1_000_000 + Path(what).stat().st_size // 100
+            results.append(Counts(name, cpu, per, 0.0, [per] * runs, [per + 7] * warmup, 5, 4600, "qemu 10 (fake)"))
+        return results
 
-    monkeypatch.setattr(count_on_arm.counting, "count", count)
+    monkeypatch.setattr(count_on_arm.counting, "count_many", count_many)
     result, doc, _ = _build(
         monkeypatch,
         tmp_path,
@@ -237,12 +244,11 @@ def test_counts_join_each_row_with_eager_beside_and_ship_this_ranks_by_them(monk
     jsonschema.validate(doc, manifest.schema())
     summary = doc["aarch64"]["instructions"]
     assert summary.get("reference_cpu") == "cortex-a76", summary
-    assert summary["eager"] == {
-        "cortex-a53": 10_000_000,
-        "cortex-a76": 10_000_000,
-    }
-    assert all(shape[0] == 1 for _, _, shape in counted)  # one input per core in a build
+    assert summary["eager"] == {"cortex-a76": 10_000_000}
+    assert summary["failed"] == {"eager on cortex-a53": "torch.export refused it"}
     run = [a for a in doc["artifacts"] if a.get("aarch64")]
+    # one emulated process per core, eager and every artifact with a row in it, on one input
+    assert batches == [(cpu, (1, 3, 224, 224), len(run) + 1) for cpu in ("cortex-a53", "cortex-a76")], batches
     for a in run:
         for row in a["aarch64"]:
             counts = row["instructions"]
@@ -250,7 +256,10 @@ def test_counts_join_each_row_with_eager_beside_and_ship_this_ranks_by_them(monk
                 counts["per_inference"] == 1_000_000 + a["size_bytes"] // 100
                 and counts["warmup"] == counts["per_inference"] + 7
             )
-            assert counts["ratio_to_eager"] == round(10_000_000 / counts["per_inference"], 3)
+            if row["cpu"] == "cortex-a53":
+                assert counts["eager_per_inference"] is None and counts["ratio_to_eager"] is None
+            else:
+                assert counts["ratio_to_eager"] == round(10_000_000 / counts["per_inference"], 3)
             assert "not time" in counts["unit"]
     passed = [a for a in run if a["status"] == "passed"]
     smallest = min(passed, key=lambda a: a["size_bytes"])
@@ -259,6 +268,16 @@ def test_counts_join_each_row_with_eager_beside_and_ship_this_ranks_by_them(monk
         f"`{smallest['name']}`" in line and "emulated instructions per inference on cortex-a76, ranked by count" in line
     )
     assert "Instructions: emulated aarch64 instructions" in line and "instructions / inference" in line
+    # the app bundle carries each row's counts, as the manifest has them
+    assert run_cli("bundle", tmp_path / "build").exit_code == 0
+    listed = json.loads((tmp_path / "build" / "bundle" / "android" / "bundle.json").read_text())["artifacts"]
+    by_path = {a["path"]: a for a in run}
+    bundled = [a for a in listed if a.get("aarch64")]
+    assert bundled and all(
+        row["instructions"] == by_path[a["file"]]["aarch64"][i]["instructions"]
+        for a in bundled
+        for i, row in enumerate(a["aarch64"])
+    ), bundled
 
 
 def test_a_build_without_a_counting_qemu_says_why_and_ranks_by_x86_latency(monkeypatch, tmp_path, digits_model):

@@ -27,7 +27,7 @@ from .layout import Runner
 
 INSIDE_COUNT = Path(__file__).with_name("inside_count.py")  # run by its host path, as execute.py runs inside.py
 SUFFIXES = (".pte", ".ptl", ".onnx", ".tflite", ".pt2")
-EMPTY, LOAD, RUN = 1, 3, 5  # inside_count.py's start tags; each region ends with start + 1
+EMPTY, LOAD, RUN, STRIDE = 1, 3, 5, 10  # inside_count.py's start tags (artifact k: + STRIDE * k); an end is start + 1
 
 
 @dataclass
@@ -49,39 +49,56 @@ class Counts:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def regions(lines: list[dict], pid: int | None = None) -> dict[str, list[int]]:
-    """The instructions between each start and end marker, by region ("empty", "load", "run"), in order, from the
-    plugin's lines of process `pid` (default: the first marker's). Markers out of order, or from more than one vCPU,
-    are refused: the counts would not be of one thread's region."""
+@dataclass
+class Failed:
+    """An artifact of a batch that could not be counted (the others were)."""
+
+    artifact: str
+    cpu: str
+    reason: str
+
+
+def regions(lines: list[dict], pid: int | None = None) -> dict:
+    """The instructions between each start and end marker from the plugin's lines of process `pid` (default: the
+    first marker's): {"empty": [...], "artifacts": [{"load": [...], "run": [...]} for artifact 0, 1, ...]}, each
+    list in order. Markers out of order, or from more than one vCPU, are refused: the counts would not be of one
+    thread's region."""
     markers = [line for line in lines if line["kind"] == "marker"]
     if pid is None and markers:
         pid = markers[0]["pid"]
     markers = [m for m in markers if m["pid"] == pid]
     if len({m["vcpu"] for m in markers}) > 1:
         raise UsageError("the markers came from more than one thread: counts of one region cannot be told apart")
-    names = {EMPTY: "empty", LOAD: "load", RUN: "run"}
-    found: dict[str, list[int]] = {name: [] for name in names.values()}
+    empty: list[int] = []
+    artifacts: list[dict[str, list[int]]] = []
     start = None
     for m in markers:
-        if m["tag"] in names and start is None:
+        k, kind = divmod(m["tag"], STRIDE)
+        if start is None and (m["tag"] == EMPTY or kind in (LOAD, RUN)):
             start = m
         elif start is not None and m["tag"] == start["tag"] + 1:
-            found[names[start["tag"]]].append(m["count"] - start["count"])
+            if start["tag"] == EMPTY:
+                empty.append(m["count"] - start["count"])
+            else:
+                while len(artifacts) <= k:
+                    artifacts.append({"load": [], "run": []})
+                artifacts[k]["load" if kind == LOAD + 1 else "run"].append(m["count"] - start["count"])
             start = None
         else:
             raise UsageError(f"the counting markers are out of order (tag {m['tag']} after {start and start['tag']})")
     if start is not None:
         raise UsageError(f"the counting ended inside a region (tag {start['tag']} never closed)")
-    return found
+    return {"empty": empty, "artifacts": artifacts}
 
 
-def summarize(found: dict[str, list[int]], warmup: int) -> dict:
-    """Per-region counts with the marker's cost subtracted, the counted runs' median and spread."""
-    if not found["empty"]:
+def summarize(empty: list[int], found: dict[str, list[int]], warmup: int) -> dict:
+    """One artifact's counts with the marker's cost (the median of the `empty` pairs) subtracted, the counted runs'
+    median and spread."""
+    if not empty:
         raise UsageError("no empty marker pair: the marker's own cost cannot be measured")
     if len(found["load"]) != 1 or len(found["run"]) <= warmup:
         raise UsageError(f"expected one load and more than {warmup} inferences, got {found}")
-    cost = round(statistics.median(found["empty"]))
+    cost = round(statistics.median(empty))
     runs = [n - cost for n in found["run"]]
     counted = runs[warmup:]
     median = round(statistics.median(counted))
@@ -95,37 +112,46 @@ def summarize(found: dict[str, list[int]], warmup: int) -> dict:
     }
 
 
-def _eager_program(model, example, into: Path) -> Path:
+def _eager_program(model, example, path: Path) -> Path:
     """An nn.Module as a torch.export program, which the guest runs op by op (eager PyTorch's kernels)."""
     import torch
 
-    path = into / "eager.pt2"
     with torch.no_grad():
         program = torch.export.export(model.eval(), (torch.as_tensor(example),))
     torch.export.save(program, str(path))
     return path
 
 
-def count(
+def count(runner: Runner, counter: Counter, artifact_or_eager, inputs, cpu: str, **options) -> Counts:
+    """One artifact's (or an nn.Module's) counts: count_many of one; UsageError (one line) when it cannot be
+    counted."""
+    (result,) = count_many(runner, counter, [artifact_or_eager], inputs, cpu, **options)
+    if isinstance(result, Failed):
+        raise UsageError(f"counting {result.artifact} on {cpu} failed: {result.reason}")
+    return result
+
+
+def count_many(
     runner: Runner,
     counter: Counter,
-    artifact_or_eager,
+    items: list,
     inputs,
     cpu: str,
     warmup: int = 1,
     runs: int = 3,
     empty: int = 5,
     timeout: float = 1800,
-) -> Counts:
-    """Instructions of `artifact_or_eager` (a .pte, .ptl, .onnx, .tflite or .pt2 path, or an nn.Module, exported
-    here with torch.export and run op by op) per inference on `cpu`, at one thread, in one emulated process:
-    `warmup` inferences reported apart, then `runs` counted. `inputs`: an N x C x H x W float32 array or a .npy
-    path (inference i takes image i % N). UsageError (one line) when it cannot be counted."""
+) -> list[Counts | Failed]:
+    """Instructions per inference on `cpu`, at one thread, of each of `items` (a .pte, .ptl, .onnx, .tflite or .pt2
+    path, or an nn.Module, exported here with torch.export and run op by op), one after another in one emulated
+    process (the imports paid once): `warmup` inferences reported apart, then `runs` counted. `inputs`: an
+    N x C x H x W float32 array or a .npy path (inference i takes image i % N). An item that fails in the guest is a
+    Failed beside the others' Counts; a bad request, or a process that dies, is a UsageError (one line)."""
     import numpy as np
 
     (cpu,) = named.check([cpu], runner.cpus)
-    if warmup < 0 or runs < 1 or empty < 1:
-        raise UsageError(f"warmup {warmup} must be >= 0, runs {runs} and empty {empty} >= 1")
+    if warmup < 0 or runs < 1 or empty < 1 or not items:
+        raise UsageError(f"warmup {warmup} must be >= 0, runs {runs}, empty {empty} and the items >= 1")
     work = Path(tempfile.mkdtemp(prefix="exporter-count-"))
     try:
         if isinstance(inputs, (str, Path)):
@@ -137,37 +163,50 @@ def count(
             np.save(batch, array)
         if array.ndim != 4 or array.shape[0] < 1:
             raise UsageError(f"inputs: expected N x C x H x W, got shape {array.shape}")
-        if isinstance(artifact_or_eager, (str, Path)):
-            artifact = Path(artifact_or_eager).resolve()
-            if artifact.suffix not in SUFFIXES or not artifact.is_file():
-                raise UsageError(f"{artifact}: not a {', '.join(SUFFIXES)} file")
-            name = artifact.name
-        else:
-            artifact = _eager_program(artifact_or_eager, np.asarray(array[:1], dtype=np.float32), work)
-            name = f"eager {type(artifact_or_eager).__name__}"
+        paths, names = [], []
+        for k, item in enumerate(items):
+            if isinstance(item, (str, Path)):
+                artifact = Path(item).resolve()
+                if artifact.suffix not in SUFFIXES or not artifact.is_file():
+                    raise UsageError(f"{artifact}: not a {', '.join(SUFFIXES)} file")
+                names.append(artifact.name)
+            else:
+                artifact = _eager_program(item, np.asarray(array[:1], dtype=np.float32), work / f"eager{k}.pt2")
+                names.append(f"eager {type(item).__name__}")
+            paths.append(artifact)
         out = work / "counts.txt"
         command = runner.python(
             cpu,
             str(INSIDE_COUNT),
-            *("--artifact", str(artifact), "--inputs", str(batch)),
-            *("--warmup", str(warmup), "--runs", str(runs), "--empty", str(empty)),
+            *(a for path in paths for a in ("--artifact", str(path))),
+            *("--inputs", str(batch), "--warmup", str(warmup), "--runs", str(runs), "--empty", str(empty)),
             qemu=counter.qemu,
             options=counter.plugin_option(out),
         )
+        what = names[0] if len(names) == 1 else f"{len(names)} artifacts"
         started = time.perf_counter()
         try:
             done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise UsageError(f"counting {name} on {cpu}: timed out after {timeout:.0f} s under qemu") from None
+            raise UsageError(f"counting {what} on {cpu}: timed out after {timeout:.0f} s under qemu") from None
         seconds = round(time.perf_counter() - started, 2)
         answers = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode != 0 or not answers:
             errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
             reason = errors[-1] if errors else f"exit code {done.returncode}"
-            raise UsageError(f"counting {name} on {cpu} failed: {reason[:300]}")
-        info = json.loads(answers[-1])
-        lines = read_lines(out.read_text() if out.exists() else "")
-        found = summarize(regions(lines, info.pop("pid", None)), warmup)
-        return Counts(artifact=name, cpu=cpu, qemu_version=counter.version, info=info, seconds=seconds, **found)
+            raise UsageError(f"counting {what} on {cpu} failed: {reason[:300]}")
+        answer = json.loads(answers[-1])
+        found = regions(read_lines(out.read_text() if out.exists() else ""), answer["pid"])
+        results: list[Counts | Failed] = []
+        for k, (name, info) in enumerate(zip(names, answer["artifacts"], strict=True)):
+            if "error" in info:
+                results.append(Failed(name, cpu, info["error"]))
+                continue
+            one = found["artifacts"][k] if k < len(found["artifacts"]) else {"load": [], "run": []}
+            counts = summarize(found["empty"], one, warmup)
+            results.append(
+                Counts(artifact=name, cpu=cpu, qemu_version=counter.version, info=info, seconds=seconds, **counts)
+            )
+        return results
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1,15 +1,16 @@
 """Runs inside the aarch64 root under the counting qemu (exporter/aarch64/counting.py starts it by its host path, as
-execute.py does inside.py): loads one artifact and runs inferences between markers, at one thread.
+execute.py does inside.py): loads each artifact in turn and runs its inferences between markers, at one thread.
 
-    inside_count.py --artifact PATH --inputs X.npy [--warmup W] [--runs R] [--empty E]
+    inside_count.py --artifact PATH [--artifact PATH ...] --inputs X.npy [--warmup W] [--runs R] [--empty E]
 
 A marker is the syscall 4242 with a tag; the counting plugin (count_plugin.c) writes the calling vCPU's instruction
 count at each. Tags, in this order:
-    1, 2   E empty pairs (nothing between: the cost of a marker itself, subtracted by the host)
-    3, 4   the artifact's load (the runtime's modules are imported before: their import is not counted)
-    5, 6   each inference, W warm-ups then R counted, image i % N of X (N x C x H x W float32) for inference i
-then one JSON line on stdout: {"pid", "runtime", ...}. Everything is run at one thread: the counts of a thread pool
-that spins are not reproducible (shared/NOTES.md, "Counting instructions under qemu").
+    1, 2                 E empty pairs (nothing between: the cost of a marker itself, subtracted by the host)
+    10k+3, 10k+4         artifact k's load (the runtimes are imported before: their import is not counted)
+    10k+5, 10k+6         each of its inferences, W warm-ups then R counted, image i % N of X (N x C x H x W float32)
+then one JSON line on stdout: {"pid", "artifacts": [what ran each, or its "error"]}. One process for several
+artifacts pays the emulated imports once (about 15 s of each count). Everything is run at one thread: the counts of
+a thread pool that spins are not reproducible (shared/NOTES.md, "Counting instructions under qemu").
 
 Formats: .pte (ExecuTorch, thread pool at 1), .ptl (lite interpreter), .onnx (ONNX Runtime, intra-op 1),
 .tflite (ai-edge-litert, when the runner has it), .pt2 (a torch.export program run op by op: eager PyTorch).
@@ -25,7 +26,7 @@ import sys
 import inside  # (also keeps torch off CUDA when EXPORTER_AARCH64_NO_CUDA is set)
 
 MARKER = 4242
-EMPTY, LOAD, RUN = 1, 3, 5  # start tags; the end tag is start + 1
+EMPTY, LOAD, RUN, STRIDE = 1, 3, 5, 10  # start tags (artifact k: LOAD and RUN + STRIDE * k); the end tag is start + 1
 
 _syscall = ctypes.CDLL(None).syscall  # the process's own libc: no ldconfig, no subprocess
 _syscall.restype = ctypes.c_long
@@ -66,9 +67,27 @@ def _eager(path, threads):
 LOADERS = {**inside.LOADERS, ".pt2": _eager}
 
 
+def _count(path, k, images, warmup, runs):
+    """Artifact k's load and inferences between its markers; the closing marker is written even when it fails."""
+    mark(LOAD + STRIDE * k)
+    try:
+        forward, info = LOADERS[os.path.splitext(path)[1]](path, 1)
+    finally:
+        mark(LOAD + STRIDE * k + 1)
+    for i in range(warmup + runs):
+        image = images[i % len(images)]
+        mark(RUN + STRIDE * k)
+        try:
+            y = forward(image)
+        finally:
+            mark(RUN + STRIDE * k + 1)
+        del y
+    return info
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--artifact", required=True)
+    parser.add_argument("--artifact", required=True, action="append")
     parser.add_argument("--inputs", required=True)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--runs", type=int, default=3)
@@ -79,25 +98,24 @@ def main():
 
     import numpy as np
 
-    suffix = os.path.splitext(args.artifact)[1]
-    if suffix not in LOADERS:
-        raise SystemExit(f"unknown artifact type {suffix}")
+    suffixes = [os.path.splitext(path)[1] for path in args.artifact]
+    unknown = sorted(set(suffixes) - set(LOADERS))
+    if unknown:
+        raise SystemExit(f"unknown artifact type {', '.join(unknown)}")
     x = np.load(args.inputs)
     images = [np.ascontiguousarray(x[i : i + 1], dtype=np.float32) for i in range(x.shape[0])]
-    _runtime(suffix)
+    for suffix in dict.fromkeys(suffixes):
+        _runtime(suffix)
     for _ in range(args.empty):
         mark(EMPTY)
         mark(EMPTY + 1)
-    mark(LOAD)
-    forward, info = LOADERS[suffix](args.artifact, 1)
-    mark(LOAD + 1)
-    for i in range(args.warmup + args.runs):
-        image = images[i % len(images)]
-        mark(RUN)
-        y = forward(image)
-        mark(RUN + 1)
-        del y
-    answers.write(json.dumps({"pid": os.getpid(), **info}) + "\n")
+    done = []
+    for k, path in enumerate(args.artifact):
+        try:
+            done.append(_count(path, k, images, args.warmup, args.runs))
+        except Exception as e:  # noqa: BLE001 - one artifact that cannot run leaves the others counted
+            done.append({"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
+    answers.write(json.dumps({"pid": os.getpid(), "artifacts": done}) + "\n")
     answers.flush()
     sys.stdout.flush()
 

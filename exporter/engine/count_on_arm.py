@@ -47,14 +47,8 @@ def _key(session, what, cpu: str, runner, counter) -> str:
     )
 
 
-def _counted(session, what, cpu: str, runner, counter, measure) -> dict:
-    """The count of `what` on `cpu` from the cache, or measured now (and stored)."""
-    digest = _key(session, what, cpu, runner, counter)
-    cached = session.cache.fetch_json("instructions", digest)
-    if cached is not None:
-        return {**cached, "reused_from_cache": True}
-    counts = measure()
-    record = {
+def _record(counts: counting.Counts) -> dict:
+    return {
         "per_inference": counts.per_inference,
         "warmup": counts.warmup[0] if counts.warmup else None,
         "load": counts.load,
@@ -63,8 +57,42 @@ def _counted(session, what, cpu: str, runner, counter, measure) -> dict:
         "unit": UNIT,
         "qemu": counts.qemu_version,
     }
-    session.cache.store_json("instructions", digest, record)
-    return record
+
+
+def _count_on(session, cpu: str, items: dict, runner, counter, failed: dict) -> dict:
+    """{name: record} for `items` ({name: (cache key material, artifact path or nn.Module)}) on `cpu`: each from the
+    cache, the rest counted in one emulated process and stored. What cannot be counted goes to `failed`."""
+    records, missing = {}, {}
+    for name, (what, item) in items.items():
+        digest = _key(session, what, cpu, runner, counter)
+        cached = session.cache.fetch_json("instructions", digest)
+        if cached is not None:
+            records[name] = cached
+        else:
+            missing[name] = (digest, item)
+    if not missing:
+        return records
+    try:
+        results = counting.count_many(
+            runner,
+            counter,
+            [item for _, item in missing.values()],
+            session.inputs.validation[:1].numpy(),
+            cpu,
+            WARMUP,
+            RUNS,
+        )
+    except Exception as e:  # noqa: BLE001 - a count never fails a build (torch.export may refuse eager, qemu may die)
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        failed.update({f"{name} on {cpu}": reason for name in missing})
+        return records
+    for (name, (digest, _)), result in zip(missing.items(), results, strict=True):
+        if isinstance(result, counting.Failed):
+            failed[f"{name} on {cpu}"] = result.reason
+        else:
+            records[name] = _record(result)
+            session.cache.store_json("instructions", digest, records[name])
+    return records
 
 
 def add_counts(
@@ -97,7 +125,6 @@ def add_counts(
         summary["instructions"] = {"unavailable": str(e), "unit": UNIT}
         return
     started = time.perf_counter()
-    inputs = session.inputs.validation[:1].contiguous().numpy()
     eager, failed = {}, {}
     info = {
         "unit": UNIT,
@@ -108,42 +135,24 @@ def add_counts(
         "failed": failed,
     }
     summary["instructions"] = info
+    eager_key = {"eager": {k: session.digests[k] for k in ("checkpoint", "reference", "model", "task")}}
     for cpu in validate.cpus:
-        with progress.step(f"{prefix}aarch64 instruction counts on {cpu} (emulated, one thread)"):
-            try:
-                eager[cpu] = _counted(
-                    session,
-                    {"eager": {k: session.digests[k] for k in ("checkpoint", "reference", "model", "task")}},
-                    cpu,
-                    runner,
-                    counter,
-                    lambda: counting.count(runner, counter, session.loaded.eager, inputs, cpu, WARMUP, RUNS),
-                )["per_inference"]
-            except Exception as e:  # noqa: BLE001 - a count never fails a build (torch.export may refuse eager)
-                failed[f"eager on {cpu}"] = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            for entry in entries:
-                row = next((r for r in entry.aarch64 or [] if r.cpu == cpu), None)
-                if row is None:
-                    continue
-                try:
-                    record = _counted(
-                        session,
-                        entry.sha256,
-                        cpu,
-                        runner,
-                        counter,
-                        lambda: counting.count(runner, counter, out / entry.path, inputs, cpu, WARMUP, RUNS),
-                    )
-                except Exception as e:  # noqa: BLE001 - a count never fails a build: the summary says what failed
-                    failed[f"{entry.name} on {cpu}"] = (str(e).splitlines() or [type(e).__name__])[0][:300]
-                    continue
-                base = eager.get(cpu)
-                record.pop("reused_from_cache", None)
+        rows = {e.name: r for e in entries for r in e.aarch64 or [] if r.cpu == cpu}
+        items = {"eager": (eager_key, session.loaded.eager)}
+        items.update({e.name: (e.sha256, out / e.path) for e in entries if e.name in rows})
+        with progress.step(
+            f"{prefix}aarch64 instruction counts on {cpu} (emulated, one thread, {len(items)} programs)"
+        ):
+            records = _count_on(session, cpu, items, runner, counter, failed)
+        base = records.get("eager", {}).get("per_inference")
+        if base is not None:
+            eager[cpu] = base
+        for name, row in rows.items():
+            if name in records:
+                counted = records[name]["per_inference"]
                 row.instructions = {
-                    **record,
+                    **records[name],
                     "eager_per_inference": base,
-                    "ratio_to_eager": round(base / record["per_inference"], 3)
-                    if base and record["per_inference"]
-                    else None,
+                    "ratio_to_eager": round(base / counted, 3) if base and counted else None,
                 }
     info["seconds"] = round(time.perf_counter() - started, 1)

@@ -202,9 +202,14 @@ def _artifact(doc: dict, role: str, entry: dict) -> dict:
             )
             if k in memory
         }
-    if entry.get("aarch64"):  # the same artifact judged on emulated aarch64 CPUs (no latency: emulated)
+    if entry.get("aarch64"):  # the same artifact judged on emulated aarch64 CPUs (no latency: emulated), with its
+        # instruction counts there where they were made (labelled: not time)
         record["aarch64"] = [
-            {k: row.get(k) for k in ("cpu", "status", "reasons", "fidelity", "vs_x86", "emulated")}
+            {
+                k: row.get(k)
+                for k in ("cpu", "status", "reasons", "fidelity", "vs_x86", "emulated", "instructions")
+                if k != "instructions" or row.get(k)
+            }
             for row in entry["aarch64"]
         ]
     engine = next((e for e in doc.get("jetson", {}).get("engines", []) if e["onnx"] == entry["path"]), None)
