@@ -275,6 +275,13 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
     help="Emulated aarch64 CPU (repeatable), replacing the profile's [validate] cpus (implies --arch aarch64), e.g. cortex-a53.",
 )
 @click.option(
+    "--count/--no-count",
+    "count",
+    default=None,
+    help="Count emulated instructions per inference on each aarch64 CPU (default: the profile's [validate] count; "
+    "about a minute per CPU; a count is not time).",
+)
+@click.option(
     "--quant-budget",
     "quant_budget",
     multiple=True,
@@ -330,6 +337,7 @@ def build(
     thresholds,
     arches,
     cpus,
+    count,
     quant_budget,
     no_fallback,
     formats,
@@ -381,6 +389,7 @@ def build(
         input_size=input_size,
         arch=list(arches),
         cpus=list(cpus),
+        count=count,
     )
     if make_bundle:  # a target with no bundle selection is refused before the build, not after it
         from .release.bundle import check_target

@@ -81,13 +81,13 @@ def _no_counter(progress=None, **kwargs):
     raise UsageError("no counting qemu in this test")
 
 
-def _build(monkeypatch, tmp_path, digits_model, fake, *cpus, counter=_no_counter):
+def _build(monkeypatch, tmp_path, digits_model, fake, *cpus, counter=_no_counter, extra=()):
     monkeypatch.setattr(aarch64, "prepare", fake.prepare)
     monkeypatch.setattr(aarch64, "run", fake.run)
     monkeypatch.setattr(count_on_arm, "counting_qemu", SimpleNamespace(prepare=counter))
     out = tmp_path / "build"
     args = [a for cpu in cpus for a in ("--cpu", cpu)]
-    result = run_cli(*build_args(digits_model, out, "--target", "android", "--arch", "aarch64", *args))
+    result = run_cli(*build_args(digits_model, out, "--target", "android", "--arch", "aarch64", *args, *extra))
     assert result.exit_code in (0, 1), (result.output, result.exception)
     return result, json.loads((out / "manifest.json").read_text()), out
 
@@ -268,6 +268,7 @@ def test_counts_join_each_row_with_eager_beside_and_ship_this_ranks_by_them(monk
         f"`{smallest['name']}`" in line and "emulated instructions per inference on cortex-a76, ranked by count" in line
     )
     assert "Instructions: emulated aarch64 instructions" in line and "instructions / inference" in line
+    assert "instructions / inference" in (tmp_path / "build" / "report.html").read_text()
     # the app bundle carries each row's counts, as the manifest has them
     assert run_cli("bundle", tmp_path / "build").exit_code == 0
     listed = json.loads((tmp_path / "build" / "bundle" / "android" / "bundle.json").read_text())["artifacts"]
@@ -287,3 +288,19 @@ def test_a_build_without_a_counting_qemu_says_why_and_ranks_by_x86_latency(monke
     report = (out / "report.md").read_text()
     assert "Instruction counts: unavailable (no counting qemu in this test)" in report
     assert "ranked by count" not in report
+
+
+def test_no_count_validates_on_arm_without_asking_for_a_counting_qemu(monkeypatch, tmp_path, digits_model):
+    def never(progress=None, **kwargs):
+        raise AssertionError("--no-count asked for the counting qemu")
+
+    result, doc, out = _build(
+        monkeypatch, tmp_path, digits_model, FakeArm("fake-no-count"), "cortex-a76", counter=never, extra=["--no-count"]
+    )
+    validate = doc["target"]["validate"]
+    assert validate["cpus"] == ["cortex-a76"] and validate["count"] is False, validate
+    assert "instructions" not in doc["aarch64"] and all(
+        row["status"] for a in doc["artifacts"] for row in a.get("aarch64", [])
+    )
+    assert not any(row.get("instructions") for a in doc["artifacts"] for row in a.get("aarch64", []))
+    assert "Instruction counts" not in (out / "report.md").read_text()

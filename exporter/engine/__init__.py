@@ -60,6 +60,7 @@ def target_profile(request: BuildRequest, target: str) -> dict:
         iterations=request.iterations,
         arch=request.arch,
         cpus=request.cpus,
+        count=request.count,
     )
 
 

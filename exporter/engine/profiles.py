@@ -304,8 +304,10 @@ def with_overrides(
     iterations: int | None = None,
     arch: list[str] = (),
     cpus: list[str] = (),
+    count: bool | None = None,
 ) -> dict:
-    """The profile with the CLI's overrides; `arch` adds architectures to [validate] arch, `cpus` replaces its cpus."""
+    """The profile with the CLI's overrides; `arch` adds architectures to [validate] arch, `cpus` replaces its cpus,
+    `count` its count."""
     profile = copy.deepcopy(profile)
     overrides = profile.setdefault("overrides", {})
     _override_thresholds(profile, thresholds)
@@ -334,6 +336,7 @@ def with_overrides(
         ("latency", "threads", threads),
         ("latency", "warmup", warmup),
         ("latency", "iterations", iterations),
+        ("validate", "count", count),
     ):
         if value is not None:
             profile.setdefault(section, {})[key] = value
@@ -346,7 +349,7 @@ def with_overrides(
         validate["cpus"] = list(dict.fromkeys(cpus)) or validate.get("cpus", [])
         if validate.get("reference_cpu") not in validate["cpus"]:  # --cpus left it out: rank by x86 latency
             validate.pop("reference_cpu", None)
-        overrides["validate"] = {"arch": list(arch), "cpus": list(cpus)}
+        overrides.setdefault("validate", {}).update(arch=list(arch), cpus=list(cpus))
     check(profile, f"target {profile['name']} with CLI overrides")
     return profile
 
