@@ -225,6 +225,22 @@ def test_bad_requests_are_refused_before_anything_runs(tmp_path):
         counting.count_many(runner, qemu, [], x, "cortex-a76")
 
 
+def test_a_module_torch_export_refuses_is_a_failed_count_and_nothing_runs(tmp_path):
+    import numpy as np
+    import torch
+
+    class DataDependent(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x  # a branch on a tensor's value: torch.export refuses it
+
+    runner = aarch64.Runner(tmp_path, {"cpus": {"cortex-a76": "0x414fd0b1"}})
+    (failed,) = counting.count_many(
+        runner, counter.Counter(tmp_path), [DataDependent()], np.ones((1, 3, 8, 8)), "cortex-a76"
+    )
+    assert isinstance(failed, counting.Failed) and failed.artifact == "eager DataDependent", failed
+    assert failed.reason.startswith("torch.export: ") and failed.cpu == "cortex-a76", failed
+
+
 def test_the_tiny_program_is_an_aarch64_executable():
     data = counter.tiny_elf()
     assert data[:4] == b"\x7fELF" and len(data) == 64 + 56 + 6 * 4

@@ -177,9 +177,13 @@ MAY_IMPORT = {
         "release",
         "device",
         "standins",
+        "bench_counts",
         *LEAVES,
         "exporter",
     },
+    # the bench's ARM columns: counts through aarch64, the cores named by the targets' profiles (engine), the tie
+    # ratio ship-this uses (release)
+    "bench_counts": {"aarch64", "engine", "release", *LEAVES},
 }
 
 

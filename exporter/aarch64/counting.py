@@ -145,8 +145,9 @@ def count_many(
     """Instructions per inference on `cpu`, at one thread, of each of `items` (a .pte, .ptl, .onnx, .tflite or .pt2
     path, or an nn.Module, exported here with torch.export and run op by op), one after another in one emulated
     process (the imports paid once): `warmup` inferences reported apart, then `runs` counted. `inputs`: an
-    N x C x H x W float32 array or a .npy path (inference i takes image i % N). An item that fails in the guest is a
-    Failed beside the others' Counts; a bad request, or a process that dies, is a UsageError (one line)."""
+    N x C x H x W float32 array or a .npy path (inference i takes image i % N). An item that fails (a module
+    torch.export refuses, a file the guest cannot run) is a Failed beside the others' Counts; a bad request, or an
+    emulated process that dies, is a UsageError (one line)."""
     import numpy as np
 
     (cpu,) = named.check([cpu], runner.cpus)
@@ -163,50 +164,60 @@ def count_many(
             np.save(batch, array)
         if array.ndim != 4 or array.shape[0] < 1:
             raise UsageError(f"inputs: expected N x C x H x W, got shape {array.shape}")
-        paths, names = [], []
+        names, paths, results = [], [], {}
         for k, item in enumerate(items):
             if isinstance(item, (str, Path)):
                 artifact = Path(item).resolve()
                 if artifact.suffix not in SUFFIXES or not artifact.is_file():
                     raise UsageError(f"{artifact}: not a {', '.join(SUFFIXES)} file")
                 names.append(artifact.name)
-            else:
-                artifact = _eager_program(item, np.asarray(array[:1], dtype=np.float32), work / f"eager{k}.pt2")
-                names.append(f"eager {type(item).__name__}")
-            paths.append(artifact)
-        out = work / "counts.txt"
-        command = runner.python(
-            cpu,
-            str(INSIDE_COUNT),
-            *(a for path in paths for a in ("--artifact", str(path))),
-            *("--inputs", str(batch), "--warmup", str(warmup), "--runs", str(runs), "--empty", str(empty)),
-            qemu=counter.qemu,
-            options=counter.plugin_option(out),
-        )
-        what = names[0] if len(names) == 1 else f"{len(names)} artifacts"
-        started = time.perf_counter()
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise UsageError(f"counting {what} on {cpu}: timed out after {timeout:.0f} s under qemu") from None
-        seconds = round(time.perf_counter() - started, 2)
-        answers = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode != 0 or not answers:
-            errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
-            reason = errors[-1] if errors else f"exit code {done.returncode}"
-            raise UsageError(f"counting {what} on {cpu} failed: {reason[:300]}")
-        answer = json.loads(answers[-1])
-        found = regions(read_lines(out.read_text() if out.exists() else ""), answer["pid"])
-        results: list[Counts | Failed] = []
-        for k, (name, info) in enumerate(zip(names, answer["artifacts"], strict=True)):
-            if "error" in info:
-                results.append(Failed(name, cpu, info["error"]))
+                paths.append((k, artifact))
                 continue
-            one = found["artifacts"][k] if k < len(found["artifacts"]) else {"load": [], "run": []}
-            counts = summarize(found["empty"], one, warmup)
-            results.append(
-                Counts(artifact=name, cpu=cpu, qemu_version=counter.version, info=info, seconds=seconds, **counts)
-            )
-        return results
+            names.append(f"eager {type(item).__name__}")
+            try:
+                paths.append((k, _eager_program(item, np.asarray(array[:1], np.float32), work / f"eager{k}.pt2")))
+            except Exception as e:  # noqa: BLE001 - a module torch.export refuses leaves the artifacts counted
+                results[k] = Failed(names[k], cpu, f"torch.export: {(str(e).splitlines() or [type(e).__name__])[0]}")
+        if paths:
+            results.update(_run_guest(runner, counter, paths, names, batch, cpu, work, warmup, runs, empty, timeout))
+        return [results[k] for k in range(len(items))]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_guest(runner, counter, paths, names, batch, cpu, work, warmup, runs, empty, timeout) -> dict:
+    """{k: Counts or Failed} for each (k, path) of `paths`, run in turn by inside_count.py in one emulated process."""
+    out = work / "counts.txt"
+    command = runner.python(
+        cpu,
+        str(INSIDE_COUNT),
+        *(a for _, path in paths for a in ("--artifact", str(path))),
+        *("--inputs", str(batch), "--warmup", str(warmup), "--runs", str(runs), "--empty", str(empty)),
+        qemu=counter.qemu,
+        options=counter.plugin_option(out),
+    )
+    what = names[paths[0][0]] if len(paths) == 1 else f"{len(paths)} programs"
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=Runner.environment(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"counting {what} on {cpu}: timed out after {timeout:.0f} s under qemu") from None
+    seconds = round(time.perf_counter() - started, 2)
+    answers = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not answers:
+        errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        reason = errors[-1] if errors else f"exit code {done.returncode}"
+        raise UsageError(f"counting {what} on {cpu} failed: {reason[:300]}")
+    answer = json.loads(answers[-1])
+    found = regions(read_lines(out.read_text() if out.exists() else ""), answer["pid"])
+    results = {}
+    for j, ((k, _), info) in enumerate(zip(paths, answer["artifacts"], strict=True)):
+        if "error" in info:
+            results[k] = Failed(names[k], cpu, info["error"])
+            continue
+        one = found["artifacts"][j] if j < len(found["artifacts"]) else {"load": [], "run": []}
+        counts = summarize(found["empty"], one, warmup)
+        results[k] = Counts(
+            artifact=names[k], cpu=cpu, qemu_version=counter.version, info=info, seconds=seconds, **counts
+        )
+    return results
