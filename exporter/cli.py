@@ -282,6 +282,14 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
     "about a minute per CPU; a count is not time).",
 )
 @click.option(
+    "--input-format",
+    type=click.Choice(["float32-nchw", "uint8-nhwc"]),
+    default=None,
+    help="What every artifact takes (default: the profile's [input] format, else float32-nchw): uint8-nhwc is the "
+    "RGB bytes of the resized (and cropped) image, N x H x W x 3, with the scaling, mean/std and layout change "
+    "inside the graph; the resize stays in the app (preprocessing.json says how).",
+)
+@click.option(
     "--quant-budget",
     "quant_budget",
     multiple=True,
@@ -338,6 +346,7 @@ def build(
     arches,
     cpus,
     count,
+    input_format,
     quant_budget,
     no_fallback,
     formats,
@@ -390,6 +399,7 @@ def build(
         arch=list(arches),
         cpus=list(cpus),
         count=count,
+        input_format=input_format,
     )
     if make_bundle:  # a target with no bundle selection is refused before the build, not after it
         from .release.bundle import check_target

@@ -223,6 +223,7 @@ class ArtifactResult:
     memory: dict | None = None
     profile: dict | None = None
     aarch64: list[EmulatedRow] | None = None  # one row per emulated CPU
+    input: dict | None = None  # what it takes (tasks/image_input.describe); absent in older manifests: float32-nchw
     extra: dict = _extra()
 
     ALWAYS = (

@@ -51,23 +51,31 @@ def measure_latency(
 
 
 def measure_latency_on_host(
-    runners: Mapping[str, Runner], example: torch.Tensor, warmup: int, iterations: int, rounds: int = 5
+    runners: Mapping[str, Runner],
+    example: torch.Tensor,
+    warmup: int,
+    iterations: int,
+    rounds: int = 5,
+    examples: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, dict], dict]:
     """measure_latency, plus what the host did over the timed rounds (hostload.conditions, with each
     runner's p90/p50 as `spread`; not yet judged). Interleaving protects a ratio from slow drift only: when
-    other processes oversubscribe the cores, runtimes that use threads differently lose different shares."""
+    other processes oversubscribe the cores, runtimes that use threads differently lose different shares.
+    `examples`: a runner's own input (the same image as it takes it), where it is not `example`."""
     samples: dict[str, list[float]] = {name: [] for name in runners}
+    fed = {name: (examples or {}).get(name, example) for name in runners}
     per_round = max(1, math.ceil(iterations / rounds))
     with torch.no_grad():
-        for run in runners.values():
+        for name, run in runners.items():
             for _ in range(warmup):
-                run(example)
+                run(fed[name])
         with hostload.Window() as window:
             for _ in range(rounds):
                 for name, run in runners.items():
+                    x = fed[name]
                     for _ in range(per_round):
                         start = time.perf_counter()
-                        run(example)
+                        run(x)
                         samples[name].append((time.perf_counter() - start) * 1e3)
     timing = {name: percentiles(s) for name, s in samples.items()}
     return timing, {**window.conditions, "spread": {name: hostload.spread(t) for name, t in timing.items()}}
@@ -81,12 +89,20 @@ def latency_against_eager(
     iterations: int,
     threads: int | None = None,
     max_spread: float | None = None,
+    fed: torch.Tensor | None = None,
 ) -> dict:
     """The contract's latency fields for one runner timed beside eager: latency_ms, eager_latency_ms,
     speedup_vs_eager (as measured, whatever the host did) and latency_conditions, judged with `threads` (torch's
-    current setting when None) and the profile's `max_spread`. Status never depends on any of them."""
+    current setting when None) and the profile's `max_spread`. Status never depends on any of them. `fed`: the
+    same image as the runner takes it, where that is not `example` (uint8-nhwc)."""
     threads = threads or torch.get_num_threads()
-    timing, conditions = measure_latency_on_host({"eager": eager, "artifact": runner}, example, warmup, iterations)
+    timing, conditions = measure_latency_on_host(
+        {"eager": eager, "artifact": runner},
+        example,
+        warmup,
+        iterations,
+        examples=None if fed is None else {"artifact": fed},
+    )
     return {
         "latency_ms": timing["artifact"],
         "eager_latency_ms": timing["eager"],
@@ -245,19 +261,29 @@ def evaluate(
     thresholds: Mapping[str, float],
     timed: bool = True,
     max_spread: float | None = None,
+    fed: torch.Tensor | None = None,
 ) -> tuple[dict, torch.Tensor]:
     """The whole contract for one runner against the eager reference: (metrics, the runner's outputs).
     Untimed for stand-ins whose speed says nothing about the runtime they stand in for. The latency is judged
-    (hostload.judge) with torch's thread setting on entry, the build's, and `max_spread`; it never sets status."""
+    (hostload.judge) with torch's thread setting on entry, the build's, and `max_spread`; it never sets status.
+    `fed`: the validation inputs as the runner takes them (uint8-nhwc bytes), where that is not as eager does."""
     threads = torch.get_num_threads()  # the build's setting, before a runtime can change it
-    outputs = run_all(runner, reference.inputs)
+    fed = reference.inputs if fed is None else fed
+    outputs = run_all(runner, fed)
     metrics = judge(reference.task, outputs, reference.outputs, reference.labels, reference.eager_accuracy, thresholds)
     if not timed:
         metrics.update(latency_ms=None, eager_latency_ms=None, speedup_vs_eager=None)
         return metrics, outputs
     metrics.update(
         latency_against_eager(
-            runner, reference.eager, reference.inputs[:1], reference.warmup, reference.iterations, threads, max_spread
+            runner,
+            reference.eager,
+            reference.inputs[:1],
+            reference.warmup,
+            reference.iterations,
+            threads,
+            max_spread,
+            fed[:1],
         )
     )
     return metrics, outputs

@@ -70,7 +70,8 @@ def run(
         if isinstance(inputs, (str, Path)):
             batch = Path(inputs).resolve()
         else:
-            array = np.ascontiguousarray(inputs, dtype=np.float32)
+            array = np.asarray(inputs)  # float32, or the uint8 pixels of uint8-nhwc artifacts
+            array = np.ascontiguousarray(array, dtype=np.uint8 if array.dtype == np.uint8 else np.float32)
             if array.ndim != 4:
                 raise UsageError(f"inputs: expected N x C x H x W, got shape {array.shape}")
             batch = work / "inputs.npy"

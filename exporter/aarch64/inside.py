@@ -114,7 +114,7 @@ def _onnx(path, threads):
     options.inter_op_num_threads = 1
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     first = session.get_inputs()[0]
-    dtype = np.float16 if first.type == "tensor(float16)" else np.float32
+    dtype = {"tensor(float16)": np.float16, "tensor(uint8)": np.uint8}.get(first.type, np.float32)
     return (lambda x: session.run(None, {first.name: x.astype(dtype)})), {
         "runtime": "onnxruntime",
         "version": ort.__version__,
@@ -138,7 +138,7 @@ def _litert(path, threads):
         fetches = [by_index[signature["outputs"][n]] for n in names]
 
     def quantized(x, detail):
-        if detail["dtype"] == np.float32:
+        if detail["dtype"] in (np.float32, x.dtype):  # float, or a uint8-nhwc input's pixels
             return x
         scale, zero_point = detail["quantization"]
         info = np.iinfo(detail["dtype"])
@@ -185,6 +185,13 @@ def check():
     }
 
 
+def _image(x, i):
+    """Input i of `x`, batch 1: float32, or uint8 pixels as they are (a uint8-nhwc artifact's)."""
+    import numpy as np
+
+    return np.ascontiguousarray(x[i : i + 1], dtype=np.uint8 if x.dtype == np.uint8 else np.float32)
+
+
 def run(artifact, inputs, out, threads):
     import numpy as np
 
@@ -197,7 +204,7 @@ def run(artifact, inputs, out, threads):
     loaded = time.time()
     outputs = []
     for i in range(x.shape[0]):
-        outputs.append(_flatten(forward(np.ascontiguousarray(x[i : i + 1], dtype=np.float32))))
+        outputs.append(_flatten(forward(_image(x, i))))
     ran = time.time()
     stacked = {
         f"out{k}": np.concatenate([o[k] for o in outputs])

@@ -103,7 +103,7 @@ def main():
     if unknown:
         raise SystemExit(f"unknown artifact type {', '.join(unknown)}")
     x = np.load(args.inputs)
-    images = [np.ascontiguousarray(x[i : i + 1], dtype=np.float32) for i in range(x.shape[0])]
+    images = [inside._image(x, i) for i in range(x.shape[0])]
     for suffix in dict.fromkeys(suffixes):
         _runtime(suffix)
     for _ in range(args.empty):

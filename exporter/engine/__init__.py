@@ -61,6 +61,7 @@ def target_profile(request: BuildRequest, target: str) -> dict:
         arch=request.arch,
         cpus=request.cpus,
         count=request.count,
+        input_format=request.input_format,
     )
 
 

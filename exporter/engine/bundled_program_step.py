@@ -72,7 +72,7 @@ def _write_bpte(session, entry: ArtifactResult, pte: Path, bpte: Path, progress:
         with files.atomic_path(bpte) as tmp:
             details = session.cache.fetch_artifact(digest, tmp)
             if details is None:
-                golden = session.inputs.validation[rows]
+                golden = session.inputs_for(entry.format).validation[rows]
                 expected = bundled_program.outputs(pte, golden)
                 first = [outputs[0].reshape(1, -1) for outputs in expected]  # what validation compares to eager
                 import torch

@@ -77,7 +77,7 @@ def _count_on(session, cpu: str, items: dict, runner, counter, failed: dict) -> 
             runner,
             counter,
             [item for _, item in missing.values()],
-            session.inputs.validation[:1].numpy(),
+            session.fed.validation[:1].numpy(),
             cpu,
             WARMUP,
             RUNS,
@@ -136,9 +136,11 @@ def add_counts(
     }
     summary["instructions"] = info
     eager_key = {"eager": {k: session.digests[k] for k in ("checkpoint", "reference", "model", "task")}}
+    if session.fed is not session.inputs:  # counted behind the preprocessing, on the bytes the artifacts take
+        eager_key["input"] = session.plan.input_format
     for cpu in validate.cpus:
         rows = {e.name: r for e in entries for r in e.aarch64 or [] if r.cpu == cpu}
-        items = {"eager": (eager_key, session.loaded.eager)}
+        items = {"eager": (eager_key, session.eager_fed)}
         items.update({e.name: (e.sha256, out / e.path) for e in entries if e.name in rows})
         with progress.step(
             f"{prefix}aarch64 instruction counts on {cpu} (emulated, one thread, {len(items)} programs)"

@@ -58,7 +58,7 @@ def measure(session, entry: ArtifactResult, out: Path, progress: Progress, prefi
         entry.memory = entry.profile = _unavailable(reason)
         return
     threads = session.latency["threads"]
-    example = session.inputs.validation[:1]
+    example = session.inputs_for(entry.format).validation[:1]
     # not keyed on the runs (from a measured latency: a key that moved with it would measure memory again)
     digest = cache.key(
         kind="memory_profile",
@@ -66,6 +66,7 @@ def measure(session, entry: ArtifactResult, out: Path, progress: Progress, prefi
         artifact=entry.sha256,
         threads=threads,
         shape=list(example.shape),
+        **({"dtype": "uint8"} if example.dtype == torch.uint8 else {}),
         cpu=session_cpu(session),
         tools=session.digests["tools"],
     )
@@ -76,7 +77,8 @@ def measure(session, entry: ArtifactResult, out: Path, progress: Progress, prefi
         return
     path = out / entry.path
     with progress.step(f"{prefix}memory and profile {entry.name}"):
-        entry.memory = _measure("memory", fmt.memory, path, tuple(example.shape), threads)
+        dtype = "uint8" if example.dtype == torch.uint8 else "float32"
+        entry.memory = _measure("memory", fmt.memory, path, tuple(example.shape), threads, dtype)
         if fmt.profile is not None:
             with hostload.Window() as window:
                 entry.profile = _measure("profile", fmt.profile, path, example, profile_runs(entry), threads)

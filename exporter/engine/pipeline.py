@@ -22,7 +22,7 @@ from ..release import html_report, manifest, previews, report
 from ..results import ArtifactResult, Kind, Manifest, Reason, Status, texts
 from . import bundled_program_step, cache, conditioning, default_out, memory_profile, profiles, validate_on_arm
 from .plan import ArtifactSpec, Plan, export_order, make_all, make as make_plan
-from ..tasks import Task
+from ..tasks import Task, image_input
 from ..quant import Calibration
 from ..quant.calibration import BACKEND_SETTINGS
 from .request import BuildRequest
@@ -92,17 +92,68 @@ class BuildContext:
     def eager(self, x):
         return self.loaded.eager(x)
 
+    def takes_bytes(self, format_name: str) -> bool:
+        """Whether this target's artifact of `format_name` takes uint8-nhwc (the format has no image input of its
+        own)."""
+        return self.plan.input_format == image_input.BYTES and not FORMATS[format_name].own_image_input
+
+    @functools.cached_property
+    def byte_inputs(self) -> data.Inputs:
+        """The calibration and validation images as uint8-nhwc artifacts take them (image_input.as_bytes)."""
+        pre = self.task.preprocessing(self.loaded.weights)
+        as_bytes = functools.partial(image_input.as_bytes, mean=pre["mean"], std=pre["std"])
+        return dataclasses.replace(
+            self.inputs,
+            calibration=[as_bytes(x) for x in self.inputs.calibration],
+            validation=as_bytes(self.inputs.validation),
+        )
+
+    def _behind_preprocessing(self, module: torch.nn.Module) -> torch.nn.Module:
+        pre = self.task.preprocessing(self.loaded.weights)
+        return image_input.ImageBytesInput(module, pre["mean"], pre["std"]).eval()
+
+    def graph_for(self, format_name: str) -> torch.nn.Module:
+        """The module an artifact of `format_name` is exported from: the weight's graph, behind the preprocessing
+        when it takes bytes."""
+        return self._behind_preprocessing(self.loaded.model) if self.takes_bytes(format_name) else self.loaded.model
+
+    @property
+    def fed(self) -> data.Inputs:
+        """The inputs of every artifact without an image input of its own (all that run on aarch64)."""
+        return self.byte_inputs if self.plan.input_format == image_input.BYTES else self.inputs
+
+    @property
+    def eager_fed(self) -> torch.nn.Module:
+        """Eager as those artifacts are fed (behind the preprocessing for uint8-nhwc): what is counted beside them."""
+        bytes_in = self.plan.input_format == image_input.BYTES
+        return self._behind_preprocessing(self.loaded.eager) if bytes_in else self.loaded.eager
+
+    def inputs_for(self, format_name: str) -> data.Inputs:
+        """The inputs an artifact of `format_name` is fed (exported with, calibrated and validated on): the
+        validation images as the app feeds them, the same images eager is fed as torchvision's transforms make
+        them."""
+        return self.byte_inputs if self.takes_bytes(format_name) else self.inputs
+
+    def input_of(self, format_name: str, example: torch.Tensor) -> dict:
+        """What the artifact takes, as the manifest and bundle.json record it."""
+        own = FORMATS[format_name].own_image_input
+        if own and self.plan.input_format == image_input.BYTES:
+            return {"format": "own", "note": own}
+        return image_input.describe(self.plan.input_format, example)
+
     @functools.cached_property
     def golden_rows(self) -> list[int]:
         """The validation rows written to golden/ and measured as golden_fidelity."""
         return self.task.golden_rows(self.reference, GOLDEN_COUNT)
 
-    def calibration(self, precision: str, log=lambda _message: None):
-        """What a format quantizes with: for int8, the images plus the budget and how to meet it."""
+    def calibration(self, precision: str, format_name: str, log=lambda _message: None):
+        """What a format quantizes with: for int8, the images (as the artifact takes them) plus the budget and how
+        to meet it."""
+        images = self.inputs_for(format_name).calibration
         if precision != "int8":
-            return self.inputs.calibration
+            return images
         return Calibration(
-            self.inputs.calibration,
+            images,
             self.inputs.calibration_labels,
             dict(self.plan.quant_budget),
             dict(self.plan.quant_settings),
@@ -166,7 +217,10 @@ def _start_session(
     return session
 
 
-def _evaluate(session: BuildContext, runner, thresholds: dict, timed: bool = True) -> tuple[dict, torch.Tensor]:
+def _evaluate(
+    session: BuildContext, runner, thresholds: dict, fed: torch.Tensor, timed: bool = True
+) -> tuple[dict, torch.Tensor]:
+    """The contract for `runner`, fed `fed` (the validation inputs as it takes them)."""
     reference = validation.EagerReference(
         session.task,
         session.eager,
@@ -177,7 +231,7 @@ def _evaluate(session: BuildContext, runner, thresholds: dict, timed: bool = Tru
         session.latency["warmup"],
         session.latency["iterations"],
     )
-    metrics, outputs = validation.evaluate(reference, runner, thresholds, timed)
+    metrics, outputs = validation.evaluate(reference, runner, thresholds, timed, fed=fed)
     # a runtime's own thread setting may have changed torch's; restore it for eager
     torch.set_num_threads(session.latency["threads"])
     return metrics, outputs
@@ -200,6 +254,7 @@ VALIDATION_FIELDS = (  # what a validation sets on an artifact (and the cache ke
     "preview_rows",
 )
 GOLDEN_COUNT = 8  # validation inputs written to golden/ for on-device checks
+GOLDEN_BYTES = "inputs_uint8.npy"  # golden/'s inputs as a uint8-nhwc artifact takes them
 
 
 def _validate(
@@ -248,6 +303,7 @@ def _validate(
                     session.latency["iterations"],
                     session.latency["threads"],
                     session.latency.get("max_spread"),
+                    fed=session.inputs_for(entry.format).validation[:1],
                 )
             )
         torch.set_num_threads(session.latency["threads"])
@@ -299,7 +355,8 @@ def _run_validation(
             entry.update(status=Status.FAILED, reasons=[Reason(Kind.DOES_NOT_LOAD, f"does not load: {_first_line(e)}")])
             return False
         try:
-            metrics, outputs = _evaluate(session, _reporting_failures(runner), entry.thresholds)
+            fed = session.inputs_for(entry.format).validation
+            metrics, outputs = _evaluate(session, _reporting_failures(runner), entry.thresholds, fed)
         except ArtifactRunFailed as e:  # e.g. ONNX Runtime failing on one image's shapes
             torch.set_num_threads(session.latency["threads"])
             reason = Reason(Kind.DOES_NOT_RUN, f"does not run on every validation input: {e}")
@@ -338,10 +395,10 @@ def _proxy_metrics(session: BuildContext, proxy, thresholds: dict) -> dict:
     """A proxy's metrics; one every artifact shares (eager in fp16 for each fp16 Core ML package: about 2 s an
     SSDlite image on this CPU's half-precision convolutions) is evaluated once per build."""
     if not isinstance(proxy, SharedProxy):
-        return _evaluate(session, proxy, thresholds, timed=False)[0]
+        return _evaluate(session, proxy, thresholds, session.inputs.validation, timed=False)[0]
     key = (proxy.shared_key, json.dumps(thresholds, sort_keys=True))
     if key not in session.shared_proxies:
-        session.shared_proxies[key] = _evaluate(session, proxy, thresholds, timed=False)[0]
+        session.shared_proxies[key] = _evaluate(session, proxy, thresholds, session.inputs.validation, timed=False)[0]
     return copy.deepcopy(session.shared_proxies[key])
 
 
@@ -392,7 +449,7 @@ def _export(
         offers = f"{spec.format} does not offer {spec.precision} (it offers {', '.join(fmt.precisions)})"
         entry.reasons = [Reason(Kind.NOT_OFFERED, offers)]
         return entry
-    calibration = session.calibration(spec.precision, progress.note)
+    calibration = session.calibration(spec.precision, spec.format, progress.note)
     if not _export_into(session, spec, fmt, entry, calibration, out / filename, progress, prefix):
         return entry
     _validate(session, entry, out, progress, prefix)
@@ -418,13 +475,16 @@ def _export_into(
 ) -> bool:
     """Export (or fetch from the cache) the artifact into `path`; whether it was made (if not, `entry` says why)."""
     label = f"{prefix}export {entry.name}{step}"
+    example = session.inputs_for(spec.format).example
+    bytes_in = {"input": image_input.BYTES} if session.takes_bytes(spec.format) else {}
     digest = cache.key(
         kind="artifact",
         format=spec.format,
         precision=spec.precision,
         options=dict(spec.options),
-        example=list(session.inputs.example.shape),
-        example_values=cache.tensors_digest([session.inputs.example]),
+        example=list(example.shape),
+        example_values=cache.tensors_digest([example]),
+        **bytes_in,
         # every setting, whichever format reads it (without dynamic_ranges, a static .pte was
         # reused for a build that asked for dynamic ranges)
         quantization=(calibration.describe(BACKEND_SETTINGS) if isinstance(calibration, Calibration) else None),
@@ -440,8 +500,8 @@ def _export_into(
                 session.cache.events.append(f"{entry.name}: artifact reused from the cache")
             else:
                 entry.details = fmt.export(
-                    session.loaded.model,
-                    session.inputs.example,
+                    session.graph_for(spec.format),
+                    example,
                     spec.precision,
                     calibration,
                     tmp,
@@ -461,6 +521,7 @@ def _export_into(
         return False
     entry.export_s = progress.timings.get(label)
     entry.update(path=path.name, sha256=files.sha256(path), size_bytes=files.size(path))
+    entry.input = session.input_of(spec.format, example)
     return True
 
 
@@ -637,7 +698,10 @@ def _write_golden(out: Path, session: BuildContext) -> None:
     golden.mkdir(exist_ok=True)
     rows = session.golden_rows
     labels = session.inputs.labels[rows] if session.inputs.labels is not None else None
-    for name, content in session.task.golden(session.inputs.validation[rows], session.reference[rows], labels).items():
+    contents = session.task.golden(session.inputs.validation[rows], session.reference[rows], labels)
+    if session.plan.input_format == image_input.BYTES:  # the same images as a uint8-nhwc artifact takes them
+        contents[GOLDEN_BYTES] = session.byte_inputs.validation[rows].numpy()
+    for name, content in contents.items():
         if name.endswith(".json"):
             files.write_text(golden / name, json.dumps(content) + "\n")
             continue
@@ -703,6 +767,8 @@ def run(
             f"{weights.canonical_name(resolved)} makes no artifact for target "
             f"{', '.join(p.target for p in plans)}: {why}"
         )
+    if task_class.image_bytes_refusal and any(plan.input_format == image_input.BYTES for plan in plans):
+        raise UsageError(f"--input-format {image_input.BYTES}: {task_class.image_bytes_refusal}")
     calibrated = []  # the artifacts calibrated on the --data images, on any target
     quantized = weights.is_quantized(resolved)
     for plan in plans:
@@ -751,10 +817,14 @@ def run(
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
             loaded.labels = list(inputs.classes)
     shared = _start_session(loaded, task, inputs, plans[0], progress, BuildCache(cache_root))
+    if any(plan.input_format == image_input.BYTES for plan in plans):
+        shared.byte_inputs  # noqa: B018 - inputs that are not whole bytes are refused before any file is written
     docs = []
     for plan, out in zip(plans, outs):
         session = dataclasses.replace(shared, plan=plan, x86_outputs={})
         session.digests = shared.digests  # hashing the inputs once is enough
+        if plan.input_format == image_input.BYTES:
+            session.byte_inputs = shared.byte_inputs
         prefix = "" if single else f"{plan.target}: "
         docs.append(_build_one(request, session, out, progress, prefix))
     if not single:
@@ -843,6 +913,7 @@ def validate(
         "latency": doc.target["latency"],
         "task": doc.task["name"],
         "validate": doc.target.get("validate", {}),
+        "input": doc.target.get("input", {}),
     }
     profile = profiles.with_overrides(profile, thresholds=list(thresholds))
     profiles.check_precisions([profile], thresholds)

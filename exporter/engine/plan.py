@@ -115,6 +115,7 @@ class Plan:
     quant_budget: Mapping  # what int8 must hold: [thresholds.int8] unless [quantization.budget] says otherwise
     post_build: str | None = None  # "module:function" called with (out_dir, the Manifest, session) after the artifacts
     validate: ValidateSettings = ValidateSettings()
+    input_format: str = "float32-nchw"  # what every artifact takes (profiles.INPUT_FORMATS)
 
     def thresholds_for(self, precision: str) -> dict:
         return dict(self.thresholds.get(precision, {}))
@@ -137,6 +138,7 @@ class Plan:
             "data": self.data.describe(),
             "latency": self.latency.describe(),
             "validate": self.validate.describe(),
+            "input": {"format": self.input_format},
         }
 
 
@@ -191,6 +193,7 @@ def make(profile: dict, task: str) -> Plan:
             resolved.get("validate", {}).get("count", True),
             resolved.get("validate", {}).get("reference_cpu"),
         ),
+        input_format=resolved.get("input", {}).get("format", profiles.INPUT_FORMATS[0]),
     )
 
 

@@ -25,6 +25,7 @@ SECTIONS = {
     "post_build": str,  # "module:function" called with (out_dir, the Manifest, session) after the artifacts
     "quantization": dict,  # how int8 artifacts meet their budget (exporter.quant); [quantization.budget] overrides
     "validate": dict,  # where the artifacts are validated besides this host: arch = [...], cpus = [...]
+    "input": dict,  # what the artifacts take: format = "float32-nchw" (default) or "uint8-nhwc"
     # [tasks.<task>.thresholds.<precision>] and [tasks.<task>.data] for tasks other than classification,
     # whose thresholds and data settings are the top-level ones
     "tasks": dict,
@@ -37,6 +38,10 @@ LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
 ARTIFACT_KEYS = {"name", "format", "precision", "options"}
 ARCHES = ("x86_64", "aarch64")  # x86_64: this host (always); aarch64: the emulated runner (exporter.aarch64)
 VALIDATE_KEYS = {"arch": list, "cpus": list, "count": bool, "reference_cpu": str}
+INPUT_KEYS = {"format": str}
+# float32-nchw: the normalized tensor torchvision's transforms make; uint8-nhwc: the RGB bytes an app's bitmap holds,
+# at the input size, the scaling, mean/std and layout change inside the graph
+INPUT_FORMATS = ("float32-nchw", "uint8-nhwc")
 
 
 def _runs_on_aarch64(format_name) -> bool:
@@ -233,6 +238,10 @@ def check(profile: dict, where: str) -> None:
     if profile.get("latency", {}).get("iterations", 1) < 1:
         raise UsageError(f"{where} [latency]: iterations must be >= 1")
     _check_validate(profile.get("validate", {}), profile["artifacts"], f"{where} [validate]")
+    _check_keys(profile.get("input", {}), INPUT_KEYS, f"{where} [input]")
+    input_format = profile.get("input", {}).get("format", INPUT_FORMATS[0])
+    if input_format not in INPUT_FORMATS:
+        raise UsageError(f"{where} [input]: format must be one of {', '.join(INPUT_FORMATS)}, got {input_format!r}")
 
 
 def parse_threshold_override(text: str) -> tuple[str, str, float]:
@@ -305,9 +314,10 @@ def with_overrides(
     arch: list[str] = (),
     cpus: list[str] = (),
     count: bool | None = None,
+    input_format: str | None = None,
 ) -> dict:
     """The profile with the CLI's overrides; `arch` adds architectures to [validate] arch, `cpus` replaces its cpus,
-    `count` its count."""
+    `count` its count, `input_format` its [input] format."""
     profile = copy.deepcopy(profile)
     overrides = profile.setdefault("overrides", {})
     _override_thresholds(profile, thresholds)
@@ -337,6 +347,7 @@ def with_overrides(
         ("latency", "warmup", warmup),
         ("latency", "iterations", iterations),
         ("validate", "count", count),
+        ("input", "format", input_format),
     ):
         if value is not None:
             profile.setdefault(section, {})[key] = value

@@ -101,7 +101,7 @@ def x86_outputs(session, entry: ArtifactResult, out: Path) -> torch.Tensor | Non
         return kept
     try:
         runner = FORMATS[entry.format].format().load(out / entry.path, session.latency["threads"])
-        outputs = validation.run_all(runner, session.inputs.validation)
+        outputs = validation.run_all(runner, session.inputs_for(entry.format).validation)
     except Exception:  # noqa: BLE001 - the comparison is then reported as not made, the rows still judged
         return None
     finally:
@@ -165,7 +165,7 @@ def add_rows(
     with contextlib.nullcontext() if runner_shown else progress.step(f"{prefix}aarch64 runner"):
         runner = aarch64.prepare(request_cache_dir, progress, offline=offline or None, root=runners)
     summary["runner"] = {k: runner.info.get(k) for k in ("key", "qemu", "packages", "seconds", "size_bytes")}
-    inputs = session.inputs.validation.contiguous().numpy()
+    inputs = session.fed.validation.contiguous().numpy()
     rows: dict[str, dict[str, EmulatedRow]] = {entry.name: {} for entry in entries}
     for entry in entries:
         for cpu in cpus:

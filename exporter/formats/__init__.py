@@ -42,6 +42,9 @@ class FormatSpec:
     # or measured here (it is validated through proxies, if the format has them)
     runs_only_on: str | None = None
     app_runtime: str = ""  # what an app links to run the file ("Ship for <target>" names it)
+    # what the file takes under every input format, when the format has its own image input (Core ML's image type,
+    # the weight's preprocessing inside); None: the build's input format (float32-nchw or uint8-nhwc)
+    own_image_input: str | None = None
 
     def installed(self) -> bool:
         # find_spec, not an import: coremltools and executorch take seconds to import, and a
@@ -117,6 +120,8 @@ FORMATS = {
             "build the float weight (meta['unquantized']) and compress it in Core ML",
             runs_only_on="Core ML runs only on Apple's runtime (macOS/iOS)",
             app_runtime="Core ML",
+            own_image_input="Core ML's own: an RGB image (its image type; the scaling and the weight's mean/std "
+            "inside), or with option input=tensor the float32-nchw tensor (details.input says which)",
         ),
     )
 }

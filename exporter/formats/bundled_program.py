@@ -113,7 +113,6 @@ def write(pte_path: Path, inputs, expected: list, rtol: float, atol: float, out_
     """Write `out_path` (atomically): the `.pte` at `pte_path` with one test case per input, expecting
     `expected[i]` (a tensor or tuple of tensors, every output of forward) for `inputs[i]`. rtol and atol are
     not part of the format (a verifier is given them); they are checked and returned for the manifest."""
-    import torch
     from executorch.devtools.bundled_program.config import MethodTestCase, MethodTestSuite
     from executorch.devtools.bundled_program.core import BundledProgram
     from executorch.devtools.bundled_program.serialize import serialize_from_bundled_program_to_flatbuffer
@@ -132,8 +131,9 @@ def write(pte_path: Path, inputs, expected: list, rtol: float, atol: float, out_
     meta = program.method_meta(METHOD)
     want_in = tuple(meta.input_tensor_meta(0).sizes())
     for i, (x, e) in enumerate(zip(cases, expected)):
-        if meta.num_inputs() != 1 or tuple(x.shape) != want_in or x.dtype != torch.float32:
-            raise ValueError(f"input {i}: {tuple(x.shape)} {x.dtype}, the program takes {want_in} float32")
+        takes = SCALAR_TYPES.get(int(meta.input_tensor_meta(0).dtype()), "another dtype")
+        if meta.num_inputs() != 1 or tuple(x.shape) != want_in or str(x.dtype).removeprefix("torch.") != takes:
+            raise ValueError(f"input {i}: {tuple(x.shape)} {x.dtype}, the program takes {want_in} {takes}")
         if len(e) != meta.num_outputs():
             raise ValueError(f"case {i}: {len(e)} expected outputs, the program has {meta.num_outputs()}")
         for k, t in enumerate(e):

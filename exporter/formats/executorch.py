@@ -261,12 +261,12 @@ module = portable_lib._load_for_executorch(path)
 tensor = torch.from_numpy(x)"""
 
 
-def memory(path: Path, input_shape, threads: int) -> dict:
+def memory(path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
     from . import memory as shared
 
     return {
         **_program_memory(path),
-        **shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, "module.forward([tensor])", path, input_shape, threads),
+        **shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, "module.forward([tensor])", path, input_shape, threads, dtype=dtype),
     }
 
 
@@ -338,8 +338,8 @@ class ExecuTorchFormat(Format):
     def per_inference_ranges(self, calib, details: dict):
         return per_inference_ranges(calib, details)
 
-    def memory(self, path: Path, input_shape, threads: int) -> dict:
-        return memory(path, input_shape, threads)
+    def memory(self, path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
+        return memory(path, input_shape, threads, dtype)
 
     def profile(self, path: Path, example, runs: int, threads: int) -> dict:
         return profile(path, example, runs, threads)

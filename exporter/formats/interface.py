@@ -16,7 +16,8 @@ Optional, each with its default here:
     proxies(path, model) -> dict[str, Runner]   # stand-ins measured when the runtime is unavailable
     per_inference_ranges(calib, details) -> Calibration | None  # an int8 artifact made again when its calibrated
                                                 # ranges failed validation
-    memory(path, input_shape, threads) -> dict  # RAM: planned/constant bytes, peak RSS of a fresh process
+    memory(path, input_shape, threads, dtype) -> dict  # RAM: planned/constant bytes, peak RSS of a fresh process
+                                                # (dtype: "float32", or "uint8" for a uint8-nhwc input)
     profile(path, example, runs, threads) -> dict  # top operators by time from the runtime's own profiler
 
 `proxies`, `per_inference_ranges`, `memory` and `profile` are None by default: the format has none, and the
@@ -76,8 +77,8 @@ class Format:
     # per_inference_ranges(calib, details) -> Calibration | None: the calibration that makes an int8 artifact
     # again with ranges chosen per inference, after its calibrated ranges failed validation (None: not remade).
     per_inference_ranges: Callable[[Any, dict], Any] | None = None
-    # memory(path, input_shape, threads) -> dict: RAM (planned and constant bytes; the peak RSS of a fresh
-    # process running it); recorded by engine/memory_profile.py, formats/memory.py does the measuring.
-    memory: Callable[[Path, tuple, int], dict] | None = None
+    # memory(path, input_shape, threads, dtype) -> dict: RAM (planned and constant bytes; the peak RSS of a fresh
+    # process running it on a `dtype` input); recorded by engine/memory_profile.py, formats/memory.py measures.
+    memory: Callable[[Path, tuple, int, str], dict] | None = None
     # profile(path, example, runs, threads) -> dict: top operators by time from the runtime's own profiler.
     profile: Callable[[Path, Any, int, int], dict] | None = None

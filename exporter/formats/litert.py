@@ -48,9 +48,9 @@ OPTIONS = ()
 PRECISIONS = ("fp32", "int8")
 # how the int8 file's interface was written (details.io.interface)
 FLOAT_INTERFACE = (
-    "float32 input and output: the converter's int8 interface put back inside the file (a QUANTIZE op after the "
-    "input, a DEQUANTIZE op before the output, with the converter's scale and zero point), so an app feeds the "
-    "same float tensor as to every other artifact of the build"
+    "no int8 input or output: the converter's int8 interface tensors (io_rewritten) put back inside the file (a "
+    "QUANTIZE op after the input, a DEQUANTIZE op before the output, with the converter's scale and zero point), "
+    "so an app feeds the same tensor (float32, or uint8 pixels) as to every other artifact of the build"
 )
 
 
@@ -323,7 +323,7 @@ def load(path: Path, threads: int | None = None):
         return torch.from_numpy(_dequantize(interpreter.get_tensor(fetch["index"]), fetch))
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        array = x.detach().float().contiguous().numpy()
+        array = (x.detach() if x.dtype == torch.uint8 else x.detach().float()).contiguous().numpy()
         if array.shape == shape:
             return run_batch(array)
         if array.shape[1:] != shape[1:] or array.shape[0] % shape[0]:
@@ -335,7 +335,7 @@ def load(path: Path, threads: int | None = None):
 
 def _quantize(x: np.ndarray, detail: dict) -> np.ndarray:
     dtype = np.dtype(detail["dtype"])
-    if dtype == np.float32:
+    if dtype == np.float32 or x.dtype == dtype:  # float, or the uint8 pixels of a uint8-nhwc input
         return x
     scale, zero_point = detail["quantization"]
     info = np.iinfo(dtype)
@@ -354,7 +354,7 @@ _RSS_LOAD = """\
 interpreter = Interpreter(model_path=path, num_threads=threads)
 interpreter.allocate_tensors()
 feed = interpreter.get_input_details()[0]
-if feed["dtype"] != np.float32:
+if feed["dtype"] not in (np.float32, x.dtype):
     scale, zero_point = feed["quantization"]
     x = np.clip(np.round(x / scale) + zero_point, -128, 127).astype(feed["dtype"])"""
 _RSS_RUN = """\
@@ -362,12 +362,12 @@ interpreter.set_tensor(feed["index"], x)
 interpreter.invoke()"""
 
 
-def memory(path: Path, input_shape, threads: int) -> dict:
+def memory(path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
     """Peak resident memory of a fresh process running the .tflite in ai-edge-litert's interpreter (its arena and
     XNNPACK's packed weights show there; the interpreter reports no memory plan of its own from Python)."""
     from . import memory as shared
 
-    return shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, _RSS_RUN, path, input_shape, threads)
+    return shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, _RSS_RUN, path, input_shape, threads, dtype=dtype)
 
 
 class LiteRTFormat(Format):
@@ -382,8 +382,8 @@ class LiteRTFormat(Format):
     def load(self, path: Path, threads: int | None = None):
         return load(path, threads)
 
-    def memory(self, path: Path, input_shape, threads: int) -> dict:
-        return memory(path, input_shape, threads)
+    def memory(self, path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
+        return memory(path, input_shape, threads, dtype)
 
 
 FORMAT = LiteRTFormat()

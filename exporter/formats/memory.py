@@ -35,7 +35,7 @@ def _status():
         return peak, peak
 import numpy as np
 {imports}
-x = np.random.default_rng(0).standard_normal({shape}, dtype=np.float32)
+x = {make_input}
 threads, path = {threads}, {path!r}
 baseline, import_peak = _status()
 try:  # Linux >= 4.0: restart the peak (VmHWM) here, so an import's passing peak does not hide the model's
@@ -55,13 +55,27 @@ print("@@memory@@" + json.dumps({{"baseline": baseline, "import_peak": import_pe
 
 
 def peak_rss(
-    imports: str, load: str, run: str, path, input_shape, threads: int, runs: int = 2, timeout: float = 300
+    imports: str,
+    load: str,
+    run: str,
+    path,
+    input_shape,
+    threads: int,
+    runs: int = 2,
+    timeout: float = 300,
+    dtype: str = "float32",
 ) -> dict:
-    """Resident memory of a fresh process that imports a runtime (`imports`), makes the float32 input `x`,
-    loads `path` (`load`, with `path` and `threads` defined) and runs it `runs` times (`run`). Bytes."""
+    """Resident memory of a fresh process that imports a runtime (`imports`), makes the input `x` (float32 noise, or
+    uint8 pixels), loads `path` (`load`, with `path` and `threads` defined) and runs it `runs` times (`run`). Bytes."""
+    shape = tuple(int(s) for s in input_shape)
+    rng = "np.random.default_rng(0)"
     script = _SCRIPT.format(
         imports=imports,
-        shape=tuple(int(s) for s in input_shape),
+        make_input=(
+            f"{rng}.integers(0, 256, {shape}, dtype=np.uint8)"
+            if dtype == "uint8"
+            else f"{rng}.standard_normal({shape}, dtype=np.float32)"
+        ),
         threads=int(threads),
         path=str(path),
         load=load,

@@ -420,7 +420,7 @@ options.inter_op_num_threads = 1
 session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"], disabled_optimizers={disabled!r})"""
 
 
-def memory(path: Path, input_shape, threads: int) -> dict:
+def memory(path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
     """Constant size (the graph's initializers) and the peak resident memory of a fresh process running the
     file in ONNX Runtime (CPU provider; no torch in that process)."""
     import onnx
@@ -438,6 +438,7 @@ def memory(path: Path, input_shape, threads: int) -> dict:
             path,
             input_shape,
             threads,
+            dtype=dtype,
         ),
     }
 
@@ -494,8 +495,8 @@ class OnnxFormat(Format):
     def load(self, path: Path, threads: int, **options):  # nchwc=False: ONNX Runtime as on ARM (bench.py)
         return load(path, threads, **options)
 
-    def memory(self, path: Path, input_shape, threads: int) -> dict:
-        return memory(path, input_shape, threads)
+    def memory(self, path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
+        return memory(path, input_shape, threads, dtype)
 
     def profile(self, path: Path, example, runs: int, threads: int) -> dict:
         return profile(path, example, runs, threads)

@@ -107,7 +107,7 @@ def _warnings(doc: dict, onnx_entries: list[dict], builds: list[dict]) -> list[s
 
 def write_device_kit(out: Path, doc: Manifest, session) -> None:
     """The target's post_build step: the kit written into `out`, described as the manifest's `jetson`."""
-    doc.jetson = device_kit(out, doc.to_json(), tuple(session.inputs.example.shape[1:]))
+    doc.jetson = device_kit(out, doc.to_json(), tuple(session.fed.example.shape[1:]))
 
 
 def device_kit(out: Path, doc: dict, chw: tuple) -> dict:

@@ -38,6 +38,8 @@ class Task:
     agreement: ClassVar[str]  # the fidelity key the int8 search and summaries headline
     drop: ClassVar[str]  # the labeled key that says how much worse than eager
     output_name: ClassVar[str] = "logits"
+    # why its graph cannot take uint8-nhwc bytes (image_input), or None: its inputs are images resized as bytes
+    image_bytes_refusal: ClassVar[str | None] = None
 
     # --- before the task is bound: the model ---
     @classmethod

@@ -109,6 +109,7 @@ def resized_flow(flow: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
 
 class OpticalFlow(Task):
     name = "optical_flow"
+    image_bytes_refusal = "an optical flow graph takes a pair of frames (N x 6 x H x W): not offered for flow weights"
     agreement = "flow_agreement"
     drop = "epe_increase"
 

@@ -37,6 +37,10 @@ REFUSED = {
 @dataclass(frozen=True)
 class Video(Classification):
     name = "video"
+    image_bytes_refusal = (
+        "a video classifier takes clips (N x 3 x T x H x W), which torchvision's preset scales to float before it "
+        "resizes: not offered for video weights"
+    )
 
     @classmethod
     def input_size_of(cls, weights, model_name, requested):
