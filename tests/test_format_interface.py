@@ -184,9 +184,11 @@ def test_memory_and_profile_say_when_a_format_has_none(monkeypatch, tmp_path):
         def store_json(self, kind, digest, record):
             pass
 
+    inputs = SimpleNamespace(validation=torch.zeros((2, 3, 4, 4)))
     session = SimpleNamespace(
         latency={"threads": 1},
-        inputs=SimpleNamespace(validation=torch.zeros((2, 3, 4, 4))),
+        inputs=inputs,
+        inputs_for=lambda format_name: inputs,
         cache=Cache(),
         digests={"tools": "test"},
     )

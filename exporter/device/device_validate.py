@@ -535,6 +535,20 @@ class Golden(NamedTuple):
     logits: np.ndarray
     decoding: Decoding | None  # detection: what turns heads into boxes
     eager: list[dict] | None  # detection: eager's golden heads decoded
+    pixels: np.ndarray | None = None  # the same inputs as uint8-nhwc artifacts take them (golden/inputs_uint8.npy)
+
+    def fed(self, entry: dict) -> np.ndarray:
+        """The golden inputs as the artifact `entry` (its manifest or bundle.json record) takes them."""
+        if (entry.get("input") or {}).get("format") != "uint8-nhwc":
+            return self.inputs
+        if (
+            self.pixels is None
+            or self.pixels.shape[:1] + self.pixels.shape[1:3] != self.inputs.shape[:1] + self.inputs.shape[2:]
+        ):
+            raise BadInput(
+                f"{entry['name']} takes uint8-nhwc: golden/inputs_uint8.npy is missing or not the golden inputs"
+            )
+        return self.pixels
 
 
 def read_golden(directory) -> Golden:
@@ -545,7 +559,9 @@ def read_golden(directory) -> Golden:
         decoding = _decoding(directory, doc["task"], logits, inputs.shape[2:])
         eager = [decoding(r) for r in logits]
         _check_golden_detections(directory, decoding, eager)
-    return Golden(doc, task, output, inputs, logits, decoding, eager)
+    bytes_path = directory / "golden" / "inputs_uint8.npy"
+    pixels = np.load(bytes_path) if bytes_path.is_file() else None
+    return Golden(doc, task, output, inputs, logits, decoding, eager, pixels)
 
 
 def judge(golden: Golden, entry: dict, outputs, runtime: str) -> dict:
@@ -599,7 +615,7 @@ def validate(directory, runtime: str = "auto", threads: int | None = None) -> li
         else:
             run = _ort_runner(path, golden.output, threads)
         outputs = []
-        for i, x in enumerate(golden.inputs):
+        for i, x in enumerate(golden.fed(entry)):
             try:  # the engine only takes batches inside its profile: feed MIN copies, keep the first row
                 out = np.asarray(run(np.ascontiguousarray(np.repeat(x[None], batch[0], axis=0))))
             except Exception as e:  # the runtime fails on this input (as the build's validation reports it)

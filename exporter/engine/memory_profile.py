@@ -77,8 +77,8 @@ def measure(session, entry: ArtifactResult, out: Path, progress: Progress, prefi
         return
     path = out / entry.path
     with progress.step(f"{prefix}memory and profile {entry.name}"):
-        dtype = "uint8" if example.dtype == torch.uint8 else "float32"
-        entry.memory = _measure("memory", fmt.memory, path, tuple(example.shape), threads, dtype)
+        pixels = ["uint8"] if example.dtype == torch.uint8 else []  # a uint8-nhwc input; float32 by default
+        entry.memory = _measure("memory", fmt.memory, path, tuple(example.shape), threads, *pixels)
         if fmt.profile is not None:
             with hostload.Window() as window:
                 entry.profile = _measure("profile", fmt.profile, path, example, profile_runs(entry), threads)

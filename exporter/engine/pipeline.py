@@ -851,7 +851,7 @@ def _build_one(request: BuildRequest, session: BuildContext, out: Path, progress
         },
         task=session.task.describe(),
         checkpoint=loaded.checkpoint,
-        preprocessing=session.task.preprocessing(loaded.weights),
+        preprocessing=image_input.preprocessing(session.task, loaded.weights, plan.input_format),
         labels={
             "file": "labels.txt",
             "count": len(loaded.labels),

@@ -23,6 +23,7 @@ from pathlib import Path, PurePosixPath
 
 from .. import files
 from . import manifest
+from ..device import preprocess
 from ..errors import UsageError
 from ..results import texts
 
@@ -71,6 +72,7 @@ SIDE_FILES = ("labels.txt", "preprocessing.json", "manifest.json")
 # detections: detection; labels.json, masks.npy and boxes.json only for labeled data)
 GOLDEN = {
     "inputs": "golden/inputs.npy",
+    "inputs_uint8": "golden/inputs_uint8.npy",  # the same images as uint8-nhwc artifacts take them
     "eager_logits": "golden/eager_logits.npy",
     "labels": "golden/labels.json",
     "eager_masks": "golden/eager_masks.npy",
@@ -79,6 +81,7 @@ GOLDEN = {
     "eager_detections": "golden/eager_detections.json",
     "boxes": "golden/boxes.json",
 }
+FLOAT_INPUT = {"format": "float32-nchw", "dtype": "float32", "layout": "NCHW"}
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip can store: entries carry no build time
 
 
@@ -176,8 +179,9 @@ def _artifact(doc: dict, role: str, entry: dict) -> dict:
         "accuracy": entry["accuracy"],
         "runtime": _runtime(doc, entry),
     }
-    if entry["format"] == "coreml":
-        record["input"] = entry["details"]["input"]
+    # what the app feeds it: Core ML's own input (details), else the build's input format (absent in manifests
+    # older than it: float32-nchw)
+    record["input"] = entry["details"]["input"] if entry["format"] == "coreml" else entry.get("input") or FLOAT_INPUT
     golden_program = entry.get("bundled_program")
     if golden_program:
         # ExecuTorch's own golden program: the .pte with the golden inputs and its outputs, which the
@@ -334,6 +338,8 @@ def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
                 _copy(out, stage, name, sha256)
             for name in (*SIDE_FILES, *golden.values()):
                 _copy(out, stage, name)
+            if (out / preprocess.SHIPPED_AS).is_file():  # the numpy reference of the app's resize (and crop)
+                _copy(out, stage, preprocess.SHIPPED_AS)
             decode = doc["task"].get("decode")
             if decode:  # detection: the apps find both where task.decode says
                 if decode["anchors"] and not _inside(stage, decode["anchors"]).exists():

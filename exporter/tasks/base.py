@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Mapping
 
 import torch
@@ -118,8 +119,13 @@ class Task:
 
     def device_files(self) -> dict[str, str]:
         """Code a device needs beside the artifacts (build-relative path -> text): written into every build,
-        so that a bundle ships what validated the build, not what is installed when it is bundled."""
-        return {}
+        so that a bundle ships what validated the build, not what is installed when it is bundled. An image task's
+        builds carry the numpy reference of the resize (and crop) the app does before every artifact."""
+        if self.image_bytes_refusal:
+            return {}
+        from ..device import preprocess
+
+        return {preprocess.SHIPPED_AS: Path(preprocess.__file__).read_text(encoding="utf-8")}
 
     def fidelity(self, reference: torch.Tensor, outputs: torch.Tensor) -> dict:
         raise NotImplementedError

@@ -317,7 +317,7 @@ class Detection(Task):
         }
 
     def device_files(self):
-        return {DECODE_CODE: Path(detection_decode.__file__).read_text(encoding="utf-8")}
+        return {**super().device_files(), DECODE_CODE: Path(detection_decode.__file__).read_text(encoding="utf-8")}
 
     # --- data: DIR/annotations.json (COCO) and the images it names ---
     def load_data(self, root, transform, calib_size, val_size, seed):

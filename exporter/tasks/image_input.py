@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..device import preprocess
 from ..errors import UsageError
 
 FLOAT = "float32-nchw"
@@ -54,6 +55,25 @@ def as_bytes(images: torch.Tensor, mean, std) -> torch.Tensor:
             f"{off:.3g} of a grey level): the transform scales before it resizes, so no app's bitmap holds them"
         )
     return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+def preprocessing(task, weights, input_format: str) -> dict:
+    """preprocessing.json for a build of `task` whose artifacts take `input_format`: the task's (the resize and crop
+    the app does either way, naming the build's numpy reference of them), saying for uint8-nhwc that the rest is
+    inside the graph."""
+    described = task.preprocessing(weights)
+    if preprocess.SHIPPED_AS in task.device_files():
+        described["reference"] = f"{preprocess.SHIPPED_AS}: resize_and_crop (torchvision's bytes), normalized"
+    if input_format != BYTES:
+        return described
+    return {
+        **described,
+        "input_format": BYTES,
+        "layout": "NHWC",
+        "dtype": "uint8",
+        "range": "RGB bytes 0..255 after the resize (and crop); the graph scales them to [0, 1] and applies mean/std "
+        "(listed for reference: the app does not)",
+    }
 
 
 def describe(input_format: str, example: torch.Tensor) -> dict:

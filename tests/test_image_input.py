@@ -1,0 +1,218 @@
+"""uint8-nhwc artifacts: an app's RGB bytes in, the weight's preprocessing after the resize inside the graph, judged on
+the same images against the same eager reference as the float path."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from exporter.errors import UsageError
+from exporter.tasks.image_input import ImageBytesInput, as_bytes
+
+from .helpers import assert_clean_refusal, assert_device_reproduces_the_build, build_args, run_cli
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def _photo(seed: int, size=(347, 261)) -> Image.Image:
+    """Smooth colour fields with texture and hard edges: what resizing and cropping round differently."""
+    rng = np.random.default_rng(seed)
+    h, w = size[1], size[0]
+    y, x = np.mgrid[0:h, 0:w] / max(h, w)
+    channels = [
+        np.sin(6 * x * rng.uniform(0.5, 2) + rng.uniform(0, 6)) * np.cos(5 * y * rng.uniform(0.5, 2)) for _ in range(3)
+    ]
+    pixels = (np.stack(channels, -1) * 90 + 128 + rng.normal(0, 12, (h, w, 3))).clip(0, 255)
+    pixels[h // 3 : h // 2, w // 4 : w // 2] = rng.integers(0, 256, 3)  # a flat patch with hard edges
+    return Image.fromarray(pixels.astype(np.uint8), "RGB")
+
+
+def _transforms():
+    """torchvision's own transforms, as a build feeds eager: a classifier's preset (v1, divides by 255) and the
+    segmentation and detection tasks' (v2, multiplies by 1/255), each with the bytes an app's bitmap would hold
+    after the same resize (and crop)."""
+    from torchvision.models import get_weight
+    from torchvision.transforms import v2
+
+    from exporter.tasks import Detection, Segmentation
+
+    classifier = get_weight("ResNet18_Weights.IMAGENET1K_V1").transforms()
+
+    def resized_and_cropped(image):
+        resized = v2.functional.resize(image, classifier.resize_size, classifier.interpolation, antialias=True)
+        return v2.functional.center_crop(resized, classifier.crop_size)
+
+    segmenter = get_weight("LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1")
+    detector = get_weight("SSDLite320_MobileNet_V3_Large_Weights.COCO_V1")
+    segmentation = Segmentation(21, (200, 200)).transform(segmenter)
+    detection = Detection(91, (320, 320)).transform(detector)
+    return [
+        ("classifier", classifier, resized_and_cropped, IMAGENET_MEAN, IMAGENET_STD),
+        ("segmenter", segmentation, lambda im: im.resize((200, 200), Image.BILINEAR), IMAGENET_MEAN, IMAGENET_STD),
+        ("detector", detection, lambda im: im.resize((320, 320), Image.BILINEAR), (0.5,) * 3, (0.5,) * 3),
+    ]
+
+
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["classifier", "segmenter", "detector"])
+def test_the_bytes_are_the_apps_bitmap_and_eager_on_them_is_eager_on_torchvisions_output(which):
+    """as_bytes recovers from torchvision's output exactly the pixels the app's resized bitmap holds, and a model
+    behind ImageBytesInput computes on them what it computes on torchvision's output (to float32 rounding)."""
+    from torchvision.models import mobilenet_v3_small
+
+    name, transform, bitmap, mean, std = _transforms()[which]
+    images = [_photo(seed) for seed in range(3)]
+    floats = torch.stack([transform(image) for image in images])
+    pixels = as_bytes(floats, mean, std)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (3, *floats.shape[2:], 3)
+    expected = np.stack([np.asarray(bitmap(image)) for image in images])
+    # PIL's resize of a PIL image is what torchvision's transform resized: the same bytes (at most one grey level
+    # apart where torchvision resized a tensor)
+    assert np.abs(pixels.numpy().astype(int) - expected.astype(int)).max() <= 1
+    torch.manual_seed(0)
+    model = mobilenet_v3_small(num_classes=7).eval()
+    with torch.no_grad():
+        on_floats, on_bytes = model(floats), ImageBytesInput(model, mean, std).eval()(pixels)
+    assert torch.allclose(on_bytes, on_floats, rtol=0, atol=1e-4 * on_floats.abs().max().item())
+
+
+def test_inputs_that_are_not_whole_bytes_are_refused():
+    """A transform that scales before it resizes makes values between two bytes: no app's bitmap holds them."""
+    floats = torch.rand(1, 3, 8, 8)
+    with pytest.raises(UsageError, match="not whole bytes"):
+        as_bytes(floats, IMAGENET_MEAN, IMAGENET_STD)
+
+
+@pytest.fixture(scope="module")
+def uint8_build(tmp_path_factory, digits_model):
+    """The digits classifier for android and jetson with uint8-nhwc inputs: a .pte at both precisions, the int8
+    .tflite (its int8 interface rewritten), the .ptl and ONNX at fp16 (the normalisation kept float32) and int8."""
+    out = tmp_path_factory.mktemp("uint8") / "build"
+    result = run_cli(
+        *build_args(digits_model, out, "--target", "android", "--target", "jetson", "--input-format", "uint8-nhwc"),
+        *["--format", "executorch", "--format", "litert:int8", "--format", "torchscript_lite"],
+        *["--format", "onnx:fp16", "--format", "onnx:int8"],
+    )
+    return out, result
+
+
+def test_every_uint8_artifact_passes_against_eager_and_says_what_it_takes(uint8_build):
+    out, result = uint8_build
+    assert result.exit_code == 0, result.output
+    names = set()
+    for target in ("android", "jetson"):
+        doc = json.loads((out / target / "manifest.json").read_text())
+        assert doc["target"]["input"] == {"format": "uint8-nhwc"}
+        for artifact in doc["artifacts"]:
+            if artifact["format"] == "tensorrt":
+                continue
+            names.add(artifact["name"])
+            assert artifact["status"] == "passed", (artifact["name"], artifact["reasons"])
+            side = doc["task"]["input_size"]
+            assert artifact["input"]["format"] == "uint8-nhwc"
+            assert artifact["input"]["shape"] == [1, *side, 3] and artifact["input"]["dtype"] == "uint8"
+            assert artifact["fidelity"]["top1_agreement"] >= artifact["thresholds"]["top1_agreement"]
+    assert names == {
+        "executorch_fp32",
+        "executorch_int8",
+        "litert_int8",
+        "torchscript_lite_fp32",
+        "onnx_fp16",
+        "onnx_int8",
+    }
+
+
+def test_the_files_take_bytes_and_an_app_feeding_the_golden_bytes_gets_eagers_answers(uint8_build):
+    """The ONNX and .tflite files' own input is uint8 N x H x W x 3; golden/inputs_uint8.npy is golden/inputs.npy as
+    bytes; ONNX Runtime fed those bytes returns eager's top-1 on every golden image."""
+    import onnxruntime as ort
+    from ai_edge_litert.interpreter import Interpreter
+
+    out, _ = uint8_build
+    golden = out / "jetson" / "golden"
+    pixels, floats = np.load(golden / "inputs_uint8.npy"), np.load(golden / "inputs.npy")
+    assert pixels.dtype == np.uint8
+    assert np.array_equal(pixels, as_bytes(torch.from_numpy(floats), IMAGENET_MEAN, IMAGENET_STD).numpy())
+    eager = np.load(golden / "eager_logits.npy")
+    (onnx_int8,) = (out / "jetson").glob("*_onnx_int8.onnx")
+    session = ort.InferenceSession(str(onnx_int8), providers=["CPUExecutionProvider"])
+    (feed,) = session.get_inputs()
+    assert feed.type == "tensor(uint8)" and feed.shape[1:] == list(pixels.shape[1:])
+    logits = np.concatenate([session.run(None, {feed.name: pixels[i : i + 1]})[0] for i in range(len(pixels))])
+    assert (logits.argmax(1) == eager.argmax(1)).all()
+    (tflite,) = (out / "android").glob("*_litert_int8.tflite")
+    interpreter = Interpreter(model_path=str(tflite))
+    (detail,) = interpreter.get_input_details()
+    assert detail["dtype"] == np.uint8 and list(detail["shape"]) == [1, *pixels.shape[1:]]
+
+
+def test_the_device_kit_feeds_the_golden_bytes_and_the_bundle_says_what_each_artifact_takes(uint8_build):
+    """device_validate.py feeds each uint8-nhwc ONNX file golden/inputs_uint8.npy and reproduces what the build
+    recorded for it; bundle.json carries those bytes and each artifact's input."""
+    out, _ = uint8_build
+    assert_device_reproduces_the_build(out / "jetson")
+    result = run_cli("bundle", out)
+    assert result.exit_code == 0, result.output
+    described = out / "bundle" / "android" / "bundle.json"
+    bundle = json.loads(described.read_text())
+    assert bundle["golden"]["inputs_uint8"] == "golden/inputs_uint8.npy"
+    assert (described.parent / "golden" / "inputs_uint8.npy").is_file()
+    assert {a["name"]: a["input"]["format"] for a in bundle["artifacts"]} == dict.fromkeys(
+        (a["name"] for a in bundle["artifacts"]), "uint8-nhwc"
+    )
+
+
+def test_a_video_weight_with_uint8_input_is_refused_before_it_writes(tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("build", "R3D_18_Weights.KINETICS400_V1", "--input-format", "uint8-nhwc", "--out", out)
+    assert_clean_refusal(result, out, "--input-format uint8-nhwc: a video classifier takes clips")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            lambda t: ["--target", _profile(t, '[input]\nformat = "rgb"\n')],
+            "[input]: format must be one of float32-nchw, uint8-nhwc, got 'rgb'",
+        ),
+        (lambda t: ["--target", _profile(t, "[input]\nlayout = 1\n")], "[input]: unknown key(s) layout"),
+    ],
+)
+def test_a_bad_input_format_is_refused_in_one_line(tmp_path, digits_model, args, needle):
+    out = tmp_path / "out"
+    result = run_cli(
+        "build", digits_model.weight, "--checkpoint", digits_model.checkpoint, "--out", out, *args(tmp_path)
+    )
+    assert_clean_refusal(result, out, needle)
+
+
+def test_an_unknown_input_format_on_the_command_line_is_a_usage_error(tmp_path, digits_model):
+    """click's own refusal (as for every option with choices): exit 2, the choices named, nothing written."""
+    out = tmp_path / "out"
+    result = run_cli("build", digits_model.weight, "--input-format", "uint8-nchw", "--out", out)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "'uint8-nchw' is not one of 'float32-nchw', 'uint8-nhwc'" in result.stderr
+    assert not out.exists()
+
+
+def _profile(tmp_path, extra: str):
+    path = tmp_path / "u8.toml"
+    path.write_text('name = "u8"\n[[artifacts]]\nformat = "onnx"\nprecision = "fp32"\n' + extra)
+    return path
+
+
+def assert_uint8_build_passes(out, result, formats: set[str]) -> None:
+    """Every artifact of a uint8-nhwc build (a target per directory) passed, fed the bytes it records it takes."""
+    assert result.exit_code == 0, result.output
+    seen = set()
+    for path in out.glob("*/manifest.json"):
+        doc = json.loads(path.read_text())
+        for artifact in doc["artifacts"]:
+            seen.add(artifact["name"])
+            assert artifact["status"] == "passed", (artifact["name"], artifact["reasons"])
+            assert artifact["input"]["format"] == "uint8-nhwc"
+            assert artifact["input"]["shape"] == [1, *doc["task"]["input_size"], 3]
+        if path.parent.name == "jetson":  # device_validate.py fed the golden bytes
+            assert_device_reproduces_the_build(path.parent)
+    assert seen == formats
