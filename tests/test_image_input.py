@@ -87,11 +87,12 @@ def test_inputs_that_are_not_whole_bytes_are_refused():
 @pytest.fixture(scope="module")
 def uint8_build(tmp_path_factory, digits_model):
     """The digits classifier for android and jetson with uint8-nhwc inputs: a .pte at both precisions, the int8
-    .tflite (its int8 interface rewritten), the .ptl and ONNX at fp16 (the normalisation kept float32) and int8."""
+    .tflite (its int8 interface rewritten) and ONNX at fp16 (the normalisation kept float32) and int8. (The .ptl
+    takes the same wrapped graph: measured passing, left out of the suite for its minutes.)"""
     out = tmp_path_factory.mktemp("uint8") / "build"
     result = run_cli(
         *build_args(digits_model, out, "--target", "android", "--target", "jetson", "--input-format", "uint8-nhwc"),
-        *["--format", "executorch", "--format", "litert:int8", "--format", "torchscript_lite"],
+        *["--format", "executorch", "--format", "litert:int8"],
         *["--format", "onnx:fp16", "--format", "onnx:int8"],
     )
     return out, result
@@ -113,14 +114,7 @@ def test_every_uint8_artifact_passes_against_eager_and_says_what_it_takes(uint8_
             assert artifact["input"]["format"] == "uint8-nhwc"
             assert artifact["input"]["shape"] == [1, *side, 3] and artifact["input"]["dtype"] == "uint8"
             assert artifact["fidelity"]["top1_agreement"] >= artifact["thresholds"]["top1_agreement"]
-    assert names == {
-        "executorch_fp32",
-        "executorch_int8",
-        "litert_int8",
-        "torchscript_lite_fp32",
-        "onnx_fp16",
-        "onnx_int8",
-    }
+    assert names == {"executorch_fp32", "executorch_int8", "litert_int8", "onnx_fp16", "onnx_int8"}
 
 
 def test_the_files_take_bytes_and_an_app_feeding_the_golden_bytes_gets_eagers_answers(uint8_build):
@@ -206,13 +200,13 @@ def assert_uint8_build_passes(out, result, formats: set[str]) -> None:
     """Every artifact of a uint8-nhwc build (a target per directory) passed, fed the bytes it records it takes."""
     assert result.exit_code == 0, result.output
     seen = set()
-    for path in out.glob("*/manifest.json"):
+    for path in [out / "manifest.json"] if (out / "manifest.json").is_file() else out.glob("*/manifest.json"):
         doc = json.loads(path.read_text())
         for artifact in doc["artifacts"]:
             seen.add(artifact["name"])
             assert artifact["status"] == "passed", (artifact["name"], artifact["reasons"])
             assert artifact["input"]["format"] == "uint8-nhwc"
             assert artifact["input"]["shape"] == [1, *doc["task"]["input_size"], 3]
-        if path.parent.name == "jetson":  # device_validate.py fed the golden bytes
+        if doc["target"]["name"] == "jetson":  # device_validate.py fed the golden bytes
             assert_device_reproduces_the_build(path.parent)
     assert seen == formats
