@@ -271,9 +271,11 @@ def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_s
         status=Status.PASSED,
         fidelity={"psnr_db": 80.0},
     )
+    inputs = SimpleNamespace(validation=torch.zeros(1, 3, 8, 8))
     session = SimpleNamespace(
         golden_rows=[0],
-        inputs=SimpleNamespace(validation=torch.zeros(1, 3, 8, 8)),
+        inputs=inputs,
+        inputs_for=lambda format_name: inputs,
         digests=dict.fromkeys(("validation", "tools", "checkpoint", "reference", "task"), "d"),
         cache=SimpleNamespace(fetch_artifact=lambda digest, tmp: None),
     )

@@ -86,13 +86,13 @@ def test_inputs_that_are_not_whole_bytes_are_refused():
 
 @pytest.fixture(scope="module")
 def uint8_build(tmp_path_factory, digits_model):
-    """The digits classifier for android and jetson with uint8-nhwc inputs: a .pte at both precisions, the int8
-    .tflite (its int8 interface rewritten) and ONNX at fp16 (the normalisation kept float32) and int8. (The .ptl
-    takes the same wrapped graph: measured passing, left out of the suite for its minutes.)"""
+    """The digits classifier for android and jetson with uint8-nhwc inputs: the int8 .pte, the int8 .tflite (its
+    int8 interface rewritten) and ONNX at fp16 (the normalisation kept float32) and int8. (The fp32 .pte and .tflite
+    and the .ptl take the same wrapped graph: measured passing, left out of the suite for its minutes.)"""
     out = tmp_path_factory.mktemp("uint8") / "build"
     result = run_cli(
         *build_args(digits_model, out, "--target", "android", "--target", "jetson", "--input-format", "uint8-nhwc"),
-        *["--format", "executorch", "--format", "litert:int8"],
+        *["--format", "executorch:int8", "--format", "litert:int8"],
         *["--format", "onnx:fp16", "--format", "onnx:int8"],
     )
     return out, result
@@ -114,7 +114,7 @@ def test_every_uint8_artifact_passes_against_eager_and_says_what_it_takes(uint8_
             assert artifact["input"]["format"] == "uint8-nhwc"
             assert artifact["input"]["shape"] == [1, *side, 3] and artifact["input"]["dtype"] == "uint8"
             assert artifact["fidelity"]["top1_agreement"] >= artifact["thresholds"]["top1_agreement"]
-    assert names == {"executorch_fp32", "executorch_int8", "litert_int8", "onnx_fp16", "onnx_int8"}
+    assert names == {"executorch_int8", "litert_int8", "onnx_fp16", "onnx_int8"}
 
 
 def test_the_files_take_bytes_and_an_app_feeding_the_golden_bytes_gets_eagers_answers(uint8_build):
@@ -155,6 +155,31 @@ def test_the_device_kit_feeds_the_golden_bytes_and_the_bundle_says_what_each_art
     assert {a["name"]: a["input"]["format"] for a in bundle["artifacts"]} == dict.fromkeys(
         (a["name"] for a in bundle["artifacts"]), "uint8-nhwc"
     )
+
+
+def test_the_jetson_app_feeds_a_uint8_bundle_bytes_and_agrees_with_eager(uint8_build, digits_model):
+    """The reference Jetson app on the uint8-nhwc bundle: its golden check passes, and on digit photos it names the
+    class eager names on torchvision's transform of them."""
+    from exporter import weights
+
+    from .test_bundle import _app
+
+    out, _ = uint8_build
+    if not (out / "bundle" / "jetson").is_dir():
+        assert run_cli("bundle", out).exit_code == 0
+    directory = out / "bundle" / "jetson"
+    checked = _app(directory, "--golden")
+    assert checked.returncode == 0 and "PASSED" in checked.stdout, checked.stdout + checked.stderr
+    loaded = weights.load(digits_model.weight, digits_model.checkpoint, verify=False)
+    labels = (directory / "labels.txt").read_text().splitlines()
+    photos = [p for p in sorted(digits_model.data_dir.rglob("*.png"))][::97][:4]
+    for photo in photos:
+        result = _app(directory, photo)
+        assert result.returncode == 0, result.stdout + result.stderr
+        with Image.open(photo) as image, torch.no_grad():
+            eager = loaded.eager(loaded.weights.transforms()(image.convert("RGB"))[None])
+        app_top1 = result.stdout.splitlines()[2].split(maxsplit=1)[1]
+        assert app_top1 == labels[int(eager.argmax())], (photo, result.stdout)
 
 
 def test_a_video_weight_with_uint8_input_is_refused_before_it_writes(tmp_path):

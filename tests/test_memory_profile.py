@@ -256,8 +256,13 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
     profiles = []
     for busy in ([], ["load 9.0 on 2 cores, 1 threads timed"]):
         monkeypatch.setattr(hostload, "judge", lambda *args, reasons=busy, **kwargs: (not reasons, reasons))
+        inputs = SimpleNamespace(validation=example)
         session = SimpleNamespace(
-            latency={"threads": 1}, inputs=SimpleNamespace(validation=example), cache=Cache(), digests={"tools": "test"}
+            latency={"threads": 1},
+            inputs=inputs,
+            inputs_for=lambda format_name: inputs,
+            cache=Cache(),
+            digests={"tools": "test"},
         )
         entry = ArtifactResult(
             "onnx_fp32",

@@ -74,7 +74,8 @@ def _resized_size(width: int, height: int, resize: list[int]) -> tuple[int, int]
 
 def preprocess(image: Image.Image, spec: dict) -> np.ndarray:
     """What the weight's transforms() does to a PIL image: resize, center crop (none for segmentation,
-    whose resize is to the exact input size), [0, 1], normalize; NCHW float32."""
+    whose resize is to the exact input size), [0, 1], normalize; NCHW float32. A uint8-nhwc bundle's artifacts take
+    the cropped RGB bytes as they are (NHWC uint8): the rest is inside their graph."""
     image = image.convert("RGB")
     size = _resized_size(*image.size, spec["resize_size"])
     if size != image.size:
@@ -84,9 +85,16 @@ def preprocess(image: Image.Image, spec: dict) -> np.ndarray:
         top = int(round((image.height - crop_h) / 2.0))
         left = int(round((image.width - crop_w) / 2.0))
         image = image.crop((left, top, left + crop_w, top + crop_h))
+    if spec.get("input_format") == "uint8-nhwc":
+        return np.ascontiguousarray(np.asarray(image, dtype=np.uint8)[None])
     x = np.asarray(image, dtype=np.float32) / np.float32(255)
     x = (x - np.asarray(spec["mean"], dtype=np.float32)) / np.asarray(spec["std"], dtype=np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1)[None], dtype=np.dtype(spec["dtype"]))
+
+
+def spatial(x: np.ndarray, spec: dict) -> list[int]:
+    """(H, W) of an input as preprocess() made it."""
+    return list(x.shape[1:3] if spec.get("input_format") == "uint8-nhwc" else x.shape[2:])
 
 
 def _onnx_runtime(path: Path):
@@ -210,8 +218,10 @@ def overlay(image: Image.Image, mask: np.ndarray, labels: list[str]) -> Image.Im
 def segment(logits: np.ndarray, labels: list[str]) -> tuple[np.ndarray, list[tuple[str, float]]]:
     """(mask H x W, (label, fraction of pixels) for every class present, most pixels first) from C x H x W logits."""
     if logits.ndim != 3 or logits.shape[0] != len(labels):
-        raise ValueError(f"model outputs {logits.shape} per image; a segmentation bundle with {len(labels)} labels "
-                         f"needs {len(labels)} x H x W")
+        raise ValueError(
+            f"model outputs {logits.shape} per image; a segmentation bundle with {len(labels)} labels "
+            f"needs {len(labels)} x H x W"
+        )
     mask = logits.argmax(0)
     counts = np.bincount(mask.ravel(), minlength=len(labels))
     return mask, [(labels[i], counts[i] / mask.size) for i in np.argsort(-counts, kind="stable") if counts[i]]
@@ -232,8 +242,10 @@ class Detector:
 
     def __call__(self, head: np.ndarray) -> dict:
         if self.anchors is not None and (head.shape != (len(self.anchors), head.shape[-1]) or head.shape[-1] < 5):
-            raise ValueError(f"model outputs {head.shape} per image; the bundle has {len(self.anchors)} anchors, "
-                             "so anchors x (4 + classes)")
+            raise ValueError(
+                f"model outputs {head.shape} per image; the bundle has {len(self.anchors)} anchors, "
+                "so anchors x (4 + classes)"
+            )
         return self.code.decode(head, self.anchors, self.input_size, self.params)
 
     def shown(self, head: np.ndarray, width: int, height: int) -> list[tuple[int, float, list[float]]]:
@@ -241,9 +253,11 @@ class Detector:
         at least match_score, best first."""
         found = self(head)
         scale = np.array([width, height, width, height], dtype=np.float64) / np.array(self.input_size[::-1] * 2)
-        return [(int(label), float(score), (box * scale).tolist())
-                for box, score, label in zip(found["boxes"].astype(np.float64), found["scores"], found["labels"])
-                if score >= self.match_score]
+        return [
+            (int(label), float(score), (box * scale).tolist())
+            for box, score, label in zip(found["boxes"].astype(np.float64), found["scores"], found["labels"])
+            if score >= self.match_score
+        ]
 
 
 def draw_boxes(image: Image.Image, found: list[tuple[int, float, list[float]]], labels: list[str]) -> Image.Image:
@@ -255,8 +269,13 @@ def draw_boxes(image: Image.Image, found: list[tuple[int, float, list[float]]], 
     for label, score, (x0, y0, x1, y1) in found:
         colour = tuple(int(v) for v in colours[label])
         draw.rectangle([x0, y0, x1, y1], outline=colour, width=width)
-        draw.text((x0 + width + 1, y0 + width), f"{labels[label]} {score:.2f}", fill=(255, 255, 255),
-                  stroke_width=1, stroke_fill=colour)
+        draw.text(
+            (x0 + width + 1, y0 + width),
+            f"{labels[label]} {score:.2f}",
+            fill=(255, 255, 255),
+            stroke_width=1,
+            stroke_fill=colour,
+        )
     return image
 
 
@@ -270,9 +289,13 @@ def golden(directory: Path, info: dict, artifact: dict, runtime: str, run) -> in
         reference = kit.read_golden(directory)
     except kit.BadInput as e:
         raise ValueError(str(e)) from None
-    outputs = [run(np.ascontiguousarray(x[None]))[0] for x in reference.inputs]
+    # the golden inputs as the artifact takes them (a uint8-nhwc one: golden/inputs_uint8.npy)
+    inputs = reference.fed(artifact) if hasattr(reference, "fed") else reference.inputs
+    outputs = [run(np.ascontiguousarray(x[None]))[0] for x in inputs]
     if outputs[0].shape != reference.logits.shape[1:]:
-        raise ValueError(f"the model outputs {outputs[0].shape} per input, the golden eager logits are {reference.logits.shape[1:]}")
+        raise ValueError(
+            f"the model outputs {outputs[0].shape} per input, the golden eager logits are {reference.logits.shape[1:]}"
+        )
     result = kit.judge(reference, artifact, outputs, runtime)
     print(kit.summary(result))
     return 0 if result["status"] == "passed" else 1
@@ -314,11 +337,14 @@ def _save(image: Image.Image, target: Path) -> None:
     print(f"  overlay: {target}")
 
 
-def _print_detections(path: Path, image: Image.Image, x: np.ndarray, run, labels: list[str], detector: Detector,
-                      target: Path | None) -> None:
+def _print_detections(
+    path: Path, image: Image.Image, x: np.ndarray, run, labels: list[str], detector: Detector, target: Path | None
+) -> None:
     head = run(x)[0]
     if head.shape[-1] != 4 + len(labels):
-        raise ValueError(f"model outputs {head.shape[-1] - 4} class scores per anchor, labels.txt has {len(labels)} classes")
+        raise ValueError(
+            f"model outputs {head.shape[-1] - 4} class scores per anchor, labels.txt has {len(labels)} classes"
+        )
     found = detector.shown(head, image.width, image.height)
     print(path)
     for label, score, box in found:
@@ -334,9 +360,12 @@ def main(argv=None) -> int:
     parser.add_argument("bundle", type=Path, help="a jetson bundle directory (exporter bundle OUT_DIR)")
     parser.add_argument("images", nargs="*", type=Path)
     parser.add_argument("--golden", action="store_true", help="check the golden inputs instead of running on images")
-    parser.add_argument("--overlay", type=Path, metavar="PNG",
-                        help="segmentation: write the mask over the image here, detection: the boxes (a directory "
-                             "when several IMAGEs)")
+    parser.add_argument(
+        "--overlay",
+        type=Path,
+        metavar="PNG",
+        help="segmentation: write the mask over the image here, detection: the boxes (a directory when several IMAGEs)",
+    )
     args = parser.parse_args(argv)
     if not args.golden and not args.images:
         parser.error("give IMAGE files or --golden")
@@ -351,7 +380,9 @@ def main(argv=None) -> int:
         return 2
     try:
         if args.overlay is not None and task["name"] == CLASSIFICATION:
-            raise ValueError(f"--overlay draws a segmentation mask or detected boxes; {args.bundle} is a {task['name']} bundle")
+            raise ValueError(
+                f"--overlay draws a segmentation mask or detected boxes; {args.bundle} is a {task['name']} bundle"
+            )
         overlays = _overlay_paths(args.overlay, args.images)
         print(f"model: {description}")
         if args.golden:
@@ -364,8 +395,9 @@ def main(argv=None) -> int:
                 raise ValueError(f"cannot read {path}: {e}") from None
             x = preprocess(image, spec)
             size = task.get("input_size")
-            if size is not None and list(x.shape[2:]) != list(size):
-                raise ValueError(f"preprocessing.json makes a {x.shape[2]}x{x.shape[3]} input; the model takes {size[0]}x{size[1]}")
+            if size is not None and spatial(x, spec) != list(size):
+                made = "x".join(str(s) for s in spatial(x, spec))
+                raise ValueError(f"preprocessing.json makes a {made} input; the model takes {size[0]}x{size[1]}")
             if task["name"] == DETECTION:
                 _print_detections(path, image, x, run, labels, detector, target)
             elif task["name"] == SEGMENTATION:

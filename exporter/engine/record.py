@@ -110,7 +110,8 @@ def _written(doc: dict) -> list[str]:
     names += [a["path"] for a in doc["artifacts"] if a.get("path")]
     names += [a["bundled_program"]["path"] for a in doc["artifacts"] if a.get("bundled_program")]
     code = ((doc.get("task") or {}).get("decode") or {}).get("code")  # a task's device files (detection's decode)
-    return list(dict.fromkeys(names + ([code] if code else [])))
+    reference = ((doc.get("preprocessing") or {}).get("reference") or {}).get("file")  # an image task's resize
+    return list(dict.fromkeys(names + [name for name in (code, reference) if name]))
 
 
 def _files_under(directory: Path, names: list[str]) -> list[Path]:

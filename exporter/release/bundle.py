@@ -23,7 +23,6 @@ from pathlib import Path, PurePosixPath
 
 from .. import files
 from . import manifest
-from ..device import preprocess
 from ..errors import UsageError
 from ..results import texts
 
@@ -338,8 +337,9 @@ def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
                 _copy(out, stage, name, sha256)
             for name in (*SIDE_FILES, *golden.values()):
                 _copy(out, stage, name)
-            if (out / preprocess.SHIPPED_AS).is_file():  # the numpy reference of the app's resize (and crop)
-                _copy(out, stage, preprocess.SHIPPED_AS)
+            reference = (doc.get("preprocessing") or {}).get("reference")  # numpy: the app's resize (and crop)
+            if reference:
+                _copy(out, stage, reference["file"])
             decode = doc["task"].get("decode")
             if decode:  # detection: the apps find both where task.decode says
                 if decode["anchors"] and not _inside(stage, decode["anchors"]).exists():

@@ -63,7 +63,11 @@ def preprocessing(task, weights, input_format: str) -> dict:
     inside the graph."""
     described = task.preprocessing(weights)
     if preprocess.SHIPPED_AS in task.device_files():
-        described["reference"] = f"{preprocess.SHIPPED_AS}: resize_and_crop (torchvision's bytes), normalized"
+        described["reference"] = {
+            "file": preprocess.SHIPPED_AS,
+            "functions": ["resize_and_crop", "normalized"],
+            "note": "numpy alone: torchvision's resize (and crop) of a PIL image, to the byte",
+        }
     if input_format != BYTES:
         return described
     return {
