@@ -136,7 +136,7 @@ def add_counts(
     }
     summary["instructions"] = info
     eager_key = {"eager": {k: session.digests[k] for k in ("checkpoint", "reference", "model", "task")}}
-    if session.fed is not session.inputs:  # counted behind the preprocessing, on the bytes the artifacts take
+    if session.bytes_in:  # counted behind the preprocessing, on the bytes the artifacts take
         eager_key["input"] = session.plan.input_format
     for cpu in validate.cpus:
         rows = {e.name: r for e in entries for r in e.aarch64 or [] if r.cpu == cpu}

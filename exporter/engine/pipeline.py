@@ -92,10 +92,13 @@ class BuildContext:
     def eager(self, x):
         return self.loaded.eager(x)
 
+    @property
+    def bytes_in(self) -> bool:
+        """Whether this target's artifacts take uint8-nhwc (those whose format has no image input of its own)."""
+        return self.plan.input_format == image_input.BYTES
+
     def takes_bytes(self, format_name: str) -> bool:
-        """Whether this target's artifact of `format_name` takes uint8-nhwc (the format has no image input of its
-        own)."""
-        return self.plan.input_format == image_input.BYTES and not FORMATS[format_name].own_image_input
+        return self.bytes_in and not FORMATS[format_name].own_image_input
 
     @functools.cached_property
     def byte_inputs(self) -> data.Inputs:
@@ -120,13 +123,12 @@ class BuildContext:
     @property
     def fed(self) -> data.Inputs:
         """The inputs of every artifact without an image input of its own (all that run on aarch64)."""
-        return self.byte_inputs if self.plan.input_format == image_input.BYTES else self.inputs
+        return self.byte_inputs if self.bytes_in else self.inputs
 
     @property
     def eager_fed(self) -> torch.nn.Module:
         """Eager as those artifacts are fed (behind the preprocessing for uint8-nhwc): what is counted beside them."""
-        bytes_in = self.plan.input_format == image_input.BYTES
-        return self._behind_preprocessing(self.loaded.eager) if bytes_in else self.loaded.eager
+        return self._behind_preprocessing(self.loaded.eager) if self.bytes_in else self.loaded.eager
 
     def inputs_for(self, format_name: str) -> data.Inputs:
         """The inputs an artifact of `format_name` is fed (exported with, calibrated and validated on): the
@@ -137,7 +139,7 @@ class BuildContext:
     def input_of(self, format_name: str, example: torch.Tensor) -> dict:
         """What the artifact takes, as the manifest and bundle.json record it."""
         own = FORMATS[format_name].own_image_input
-        if own and self.plan.input_format == image_input.BYTES:
+        if own and self.bytes_in:
             return {"format": "own", "note": own}
         return image_input.describe(self.plan.input_format, example)
 
@@ -699,7 +701,7 @@ def _write_golden(out: Path, session: BuildContext) -> None:
     rows = session.golden_rows
     labels = session.inputs.labels[rows] if session.inputs.labels is not None else None
     contents = session.task.golden(session.inputs.validation[rows], session.reference[rows], labels)
-    if session.plan.input_format == image_input.BYTES:  # the same images as a uint8-nhwc artifact takes them
+    if session.bytes_in:  # the same images as a uint8-nhwc artifact takes them
         contents[GOLDEN_BYTES] = session.byte_inputs.validation[rows].numpy()
     for name, content in contents.items():
         if name.endswith(".json"):
@@ -823,7 +825,7 @@ def run(
     for plan, out in zip(plans, outs):
         session = dataclasses.replace(shared, plan=plan, x86_outputs={})
         session.digests = shared.digests  # hashing the inputs once is enough
-        if plan.input_format == image_input.BYTES:
+        if session.bytes_in:
             session.byte_inputs = shared.byte_inputs
         prefix = "" if single else f"{plan.target}: "
         docs.append(_build_one(request, session, out, progress, prefix))

@@ -180,7 +180,8 @@ def load(path: Path, threads: int):
     def run(x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         # validation feeds batch 1; a profile starting above it gets the sample repeated, first rows kept
-        x = torch.cat([x, x[:1].expand(max(0, smallest - n), *x.shape[1:])]).to("cuda", torch.float32).contiguous()
+        dtype = torch.uint8 if x.dtype == torch.uint8 else torch.float32  # a uint8-nhwc engine takes the pixels
+        x = torch.cat([x, x[:1].expand(max(0, smallest - n), *x.shape[1:])]).to("cuda", dtype).contiguous()
         context.set_input_shape(onnx_format.INPUT, tuple(x.shape))
         out = torch.empty(tuple(context.get_tensor_shape(onnx_format.OUTPUT)), dtype=torch.float32, device="cuda")
         context.set_tensor_address(onnx_format.INPUT, x.data_ptr())
