@@ -182,6 +182,25 @@ def test_the_jetson_app_feeds_a_uint8_bundle_bytes_and_agrees_with_eager(uint8_b
         assert app_top1 == labels[int(eager.argmax())], (photo, result.stdout)
 
 
+def test_exporter_validate_judges_a_uint8_build_again_on_its_bytes(uint8_build, tmp_path):
+    """`exporter validate` reads the input format from the manifest: the ONNX files are fed bytes again and pass with
+    the same fidelity (a float feed would not even run on a uint8 input)."""
+    import shutil
+
+    out, _ = uint8_build
+    again = tmp_path / "jetson"
+    shutil.copytree(out / "jetson", again)
+    before = json.loads((again / "manifest.json").read_text())
+    result = run_cli("validate", again, "--quiet")
+    assert result.exit_code == 0, result.output
+    after = json.loads((again / "manifest.json").read_text())
+    assert after["target"]["input"] == {"format": "uint8-nhwc"}
+    for first, second in zip(before["artifacts"], after["artifacts"]):
+        if first.get("path"):
+            assert second["status"] == "passed" and second["input"] == first["input"]
+            assert second["fidelity"]["psnr_db"] == pytest.approx(first["fidelity"]["psnr_db"], rel=1e-6)
+
+
 def test_a_video_weight_with_uint8_input_is_refused_before_it_writes(tmp_path):
     out = tmp_path / "out"
     result = run_cli("build", "R3D_18_Weights.KINETICS400_V1", "--input-format", "uint8-nhwc", "--out", out)
