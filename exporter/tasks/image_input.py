@@ -37,7 +37,9 @@ class ImageBytesInput(nn.Module):
         self.half_modules = tuple(f"model.{name}" for name in parts) if parts else ("model",)
 
     def forward(self, x):
-        x = x.permute(0, 3, 1, 2).to(torch.float32).div(255).sub(self.mean).div(self.std)
+        # contiguous: a permuted input's strides would carry channels-last through the export, and ExecuTorch's
+        # XNNPACK partitioner then splits the graph (measured: 11 delegated parts, 10 copies outside, 1.5x slower)
+        x = x.permute(0, 3, 1, 2).contiguous().to(torch.float32).div(255).sub(self.mean).div(self.std)
         return self.model(x)
 
 
