@@ -13,6 +13,7 @@ PIL image (bytes) before it becomes a tensor, so each normalized value is one by
 
 from __future__ import annotations
 
+import PIL
 import torch
 from torch import nn
 
@@ -68,7 +69,8 @@ def preprocessing(task, weights, input_format: str) -> dict:
         described["reference"] = {
             "file": preprocess.SHIPPED_AS,
             "functions": ["resize_and_crop", "normalized"],
-            "note": "numpy alone: torchvision's resize (and crop) of a PIL image, to the byte",
+            "note": "numpy alone: torchvision's resize (and crop) of a PIL image, to the byte, as this Pillow does it",
+            "pillow": PIL.__version__,  # its pass order is Pillow 13's; an older Pillow rounds some pixels otherwise
         }
     if input_format != BYTES:
         return described
