@@ -290,6 +290,15 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
     "inside the graph; the resize stays in the app (preprocessing.json says how).",
 )
 @click.option(
+    "--detections",
+    type=click.Choice(["host", "graph"]),
+    default=None,
+    help="Where a single-stage detector's boxes are decoded (default: the profile's [detection] decode, else host): "
+    "host ends the graph in the raw heads (detection_decode.py decodes them); graph puts torchvision's "
+    "post-processing (decode, score threshold, top-k, per-class NMS) inside it and returns final detections (ONNX "
+    "and TensorRT; a target none of whose formats takes it keeps the raw heads and says why).",
+)
+@click.option(
     "--quant-budget",
     "quant_budget",
     multiple=True,
@@ -347,6 +356,7 @@ def build(
     cpus,
     count,
     input_format,
+    detections,
     quant_budget,
     no_fallback,
     formats,
@@ -400,6 +410,7 @@ def build(
         cpus=list(cpus),
         count=count,
         input_format=input_format,
+        detections=detections,
     )
     if make_bundle:  # a target with no bundle selection is refused before the build, not after it
         from .release.bundle import check_target

@@ -16,9 +16,10 @@ A graph's output is one array per image, (anchors, K), and `params["kind"]` says
 - "fcos": 4 distances (left, top, right, bottom) from the anchor's centre, in units of its width/height
   when `normalize_by_size`; then 1 centerness logit; then C class logits. Score
   sqrt(sigmoid(class) * sigmoid(centerness)); otherwise as "retinanet".
-- "final" (Faster R-CNN: decoded, scored and NMS'd inside the graph): one row per detection, best first,
-  x0, y0, x1, y1, score, label, padded to `detections_per_img` rows with label 0 (background is never a
-  detection). No anchors: the rows are only read.
+- "final" (decoded, scored and NMS'd inside the graph: Faster R-CNN, and single-stage detectors built with
+  `--detections graph`): one row per detection, best first, x0, y0, x1, y1, score, label, padded to
+  `detections_per_img` rows of zeros (a detection's score is above the score threshold, so never 0; its label
+  may be 0 in RetinaNet and FCOS). No anchors: the rows are only read.
 
 Boxes are clipped to the image in every kind; at most `detections_per_img` are returned, best first.
 """
@@ -164,10 +165,10 @@ def decode(head: np.ndarray, anchors: np.ndarray, image_size, params: dict | Non
 
 
 def _final_rows(rows: np.ndarray) -> dict:
-    """Detections the graph made itself, its padding (label 0) dropped."""
-    labels = np.rint(rows[:, 5]).astype(np.int64)
-    kept = rows[labels > 0]
-    return {"boxes": kept[:, :4].copy(), "scores": kept[:, 4].copy(), "labels": labels[labels > 0]}
+    """Detections the graph made itself, its padding (score 0) dropped."""
+    found = rows[:, 4] > 0
+    kept = rows[found]
+    return {"boxes": kept[:, :4].copy(), "scores": kept[:, 4].copy(), "labels": np.rint(kept[:, 5]).astype(np.int64)}
 
 
 def _ssd_candidates(head, anchors, image_size, p):
@@ -252,7 +253,7 @@ def aligned(reference: np.ndarray, candidate: np.ndarray, params: dict) -> np.nd
     ref, out = np.asarray(reference).reshape(-1, 6), np.asarray(candidate).reshape(-1, 6)
     ious = np.where(ref[:, 5, None] == out[None, :, 5], _match_iou(ref[:, :4], out[:, :4]), 0.0)
     order, free = np.full(len(ref), -1), np.ones(len(out), dtype=bool)
-    for r in np.nonzero(ref[:, 5] > 0)[0]:
+    for r in np.nonzero(ref[:, 4] > 0)[0]:
         options = np.nonzero(free & (ious[r] >= 0.5))[0]
         if len(options):
             c = options[np.lexsort((np.abs(out[options, 4] - ref[r, 4]), -ious[r, options]))[0]]

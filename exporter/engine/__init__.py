@@ -62,6 +62,7 @@ def target_profile(request: BuildRequest, target: str) -> dict:
         cpus=request.cpus,
         count=request.count,
         input_format=request.input_format,
+        detections=request.detections,
     )
 
 

@@ -760,9 +760,9 @@ def run(
     # checkpoint before one is downloaded.
     resolved = weights.resolve(request.weight)
     task_class = weights.task_class(resolved)
-    plans = make_all(targets, task_class.name, request.options, task_class.format_options())
+    plans, classes = _plans_by_decode(request, resolved, task_class, targets)
     single = len(plans) == 1
-    refusals = [whole_target_refusal(resolved, task_class, plan) for plan in plans]
+    refusals = [whole_target_refusal(resolved, cls, plan) for cls, plan in zip(classes, plans)]
     if all(refusals):  # a target that makes nothing beside one that does says why in its manifest
         why = refusals[0] if single else "; ".join(f"{p.target}: {r}" for p, r in zip(plans, refusals))
         raise UsageError(
@@ -773,15 +773,13 @@ def run(
         raise UsageError(f"--input-format {image_input.BYTES}: {task_class.image_bytes_refusal}")
     calibrated = []  # the artifacts calibrated on the --data images, on any target
     quantized = weights.is_quantized(resolved)
-    for plan in plans:
+    for plan, cls in zip(plans, classes):
         _preflight(plan)
         labels = (
             []
             if quantized
             else [
-                a.label
-                for a in plan.artifacts
-                if a.precision == "int8" and not _refused_by_design(a, quantized, task_class)
+                a.label for a in plan.artifacts if a.precision == "int8" and not _refused_by_design(a, quantized, cls)
             ]
         )
         if labels and plan.data.calib_size == 0:
@@ -818,11 +816,16 @@ def run(
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
             loaded.labels = list(inputs.classes)
-    shared = _start_session(loaded, task, inputs, plans[0], progress, BuildCache(cache_root))
-    if any(plan.input_format == image_input.BYTES for plan in plans):
-        shared.byte_inputs  # noqa: B018 - inputs that are not whole bytes are refused before any file is written
+    sessions = {}  # task class -> the session its targets share (a detector's decode in the graph has its own eager)
+    for cls in dict.fromkeys(classes):
+        graph = loaded if cls is task_class else _decoding_in_graph(loaded, cls)
+        bound = cls.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
+        sessions[cls] = _start_session(graph, bound, inputs, plans[0], progress, BuildCache(cache_root))
+        if any(plan.input_format == image_input.BYTES for plan in plans):
+            sessions[cls].byte_inputs  # noqa: B018 - inputs that are not whole bytes are refused before any file
     docs = []
-    for plan, out in zip(plans, outs):
+    for plan, cls, out in zip(plans, classes, outs):
+        shared = sessions[cls]
         session = dataclasses.replace(shared, plan=plan, x86_outputs={})
         session.digests = shared.digests  # hashing the inputs once is enough
         if session.bytes_in:
@@ -832,6 +835,52 @@ def run(
     if not single:
         files.write_text(base / "report.html", html_report.render(docs, outs))
     return base, docs
+
+
+def _plans_by_decode(request: BuildRequest, resolved, task_class: type[Task], targets: list[dict]):
+    """Each target's Plan and the task class it builds: a detector whose target asks for its decode in the graph
+    ([detection] decode, --detections) builds DetectionsInGraph where a format of the target takes that graph,
+    and keeps the raw heads (the plan says why) where none does; refused in one line if no target can."""
+    plans = make_all(targets, task_class.name, request.options, task_class.format_options())
+    in_graph = task_class.for_decode("graph")
+    if in_graph is None:
+        if request.detections == "graph":
+            raise UsageError(
+                f"--detections graph: {weights.canonical_name(resolved)} is {_a(task_class.name)} model; "
+                "it returns no detections to decode"
+            )
+        return plans, [task_class] * len(plans)
+    if in_graph is task_class or all(plan.detection_decode == "host" for plan in plans):
+        return plans, [task_class] * len(plans)
+    plans = make_all(targets, task_class.name, request.options, in_graph.format_options())
+    classes, kept = [], {}
+    for i, plan in enumerate(plans):
+        why = _decode_refusal(in_graph, plan) if plan.detection_decode == "graph" else None
+        if why:
+            kept[plan.target] = why
+            plans[i] = dataclasses.replace(plan, detection_decode="host", decode_kept=why)
+        classes.append(in_graph if plans[i].detection_decode == "graph" else task_class)
+    if in_graph not in classes:
+        raise UsageError(
+            f"--detections graph: no format of target {', '.join(kept)} takes it ({'; '.join(kept.values())})"
+        )
+    return plans, classes
+
+
+def _decode_refusal(in_graph: type[Task], plan: Plan) -> str | None:
+    """Why no artifact of the plan can end in final detections (formats with one reason named together), or None."""
+    by_reason = {}
+    for spec in plan.artifacts:
+        why = in_graph.format_refusal(spec.format, spec.precision)
+        if not why:
+            return None
+        by_reason.setdefault(why, []).append(spec.format)
+    return "; ".join(f"{', '.join(dict.fromkeys(names))}: {why}" for why, names in by_reason.items())
+
+
+def _decoding_in_graph(loaded: weights.LoadedModel, task_class: type[Task]) -> weights.LoadedModel:
+    """The weight with the graph `task_class` exports (the detector's own post-processing inside it)."""
+    return dataclasses.replace(loaded, model=task_class.graph(loaded.model), task_class=task_class)
 
 
 def _build_one(request: BuildRequest, session: BuildContext, out: Path, progress: Progress, prefix: str) -> dict:
@@ -916,6 +965,7 @@ def validate(
         "task": doc.task["name"],
         "validate": doc.target.get("validate", {}),
         "input": doc.target.get("input", {}),
+        "detection": {k: v for k, v in doc.target.get("detection", {}).items() if k == "decode"},
     }
     profile = profiles.with_overrides(profile, thresholds=list(thresholds))
     profiles.check_precisions([profile], thresholds)
@@ -929,6 +979,9 @@ def validate(
         )
         if loaded.checkpoint["sha256"] != recorded["sha256"]:
             raise UsageError(f"checkpoint {loaded.checkpoint['path']} is not the one this build used (sha256 differs)")
+    in_graph = loaded.task_class.for_decode(plan.detection_decode)
+    if in_graph is not loaded.task_class:
+        loaded = _decoding_in_graph(loaded, in_graph)
     task = loaded.task_class.bind(
         loaded.weights, loaded.model_name, doc.task["num_classes"], tuple(doc.task["input_size"])
     )

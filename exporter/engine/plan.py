@@ -116,6 +116,8 @@ class Plan:
     post_build: str | None = None  # "module:function" called with (out_dir, the Manifest, session) after the artifacts
     validate: ValidateSettings = ValidateSettings()
     input_format: str = "float32-nchw"  # what every artifact takes (profiles.INPUT_FORMATS)
+    detection_decode: str = "host"  # where a detector's boxes are decoded (profiles.DECODES)
+    decode_kept: str | None = None  # why a target asked for "graph" keeps "host" (no format of it takes the graph)
 
     def thresholds_for(self, precision: str) -> dict:
         return dict(self.thresholds.get(precision, {}))
@@ -139,7 +141,12 @@ class Plan:
             "latency": self.latency.describe(),
             "validate": self.validate.describe(),
             "input": {"format": self.input_format},
+            **({"detection": self._detection()} if self.task == "detection" else {}),
         }
+
+    def _detection(self) -> dict:
+        decode = {"decode": self.detection_decode}
+        return {**decode, "asked": "graph", "kept_host_because": self.decode_kept} if self.decode_kept else decode
 
 
 def export_order(precisions: list[str]) -> list[int]:
@@ -194,6 +201,7 @@ def make(profile: dict, task: str) -> Plan:
             resolved.get("validate", {}).get("reference_cpu"),
         ),
         input_format=resolved.get("input", {}).get("format", profiles.INPUT_FORMATS[0]),
+        detection_decode=resolved.get("detection", {}).get("decode", profiles.DECODES[0]),
     )
 
 

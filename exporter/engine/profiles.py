@@ -26,6 +26,7 @@ SECTIONS = {
     "quantization": dict,  # how int8 artifacts meet their budget (exporter.quant); [quantization.budget] overrides
     "validate": dict,  # where the artifacts are validated besides this host: arch = [...], cpus = [...]
     "input": dict,  # what the artifacts take: format = "float32-nchw" (default) or "uint8-nhwc"
+    "detection": dict,  # a detector's output: decode = "host" (raw heads, default) or "graph" (final detections)
     # [tasks.<task>.thresholds.<precision>] and [tasks.<task>.data] for tasks other than classification,
     # whose thresholds and data settings are the top-level ones
     "tasks": dict,
@@ -42,6 +43,9 @@ INPUT_KEYS = {"format": str}
 # float32-nchw: the normalized tensor torchvision's transforms make; uint8-nhwc: the RGB bytes an app's bitmap holds,
 # at the input size, the scaling, mean/std and layout change inside the graph
 INPUT_FORMATS = ("float32-nchw", "uint8-nhwc")
+DETECTION_KEYS = {"decode": str}
+# host: the graph ends in the raw heads, detection_decode.py decodes; graph: torchvision's post-processing inside it
+DECODES = ("host", "graph")
 
 
 def _runs_on_aarch64(format_name) -> bool:
@@ -242,6 +246,10 @@ def check(profile: dict, where: str) -> None:
     input_format = profile.get("input", {}).get("format", INPUT_FORMATS[0])
     if input_format not in INPUT_FORMATS:
         raise UsageError(f"{where} [input]: format must be one of {', '.join(INPUT_FORMATS)}, got {input_format!r}")
+    _check_keys(profile.get("detection", {}), DETECTION_KEYS, f"{where} [detection]")
+    decode = profile.get("detection", {}).get("decode", DECODES[0])
+    if decode not in DECODES:
+        raise UsageError(f"{where} [detection]: decode must be one of {', '.join(DECODES)}, got {decode!r}")
 
 
 def parse_threshold_override(text: str) -> tuple[str, str, float]:
@@ -315,9 +323,10 @@ def with_overrides(
     cpus: list[str] = (),
     count: bool | None = None,
     input_format: str | None = None,
+    detections: str | None = None,
 ) -> dict:
     """The profile with the CLI's overrides; `arch` adds architectures to [validate] arch, `cpus` replaces its cpus,
-    `count` its count, `input_format` its [input] format."""
+    `count` its count, `input_format` its [input] format, `detections` its [detection] decode."""
     profile = copy.deepcopy(profile)
     overrides = profile.setdefault("overrides", {})
     _override_thresholds(profile, thresholds)
@@ -348,6 +357,7 @@ def with_overrides(
         ("latency", "iterations", iterations),
         ("validate", "count", count),
         ("input", "format", input_format),
+        ("detection", "decode", detections),
     ):
         if value is not None:
             profile.setdefault(section, {})[key] = value

@@ -287,6 +287,14 @@ def markdown(doc: dict) -> str:
         f"- task: {task_name(doc)}, input {'x'.join(map(str, (doc.get('task') or {}).get('input_size', [])))}; "
         f"eager: {eager_summary(doc)}",
     ]
+    decode = doc["target"].get("detection") or {}
+    if decode.get("kept_host_because"):  # asked for final detections in the graph, which no format here takes
+        lines.append(
+            "- detections: **raw heads**, decoded by detection_decode.py (asked: in the graph; no format of this "
+            f"target takes it: {decode['kept_host_because']})"
+        )
+    elif decode.get("decode") == "graph":
+        lines.append("- detections: **final, inside the graph** (torchvision's post-processing; no decode in the app)")
     reference = doc["eager"].get("reference") or {}
     if reference.get("note"):  # a quantized weight: which eager model the artifacts were measured against
         lines.append(f"- eager reference: **{reference['kind']}** — {reference['note']}")

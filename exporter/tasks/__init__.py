@@ -15,6 +15,7 @@ from ..errors import UsageError
 from .base import Task
 from .classification import Classification
 from .detection import Detection
+from .detections_in_graph import DetectionsInGraph
 from .optical_flow import OpticalFlow
 from .region_detection import RegionDetection
 from .segmentation import Segmentation
@@ -51,6 +52,7 @@ __all__ = [
     "Task",
     "Classification",
     "Detection",
+    "DetectionsInGraph",
     "OpticalFlow",
     "RegionDetection",
     "Segmentation",

@@ -55,6 +55,12 @@ class Task:
         return next((sub for sub in cls.__subclasses__() if sub.takes(model_name)), cls)
 
     @classmethod
+    def for_decode(cls, decode: str) -> "type[Task] | None":
+        """The class whose graph decodes where `decode` (profiles.DECODES) says: this one for "host"; for "graph",
+        the task's graph ending in final detections, None where it has no detections to decode."""
+        return cls if decode == "host" else None
+
+    @classmethod
     def takes(cls, model_name: str) -> bool:
         """Whether this subclass, rather than its task's class, exports `model_name`."""
         return False

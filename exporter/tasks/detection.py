@@ -46,6 +46,7 @@ class RawHeads(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.backbone, self.head = model.backbone, model.head
+        self.__dict__["detector"] = model  # for --detections graph (detections_in_graph.py); not a submodule
 
     def forward(self, x):
         features = list(self.backbone(x).values())
@@ -187,6 +188,12 @@ class Detection(Task):
                 "included), but the graph would drop what the weight is for (docs/tasks.md)"
             )
         return None
+
+    @classmethod
+    def for_decode(cls, decode):
+        from .detections_in_graph import DetectionsInGraph
+
+        return DetectionsInGraph if decode == "graph" else cls
 
     @classmethod
     def input_size_of(cls, weights, model_name, requested):

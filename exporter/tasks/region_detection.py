@@ -86,7 +86,25 @@ class FinalDetections(nn.Module):
         return boxes[keep], scores[keep], labels[keep]
 
 
-class RegionDetection(Detection):
+class FinalRows:
+    """A graph that returns final detections: (1, detections_per_img, 6), best first, padded with zeros."""
+
+    def output(self):
+        rows = self.params["detections_per_img"]
+        return {
+            "name": self.output_name,
+            "layout": "NDK",
+            "shape": [1, rows, 6],
+            "meaning": "per detection, best first: x0, y0, x1, y1 (pixels of the input), score, label; rows past "
+            "the last detection are zeros (score 0 is never a detection); detection_decode.py's kind 'final' "
+            "drops them",
+        }
+
+    def heads(self, rows):
+        return rows.reshape(len(rows), -1, 6)
+
+
+class RegionDetection(FinalRows, Detection):
     @classmethod
     def takes(cls, model_name: str) -> bool:
         return model_name.startswith(TWO_STAGE)
@@ -132,19 +150,9 @@ class RegionDetection(Detection):
     def graph(cls, model):
         return FinalDetections(model).eval()
 
-    def output(self):
-        rows = self.params["detections_per_img"]
-        return {
-            "name": self.output_name,
-            "layout": "NDK",
-            "shape": [1, rows, 6],
-            "meaning": "per detection, best first: x0, y0, x1, y1 (pixels of the input), score, label; rows past "
-            "the last detection are zeros (label 0 is never a detection); detection_decode.py's kind "
-            "'final' drops them",
-        }
-
-    def heads(self, rows):
-        return rows.reshape(len(rows), -1, 6)
+    @classmethod
+    def for_decode(cls, decode):
+        return cls  # its only route ends in final detections
 
 
 def decode_params(model: nn.Module) -> dict:
