@@ -76,7 +76,10 @@ def test_ssdlite_builds_validates_and_bundles_on_every_target(ssdlite_all):
             assert task["decode"]["nms_thresh"] > 0 and task["decode"]["anchors"] == "golden/anchors.npy"
             kept = doc["target"]["detection"]
             assert kept["decode"] == "host" and kept["asked"] == "graph", kept
-            assert "executorch: torch.export cannot take NMS" in kept["kept_host_because"], kept
+            assert (
+                "executorch" in kept["kept_host_because"]
+                and "torch.export cannot take NMS" in kept["kept_host_because"]
+            )
             assert "raw heads" in (out / target / "report.md").read_text()
         else:
             assert doc["target"]["detection"] == {"decode": "graph"}

@@ -47,8 +47,9 @@ def _pixels(files, size):
         return torch.rand(2, 3, *size)
     return torch.stack(
         [
-            torch.from_numpy(np.asarray(Image.open(f).convert("RGB").resize(size[::-1]), dtype=np.float32) / 255)
-            .permute(2, 0, 1)
+            torch.from_numpy(
+                np.asarray(Image.open(f).convert("RGB").resize(size[::-1]), dtype=np.float32) / 255
+            ).permute(2, 0, 1)
             for f in files
         ]
     )
