@@ -640,3 +640,25 @@ def test_jetson_bundle_from_a_kit_is_byte_identical_to_a_fresh_copy(tmp_path, ta
     with pytest.raises(UsageError, match="detection_decode.py does not match the sha256"):
         make_bundle(copy)
     assert (make_bundle(build) / "detection_decode.py").read_bytes() == DECODER.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "kind, anchors, good, bad",
+    [
+        ("final", None, (300, 6), (300, 15)),  # the decode inside the graph (or Faster R-CNN): rows of 6
+        ("ssd", 7, (7, 4 + 11), (7, 5 + 11)),
+        ("fcos", 7, (7, 5 + 11), (7, 4 + 11)),  # FCOS: 4 distances and a centerness before the classes
+    ],
+)
+def test_jetson_app_reads_each_output_layout_and_refuses_another(tmp_path, kind, anchors, good, bad):
+    from exporter.device import detection_decode
+
+    shutil.copy(detection_decode.__file__, tmp_path / "detection_decode.py")
+    if anchors is not None:
+        np.save(tmp_path / "anchors.npy", np.zeros((anchors, 4), dtype=np.float32))
+    decode = {"kind": kind, "code": "detection_decode.py", "match_score": 0.3}
+    decode["anchors"] = None if anchors is None else "anchors.npy"
+    detector = _jetson_app().Detector(tmp_path, {"decode": decode, "input_size": [64, 64]})
+    detector.check(np.zeros(good, dtype=np.float32), 11)
+    with pytest.raises(ValueError, match=r"model outputs \(\d+, \d+\) per image; the bundle says"):
+        detector.check(np.zeros(bad, dtype=np.float32), 11)

@@ -228,8 +228,8 @@ def segment(logits: np.ndarray, labels: list[str]) -> tuple[np.ndarray, list[tup
 
 
 class Detector:
-    """Raw detector heads (anchors x (4 box values [+ centerness] + C class logits)), or a two-stage graph's final
-    rows (no anchors: task.decode.anchors is null), -> boxes, with the bundle's own detection_decode.py, anchors and
+    """Raw detector heads (anchors x (4 box values [+ centerness] + C class logits)), or final rows (a two-stage
+    graph, or the decode inside the graph: task.decode.anchors is null), -> boxes, with the bundle's own detection_decode.py, anchors and
     task.decode parameters, as the build decoded eager's and every artifact's outputs."""
 
     def __init__(self, directory: Path, task: dict):
@@ -240,12 +240,20 @@ class Detector:
         self.match_score = decode["match_score"]
         self.input_size = tuple(task["input_size"])  # (h, w): boxes come out in these pixels
 
+    def check(self, head: np.ndarray, classes: int) -> None:
+        """A model output the bundle's decode cannot read (another model's, or labels.txt of another class count)."""
+        if self.anchors is None:  # final detections, the decode inside the graph
+            rows, width, what = head.shape[0], 6, "x0, y0, x1, y1, score, label per detection"
+        else:
+            box = 5 if self.params["kind"] == "fcos" else 4
+            rows, width = len(self.anchors), box + classes
+            what = f"{len(self.anchors)} anchors x ({box} box values + {classes} class logits, labels.txt)"
+        if head.shape != (rows, width):
+            raise ValueError(f"model outputs {head.shape} per image; the bundle says {what}")
+
     def __call__(self, head: np.ndarray) -> dict:
-        if self.anchors is not None and (head.shape != (len(self.anchors), head.shape[-1]) or head.shape[-1] < 5):
-            raise ValueError(
-                f"model outputs {head.shape} per image; the bundle has {len(self.anchors)} anchors, "
-                "so anchors x (4 + classes)"
-            )
+        if self.anchors is not None and len(head) != len(self.anchors):
+            raise ValueError(f"model outputs {head.shape} per image; the bundle has {len(self.anchors)} anchors")
         return self.code.decode(head, self.anchors, self.input_size, self.params)
 
     def shown(self, head: np.ndarray, width: int, height: int) -> list[tuple[int, float, list[float]]]:
@@ -341,10 +349,7 @@ def _print_detections(
     path: Path, image: Image.Image, x: np.ndarray, run, labels: list[str], detector: Detector, target: Path | None
 ) -> None:
     head = run(x)[0]
-    if head.shape[-1] != 4 + len(labels):
-        raise ValueError(
-            f"model outputs {head.shape[-1] - 4} class scores per anchor, labels.txt has {len(labels)} classes"
-        )
+    detector.check(head, len(labels))
     found = detector.shown(head, image.width, image.height)
     print(path)
     for label, score, box in found:
