@@ -290,6 +290,16 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
     "inside the graph; the resize stays in the app (preprocessing.json says how).",
 )
 @click.option(
+    "--input-size-range",
+    "size_range",
+    type=(int, int),
+    default=None,
+    metavar="MIN MAX",
+    help="Segmentation: artifacts that take any height and width from MIN to MAX (at most 4096), validated at three "
+    "sizes in that range besides --input-size (which stays the calibration and golden size); formats that cannot "
+    "take a dynamic size keep the fixed one and say why (default: the profile's [input] size_range).",
+)
+@click.option(
     "--detections",
     type=click.Choice(["host", "graph"]),
     default=None,
@@ -356,6 +366,7 @@ def build(
     cpus,
     count,
     input_format,
+    size_range,
     detections,
     quant_budget,
     no_fallback,
@@ -411,6 +422,7 @@ def build(
         count=count,
         input_format=input_format,
         detections=detections,
+        size_range=size_range,
     )
     if make_bundle:  # a target with no bundle selection is refused before the build, not after it
         from .release.bundle import check_target

@@ -115,7 +115,7 @@ def broken_value(reasons, metric: str) -> float | None:
 def jsonable(value):
     """`value` with every Reason as its JSON record and every Status or Kind as its string, through dicts, lists
     and tuples (lists in the result); anything else as it is. What the manifest writer and the caches store."""
-    if isinstance(value, (Reason, EmulatedRow, ArtifactResult, Manifest)):
+    if isinstance(value, (Reason, EmulatedRow, SizeRow, ArtifactResult, Manifest)):
         return value.to_json()
     if isinstance(value, enum.Enum):
         return value.value
@@ -188,6 +188,32 @@ class EmulatedRow:
         return _from_record(cls, record)
 
 
+@dataclass(kw_only=True)
+class SizeRow:
+    """One dynamic-size artifact judged at one more input size (exporter.engine.validate_sizes): the contract
+    against eager at that size, on the same images resized to it, never timed."""
+
+    size: list  # [height, width]
+    images: int
+    status: Status
+    reasons: list[Reason] = field(default_factory=list)
+    fidelity: dict | None = None
+    accuracy: dict | None = None
+    extra: dict = _extra()
+
+    ALWAYS = ("size", "images", "status", "reasons", "fidelity", "accuracy")
+
+    def __post_init__(self):
+        self.status, self.reasons = Status(self.status), revived(self.reasons)
+
+    def to_json(self) -> dict:
+        return _record(self, self.ALWAYS)
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> SizeRow:
+        return _from_record(cls, record)
+
+
 @dataclass
 class ArtifactResult:
     """One artifact of a build, as the engine fills it in (export, validation, golden program, memory, aarch64
@@ -224,6 +250,7 @@ class ArtifactResult:
     profile: dict | None = None
     aarch64: list[EmulatedRow] | None = None  # one row per emulated CPU
     input: dict | None = None  # what it takes (tasks/image_input.describe); absent in older manifests: float32-nchw
+    sizes: list[SizeRow] | None = None  # a dynamic-size artifact judged at more sizes than its input size
     extra: dict = _extra()
 
     ALWAYS = (
@@ -235,6 +262,8 @@ class ArtifactResult:
         self.status, self.reasons = Status(self.status), revived(self.reasons)
         if self.aarch64 is not None:
             self.aarch64 = [row if isinstance(row, EmulatedRow) else EmulatedRow.from_json(row) for row in self.aarch64]
+        if self.sizes is not None:
+            self.sizes = [row if isinstance(row, SizeRow) else SizeRow.from_json(row) for row in self.sizes]
 
     def update(self, values: Mapping | None = None, **more) -> None:
         """Set the fields named in `values` and `more` (a metrics record, a cached validation); an unknown name

@@ -63,6 +63,7 @@ def target_profile(request: BuildRequest, target: str) -> dict:
         count=request.count,
         input_format=request.input_format,
         detections=request.detections,
+        size_range=request.size_range,
     )
 
 

@@ -19,8 +19,9 @@ import torch
 
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, report
-from ..results import ArtifactResult, Kind, Manifest, Reason, Status, texts
+from ..results import ArtifactResult, Kind, Manifest, Reason, Status, kinds, texts
 from . import bundled_program_step, cache, conditioning, default_out, memory_profile, profiles, validate_on_arm
+from . import validate_sizes
 from .plan import ArtifactSpec, Plan, export_order, make_all, make as make_plan
 from ..tasks import Task, image_input
 from ..quant import Calibration
@@ -47,6 +48,7 @@ class BuildContext:
     cache: BuildCache = field(default_factory=lambda: BuildCache(None))
     x86_outputs: dict = field(default_factory=dict)  # artifact name -> its outputs on this host (for the aarch64 rows)
     shared_proxies: dict = field(default_factory=dict)  # (shared_key, thresholds) -> a proxy's metrics
+    sized: dict = field(default_factory=dict)  # (h, w) -> the validation images and eager at that size
 
     @property
     def latency(self) -> dict:
@@ -164,7 +166,7 @@ class BuildContext:
         )
 
 
-def _load_inputs(path: Path | None, loaded: weights.LoadedModel, task: Task, settings) -> data.Inputs:
+def load_inputs(path: Path | None, loaded: weights.LoadedModel, task: Task, settings) -> data.Inputs:
     transform = task.transform(loaded.weights)
     size = (settings.calib_size, settings.val_size, settings.seed)
     if path is None:
@@ -459,6 +461,7 @@ def _export(
     calibration = remade(calibration, entry.details) if remade and _ranges_did_not_hold(entry) else None
     if calibration is not None:
         entry = _remake_with_per_inference_ranges(session, spec, fmt, entry, calibration, out, progress, prefix)
+    validate_sizes.add_rows(session, spec, entry, out, progress, prefix)
     bundled_program_step.add_golden_program(session, entry, out, progress, prefix)
     memory_profile.measure(session, entry, out, progress, prefix)
     return entry
@@ -524,6 +527,8 @@ def _export_into(
     entry.export_s = progress.timings.get(label)
     entry.update(path=path.name, sha256=files.sha256(path), size_bytes=files.size(path))
     entry.input = session.input_of(spec.format, example)
+    if bounds := validate_sizes.bounds_of(spec):  # any height and width within them
+        entry.input = {**entry.input, "size_range": list(bounds)}
     return True
 
 
@@ -787,7 +792,9 @@ def run(
                 f"target {plan.target}: {', '.join(labels)} need calibration images; --calib-size 0 gives none"
             )
         calibrated += [label for label in labels if label not in calibrated]
-    task_class.input_size_of(resolved, weights.model_name_of(resolved), request.input_size)
+    input_size = task_class.input_size_of(resolved, weights.model_name_of(resolved), request.input_size)
+    for plan in plans:
+        _check_size_range(plan, task_class, input_size)
     if request.data is not None and not Path(request.data).is_dir():
         raise UsageError(f"--data {request.data} is not a directory")
     base = Path(request.out or default_out(weights.canonical_name(resolved), [p.target for p in plans]))
@@ -811,7 +818,7 @@ def run(
         )
     task = task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
     with progress.step("load data"):
-        inputs = _load_inputs(request.data, loaded, task, plans[0].data)
+        inputs = load_inputs(request.data, loaded, task, plans[0].data)
     _check_enough(inputs, request.data, calibrated, plans[0].data.calib_size)
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
@@ -865,6 +872,39 @@ def _plans_by_decode(request: BuildRequest, resolved, task_class: type[Task], ta
             f"--detections graph: no format of target {', '.join(kept)} takes it ({'; '.join(kept.values())})"
         )
     return plans, classes
+
+
+def _note_fixed_size(session: BuildContext, spec: ArtifactSpec, entry: ArtifactResult) -> None:
+    """A target that asks for a dynamic size: each artifact whose format keeps the fixed one says so, and why."""
+    if not session.plan.size_range or validate_sizes.bounds_of(spec):
+        return
+    if kinds(entry.reasons) & {Kind.NOT_MADE, Kind.NOT_OFFERED}:
+        return
+    size = "x".join(map(str, session.task.input_size))
+    entry.reasons = [
+        *entry.reasons,
+        Reason(Kind.NOTE, f"keeps the fixed {size} input: {FORMATS[spec.format].fixed_size}"),
+    ]
+
+
+def _check_size_range(plan: Plan, task_class: type[Task], input_size) -> None:
+    """A dynamic size range the task's graph cannot take, or that leaves out the build's own input size, is refused."""
+    if not plan.size_range:
+        return
+    low, high = plan.size_range
+    where = f"target {plan.target}: input size range {low}..{high}"
+    if task_class.dynamic_size_refusal:
+        raise UsageError(f"{where}: {task_class.dynamic_size_refusal}")
+    if low < task_class.min_side:
+        raise UsageError(
+            f"{where}: below this model's smallest side, {task_class.min_side} px (its backbone downsamples by up "
+            "to 32)"
+        )
+    if not all(low <= side <= high for side in input_size):
+        raise UsageError(
+            f"{where} leaves out the input size {input_size[0]}x{input_size[1]} (--input-size: the calibration and "
+            "golden size)"
+        )
 
 
 def _decode_refusal(in_graph: type[Task], plan: Plan) -> str | None:
@@ -922,6 +962,7 @@ def _build_one(request: BuildRequest, session: BuildContext, out: Path, progress
     specs, made = _artifacts(plan, loaded.quantized), {}
     for i in export_order([spec.precision for spec in specs]):
         made[i] = _export(session, specs[i], out, progress, prefix)
+        _note_fixed_size(session, specs[i], made[i])
         doc.artifacts = [made[k] for k in sorted(made)]
         doc.timings_s = _timings(progress, prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
@@ -987,7 +1028,7 @@ def validate(
     )
     source = data_dir or (None if doc.data["source"] == "synthetic" else Path(doc.data["source"]))
     with progress.step("load data"):
-        inputs = _load_inputs(source, loaded, task, plan.data)
+        inputs = load_inputs(source, loaded, task, plan.data)
     session = _start_session(loaded, task, inputs, plan, progress)
     _write_device_files(out, task)  # what this validation decodes with is what the build ships
     _write_golden(out, session)  # the inputs golden_fidelity is measured on, whatever --data says now
@@ -1001,6 +1042,9 @@ def validate(
             entry.clear(*VALIDATION_FIELDS, "aarch64", "bundled_program")
             entry.update(reasons=[], status=Status.FAILED)
             _validate(session, entry, out, progress)
+            spec = next((a for a in plan.artifacts if a.label == entry.name), None)
+            if spec is not None:
+                validate_sizes.add_rows(session, spec, entry, out, progress)
             bundled_program_step.add_golden_program(session, entry, out, progress)
     validate_on_arm.add_rows(session, doc, out, progress, None, False)
     doc.validated = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -116,6 +116,7 @@ class Plan:
     post_build: str | None = None  # "module:function" called with (out_dir, the Manifest, session) after the artifacts
     validate: ValidateSettings = ValidateSettings()
     input_format: str = "float32-nchw"  # what every artifact takes (profiles.INPUT_FORMATS)
+    size_range: tuple[int, int] | None = None  # [input] size_range: the sides of a dynamic-size graph
     detection_decode: str = "host"  # where a detector's boxes are decoded (profiles.DECODES)
     decode_kept: str | None = None  # why a target asked for "graph" keeps "host" (no format of it takes the graph)
 
@@ -140,7 +141,10 @@ class Plan:
             "data": self.data.describe(),
             "latency": self.latency.describe(),
             "validate": self.validate.describe(),
-            "input": {"format": self.input_format},
+            "input": {
+                "format": self.input_format,
+                **({"size_range": list(self.size_range)} if self.size_range else {}),
+            },
             **({"detection": self._detection()} if self.task == "detection" else {}),
         }
 
@@ -187,7 +191,7 @@ def make(profile: dict, task: str) -> Plan:
         target=resolved["name"],
         profile_path=resolved["path"],
         task=task,
-        artifacts=tuple(ArtifactSpec.read(entry) for entry in resolved["artifacts"]),
+        artifacts=tuple(_sized(ArtifactSpec.read(entry), _size_range(resolved)) for entry in resolved["artifacts"]),
         thresholds=_frozen(resolved.get("thresholds", {})),
         data=DataSettings(**resolved.get("data", {})),
         latency=LatencySettings(**latency),
@@ -201,8 +205,21 @@ def make(profile: dict, task: str) -> Plan:
             resolved.get("validate", {}).get("reference_cpu"),
         ),
         input_format=resolved.get("input", {}).get("format", profiles.INPUT_FORMATS[0]),
+        size_range=_size_range(resolved),
         detection_decode=resolved.get("detection", {}).get("decode", profiles.DECODES[0]),
     )
+
+
+def _sized(spec: ArtifactSpec, size_range: tuple[int, int] | None) -> ArtifactSpec:
+    """The artifact exported with a dynamic height and width within `size_range`, where its format takes one."""
+    if not size_range or FORMATS[spec.format].fixed_size is not None:
+        return spec
+    return replace(spec, options=_frozen({**spec.options, "size_range": f"{size_range[0]}:{size_range[1]}"}))
+
+
+def _size_range(resolved: dict) -> tuple[int, int] | None:
+    bounds = resolved.get("input", {}).get("size_range")
+    return (int(bounds[0]), int(bounds[1])) if bounds else None
 
 
 def with_required(profile: dict, required: Mapping[str, Mapping], options: Mapping = MappingProxyType({})) -> dict:

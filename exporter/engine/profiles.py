@@ -39,7 +39,8 @@ LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
 ARTIFACT_KEYS = {"name", "format", "precision", "options"}
 ARCHES = ("x86_64", "aarch64")  # x86_64: this host (always); aarch64: the emulated runner (exporter.aarch64)
 VALIDATE_KEYS = {"arch": list, "cpus": list, "count": bool, "reference_cpu": str}
-INPUT_KEYS = {"format": str}
+INPUT_KEYS = {"format": str, "size_range": list}
+MAX_SIDE = 4096  # the largest side a dynamic-size graph is exported for (an [input] size_range bound)
 # float32-nchw: the normalized tensor torchvision's transforms make; uint8-nhwc: the RGB bytes an app's bitmap holds,
 # at the input size, the scaling, mean/std and layout change inside the graph
 INPUT_FORMATS = ("float32-nchw", "uint8-nhwc")
@@ -246,10 +247,27 @@ def check(profile: dict, where: str) -> None:
     input_format = profile.get("input", {}).get("format", INPUT_FORMATS[0])
     if input_format not in INPUT_FORMATS:
         raise UsageError(f"{where} [input]: format must be one of {', '.join(INPUT_FORMATS)}, got {input_format!r}")
+    size_range = profile.get("input", {}).get("size_range")
+    if size_range is not None:
+        check_size_range(size_range, f"{where} [input] size_range")
     _check_keys(profile.get("detection", {}), DETECTION_KEYS, f"{where} [detection]")
     decode = profile.get("detection", {}).get("decode", DECODES[0])
     if decode not in DECODES:
         raise UsageError(f"{where} [detection]: decode must be one of {', '.join(DECODES)}, got {decode!r}")
+
+
+def check_size_range(bounds, where: str) -> tuple[int, int]:
+    """[MIN, MAX]: the sides a dynamic-size graph takes, whole numbers with 1 <= MIN <= MAX <= MAX_SIDE."""
+    if (
+        not isinstance(bounds, (list, tuple))
+        or len(bounds) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in bounds)
+        or not 1 <= bounds[0] <= bounds[1] <= MAX_SIDE
+    ):
+        raise UsageError(
+            f"{where}: expected [MIN, MAX], whole numbers with 1 <= MIN <= MAX <= {MAX_SIDE}, got {bounds!r}"
+        )
+    return int(bounds[0]), int(bounds[1])
 
 
 def parse_threshold_override(text: str) -> tuple[str, str, float]:
@@ -324,9 +342,10 @@ def with_overrides(
     count: bool | None = None,
     input_format: str | None = None,
     detections: str | None = None,
+    size_range: tuple[int, int] | None = None,
 ) -> dict:
     """The profile with the CLI's overrides; `arch` adds architectures to [validate] arch, `cpus` replaces its cpus,
-    `count` its count, `input_format` its [input] format, `detections` its [detection] decode."""
+    `count` its count, `input_format` its [input] format, `detections` its [detection] decode, `size_range` its [input] size_range."""
     profile = copy.deepcopy(profile)
     overrides = profile.setdefault("overrides", {})
     _override_thresholds(profile, thresholds)
@@ -358,6 +377,7 @@ def with_overrides(
         ("validate", "count", count),
         ("input", "format", input_format),
         ("detection", "decode", detections),
+        ("input", "size_range", list(size_range) if size_range else None),
     ):
         if value is not None:
             profile.setdefault(section, {})[key] = value

@@ -34,6 +34,7 @@ class BuildRequest:
     cpus: list[str] = field(default_factory=list)  # the emulated aarch64 CPUs, replacing the profile's
     count: bool | None = None  # instruction counts on those CPUs; None: the profile's [validate] count
     input_format: str | None = None  # float32-nchw or uint8-nhwc; None: the profile's [input] format
+    size_range: tuple[int, int] | None = None  # MIN, MAX sides of a dynamic-size graph; None: the profile's
     detections: str | None = None  # host or graph (a detector's decode); None: the profile's [detection] decode
     aarch64_runners: Path | None = None  # the aarch64 runners' directory; default: aarch64.cache_root(cache_dir)
     input_size: tuple[int, int] | None = (

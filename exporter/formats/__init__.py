@@ -45,6 +45,9 @@ class FormatSpec:
     # what the file takes under every input format, when the format has its own image input (Core ML's image type,
     # the weight's preprocessing inside); None: the build's input format (float32-nchw or uint8-nhwc)
     own_image_input: str | None = None
+    # why its artifact keeps the fixed input size when a segmentation target asks for a dynamic one ([input]
+    # size_range), measured; None: it takes `size_range="MIN:MAX"` as an export option
+    fixed_size: str | None = "its export takes one input size"
 
     def installed(self) -> bool:
         # find_spec, not an import: coremltools and executorch take seconds to import, and a
@@ -73,6 +76,9 @@ FORMATS = {
             "float model; build the float weight (meta['unquantized']) for an int8 .pte",
             runs_on_aarch64=True,
             app_runtime="the ExecuTorch runtime (XNNPACK backend)",
+            fixed_size="not offered yet: XNNPACK does not take a bilinear resize of dynamic size (measured with "
+            "ExecuTorch 1.5.1 on LR-ASPP and DeepLabV3: both resizes left on portable kernels, the graph in two "
+            "delegated parts)",
         ),
         FormatSpec(
             "torchscript_lite",
@@ -81,6 +87,7 @@ FORMATS = {
             (),
             runs_on_aarch64=True,
             app_runtime="PyTorch Mobile's lite interpreter (end-of-life)",
+            fixed_size="PyTorch Mobile is end-of-life: its dynamic sizes are not offered",
         ),
         FormatSpec(
             "litert",
@@ -91,6 +98,8 @@ FORMATS = {
             "model; build the float weight (meta['unquantized']) for an int8 .tflite",
             runs_on_aarch64=True,
             app_runtime="LiteRT (TensorFlow Lite, XNNPACK delegate)",
+            fixed_size="litert-torch 0.10 converts a dynamic height and width but fixes every inner shape at the "
+            "traced size: the .tflite fails to allocate at any other (measured)",
         ),
         FormatSpec(
             "onnx",
@@ -101,6 +110,7 @@ FORMATS = {
             "modules; build the float weight (meta['unquantized']) for an int8 Q/DQ ONNX",
             runs_on_aarch64=True,
             app_runtime="ONNX Runtime",
+            fixed_size=None,
         ),
         FormatSpec(
             "tensorrt",
@@ -110,6 +120,7 @@ FORMATS = {
             "TensorRT engines are built from the ONNX export, which cannot take it",
             runs_only_on="a TensorRT engine is built for one GPU and runs only there",
             app_runtime="TensorRT (the engine built on the device from the ONNX file)",
+            fixed_size="its engine's optimization profile covers the batch only",
         ),
         FormatSpec(
             "coreml",
@@ -122,6 +133,7 @@ FORMATS = {
             app_runtime="Core ML",
             own_image_input="Core ML's own: an RGB image (its image type; the scaling and the weight's mean/std "
             "inside), or with option input=tensor the float32-nchw tensor (details.input says which)",
+            fixed_size="Core ML cannot predict on Linux, so a flexible-size package could not be validated here",
         ),
     )
 }

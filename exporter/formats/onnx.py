@@ -34,7 +34,7 @@ from .interface import Format
 
 NAME = "onnx"
 SUFFIX = ".onnx"
-OPTIONS = ("opset", "batch", "external_data", "exporter")
+OPTIONS = ("opset", "batch", "external_data", "exporter", "size_range")
 PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_OPSET = 18
 DEFAULT_BATCH = "1:1:1"
@@ -90,11 +90,40 @@ def check_exporter(exporter, batch) -> str:
     return exporter
 
 
-def preflight(precision, opset=DEFAULT_OPSET, batch=DEFAULT_BATCH, external_data="auto", exporter="dynamo") -> None:
+def size_bounds(size_range, exporter: str = "dynamo") -> tuple[int, int] | None:
+    """`MIN:MAX`, the sides of a graph with a dynamic height and width, or None (one size)."""
+    if size_range is None:
+        return None
+    try:
+        low, high = (int(v) for v in str(size_range).split(":"))
+    except ValueError:
+        low = high = 0
+    if not 1 <= low <= high:
+        raise UsageError(f"size_range {size_range!r}: expected MIN:MAX with 1 <= MIN <= MAX")
+    if exporter != "dynamo":
+        raise UsageError(f"size_range {size_range!r}: a dynamic height and width needs exporter=dynamo")
+    return low, high
+
+
+def preflight(
+    precision, opset=DEFAULT_OPSET, batch=DEFAULT_BATCH, external_data="auto", exporter="dynamo", size_range=None
+) -> None:
     check_opset(opset)
     batch_profile(batch)
     check_external_data(external_data)
     check_exporter(exporter, batch)
+    size_bounds(size_range, exporter)
+
+
+def _input_dims(example: torch.Tensor, bounds: tuple[int, int] | None) -> dict:
+    """The input's dynamic dims: the batch, and within `bounds` its height and width (dims 1 and 2 of a uint8
+    image, which is N x H x W x 3 by the uint8-nhwc contract; 2 and 3 of an N x C x H x W tensor)."""
+    dims = {0: "batch"}
+    if bounds:
+        height, width = (1, 2) if example.dtype == torch.uint8 else (2, 3)
+        dims[height] = torch.export.Dim("height", min=bounds[0], max=bounds[1])
+        dims[width] = torch.export.Dim("width", min=bounds[0], max=bounds[1])
+    return dims
 
 
 class _HalfModel(torch.nn.Module):
@@ -181,7 +210,9 @@ def _fold_batchnorms(model, by_parts: bool = False) -> tuple[torch.nn.Module, di
     return fused, {"batchnorms": before, "folded": before - count(fused)}
 
 
-def _export_graph(model, example, opset: int, path: Path, external: bool = False, exporter: str = "dynamo") -> None:
+def _export_graph(
+    model, example, opset: int, path: Path, external: bool = False, exporter: str = "dynamo", bounds=None
+) -> None:
     if exporter == "torchscript":
         _export_traced(model, example, opset, path, external)
         return
@@ -194,7 +225,7 @@ def _export_graph(model, example, opset: int, path: Path, external: bool = False
             (traced,),
             dynamo=True,
             opset_version=opset,
-            dynamic_shapes=({0: "batch"},),
+            dynamic_shapes=(_input_dims(example, bounds),),
             input_names=[INPUT],
             output_names=[OUTPUT],
             verbose=False,
@@ -262,7 +293,7 @@ def _drop_stack_traces(model) -> None:
             node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
 
 
-def _quantize(model, example, opset: int, calibration, path: Path, external: bool, exporter: str) -> dict:
+def _quantize(model, example, opset: int, calibration, path: Path, external: bool, exporter: str, bounds=None) -> dict:
     """The fp32 graph through the budgeted Q/DQ search; the chosen candidate becomes `path`."""
     if exporter == "torchscript":
         # this exporter names a Conv's weight after its parameter only where it did not fold a BatchNorm into it
@@ -270,7 +301,7 @@ def _quantize(model, example, opset: int, calibration, path: Path, external: boo
         model, _ = _fold_batchnorms(model, by_parts=True)
     with tempfile.TemporaryDirectory(prefix=".qdq-", suffix=".partial", dir=path.parent) as work:
         fp32 = Path(work) / "fp32.onnx"
-        _export_graph(model, example, opset, fp32, external, exporter)
+        _export_graph(model, example, opset, fp32, external, exporter, bounds)
         backend = OnnxQdqBackend(
             model,
             fp32,
@@ -315,18 +346,20 @@ def export(
     batch=DEFAULT_BATCH,
     external_data="auto",
     exporter="dynamo",
+    size_range=None,
 ) -> dict:
     import onnx
 
     opset, sizes, external = check_opset(opset), batch_profile(batch), check_external_data(external_data)
     exporter = check_exporter(exporter, batch)
+    bounds = size_bounds(size_range, exporter)
     if precision == "fp16":
         half, folding = _half_graph(model)
-        _export_graph(half, example, opset, path, external, exporter)
+        _export_graph(half, example, opset, path, external, exporter, bounds)
     elif precision == "int8":
-        quantization = _quantize(model, example, opset, as_calibration(calib), path, external, exporter)
+        quantization = _quantize(model, example, opset, as_calibration(calib), path, external, exporter, bounds)
     else:
-        _export_graph(model, example, opset, path, external, exporter)
+        _export_graph(model, example, opset, path, external, exporter, bounds)
     proto = onnx.load(str(path), load_external_data=False)
     onnx.checker.check_model(str(path), full_check=True)  # by path: a proto over 2 GiB cannot be serialized to check
     written = {o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")}
@@ -341,6 +374,7 @@ def export(
         "dynamic_batch": exporter == "dynamo",
         "batch_profile": list(sizes),
         "batch_check": _check_batch_axis(path, example, sizes),
+        **({"dynamic_size": {"height": list(bounds), "width": list(bounds)}} if bounds else {}),
         "ops": ops,
         "nodes": len(proto.graph.node),
         "graph": {

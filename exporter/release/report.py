@@ -266,6 +266,26 @@ def busy_profile(profile: dict) -> str:
     return f"; profiled on a busy host ({busy}): its times are stretched, its shares less so" if busy else ""
 
 
+def sizes_line(a: dict) -> str:
+    """One line: the further sizes a dynamic-size artifact was judged at, and how it did at each."""
+    low, high = a["input"]["size_range"]
+
+    def one(row) -> str:
+        agreement = (row.get("fidelity") or {}).get("pixel_agreement")
+        drop = (row.get("accuracy") or {}).get("miou_drop_points")
+        measured = ", ".join(
+            part
+            for part in (
+                f"pixel agreement {agreement:.2%}" if agreement is not None else "",
+                f"mIoU drop {drop:+.2f}" if drop is not None else "",
+            )
+            if part
+        )
+        return f"{row['size'][0]}x{row['size'][1]} {row['status']}" + (f" ({measured})" if measured else "")
+
+    return f"any height and width from {low} to {high}; also validated at " + "; ".join(map(one, a["sizes"]))
+
+
 def memory_profile_notes(a: dict) -> list[str]:
     lines = []
     if a.get("memory"):
@@ -333,6 +353,9 @@ def markdown(doc: dict) -> str:
         if details.get("validation_retry"):
             notes.append(f"- `{a['name']}`: {retry_summary(details)}")
         notes += memory_profile_notes(a)
+        if a.get("sizes"):
+            notes.append(f"- `{a['name']}`: {sizes_line(a)}")
+        notes += [f"- `{a['name']}`: {r['text']}" for r in a.get("reasons") or [] if r["kind"] == "note"]
         if details.get("xnnpack_rewrite") == "unavailable":
             notes.append(
                 f"- `{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})"

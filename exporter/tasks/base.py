@@ -41,6 +41,10 @@ class Task:
     output_name: ClassVar[str] = "logits"
     # why its graph cannot take uint8-nhwc bytes (image_input), or None: its inputs are images resized as bytes
     image_bytes_refusal: ClassVar[str | None] = None
+    # why its graph is not exported for a dynamic height and width ([input] size_range), or None: it is, for sides of
+    # at least `min_side`
+    dynamic_size_refusal: ClassVar[str | None] = "only segmentation graphs take a dynamic height and width"
+    min_side: ClassVar[int] = 1
 
     # --- before the task is bound: the model ---
     @classmethod

@@ -66,6 +66,9 @@ class Segmentation(Task):
     name = "segmentation"
     agreement = "pixel_agreement"
     drop = "miou_drop_points"
+    dynamic_size_refusal = None
+    # torchvision's segmentation backbones downsample by 8 to 32: below 32 px their deepest feature map is under a pixel
+    min_side = 32
 
     @classmethod
     def input_size_of(cls, weights, model_name, requested):
