@@ -22,6 +22,8 @@ pytestmark = pytest.mark.slow
 
 LRASPP, DEEPLAB = digits_segmentation.WEIGHTS
 FAST = ["--calib-size", "32", "--val-size", "16", "--warmup", "1", "--iterations", "5"]
+SIZE_RANGE = ("64", "192")  # any height and width in it, for the formats that take one (ONNX)
+CHECKED_SIZES = [[64, 64], [192, 192], [64, 192]]
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +60,7 @@ def seg_args(model, out, *extra):
 
 def _build_all(tmp_path_factory, model, name):
     out = tmp_path_factory.mktemp(name) / "build"
-    result = run_cli(*seg_args(model, out, "--target", "all", "--bundle"))
+    result = run_cli(*seg_args(model, out, "--target", "all", "--bundle", "--input-size-range", *SIZE_RANGE))
     docs = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/manifest.json")}
     return out, result, docs
 
@@ -151,8 +153,34 @@ def _check_build(out, result, docs, model, single=None):
 def test_lraspp_builds_validates_and_bundles_on_every_target(lraspp_all, lraspp):
     out, result, docs = lraspp_all
     _check_build(out, result, docs, lraspp)
+    assert_dynamic_sizes(docs, out)
     # exits non-zero exactly when an artifact broke its target's thresholds
     assert result.exit_code == (0 if all(d["status"] == "passed" for d in docs.values()) else 1), result.output
+
+
+def assert_dynamic_sizes(docs: dict, out) -> None:
+    """--input-size-range: every ONNX file takes any height and width in it and is judged at three more sizes, each
+    verdict following the thresholds (fp32: passed, eager's masks to rounding at every size); every other artifact
+    made keeps the fixed size and says why."""
+    for target, doc in docs.items():
+        assert doc["target"]["input"]["size_range"] == [64, 192]
+        for a in doc["artifacts"]:
+            if a["format"] != "onnx":
+                notes = [r["text"] for r in a["reasons"] if r["kind"] == "note"]
+                made = not {r["kind"] for r in a["reasons"]} & {"not_made", "not_offered"}
+                assert not made or any(n.startswith("keeps the fixed 128x128 input: ") for n in notes), a
+                continue
+            assert a["details"]["dynamic_size"] == {"height": [64, 192], "width": [64, 192]}
+            assert a["input"]["size_range"] == [64, 192]
+            assert [row["size"] for row in a["sizes"]] == CHECKED_SIZES
+            for row in a["sizes"]:
+                assert (row["status"] == "passed") == (breaches(row, a["thresholds"]) == []), row
+                assert row["images"] > 0 and row["accuracy"]["miou_drop_points"] is not None
+                if a["precision"] == "fp32":
+                    assert row["status"] == "passed" and row["fidelity"]["pixel_agreement"] >= 0.999, row
+            failed_at = [row["size"] for row in a["sizes"] if row["status"] == "failed"]
+            assert not failed_at or a["status"] == "failed", a
+            assert "also validated at 64x64" in (out / target / "report.md").read_text()
 
 
 def test_deeplabv3_builds_and_validates_on_android(deeplab_android, deeplab):
@@ -293,12 +321,21 @@ def test_task_mismatches_are_refused(tmp_path, lraspp, digits_model):
 
 
 def test_a_uint8_input_segmenter_passes_as_onnx(tmp_path, lraspp):
-    """The trained LR-ASPP stand-in taking an app's bytes (its preprocessing inside the graph): the same masks as eager
-    on torchvision's transform of the same images, within the fp32 thresholds."""
+    """The trained LR-ASPP stand-in taking an app's bytes (its preprocessing inside the graph) at any size in a range:
+    the same masks as eager on torchvision's transform of the same images, within the fp32 thresholds, at each size."""
     from .test_image_input import assert_uint8_build_passes
 
     out = tmp_path / "build"
     result = run_cli(
-        *seg_args(lraspp, out, "--target", "jetson", "--format", "onnx:fp32", "--input-format", "uint8-nhwc")
+        *seg_args(
+            lraspp,
+            out,
+            *("--target", "jetson", "--format", "onnx:fp32", "--input-format", "uint8-nhwc"),
+            *("--input-size-range", *SIZE_RANGE),
+        )
     )
     assert_uint8_build_passes(out, result, {"onnx_fp32"})
+    # the bytes at every size too: N x H x W x 3 with H and W dynamic
+    (artifact,) = json.loads((out / "manifest.json").read_text())["artifacts"]
+    assert [row["size"] for row in artifact["sizes"]] == CHECKED_SIZES
+    assert all(row["status"] == "passed" for row in artifact["sizes"]), artifact["sizes"]
