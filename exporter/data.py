@@ -174,3 +174,13 @@ def synthetic(preprocess, calib_size: int, val_size: int, seed: int) -> Inputs:
             "note": "no --data: labeled accuracy was not measured; int8 was calibrated on synthetic images",
         },
     )
+
+
+def load_inputs(path: Path | None, task, weights, settings) -> Inputs:
+    """The build's calibration and validation images, as `task` (bound to its input size) reads them: from the
+    --data folder, else synthetic; `settings`: the plan's DataSettings."""
+    transform = task.transform(weights)
+    size = (settings.calib_size, settings.val_size, settings.seed)
+    if path is None:
+        return synthetic(transform, *size)
+    return task.load_data(Path(path), transform, *size)

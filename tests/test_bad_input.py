@@ -335,12 +335,12 @@ def test_checkpoint_that_is_a_torchscript_program(build, tmp_path):
 
 def test_a_bug_exits_3_with_its_traceback_not_1(build, monkeypatch):
     """Exit 1 means an artifact broke its thresholds: a CI job must not read a crash as that."""
-    from exporter.engine import pipeline
+    from exporter import data
 
     def broken(*args):
         raise RuntimeError("something the exporter did not expect")
 
-    monkeypatch.setattr(pipeline, "_load_inputs", broken)
+    monkeypatch.setattr(data, "load_inputs", broken)
     result, _ = build("--format", "executorch:fp32")
     assert result.exit_code == 3, result.output
     assert "Traceback" in result.stderr

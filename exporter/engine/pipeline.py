@@ -166,14 +166,6 @@ class BuildContext:
         )
 
 
-def load_inputs(path: Path | None, loaded: weights.LoadedModel, task: Task, settings) -> data.Inputs:
-    transform = task.transform(loaded.weights)
-    size = (settings.calib_size, settings.val_size, settings.seed)
-    if path is None:
-        return data.synthetic(transform, *size)
-    return task.load_data(Path(path), transform, *size)
-
-
 def _check_enough(inputs: data.Inputs, path: Path | None, calibrated: list[str], calib_size: int) -> None:
     """A --data folder too small to split into validation inputs (and calibration ones, for int8) is refused
     before anything is written, rather than judged on one input or calibrated on none."""
@@ -818,7 +810,7 @@ def run(
         )
     task = task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
     with progress.step("load data"):
-        inputs = load_inputs(request.data, loaded, task, plans[0].data)
+        inputs = data.load_inputs(request.data, task, loaded.weights, plans[0].data)
     _check_enough(inputs, request.data, calibrated, plans[0].data.calib_size)
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
@@ -1028,7 +1020,7 @@ def validate(
     )
     source = data_dir or (None if doc.data["source"] == "synthetic" else Path(doc.data["source"]))
     with progress.step("load data"):
-        inputs = load_inputs(source, loaded, task, plan.data)
+        inputs = data.load_inputs(source, task, loaded.weights, plan.data)
     session = _start_session(loaded, task, inputs, plan, progress)
     _write_device_files(out, task)  # what this validation decodes with is what the build ships
     _write_golden(out, session)  # the inputs golden_fidelity is measured on, whatever --data says now

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .. import validation
+from .. import data, validation
 from ..formats import FORMATS
 from ..progress import Progress
 from ..results import ArtifactResult, Kind, Reason, SizeRow, Status
@@ -41,14 +41,12 @@ class AtSize:
 
 def _at_size(session, size: tuple[int, int]) -> AtSize:
     """Cached on the session (shared by its targets): one eager run per size."""
-    from .pipeline import load_inputs
-
     if size not in session.sized:
         loaded = session.loaded
         task = type(session.task).bind(loaded.weights, loaded.model_name, loaded.num_classes, size)
         source = session.inputs.description.get("source")
         path = None if source in (None, "synthetic") else Path(source)
-        inputs = load_inputs(path, loaded, task, session.plan.data)
+        inputs = data.load_inputs(path, task, loaded.weights, session.plan.data)
         reference = validation.run_all(loaded.eager, inputs.validation)
         accuracy = task.labeled(reference, inputs.labels) if inputs.labels is not None else None
         session.sized[size] = AtSize(task, inputs, reference, accuracy)

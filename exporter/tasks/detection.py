@@ -189,11 +189,13 @@ class Detection(Task):
             )
         return None
 
+    decodes_in_graph = False  # its graph ends in torchvision's post-processing (--detections graph)
+
     @classmethod
     def for_decode(cls, decode):
-        from .detections_in_graph import DetectionsInGraph
-
-        return DetectionsInGraph if decode == "graph" else cls
+        if decode == "host":
+            return cls
+        return next(sub for sub in Detection.__subclasses__() if sub.decodes_in_graph)
 
     @classmethod
     def input_size_of(cls, weights, model_name, requested):

@@ -83,6 +83,8 @@ class DetectionsInGraph(FinalRows, Detection):
     """Detection whose graph ends in final detections (decode kind "final"); metrics, data and golden files are
     Detection's."""
 
+    decodes_in_graph = True
+
     @classmethod
     def takes(cls, model_name: str) -> bool:
         return False  # chosen by --detections graph (Detection.for_decode), never by the model's name
