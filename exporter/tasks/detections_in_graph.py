@@ -4,8 +4,8 @@ The graph runs backbone, head, the anchors and the detector's own `postprocess_d
 score threshold, top-k, per-class NMS, `detections_per_img`) and returns final detections, padded to a fixed
 count: what an app shows, with no decode to re-implement. NMS keeps a data-dependent count, which torch.export
 (so ExecuTorch, LiteRT and Core ML's converter) cannot take; the TorchScript-based ONNX exporter records it as ONNX
-`NonMaxSuppression` (which TensorRT maps to its NMS plugin), at batch 1, as Faster R-CNN's route does
-(region_detection.py). Other formats keep the raw heads and the shared decode (a build with `--detections host`).
+`NonMaxSuppression` (an op TensorRT's ONNX parser takes; not run here, no GPU), at batch 1, as Faster R-CNN's route
+does (region_detection.py). Other formats keep the raw heads and the shared decode (a build with `--detections host`).
 """
 
 from __future__ import annotations
@@ -113,4 +113,4 @@ class DetectionsInGraph(FinalRows, Detection):
 
 def final_params(params: dict) -> dict:
     """The host decode's parameters as the manifest states them for a graph that applies them itself."""
-    return {**params, "kind": "final", "graph_of": params["kind"], "in_graph": True}
+    return {**params, "kind": "final", "graph_of": params["kind"]}
