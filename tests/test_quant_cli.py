@@ -232,13 +232,13 @@ def test_calibrated_ranges_that_fail_validation_are_made_again_per_inference(tmp
     when the remade one fails too, the first is put back. The manifest keeps both verdicts either way."""
     import dataclasses
 
-    from exporter.engine import pipeline
+    from exporter import data
     from exporter.formats import executorch
 
-    load = pipeline._load_inputs
+    load = data.load_inputs
     monkeypatch.setattr(
-        pipeline,
-        "_load_inputs",
+        data,
+        "load_inputs",
         lambda *args: (lambda inputs: dataclasses.replace(inputs, validation=inputs.validation * 4))(load(*args)),
     )
     # judged on PSNR only: at 4x contrast the stand-in's top-1 is near chance (a fresh clone's: eager acc@1 12.5 %),
