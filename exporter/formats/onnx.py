@@ -1,7 +1,8 @@
 """ONNX for TensorRT and ONNX Runtime: fp32, strongly typed fp16, and explicit Q/DQ int8.
 
-Every variant keeps an fp32 input "input" (N x C x H x W, N dynamic) and fp32 output "logits",
-so the same runner, golden files and trtexec shapes serve all three.
+Every variant keeps an fp32 input "input" (N x C x H x W, N dynamic; H and W too within `size_range=MIN:MAX`, a
+segmentation target's [input] size_range) and fp32 output "logits", so the same runner, golden files and trtexec
+shapes serve all three.
 
 A graph whose tensors pass protobuf's 2 GiB (ViT-H/14, RegNetY-128GF in fp32) cannot be one file: its tensors go
 to `<file>.data` beside it (ONNX external data, read by ONNX Runtime and TensorRT from the graph's directory),
