@@ -304,3 +304,20 @@ def test_no_count_validates_on_arm_without_asking_for_a_counting_qemu(monkeypatc
     )
     assert not any(row.get("instructions") for a in doc["artifacts"] for row in a.get("aarch64", []))
     assert "Instruction counts" not in (out / "report.md").read_text()
+
+
+def test_final_detections_that_trade_places_are_compared_with_their_partners():
+    """Two detections with rounding-equal scores, listed the other way round on x86: the same detections, so no
+    distance; a real change of a box still shows."""
+    import torch
+
+    from exporter.engine.validate_on_arm import _paired, versus_x86
+    from exporter.tasks.detections_in_graph import DetectionsInGraph
+
+    task = DetectionsInGraph(11, (64, 64), None, decoding={"kind": "final", "detections_per_img": 3})
+    arm = torch.tensor([[1, 1, 20, 20, 0.9, 3, 30, 30, 50, 50, 0.9, 5] + [0] * 6], dtype=torch.float32)
+    x86 = torch.tensor([[30, 30, 50, 50, 0.9, 5, 1, 1, 20, 20, 0.9, 3] + [0] * 6], dtype=torch.float32)
+    assert versus_x86(arm, _paired(task, arm, x86))["bit_identical"]
+    moved = x86.clone()
+    moved[0, 0] = 31.0
+    assert versus_x86(arm, _paired(task, arm, moved))["max_abs_diff"] == 1.0

@@ -49,6 +49,12 @@ def versus_x86(outputs: torch.Tensor, x86: torch.Tensor | None) -> dict | None:
     }
 
 
+def _paired(task, outputs: torch.Tensor, x86: torch.Tensor | None) -> torch.Tensor | None:
+    """The x86 outputs row for row with the aarch64 ones: final detections whose scores are equal to rounding may
+    come out of the two runs in either order, and are compared with their partners (Task.aligned)."""
+    return x86 if x86 is None or x86.shape != outputs.shape else task.aligned(outputs, x86)
+
+
 def _flat(result_outputs: list, count: int) -> torch.Tensor:
     """The runtime's first output, one flattened float32 row per input: what validation.run_all makes of a
     format's runner on x86 (each format's runner returns its graph's first output)."""
@@ -79,7 +85,7 @@ def row(session, entry: ArtifactResult, cpu: str, result, x86: torch.Tensor | No
         reasons=metrics["reasons"],
         fidelity=metrics["fidelity"],
         accuracy=metrics.get("accuracy"),
-        vs_x86=versus_x86(outputs, x86),
+        vs_x86=versus_x86(outputs, _paired(session.task, outputs, x86)),
         bundled_program=verified,
     )
     if verified is not None and not verified.get("passed"):

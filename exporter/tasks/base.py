@@ -170,6 +170,11 @@ class Task:
             "drop": accuracy.get(self.drop),
         }
 
+    def aligned(self, reference: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+        """`outputs` in the order of the `reference` rows they stand for, before a value-by-value comparison: as
+        they are, unless the output is a list whose order rounding may change (final detections)."""
+        return outputs
+
     def golden_rows(self, reference: torch.Tensor, count: int) -> list[int]:
         """Which validation rows go to golden/ for on-device checks (indices into `reference`, eager's
         outputs): those where a device's numerics show first. By default the first `count`."""
