@@ -28,6 +28,14 @@ def offline():
     os.environ["EXPORTER_OFFLINE"] = "1"
 
 
+@pytest.fixture(scope="session")
+def android_app_code(tmp_path_factory) -> Path:
+    """The Android app's pure-Kotlin files and tests/kotlin/AppCheck.kt, compiled once per worker (tests/kotlin_app.py)."""
+    from . import kotlin_app
+
+    return kotlin_app.compile_app(tmp_path_factory.mktemp("kotlin"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def quiet_host():
     """The suite shares its cores with other jobs, so the host is often busy while a build times latency, and a

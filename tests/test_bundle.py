@@ -31,6 +31,7 @@ APP_READS = {
     "android": {
         "sources": [
             "android/app/src/main/java/org/example/bundleclassifier/BundleClassifier.kt",
+            "android/app/src/main/java/org/example/bundleclassifier/Preprocess.kt",
             "android/app/build.gradle.kts",
         ],
         "bundle.json": [
@@ -47,8 +48,9 @@ APP_READS = {
             "artifacts[].runtime.io.inputs[].name",
             "artifacts[].runtime.io.outputs[].dtype",
             "artifacts[].runtime.io.outputs[].name",
+            "artifacts[].input.dtype",
         ],
-        "preprocessing.json": ["resize_size", "crop_size", "interpolation", "mean", "std", "layout", "dtype"],
+        "preprocessing.json": ["resize_size", "crop_size", "interpolation", "mean", "std"],
     },
     "ios": {
         "sources": ["ios/Sources/ExporterBundle/BundleClassifier.swift"],

@@ -124,6 +124,24 @@ def test_bpte_holds_the_pte_the_inputs_and_the_outputs(golden_program, tmp_path)
     assert again["sha256"] == g["details"]["sha256"]  # byte-reproducible
 
 
+def test_the_android_self_test_reads_the_bpte_as_the_exporter_does(golden_program, android_app_code, tmp_path):
+    """SelfTest.kt's reader (Bpte.kt, compiled: tests/kotlin_app.py) gives the same program, inputs and outputs."""
+    from . import kotlin_app
+
+    g = golden_program
+    theirs = bundled_program.read(g["good"].read_bytes())
+    mine = kotlin_app.read_bpte(android_app_code, g["good"], tmp_path)
+    assert (mine["version"], mine["method"], mine["program"]) == (
+        theirs["version"],
+        theirs["method"],
+        theirs["program"],
+    )
+    assert len(mine["cases"]) == len(theirs["cases"]) == 8
+    for a, b in zip(mine["cases"], theirs["cases"], strict=True):
+        for role in ("inputs", "expected"):
+            assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a[role], b[role], strict=True))
+
+
 def test_expected_outputs_are_what_the_build_validated(golden_program):
     """outputs() gives, bit for bit, what the build's own runner (formats.executorch.load) gives."""
     import torch

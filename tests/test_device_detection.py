@@ -69,6 +69,7 @@ DETECTION_READS = {
         "sources": [
             "android/app/src/main/java/org/example/bundleclassifier/BundleClassifier.kt",
             "android/app/src/main/java/org/example/bundleclassifier/Detections.kt",
+            "android/app/src/main/java/org/example/bundleclassifier/Preprocess.kt",
         ],
         "bundle.json": ["task.name", "task.input_size", "task.output.layout", *DECODE_PARAMS],
         "preprocessing.json": ["resize_size", "crop_size", "mean", "std"],

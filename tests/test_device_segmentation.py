@@ -50,7 +50,10 @@ CLASSIFICATION_THRESHOLDS = {
 # checks for classification. A key path is dotted; "[]" is any element of a list.
 TASK_READS = {
     "android": {
-        "sources": ["android/app/src/main/java/org/example/bundleclassifier/BundleClassifier.kt"],
+        "sources": [
+            "android/app/src/main/java/org/example/bundleclassifier/BundleClassifier.kt",
+            "android/app/src/main/java/org/example/bundleclassifier/Preprocess.kt",
+        ],
         "bundle.json": ["task.name", "task.input_size", "task.output.layout", "artifacts[].format", "artifacts[].file"],
         "preprocessing.json": ["resize_size", "crop_size", "mean", "std"],
     },

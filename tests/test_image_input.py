@@ -254,3 +254,34 @@ def assert_uint8_build_passes(out, result, formats: set[str]) -> None:
         if doc["target"]["name"] == "jetson":  # device_validate.py fed the golden bytes
             assert_device_reproduces_the_build(path.parent)
     assert seen == formats
+
+
+def test_the_android_app_reads_the_uint8_golden_program_and_feeds_each_artifact_what_it_takes(
+    uint8_build, android_app_code, tmp_path
+):
+    """The app's own code, compiled (tests/kotlin_app.py): its .bpte reader gives the uint8 inputs, float outputs
+    and program the exporter's reader gives, and bundle.json makes it feed every artifact bytes."""
+    from exporter.formats import bundled_program
+
+    from . import kotlin_app
+
+    out, _ = uint8_build
+    (bpte,) = (out / "android").glob("*.bpte")
+    theirs = bundled_program.read(bpte.read_bytes())
+    mine = kotlin_app.read_bpte(android_app_code, bpte, tmp_path / "bpte")
+    assert (mine["version"], mine["method"], mine["program"]) == (
+        theirs["version"],
+        theirs["method"],
+        theirs["program"],
+    )
+    assert len(mine["cases"]) == len(theirs["cases"]) > 0
+    for a, b in zip(mine["cases"], theirs["cases"]):
+        for role in ("inputs", "expected"):
+            assert [x.dtype for x in a[role]] == [x.dtype for x in b[role]]
+            assert all(np.array_equal(x, y) for x, y in zip(a[role], b[role], strict=True))
+    assert theirs["cases"][0]["inputs"][0].dtype == np.uint8
+    if not (out / "bundle" / "android").is_dir():
+        assert run_cli("bundle", out).exit_code == 0
+    bundle = json.loads((out / "bundle" / "android" / "bundle.json").read_text())
+    fed = kotlin_app.takes(android_app_code, bundle, tmp_path / "takes")
+    assert fed == {a["name"]: "uint8" for a in bundle["artifacts"]}

@@ -9,7 +9,6 @@ import org.json.JSONArray
 import org.json.JSONObject
 import java.io.File
 import kotlin.math.exp
-import kotlin.math.round
 
 /** Class names an overlay leaves unpainted (torchvision's first). */
 val BACKGROUND = setOf("__background__", "background")
@@ -48,7 +47,8 @@ private val RUNTIMES = listOf("executorch", "litert")
  * An image classifier, segmenter or object detector over the bundle in the app's assets. bundle.json
  * says which (its "task"; a bundle without one is a classifier) and picks the model file (in its order: the
  * ExecuTorch int8 program first, fp32 as fallback, then the LiteRT files; [runtime], when given, keeps one
- * runtime's files only), preprocessing.json says how to turn a Bitmap into the input tensor, labels.txt names
+ * runtime's files only), preprocessing.json says how to resize (and crop) a Bitmap ([Preprocessing], torchvision's
+ * resize to the byte) and the artifact's `input` whether it takes those bytes or normalized floats, labels.txt names
  * the classes; a detector's anchors and decode parameters come from bundle.json's task.decode. Nothing
  * model-specific is in the code.
  */
@@ -59,16 +59,12 @@ class BundleClassifier(context: Context, runtime: String? = null) {
     val taskName: String = task?.getString("name") ?: "classification"
     private val inputSize = task?.getJSONArray("input_size")?.ints() // (h, w)
     private val labels = asset(context, bundle.getString("labels")).lines().filter { it.isNotEmpty() }
-    private val spec = JSONObject(asset(context, bundle.getString("preprocessing")))
-    private val resize = spec.getJSONArray("resize_size").ints()
-    // (h, w); none for segmentation, whose resize is to the exact input size
-    private val crop = if (spec.isNull("crop_size")) null else spec.getJSONArray("crop_size").ints().let { if (it.size == 1) listOf(it[0], it[0]) else it }
-    private val mean = spec.getJSONArray("mean").floats()
-    private val std = spec.getJSONArray("std").floats()
-    private val bilinear = spec.getString("interpolation") != "nearest"
+    private val preprocessing = Preprocessing(JSONObject(asset(context, bundle.getString("preprocessing"))))
     /** The artifact running (bundle.json artifacts[].name), with its status when it did not pass. */
     val artifactName: String
     private val runner: ModelRunner
+    /** Whether it takes the resized RGB bytes (uint8-nhwc: the graph normalizes) rather than float32 NCHW. */
+    private val feedsBytes: Boolean
 
     init {
         require(taskName in LAYOUTS) { "this app runs ${LAYOUTS.keys.joinToString()} bundles; this one is $taskName" }
@@ -76,12 +72,11 @@ class BundleClassifier(context: Context, runtime: String? = null) {
         require(layout == null || layout == LAYOUTS[taskName]) {
             "a $taskName model with $layout output is not one this app reads"
         }
-        require(spec.getString("layout") == "NCHW" && spec.getString("dtype") == "float32") {
-            "this app feeds NCHW float32; preprocessing.json asks for ${spec.getString("layout")} ${spec.getString("dtype")}"
-        }
-        val (name, loaded) = loadFirstThatLoads(context, runtime)
-        artifactName = name
+        val (artifact, loaded) = loadFirstThatLoads(context, runtime)
+        val status = artifact.getString("status")
+        artifactName = artifact.getString("name") + (if (status == "passed") "" else " ($status)")
         runner = loaded
+        feedsBytes = takesBytes(artifact)
     }
 
     // after the checks above: a detector's boxes come from its raw heads, the anchors and task.decode
@@ -94,7 +89,7 @@ class BundleClassifier(context: Context, runtime: String? = null) {
      * The first artifact in bundle.json's order that passed, has a runtime here (or is of the one [runtime] names)
      * and loads; one that did not pass only when none of those loads.
      */
-    private fun loadFirstThatLoads(context: Context, runtime: String?): Pair<String, ModelRunner> {
+    private fun loadFirstThatLoads(context: Context, runtime: String?): Pair<JSONObject, ModelRunner> {
         val formats = if (runtime.isNullOrEmpty()) RUNTIMES else listOf(runtime)
         require(formats.all { it in RUNTIMES }) { "runtime $runtime: this app has ${RUNTIMES.joinToString(" and ")}" }
         val artifacts = bundle.getJSONArray("artifacts")
@@ -108,9 +103,7 @@ class BundleClassifier(context: Context, runtime: String? = null) {
             val file = File(context.filesDir, name)
             context.assets.open(name).use { input -> file.outputStream().use { input.copyTo(it) } }
             try {
-                val loaded = runnerFor(artifact, file)
-                val status = artifact.getString("status")
-                return artifact.getString("name") + (if (status == "passed") "" else " ($status)") to loaded
+                return artifact to runnerFor(artifact, file)
             } catch (e: RuntimeException) {
                 errors += "$name: ${e.message}"
             }
@@ -120,49 +113,37 @@ class BundleClassifier(context: Context, runtime: String? = null) {
 
     private fun runnerFor(artifact: JSONObject, file: File): ModelRunner {
         if (artifact.getString("format") == "executorch") return ExecuTorchRunner(file)
-        // LiteRT: the interface the build read from the file (runtime.io); the app feeds and reads float32 only
+        // LiteRT: the interface the build read from the file (runtime.io): float32 or uint8 in, float32 out
         val io = artifact.getJSONObject("runtime").getJSONObject("io")
         val input = io.getJSONArray("inputs").getJSONObject(0)
         val outputs = io.getJSONArray("outputs").let { list -> (0 until list.length()).map { list.getJSONObject(it) } }
-        for (tensor in listOf(input) + outputs) {
+        val inputType = if (takesBytes(artifact)) "uint8" else "float32"
+        require(input.getString("dtype") == inputType) {
+            "${input.getString("name")} is ${input.getString("dtype")}; the artifact's input says $inputType"
+        }
+        for (tensor in outputs) {
             require(tensor.getString("dtype") == "float32") {
-                "${tensor.getString("name")} is ${tensor.getString("dtype")}; this app feeds and reads float32"
+                "${tensor.getString("name")} is ${tensor.getString("dtype")}; this app reads float32 outputs"
             }
         }
-        return LiteRtRunner(file, input.getJSONArray("shape").ints().toIntArray(), outputs.map { it.getString("name") })
+        val shape = input.getJSONArray("shape").ints().toIntArray()
+        return LiteRtRunner(file, shape, inputType == "uint8", outputs.map { it.getString("name") })
     }
 
-    /** The weight's transform: resize, center crop (classification only), scale to [0, 1], normalize. */
-    fun preprocess(bitmap: Bitmap): FloatTensor {
-        val (width, height) = resizedSize(bitmap.width, bitmap.height)
-        val resized = Bitmap.createScaledBitmap(bitmap, width, height, bilinear)
-        val (cropH, cropW) = crop ?: listOf(height, width)
-        check(inputSize == null || inputSize == listOf(cropH, cropW)) {
-            "preprocessing.json makes a ${cropH}x$cropW input; the model takes ${inputSize!![0]}x${inputSize[1]}"
+    /**
+     * preprocessing.json's resize (and crop) of the bitmap, computed as torchvision computes it ([Preprocessing]),
+     * then what the artifact takes: those bytes (1 x H x W x 3), or scaled to [0, 1] and normalized (1 x 3 x H x W).
+     */
+    fun preprocess(bitmap: Bitmap): ModelInput {
+        val argb = IntArray(bitmap.width * bitmap.height)
+        bitmap.getPixels(argb, 0, bitmap.width, 0, 0, bitmap.width, bitmap.height)
+        val image = preprocessing.resizeAndCrop(argb, bitmap.width, bitmap.height)
+        val (h, w) = image.height.toLong() to image.width.toLong()
+        check(inputSize == null || inputSize == listOf(image.height, image.width)) {
+            "preprocessing.json makes a ${h}x$w input; the model takes ${inputSize!![0]}x${inputSize[1]}"
         }
-        // Python's round() in torchvision's center_crop rounds halves to even, as kotlin.math.round does
-        val top = round((height - cropH) / 2.0).toInt()
-        val left = round((width - cropW) / 2.0).toInt()
-        val pixels = IntArray(cropW * cropH)
-        resized.getPixels(pixels, 0, cropW, left, top, cropW, cropH)
-        val plane = cropW * cropH
-        val data = FloatArray(3 * plane)
-        for (i in 0 until plane) {
-            val p = pixels[i]
-            data[i] = ((p shr 16 and 0xFF) / 255f - mean[0]) / std[0]
-            data[plane + i] = ((p shr 8 and 0xFF) / 255f - mean[1]) / std[1]
-            data[2 * plane + i] = ((p and 0xFF) / 255f - mean[2]) / std[2]
-        }
-        return FloatTensor(longArrayOf(1, 3, cropH.toLong(), cropW.toLong()), data)
-    }
-
-    /** One size sets the shorter side (the longer one truncated, as torchvision does); two are (h, w). */
-    private fun resizedSize(width: Int, height: Int): Pair<Int, Int> {
-        if (resize.size == 2) return resize[1] to resize[0]
-        val short = minOf(width, height)
-        val long = maxOf(width, height)
-        val newLong = (resize[0].toLong() * long / short).toInt()
-        return if (width <= height) resize[0] to newLong else newLong to resize[0]
+        if (feedsBytes) return ModelInput.Bytes(longArrayOf(1, h, w, 3), image.bytes)
+        return ModelInput.Floats(FloatTensor(longArrayOf(1, 3, h, w), preprocessing.normalized(image)))
     }
 
     fun top5(bitmap: Bitmap): List<Pair<String, Float>> {
@@ -256,6 +237,5 @@ class BundleClassifier(context: Context, runtime: String? = null) {
     private companion object {
         fun asset(context: Context, name: String): String = context.assets.open(name).bufferedReader().use { it.readText() }
         fun JSONArray.ints(): List<Int> = (0 until length()).map { getInt(it) }
-        fun JSONArray.floats(): FloatArray = FloatArray(length()) { getDouble(it).toFloat() }
     }
 }
