@@ -4,7 +4,9 @@ Random weights are fine here: this measures latency only (fidelity is the tests'
 its weight's own input size and preprocessing: classifiers 224x224, LR-ASPP 520x520, SSDlite 320x320.
 SSDlite's graph is its raw heads; the numpy post-processing (decode + NMS) is timed apart, on the heads of
 the trained digits stand-in (random heads put every class of every anchor above the score threshold: a
-worst case, also reported).
+worst case, also reported), and beside it the stand-in's ONNX file with the decode inside (`--detections graph`),
+timed on the same canvases. The `uint8` rows are the fp32 `.pte` and ONNX file taking image bytes
+(`--input-format uint8-nhwc`: the cast, scaling and mean/std inside the graph), fed the same image as bytes.
 Usage: python -m exporter.bench [--models m1,m2] [--threads N] [--iterations N] [--out DIR]
 """
 
@@ -18,8 +20,10 @@ import os
 import warnings
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import bench_counts, data, formats, hostload, validation
@@ -60,6 +64,11 @@ RUNTIMES = [
 # kernels exist for x86 only, and the aarch64 wheel (the Jetson's) runs the same file without them (its optimised
 # graph has no NCHWc node), so this is the graph ONNX Runtime runs on ARM, timed on this host.
 ORT_AS_ON_ARM = "onnx fp32 (ORT, no NCHWc)"
+# (row label, format, the float row it is compared with): the fp32 file again, taking uint8 N x H x W x 3
+UINT8_RUNTIMES = [
+    ("pte fp32 uint8", "executorch", "pte fp32"),
+    ("onnx fp32 uint8 (ORT)", "onnx", "onnx fp32 (ORT)"),
+]
 UNREWRITTEN = "pte fp32 (no rewrites)"  # timed where formats.rewrites changed the .pte fp32
 # (name, a, b): how many times faster a is than b (p50 of b over p50 of a), compared with the baseline run
 RATIOS = [
@@ -74,6 +83,7 @@ RATIOS = [
     ("pte int8 budget vs tflite int8 budget", "pte int8 budget", "tflite int8 budget"),
     ("onnx int8 budget vs plain", "onnx int8 budget (ORT)", "onnx int8 plain (ORT)"),
     ("ptl / eager", "ptl fp32", "eager"),
+    *((f"{label} vs float", label, float_row) for label, _, float_row in UINT8_RUNTIMES),
 ]
 PROFILED = ("pte fp32", "onnx fp32 (ORT)")  # top operators of each, per model
 BASELINE = Path("docs/bench-baseline.json")  # the previous committed run, compared by ratio
@@ -166,7 +176,10 @@ def bench_model(
     if "onnx fp32 (ORT)" in paths:
         format_, path = paths["onnx fp32 (ORT)"]
         runners[ORT_AS_ON_ARM] = format_.load(path, threads, nchwc=False)
-    timing, conditions = validation.measure_latency_on_host(runners, example, warmup, iterations, rounds=10)
+    fed = _uint8_rows(name, model, task, example, meta, threads, workdir, runners, build_s, log)
+    timing, conditions = validation.measure_latency_on_host(
+        runners, example, warmup, iterations, rounds=10, examples=fed
+    )
     conditions = hostload.judged(conditions, threads)  # what the host did while timing; busy: unreliable
     if not conditions["reliable"]:
         log(f"  {name}: host busy while timing, numbers unreliable: {hostload.summary(conditions)}")
@@ -197,11 +210,38 @@ def bench_model(
     if isinstance(task, Detection):
         with torch.no_grad():
             random_heads = model(example)[0].numpy()
+        stand_in = _stand_in(name, weights, log)
         result["postprocess_ms"] = {
-            "trained stand-in": _time_decode(*_stand_in_heads(name, weights, log), 5),
+            "trained stand-in": _time_decode(stand_in.heads, stand_in.task, 5),
             "random heads (worst case)": _time_decode([random_heads], task, 20),
         }
+        result["decode_in_graph_ms"] = _time_decode_in_graph(stand_in, threads, workdir, log)
     return result
+
+
+def _uint8_rows(name, model, task, example, meta, threads, workdir, runners, build_s, log) -> dict:
+    """UINT8_RUNTIMES: the fp32 files again behind the graph's own scaling and normalisation, added to `runners`;
+    returns each one's input, the example as the bytes an app's bitmap holds (none where the task takes no bytes)."""
+    from .tasks.image_input import ImageBytesInput, as_bytes
+
+    if task.image_bytes_refusal:
+        return {}
+    mean, std = meta["preprocessing"]["mean"], meta["preprocessing"]["std"]
+    pixels = as_bytes(example, mean, std)
+    wrapped = ImageBytesInput(model, mean, std).eval()
+    fed = {}
+    for label, fmt, _ in UINT8_RUNTIMES:
+        format_ = _available(fmt)
+        if format_ is None:
+            continue
+        path = workdir / f"{name}_{fmt}_fp32_uint8{format_.suffix}"
+        start = time.perf_counter()
+        format_.export(wrapped, pixels, "fp32", [], path, meta)
+        build_s[label] = round(time.perf_counter() - start, 1)
+        runners[label], fed[label] = format_.load(path, threads), pixels
+        torch.set_num_threads(threads)
+        log(f"  {name}: built {label} in {build_s[label]} s")
+    return fed
 
 
 def _settle_batchnorm(model: torch.nn.Module, images: list, batch: int = 8) -> None:
@@ -219,8 +259,18 @@ def _settle_batchnorm(model: torch.nn.Module, images: list, batch: int = 8) -> N
     model.eval()
 
 
-def _stand_in_heads(name: str, weights, log) -> tuple[list, Detection]:
-    """Raw heads of the trained digits SSDlite on its held-out canvases (trained once, ~5 min, if not cached)."""
+@dataclass
+class StandIn:
+    """The trained digits SSDlite, its task, 16 held-out canvases as it takes them, and its raw heads on them."""
+
+    model: torch.nn.Module
+    task: Detection
+    images: list
+    heads: list
+
+
+def _stand_in(name: str, weights, log) -> StandIn:
+    """The trained digits SSDlite on its held-out canvases (trained once, ~5 min, if not cached)."""
     from PIL import Image
 
     from .standins import detection as digits_detection
@@ -231,12 +281,58 @@ def _stand_in_heads(name: str, weights, log) -> tuple[list, Detection]:
     model = type(task).construct(name, task.num_classes, state, builder_kwargs(weights))
     model.load_state_dict(state)
     graph, transform = type(task).graph(model.eval()), task.transform(weights)
+    images = [
+        transform(Image.open(f).convert("RGB"))[None] for f in sorted((stand_in.data_dir / "images").glob("*.png"))
+    ]
     with torch.no_grad():
-        heads = [
-            graph(transform(Image.open(f).convert("RGB"))[None])[0].numpy()
-            for f in sorted((stand_in.data_dir / "images").glob("*.png"))[:16]
-        ]
-    return heads, task
+        heads = [graph(x)[0].numpy() for x in images[:16]]
+    return StandIn(model.eval(), task, images[:16], heads)
+
+
+def _time_decode_in_graph(stand_in: StandIn, threads: int, workdir: Path, log) -> dict:
+    """The stand-in's fp32 ONNX file ending in raw heads, then the numpy decode, against its ONNX file with the
+    decode inside (tasks/detections_in_graph.py), each run per canvas in ONNX Runtime with the same threads."""
+    from .tasks.detections_in_graph import DetectionsInGraph
+
+    format_ = _available("onnx")
+    if format_ is None:
+        return {}
+    task, meta = stand_in.task, {"task": stand_in.task.describe()}
+    heads_path, graph_path = workdir / "stand_in_heads.onnx", workdir / "stand_in_decode_in_graph.onnx"
+    format_.export(type(task).graph(stand_in.model), stand_in.images[0], "fp32", [], heads_path, meta)
+    format_.export(
+        DetectionsInGraph.graph(stand_in.model),
+        stand_in.images[0],
+        "fp32",
+        [],
+        graph_path,
+        meta,
+        **DetectionsInGraph.format_options()["onnx"],
+    )
+    heads_run, graph_run = format_.load(heads_path, threads), format_.load(graph_path, threads)
+    torch.set_num_threads(threads)
+
+    def heads_then_decode(x):
+        head = heads_run(x)
+        head = head[0] if isinstance(head, (list, tuple)) else head
+        return detection_decode.decode(np.asarray(head)[0], task.anchors, task.input_size, task.params)
+
+    samples = {"onnx heads + numpy decode": [], "onnx decode in graph": []}
+    runs = dict(zip(samples, (heads_then_decode, graph_run)))
+    with torch.no_grad():
+        for run in runs.values():  # warm-up
+            run(stand_in.images[0])
+        for _ in range(5):
+            for label, run in runs.items():
+                for x in stand_in.images:
+                    start = time.perf_counter()
+                    run(x)
+                    samples[label].append((time.perf_counter() - start) * 1e3)
+    log(
+        "  decode in graph (stand-in, p50 ms): "
+        + ", ".join(f"{k} {validation.percentiles(v)['p50']:.2f}" for k, v in samples.items())
+    )
+    return {label: validation.percentiles(v) for label, v in samples.items()}
 
 
 def _time_decode(heads: list, task: Detection, repeats: int) -> dict:
@@ -382,6 +478,11 @@ def table(results: dict) -> str:
                 + ", ".join(f"{k} {v:.2f}" for k, v in post.items()),
                 f"{model} raw heads + post-processing (trained stand-in's), p50 ms: {total}",
             ]
+        if r.get("decode_in_graph_ms"):
+            lines.append(
+                f"{model} trained stand-in in ONNX Runtime, per canvas, p50 ms: "
+                + ", ".join(f"{k} {v['p50']:.2f}" for k, v in r["decode_in_graph_ms"].items())
+            )
     return "\n".join(lines)
 
 

@@ -47,6 +47,20 @@ def test_ratios_are_how_many_times_faster_a_is_than_b():
     assert r["pte int8 plain vs pte fp32"] == 2.5 and "ptl / eager" not in r  # a runtime not timed has no ratio
 
 
+def test_the_bytes_rows_are_compared_with_their_float_files_and_the_graph_decode_with_the_host_one():
+    run = _run(pte_ms=2.5)
+    run["latency_ms"]["pte fp32 uint8"] = {"p50": 2.0}
+    run["postprocess_ms"] = {"trained stand-in": {"p50": 3.0}, "random heads (worst case)": {"p50": 40.0}}
+    run["decode_in_graph_ms"] = {"onnx heads + numpy decode": {"p50": 9.5}, "onnx decode in graph": {"p50": 7.25}}
+    assert bench.ratios(run)["pte fp32 uint8 vs float"] == 1.25
+    assert "onnx fp32 uint8 (ORT) vs float" not in bench.ratios(run)  # not timed: no ratio
+    text = bench.table({"ssd": run})
+    assert (
+        "ssd trained stand-in in ONNX Runtime, per canvas, p50 ms: onnx heads + numpy decode 9.50, onnx decode in graph 7.25"
+        in text
+    )
+
+
 def test_the_table_shows_top_operators_and_rewrites():
     text = bench.table({"m": _run(2.5)})
     assert "Fully Connected (NC, F32) GEMM 60% (1.50 ms ×50)" in text
