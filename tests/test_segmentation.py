@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 LRASPP, DEEPLAB = digits_segmentation.WEIGHTS
 FAST = ["--calib-size", "32", "--val-size", "16", "--warmup", "1", "--iterations", "5"]
-SIZE_RANGE = ("64", "192")  # any height and width in it, for the formats that take one (ONNX)
+SIZE_RANGE = ("64", "192")  # any height and width in it, for the formats that take one (ONNX, .pte)
 CHECKED_SIZES = [[64, 64], [192, 192], [64, 192]]
 
 
@@ -142,7 +142,13 @@ def _check_build(out, result, docs, model, single=None):
     android = {a["name"]: a for a in docs["android"]["artifacts"]}
     for name in ("executorch_fp32", "executorch_int8"):
         delegation = android[name]["details"]["delegation"]
-        assert delegation["delegated_subgraphs"] == 1 and delegation["ops_outside_on_tensors"] == {}, delegation
+        if "dynamic_size" not in android[name]["details"]:  # a fixed size: the whole graph in XNNPACK
+            assert delegation["delegated_subgraphs"] == 1 and delegation["ops_outside_on_tensors"] == {}, delegation
+            continue
+        # a dynamic size: only the two bilinear resizes (and the arithmetic of their output size) outside XNNPACK
+        outside = delegation["ops_outside_on_tensors"]
+        assert delegation["delegated_subgraphs"] == 2 and outside["upsample_bilinear2d"] == 2, delegation
+        assert set(outside) <= {"upsample_bilinear2d", "sym_size", "add", "floordiv"}, delegation
     if "jetson" in docs:
         jetson = {a["name"]: a for a in docs["jetson"]["artifacts"]}
         assert all(jetson[f"tensorrt_{p}"]["status"] == "unavailable" for p in ("fp32", "fp16", "int8"))
@@ -159,13 +165,15 @@ def test_lraspp_builds_validates_and_bundles_on_every_target(lraspp_all, lraspp)
 
 
 def assert_dynamic_sizes(docs: dict, out) -> None:
-    """--input-size-range: every ONNX file takes any height and width in it and is judged at three more sizes, each
-    verdict following the thresholds (fp32: passed, eager's masks to rounding at every size); every other artifact
-    made keeps the fixed size and says why."""
+    """--input-size-range: every ONNX file and .pte takes any height and width in it and is judged at three more sizes,
+    each verdict following the thresholds (fp32: passed, eager's masks to rounding at every size); every other
+    artifact made keeps the fixed size and says why. A dynamic .pte's golden program holds its build-size cases."""
     for target, doc in docs.items():
         assert doc["target"]["input"]["size_range"] == [64, 192]
         for a in doc["artifacts"]:
-            if a["format"] != "onnx":
+            if a["format"] == "executorch" and a["status"] == "passed":
+                assert a["bundled_program"]["verified"]["x86_64"]["passed"], a
+            if a["format"] not in ("onnx", "executorch"):
                 notes = [r["text"] for r in a["reasons"] if r["kind"] == "note"]
                 made = not {r["kind"] for r in a["reasons"]} & {"not_made", "not_offered"}
                 assert not made or any(n.startswith("keeps the fixed 128x128 input: ") for n in notes), a

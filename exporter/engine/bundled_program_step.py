@@ -78,7 +78,15 @@ def _write_bpte(session, entry: ArtifactResult, pte: Path, bpte: Path, progress:
                 import torch
 
                 measured = bundled_program.tolerances(torch.cat(first), session.reference[rows])
-                details = bundled_program.write(pte, golden, expected, measured["rtol"], measured["atol"], tmp)
+                details = bundled_program.write(
+                    pte,
+                    golden,
+                    expected,
+                    measured["rtol"],
+                    measured["atol"],
+                    tmp,
+                    dynamic_size="dynamic_size" in entry.details,
+                )
                 details.update(
                     path=bpte.name, tolerances={k: measured[k] for k in ("max_abs_gap", "output_scale", "rule")}
                 )

@@ -109,10 +109,14 @@ def outputs(pte_path: Path, inputs) -> list[tuple]:
     return [tuple(t.clone() for t in program.forward((x,))) for x in _cases(inputs)]
 
 
-def write(pte_path: Path, inputs, expected: list, rtol: float, atol: float, out_path: Path) -> dict:
+def write(
+    pte_path: Path, inputs, expected: list, rtol: float, atol: float, out_path: Path, dynamic_size: bool = False
+) -> dict:
     """Write `out_path` (atomically): the `.pte` at `pte_path` with one test case per input, expecting
     `expected[i]` (a tensor or tuple of tensors, every output of forward) for `inputs[i]`. rtol and atol are
-    not part of the format (a verifier is given them); they are checked and returned for the manifest."""
+    not part of the format (a verifier is given them); they are checked and returned for the manifest.
+    dynamic_size: a program exported for a range of heights and widths, whose method meta gives each dim's upper
+    bound, so a case's tensors may be smaller."""
     from executorch.devtools.bundled_program.config import MethodTestCase, MethodTestSuite
     from executorch.devtools.bundled_program.core import BundledProgram
     from executorch.devtools.bundled_program.serialize import serialize_from_bundled_program_to_flatbuffer
@@ -130,15 +134,22 @@ def write(pte_path: Path, inputs, expected: list, rtol: float, atol: float, out_
     program = _Program(pte_path.read_bytes())  # kept: the method's meta reads the loaded program's memory
     meta = program.method_meta(METHOD)
     want_in = tuple(meta.input_tensor_meta(0).sizes())
+
+    def fits(shape, want) -> bool:
+        shape = tuple(shape)
+        if not dynamic_size:
+            return shape == want
+        return len(shape) == len(want) and all(s <= w for s, w in zip(shape, want))
+
     for i, (x, e) in enumerate(zip(cases, expected)):
         takes = SCALAR_TYPES.get(int(meta.input_tensor_meta(0).dtype()), "another dtype")
-        if meta.num_inputs() != 1 or tuple(x.shape) != want_in or str(x.dtype).removeprefix("torch.") != takes:
+        if meta.num_inputs() != 1 or not fits(x.shape, want_in) or str(x.dtype).removeprefix("torch.") != takes:
             raise ValueError(f"input {i}: {tuple(x.shape)} {x.dtype}, the program takes {want_in} {takes}")
         if len(e) != meta.num_outputs():
             raise ValueError(f"case {i}: {len(e)} expected outputs, the program has {meta.num_outputs()}")
         for k, t in enumerate(e):
             want = tuple(meta.output_tensor_meta(k).sizes())
-            if tuple(t.shape) != want:
+            if not fits(t.shape, want):
                 raise ValueError(f"case {i} output {k}: {tuple(t.shape)}, the program gives {want}")
     suite = MethodTestSuite(METHOD, [MethodTestCase(inputs=(x,), expected_outputs=e) for x, e in zip(cases, expected)])
     data = serialize_from_bundled_program_to_flatbuffer(BundledProgram(None, [suite], pte_file_path=str(pte_path)))

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 
+from . import dynamic_size
 from .interface import Format
 from .memory import native_stderr_silenced as _native_stderr_silenced  # the runtime's C++ logging goes to fd 2
 
 NAME = "executorch"
 SUFFIX = ".pte"
-OPTIONS = ()
+OPTIONS = ("size_range",)
 PRECISIONS = ("fp32", "int8")
 
 
@@ -59,8 +60,11 @@ def _outside_on_tensors(graph_module) -> dict:
     return counts
 
 
-def export(model, example, precision, calib, path: Path, meta: dict, rewrites: bool = True) -> dict:
+def export(model, example, precision, calib, path: Path, meta: dict, rewrites: bool = True, size_range=None) -> dict:
     """rewrites=False lowers the graph as it is (make bench times both, to show what formats.rewrites buys).
+    size_range="MIN:MAX": a program for any height and width in it (segmentation); the rewrites read the example's
+    size (the padding a dilated tap reads, an adaptive pool's window), so they are left out, and XNNPACK leaves a
+    bilinear resize of dynamic size to ExecuTorch's portable kernel (details.delegation lists it outside).
     An int8 program is scored on the search's check images once lowered (details.quantization.program). When
     ranges chosen per inference met the budget in the graph and the program misses it by more than a rounding,
     ExecuTorch's lowering changed the numbers: the program is made again from a search with static ranges only,
@@ -71,7 +75,9 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     from ..quant.pt2e import Pt2eBackend
     from ..quant.search import better, lowered_quality, lowering_broke
 
-    details = _lower(model, example, precision, calib, path, rewrites)
+    sides = dynamic_size.bounds(size_range)
+    rewrites = rewrites and not sides
+    details = _lower(model, example, precision, calib, path, rewrites, sides)
     report = details.get("quantization")
     if report is None:
         return details
@@ -86,7 +92,7 @@ def export(model, example, precision, calib, path: Path, meta: dict, rewrites: b
     )
     first = path.read_bytes()
     static = dataclasses.replace(calibration, settings={**calibration.settings, "dynamic_ranges": False})
-    remade = _lower(model, example, precision, static, path, rewrites)
+    remade = _lower(model, example, precision, static, path, rewrites, sides)
     remade_report = remade["quantization"]
     remade_report["program"] = lowered_quality(model, lambda: load(path), calibration)
     keep_remade = better(remade_report["program"], program)
@@ -140,7 +146,7 @@ def _db(value) -> str:
     return "no score" if value is None else f"{value} dB"
 
 
-def _lower(model, example, precision, calib, path: Path, rewrites: bool) -> dict:
+def _lower(model, example, precision, calib, path: Path, rewrites: bool, sides=None) -> dict:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
@@ -161,7 +167,8 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool) -> dict
         split_large_depthwise,
     )
 
-    details = {}
+    details = {"dynamic_size": dynamic_size.described(sides)} if sides else {}
+    dims = (dynamic_size.input_dims(example, sides),) if sides else None
     # torch.export keeps the example's memory format as the program's input dim order: a channels-last example
     # gave a .pte that ran on contiguous inputs (as the runner feeds them) with wrong outputs (0.08 off on a toy)
     example = example.contiguous()
@@ -169,7 +176,7 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool) -> dict
     model, affine = input_transform_as_affine(model) if rewrites else (model, [])
     model, split = split_large_depthwise(model) if rewrites else (model, [])
     with torch.no_grad():
-        exported = torch.export.export(model, (example,))
+        exported = torch.export.export(model, (example,), dynamic_shapes=dims)
         folded = upsamples = 0
         if rewrites:  # computed once, not on every call (Swin's attention masks): exported again when any is
             module, folded = fold_constants(exported.module())
@@ -183,7 +190,7 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool) -> dict
         backend = Pt2eBackend(model, example, exported)
         quantized, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))
         with torch.no_grad():
-            exported = torch.export.export(quantized, (example,))
+            exported = torch.export.export(quantized, (example,), dynamic_shapes=dims)
     exported, cats = single_tensor_cats(exported) if rewrites else (exported, 0)
     # after quantization: the attention computes in float either way, and the quantizer has no pattern for it
     exported, attention = attention_as_matmuls(exported) if rewrites else (exported, 0)

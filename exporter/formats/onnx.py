@@ -31,6 +31,7 @@ from .. import files
 from ..errors import UsageError
 from ..quant import as_calibration, quantize_with_budget
 from ..quant.onnx_qdq import OnnxQdqBackend
+from . import dynamic_size
 from .interface import Format
 
 NAME = "onnx"
@@ -93,17 +94,10 @@ def check_exporter(exporter, batch) -> str:
 
 def size_bounds(size_range, exporter: str = "dynamo") -> tuple[int, int] | None:
     """`MIN:MAX`, the sides of a graph with a dynamic height and width, or None (one size)."""
-    if size_range is None:
-        return None
-    try:
-        low, high = (int(v) for v in str(size_range).split(":"))
-    except ValueError:
-        low = high = 0
-    if not 1 <= low <= high:
-        raise UsageError(f"size_range {size_range!r}: expected MIN:MAX with 1 <= MIN <= MAX")
-    if exporter != "dynamo":
+    sides = dynamic_size.bounds(size_range)
+    if sides and exporter != "dynamo":
         raise UsageError(f"size_range {size_range!r}: a dynamic height and width needs exporter=dynamo")
-    return low, high
+    return sides
 
 
 def preflight(
@@ -117,14 +111,8 @@ def preflight(
 
 
 def _input_dims(example: torch.Tensor, bounds: tuple[int, int] | None) -> dict:
-    """The input's dynamic dims: the batch, and within `bounds` its height and width (dims 1 and 2 of a uint8
-    image, which is N x H x W x 3 by the uint8-nhwc contract; 2 and 3 of an N x C x H x W tensor)."""
-    dims = {0: "batch"}
-    if bounds:
-        height, width = (1, 2) if example.dtype == torch.uint8 else (2, 3)
-        dims[height] = torch.export.Dim("height", min=bounds[0], max=bounds[1])
-        dims[width] = torch.export.Dim("width", min=bounds[0], max=bounds[1])
-    return dims
+    """The input's dynamic dims: the batch, and within `bounds` its height and width."""
+    return {0: "batch", **dynamic_size.input_dims(example, bounds)}
 
 
 class _HalfModel(torch.nn.Module):
@@ -375,7 +363,7 @@ def export(
         "dynamic_batch": exporter == "dynamo",
         "batch_profile": list(sizes),
         "batch_check": _check_batch_axis(path, example, sizes),
-        **({"dynamic_size": {"height": list(bounds), "width": list(bounds)}} if bounds else {}),
+        **({"dynamic_size": dynamic_size.described(bounds)} if bounds else {}),
         "ops": ops,
         "nodes": len(proto.graph.node),
         "graph": {

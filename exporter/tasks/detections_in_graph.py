@@ -25,7 +25,8 @@ KEEPS_HEADS = {  # why a format's artifact cannot end in final detections (the p
     "litert": EXPORT_STOPS,
     "torchscript_lite": "its NMS is torchvision's own kernel, which PyTorch's Android lite runtime does not ship",
     "coreml": "a pipeline ending in Core ML's NMS is not built: Core ML cannot run a prediction on Linux, so its "
-    "detections could not be held to torchvision's here",
+    "detections could not be held to torchvision's here, and its NMS suppresses each box under its best class only, "
+    "where torchvision keeps every class of a box above the score threshold",
 }
 
 
