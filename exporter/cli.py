@@ -41,6 +41,12 @@ def one_line_errors(fn):
         except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit, BrokenPipeError):
             raise  # click's own: usage errors, Ctrl-C, a closed pipe
         except Exception as e:  # not exit 1, which a CI job reads as "an artifact broke its thresholds"
+            from .files import environment_problem
+
+            problem = environment_problem(e)  # a full disk, a read-only folder: the host's, not a bug
+            if problem:
+                click.echo(f"error: {problem}", err=True)
+                sys.exit(UsageError.exit_code)
             traceback.print_exc()
             first = (str(e).strip().splitlines() or [""])[0][:200]
             click.echo(
@@ -557,14 +563,15 @@ def bundle(out_dir, allow_failed):
     default=True,
     show_default=True,
     help="Also build the counting qemu (qemu-aarch64 with TCG plugins, from Debian's source package, and our "
-    "instruction-counting plugin; a few minutes, needs gcc, ninja, pkg-config and glib's development files). "
-    "Where it cannot be built, one line says why and the runner is set up without it.",
+    "instruction-counting plugin; a few minutes), first installing with apt-get what it is built with and the host "
+    "lacks (gcc, ninja-build, pkg-config, libglib2.0-dev). Where it cannot be built, one line says why and what to "
+    "install, and the runner is set up without it.",
 )
 @one_line_errors
 def arm_setup(rebuild, offline, as_json, counter):
     """Set up (once) the aarch64 runner under $EXPORTER_AARCH64_CACHE or $EXPORTER_CACHE/aarch64: qemu-user, an arm64 Debian root with
-    Python and the aarch64 wheels of the pinned versions, and the counting qemu; print where each is, its size and
-    set-up time."""
+    Python and the aarch64 wheels of the pinned versions, and the counting qemu (the Debian packages it is built with
+    installed first where missing); print where each is, its size and set-up time."""
     from . import aarch64
     from .aarch64 import counter as counting_qemu
     from .errors import UsageError
@@ -583,7 +590,9 @@ def arm_setup(rebuild, offline, as_json, counter):
     }
     if counter:
         try:
-            built = counting_qemu.prepare(progress=progress, rebuild=rebuild, offline=offline or None)
+            built = counting_qemu.prepare(
+                progress=progress, rebuild=rebuild, offline=offline or None, install=counting_qemu.apt_install
+            )
             summary["counter"] = {
                 "path": str(built.path),
                 "size_mb": round(built.info.get("size_bytes", 0) / 1e6, 1),

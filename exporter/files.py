@@ -1,4 +1,5 @@
-"""Atomic writes (a reader never sees a half-written file), hashes, and output-directory checks.
+"""Atomic writes (a reader never sees a half-written file), hashes, output-directory checks, and the one check every
+path read from a build's manifest passes before it is opened (`build_file`).
 
 A file may have companions that are part of it: an ONNX graph over protobuf's 2 GiB keeps its tensors in
 `<name>.data` beside it (ONNX external data, which ONNX Runtime and TensorRT read from the graph's directory).
@@ -7,11 +8,13 @@ Writes, copies, hashes and sizes here take the file with its companions."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import UsageError
 
@@ -125,11 +128,107 @@ def check_out_dir(out: Path, force: bool) -> None:
         raise UsageError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise UsageError(f"--out {out} is not empty; pass --force to overwrite")
-    probe = out.absolute()
+    problem = unwritable(out)
+    if problem:
+        raise UsageError(f"--out {out} is not writable ({problem})")
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why no file can be made in `folder` or the folders that would be made for it, or None: tried with a real file
+    (as root, permission bits stop nothing; a read-only or pseudo file system, or a path through a file, does)."""
+    probe = Path(folder).absolute()
     while not probe.exists():
         probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a folder"
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass
-    except OSError:
-        raise UsageError(f"--out {out} is not writable ({probe} does not accept new files)") from None
+    except OSError as e:
+        return f"{probe} does not accept new files: {e.strerror or e}"
+    return None
+
+
+ENVIRONMENT_ERRORS = {  # errno -> what the host should do; none of them is a finding about the model or a bug
+    errno.ENOSPC: "free some space and run it again",
+    errno.EDQUOT: "free some space (a quota is full) and run it again",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "no permission to write there",
+    errno.EPERM: "no permission to write there",
+}
+
+
+def environment_problem(error: BaseException) -> str | None:
+    """One line for an OSError that is the host's (a full disk, a read-only file system, no permission), or None."""
+    if not isinstance(error, OSError) or error.errno not in ENVIRONMENT_ERRORS:
+        return None
+    where = f": {error.filename}" if error.filename else ""
+    return f"{error.strerror or os.strerror(error.errno)}{where} ({ENVIRONMENT_ERRORS[error.errno]})"
+
+
+def relative_path(relative, where: str, what: str = "") -> PurePosixPath:
+    """`relative` as a path a build (or a bundle) may name: a non-empty relative POSIX path without `..`, a
+    backslash, a drive or a NUL; else a UsageError naming it. `where`: the folder it must stay in, for the message."""
+    pure = PurePosixPath(relative) if isinstance(relative, str) else None
+    if pure is not None and (pure.is_absolute() or ".." in pure.parts or any(c in relative for c in "\\:\0")):
+        raise UsageError(f"{what}path {relative!r} would leave {where}: it must name a file inside it, relatively")
+    if pure is None or not pure.parts:  # "", "." or not text
+        raise UsageError(f"{what}path {relative!r} names no file in {where}")
+    return pure
+
+
+def build_file(root: Path, relative, what: str = "", missing_ok: bool = False, folder_ok: bool = False) -> Path | None:
+    """`root / relative` for a path read from a build's manifest, checked before anything opens it: a relative path
+    (relative_path) that leads, through any symbolic links, to a regular file inside `root` (or with `folder_ok`, a
+    folder of regular files and folders: a .mlpackage), its companions (ONNX external data) likewise; no FIFO,
+    device or socket, which would hang or feed a reader. A missing one is None with `missing_ok`. Anything else is a
+    UsageError naming the path (`what` prefixes the message, e.g. "artifact onnx_fp32: ")."""
+    root = Path(root)
+    path = root / relative_path(relative, f"the build folder {root}", what)
+    if not os.path.lexists(path):
+        if missing_ok:
+            return None
+        raise UsageError(f"{what}{path} is missing from the build")
+    _check_inside(root, path, what, folder_ok)
+    for companion in (path.with_name(path.name + suffix) for suffix in COMPANION_SUFFIXES):
+        if os.path.lexists(companion):
+            _check_inside(root, companion, what, folder_ok=False)
+    return path
+
+
+def _check_inside(root: Path, path: Path, what: str, folder_ok: bool) -> None:
+    try:
+        real = path.resolve(strict=True)
+        mode = real.stat().st_mode
+        inside = real.is_relative_to(root.resolve(strict=True))
+    except (OSError, RuntimeError) as e:  # a dangling link, a loop of links
+        raise UsageError(f"{what}{path} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    if not inside:
+        raise UsageError(f"{what}{path} leads outside the build folder {root} (to {real}); a build names its own files")
+    if stat.S_ISDIR(mode) and folder_ok:
+        _check_folder(root, real, what)
+    elif not stat.S_ISREG(mode):
+        raise UsageError(f"{what}{path} is {_kind(mode)}, not a regular file")
+
+
+def _check_folder(root: Path, folder: Path, what: str) -> None:
+    """Every entry under a folder (a .mlpackage, golden/) is a folder, a regular file, or a link to a regular file
+    inside `root` (rglob does not follow links to folders, so no loop of them is walked)."""
+    for entry in sorted(folder.rglob("*")):
+        mode = entry.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            _check_inside(root, entry, what, folder_ok=False)
+        elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UsageError(f"{what}{entry} is {_kind(mode)}, not a regular file")
+
+
+def _kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")

@@ -115,7 +115,7 @@ def broken_value(reasons, metric: str) -> float | None:
 def jsonable(value):
     """`value` with every Reason as its JSON record and every Status or Kind as its string, through dicts, lists
     and tuples (lists in the result); anything else as it is. What the manifest writer and the caches store."""
-    if isinstance(value, (Reason, EmulatedRow, SizeRow, ArtifactResult, Manifest)):
+    if isinstance(value, (Reason, EmulatedRow, SizeRow, ArtifactResult, Manifest, EagerBaseline, Recommendation)):
         return value.to_json()
     if isinstance(value, enum.Enum):
         return value.value
@@ -212,6 +212,69 @@ class SizeRow:
     @classmethod
     def from_json(cls, record: Mapping) -> SizeRow:
         return _from_record(cls, record)
+
+
+@dataclass(frozen=True)
+class EagerBaseline:
+    """Eager timed alone, once per build, in rounds with no other thread of the process running beside it
+    (validation.eager_baseline): the latency every artifact's speedup divides and the pick compares against. Once
+    the build is done, `build` adds how eager's rounds beside every artifact compare with it (validation.build_spread).
+    """
+
+    latency_ms: dict  # validation.percentiles of every timed run
+    rounds_p50_ms: list[float]  # the p50 of each round
+    round_spread: float | None  # max/min of those (hostload.round_spread)
+    conditions: dict  # hostload.judged: what the host did meanwhile, and whether it can be trusted
+    build: dict | None = None  # {"rounds": eager's rounds in the build, "round_spread": their max/min, ...}
+
+    @property
+    def p50(self) -> float:
+        return self.latency_ms["p50"]
+
+    @property
+    def reliable(self) -> bool:
+        return bool(self.conditions.get("reliable", True))
+
+    def to_json(self) -> dict:
+        record = {
+            "latency_ms": self.latency_ms,
+            "rounds_p50_ms": self.rounds_p50_ms,
+            "round_spread": self.round_spread,
+            "conditions": self.conditions,
+        }
+        return {**record, "build": self.build} if self.build is not None else record
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> EagerBaseline:
+        if isinstance(record, EagerBaseline):
+            return record
+        return cls(
+            record["latency_ms"],
+            list(record["rounds_p50_ms"]),
+            record["round_spread"],
+            dict(record["conditions"]),
+            record.get("build"),
+        )
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """Which artifact to ship for a target (release/recommend.py): the fastest that passed, what "fastest" was
+    ranked by, the smallest that passed, and why, in the sentence the reports show."""
+
+    artifact: str | None  # None: nothing passed, or nothing that passed was timed
+    ranked_by: str  # "x86 latency" or "instructions on <cpu>"
+    smallest: str | None
+    why: str
+
+    def to_json(self) -> dict:
+        return {"artifact": self.artifact, "ranked_by": self.ranked_by, "smallest": self.smallest, "why": self.why}
+
+    @classmethod
+    def from_json(cls, record) -> Recommendation:
+        if isinstance(record, Recommendation):
+            return record
+        return cls(record["artifact"], record["ranked_by"], record.get("smallest"), record["why"])
 
 
 @dataclass
@@ -338,6 +401,7 @@ class Manifest:
     jetson: dict | None = None  # the Jetson device kit (its post_build step)
     cache: dict | None = None
     validated: str | None = None  # when `exporter validate` judged it again
+    recommended: Recommendation | None = None  # the pick the reports show (set when the build is finished)
     extra: dict = _extra()
 
     ALWAYS = ("schema_version", "exporter_version", "exporter_commit", "created", "command", "status", "weight")
@@ -347,6 +411,8 @@ class Manifest:
     def __post_init__(self):
         self.status = Status(self.status)
         self.artifacts = [a if isinstance(a, ArtifactResult) else ArtifactResult.from_json(a) for a in self.artifacts]
+        if self.recommended is not None:
+            self.recommended = Recommendation.from_json(self.recommended)
 
     def overall_status(self) -> Status:
         return Status.FAILED if any(a.status is Status.FAILED for a in self.artifacts) else Status.PASSED

@@ -1,11 +1,13 @@
 """The validation contract, the same for every artifact of every target.
 
 It knows nothing about formats: it takes runners (callables from a batch-1 tensor to the graph's
-output) and inputs, asks the task (exporter.tasks) for the metrics, and returns plain dicts.
+output) and inputs, asks the task (exporter.tasks) for the metrics, and returns plain dicts (the build's eager
+baseline, timed once: results.EagerBaseline).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -15,14 +17,15 @@ import numpy as np
 import torch
 
 from . import hostload
-from .results import Kind, Reason, Status
+from .results import EagerBaseline, Kind, Reason, Status
 from .tasks import Task
 from .thresholds import MIN_INPUTS, THRESHOLD_KEYS, breaches
 
 Runner = Callable[[torch.Tensor], torch.Tensor]
 # what a cached validation holds (2: outlier_inputs; 3: reasons with kinds, an ill-conditioned reference named among
-# them); a new one is not served an older record
-CONTRACT = 3
+# them; 4: latency against the build's one eager baseline, each runner's rounds kept); a new one is not served an older
+# record
+CONTRACT = 4
 
 
 def run_all(runner: Runner, inputs: torch.Tensor) -> torch.Tensor:
@@ -58,13 +61,17 @@ def measure_latency_on_host(
     rounds: int = 5,
     examples: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, dict], dict]:
-    """measure_latency, plus what the host did over the timed rounds (hostload.conditions, with each
-    runner's p90/p50 as `spread`; not yet judged). Interleaving protects a ratio from slow drift only: when
-    other processes oversubscribe the cores, runtimes that use threads differently lose different shares.
+    """measure_latency, plus what the host did over the timed rounds (hostload.conditions, with each runner's p90/p50
+    as `spread`, the p50 of each of its rounds as `rounds_p50_ms` and their max/min as `round_spread`; not yet
+    judged). Before each runner's turn, hostload.settle waits for the process's other threads to stop (a runtime's
+    workers spin after its last call, on the cores the next runner needs); any still running are named in
+    `unsettled`. Interleaving protects a ratio from slow drift only: when other processes oversubscribe the cores,
+    runtimes that use threads differently lose different shares.
     `examples`: a runner's own input (the same image as it takes it), where it is not `example`."""
     samples: dict[str, list[float]] = {name: [] for name in runners}
     fed = {name: (examples or {}).get(name, example) for name in runners}
     per_round = max(1, math.ceil(iterations / rounds))
+    unsettled: set[str] = set()
     with torch.no_grad():
         for name, run in runners.items():
             for _ in range(warmup):
@@ -72,13 +79,44 @@ def measure_latency_on_host(
         with hostload.Window() as window:
             for _ in range(rounds):
                 for name, run in runners.items():
+                    unsettled.update(hostload.settle() or ())
                     x = fed[name]
                     for _ in range(per_round):
                         start = time.perf_counter()
                         run(x)
                         samples[name].append((time.perf_counter() - start) * 1e3)
     timing = {name: percentiles(s) for name, s in samples.items()}
-    return timing, {**window.conditions, "spread": {name: hostload.spread(t) for name, t in timing.items()}}
+    by_round = {name: _round_p50s(s, per_round) for name, s in samples.items()}
+    return timing, {
+        **window.conditions,
+        "spread": {name: hostload.spread(t) for name, t in timing.items()},
+        "rounds_p50_ms": by_round,
+        "round_spread": {name: hostload.round_spread(p50s) for name, p50s in by_round.items()},
+        "unsettled": sorted(unsettled),
+    }
+
+
+def _round_p50s(samples_ms: list[float], per_round: int) -> list[float]:
+    return [round(float(np.median(samples_ms[i : i + per_round])), 4) for i in range(0, len(samples_ms), per_round)]
+
+
+def eager_baseline(
+    eager: Runner,
+    example: torch.Tensor,
+    warmup: int,
+    iterations: int,
+    threads: int | None = None,
+    max_spread: float | None = None,
+) -> EagerBaseline:
+    """Eager timed alone, in rounds, each after the process's other threads stopped: the one baseline of a build.
+    Timed beside an artifact instead, eager's p50 moved with that window (issue 77: 6.55 to 11.33 ms across the rows
+    of one build, each judged reliable), and every row had a baseline of its own."""
+    threads = threads or torch.get_num_threads()
+    timing, conditions = measure_latency_on_host({"eager": eager}, example, warmup, iterations)
+    rounds = conditions["rounds_p50_ms"]["eager"]
+    return EagerBaseline(
+        timing["eager"], rounds, hostload.round_spread(rounds), hostload.judged(conditions, threads, max_spread)
+    )
 
 
 def latency_against_eager(
@@ -90,11 +128,14 @@ def latency_against_eager(
     threads: int | None = None,
     max_spread: float | None = None,
     fed: torch.Tensor | None = None,
+    baseline: EagerBaseline | None = None,
 ) -> dict:
-    """The contract's latency fields for one runner timed beside eager: latency_ms, eager_latency_ms,
-    speedup_vs_eager (as measured, whatever the host did) and latency_conditions, judged with `threads` (torch's
-    current setting when None) and the profile's `max_spread`. Status never depends on any of them. `fed`: the
-    same image as the runner takes it, where that is not `example` (uint8-nhwc)."""
+    """The contract's latency fields for one runner timed beside eager (the same threads, interleaved rounds):
+    latency_ms, eager_latency_ms, speedup_vs_eager (as measured, whatever the host did) and latency_conditions,
+    judged with `threads` (torch's current setting when None) and the profile's `max_spread`. Status never depends
+    on any of them. With the build's `baseline`, eager_latency_ms and the speedup are the baseline's
+    (against_baseline); without one, eager's as timed beside the runner. `fed`: the same image as the runner takes
+    it, where that is not `example` (uint8-nhwc)."""
     threads = threads or torch.get_num_threads()
     timing, conditions = measure_latency_on_host(
         {"eager": eager, "artifact": runner},
@@ -103,12 +144,53 @@ def latency_against_eager(
         iterations,
         examples=None if fed is None else {"artifact": fed},
     )
+    measured = {"latency_ms": timing["artifact"], "eager_latency_ms": timing["eager"]}
+    if baseline is not None:
+        conditions = {**conditions, "eager_beside_ms": timing["eager"]}
+        return against_baseline({**measured, "latency_conditions": conditions}, baseline, threads, max_spread)
     return {
-        "latency_ms": timing["artifact"],
-        "eager_latency_ms": timing["eager"],
+        **measured,
         "speedup_vs_eager": timing["eager"]["p50"] / timing["artifact"]["p50"],
         "latency_conditions": hostload.judged(conditions, threads, max_spread),
     }
+
+
+def against_baseline(latency: Mapping, baseline: EagerBaseline, threads: int, max_spread: float | None = None) -> dict:
+    """A runner's latency fields (latency_against_eager's, or a cached validation's) restated against the build's
+    eager baseline: eager_latency_ms is the baseline's, the speedup divides its p50, and the conditions are judged
+    again with eager's round spread taken over the baseline's rounds and eager's rounds beside this runner (a window
+    where eager ran slower or faster than when the baseline was timed makes the ratio unreliable), and with the
+    baseline's own reasons when it was timed on a busy host."""
+    conditions = dict(latency["latency_conditions"])
+    beside = (conditions.get("rounds_p50_ms") or {}).get("eager") or []
+    conditions["round_spread"] = {
+        **(conditions.get("round_spread") or {}),
+        "eager": hostload.round_spread(baseline.rounds_p50_ms + beside),
+    }
+    conditions.pop("baseline_reasons", None)
+    if not baseline.reliable:
+        conditions["baseline_reasons"] = list(baseline.conditions.get("reasons") or ["host busy"])
+    for key in ("reliable", "reasons"):
+        conditions.pop(key, None)
+    return {
+        "latency_ms": latency["latency_ms"],
+        "eager_latency_ms": baseline.latency_ms,
+        "speedup_vs_eager": baseline.p50 / latency["latency_ms"]["p50"],
+        "latency_conditions": hostload.judged(conditions, threads, max_spread),
+    }
+
+
+def build_spread(baseline: EagerBaseline, beside: list[list[float]]) -> EagerBaseline:
+    """The baseline with `build`: how far eager's p50 moved over every round of the build, the baseline's and
+    those timed beside each artifact (`beside`, one list of round p50s per timed artifact)."""
+    rounds = baseline.rounds_p50_ms + [p50 for artifact in beside for p50 in artifact]
+    build = {
+        "rounds": len(rounds),
+        "artifacts": len(beside),
+        "p50_range_ms": [min(rounds), max(rounds)],
+        "round_spread": hostload.round_spread(rounds),
+    }
+    return dataclasses.replace(baseline, build=build)
 
 
 NEAR_CONSTANT_DB = 40.0  # eager's outputs vary by less than 1 % of their peak across the inputs
@@ -238,7 +320,8 @@ def _measured(value, outputs_broken: bool):
 class EagerReference:
     """What every artifact of a build is evaluated against: the task, eager (as a runner), the validation inputs
     and eager's outputs on them (one flattened row per input, as run_all makes them), the labels and eager's
-    labeled accuracy when there are labels, and how the latency is timed (warm-up runs, timed iterations)."""
+    labeled accuracy when there are labels, how the latency is timed (warm-up runs, timed iterations) and, where a
+    build shares one, the eager baseline every artifact's speedup divides (a callable: timed on first use)."""
 
     task: Task
     eager: Runner
@@ -248,6 +331,7 @@ class EagerReference:
     eager_accuracy: dict | None = None
     warmup: int = 0
     iterations: int = 0
+    baseline: Callable[[], EagerBaseline] | None = None
 
 
 def non_finite_inputs(outputs: torch.Tensor) -> int:
@@ -284,6 +368,7 @@ def evaluate(
             threads,
             max_spread,
             fed[:1],
+            reference.baseline() if reference.baseline else None,
         )
     )
     return metrics, outputs

@@ -435,7 +435,7 @@ WRONG_SHAPES = {  # what is done to a good manifest -> what the one line says
     ),
     "a reason without its kind": (
         lambda doc: dict(doc, artifacts=[dict(doc["artifacts"][0], reasons=["top1_agreement 0.5 (needs >= 1)"])]),
-        "artifacts[0].reasons[0]",
+        "artifacts[0] (executorch_fp32).reasons[0]",  # an artifact is named beside its index
     ),
     "no target": (
         lambda doc: {k: v for k, v in doc.items() if k != "target"},
@@ -448,7 +448,7 @@ WRONG_SHAPES = {  # what is done to a good manifest -> what the one line says
     ),
     "artifact without format": (
         lambda doc: dict(doc, artifacts=[{k: v for k, v in doc["artifacts"][0].items() if k != "format"}]),
-        "artifacts[0]: 'format' is a required property",
+        "artifacts[0] (executorch_fp32): 'format' is a required property",
     ),
     "no task (as before tasks)": (
         lambda doc: {k: v for k, v in doc.items() if k != "task"},

@@ -129,7 +129,8 @@ def test_missing_build_tools_are_named_in_one_apt_get_line(monkeypatch):
     monkeypatch.setattr(counter, "missing_prerequisites", lambda: missing)
     with pytest.raises(UsageError) as refused:
         counter.check_host()
-    assert str(refused.value).endswith("apt-get install -y ninja-build libglib2.0-dev python3-venv")
+    assert str(refused.value).endswith("`apt-get install -y ninja-build libglib2.0-dev python3-venv`")
+    assert "exporter arm-setup` (installs them)" in str(refused.value)
     assert "\n" not in str(refused.value)
 
 
@@ -301,7 +302,9 @@ def arm_runner():
 
 @pytest.fixture(scope="module")
 def counting_qemu():
-    return counter.prepare(cache_dir=RUNNER_CACHE, offline=False)
+    """Found, or set up as `exporter arm-setup` does (its Debian packages installed first where missing): this may
+    take the lock before the suite's background arm-setup reaches the counting qemu."""
+    return counter.prepare(cache_dir=RUNNER_CACHE, offline=False, install=counter.apt_install)
 
 
 @pytest.mark.slow

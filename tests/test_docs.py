@@ -5,6 +5,7 @@ Fast: reads Markdown and walks the click group; importing exporter.cli imports n
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import click
@@ -175,3 +176,78 @@ def test_readme_is_short():
 )
 def test_slug_is_githubs(heading, slug):
     assert _slug(heading) == slug
+
+
+# --- the README's commands and schema version, held to the code ---
+def _readme_commands() -> list[str]:
+    """Every `exporter …` command the README shows: each line of its code blocks that starts with it (comments
+    dropped), and each inline code span that does."""
+    commands, fenced = [], False
+    for line in README.read_text(encoding="utf-8").splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif fenced and line.strip().startswith("exporter "):
+            commands.append(line.strip())
+        elif not fenced:
+            commands += [span for span in re.findall(r"`([^`]*)`", line) if span.startswith("exporter ")]
+    return commands
+
+
+def _command_problems(line: str) -> list[str]:
+    """What click would refuse in a command line, read without running it: an unknown command or option, an option
+    without its value, a required argument or option left out, a value outside an option's choices (a value
+    written as alternatives, `a|b`, is read as each of them), arguments left over."""
+    words = shlex.split(line, comments=True)
+    name = words[1] if len(words) > 1 else ""
+    if name not in main.commands:
+        return [f"no command {name!r}"]
+    command = main.commands[name]
+    try:
+        values, extra, _ = command.make_parser(click.Context(command, info_name=name)).parse_args(words[2:])
+    except click.UsageError as error:
+        return [error.format_message()]
+    problems = [f"unexpected {' '.join(extra)!r}"] if extra else []
+    for param in command.params:
+        given = values.get(param.name)
+        present = isinstance(given, (str, tuple, list)) and len(given) > 0
+        if param.required and not present:
+            problems.append(f"{param.opts[0] if isinstance(param, click.Option) else param.name.upper()} is required")
+        if present and isinstance(param.type, click.Choice):
+            for value in given if isinstance(given, (tuple, list)) else (given,):
+                problems += [f"{part!r} is not one of {param.type.choices}" for part in str(value).split("|")
+                             if part not in param.type.choices]  # fmt: skip
+    return problems
+
+
+def test_the_readme_shows_commands():
+    commands = _readme_commands()
+    assert len(commands) >= 15 and any(c.startswith("exporter matrix") for c in commands), commands
+
+
+@pytest.mark.parametrize("line", _readme_commands())
+def test_every_command_the_readme_shows_is_one_the_cli_takes(line):
+    assert not _command_problems(line), f"README.md shows `{line}`: {'; '.join(_command_problems(line))}"
+
+
+@pytest.mark.parametrize(
+    "line,problem",
+    [
+        ("exporter matrix", "--weight is required"),
+        ("exporter bundle", "OUT_DIR is required"),
+        ("exporter build W --tagret android", "No such option"),
+        ("exporter build W --input-size 160", "requires 2 arguments"),
+        ("exporter build W --arch arm64", "'arm64' is not one of"),
+        ("exporter inspect W X", "unexpected 'X'"),
+        ("exporter publish W", "no command 'publish'"),
+    ],
+)
+def test_the_command_check_finds_what_click_would_refuse(line, problem):
+    assert any(problem in p for p in _command_problems(line)), _command_problems(line)
+
+
+def test_the_readme_states_the_manifests_schema_version():
+    from exporter.release import manifest
+
+    stated = {int(v) for v in re.findall(r"schema_version:? *`?(\d+)", README.read_text(encoding="utf-8"))}
+    assert stated == {manifest.SCHEMA_VERSION}, f"README.md states schema_version {stated}"
+    assert manifest.schema()["properties"]["schema_version"] == {"const": manifest.SCHEMA_VERSION}

@@ -32,8 +32,12 @@ def _latency(p50):
     return {"p50": p50, "p90": p50 * 1.1, "p99": p50 * 1.3, "mean": p50 * 1.05, "iterations": 10}
 
 
+FORMATS = ("executorch", "torchscript_lite", "litert", "onnx", "tensorrt", "coreml")  # the manifest's format names
+
+
 def _artifact(name, status="passed", size=2_000_000, p50=4.0, acc1=97.0, **extra):
-    fmt, precision = name.rsplit("_", 1) if name.rsplit("_", 1)[-1] in ("fp32", "fp16", "int8") else (name, "fp32")
+    precision = name.rsplit("_", 1)[-1] if name.rsplit("_", 1)[-1] in ("fp32", "fp16", "int8") else "fp32"
+    fmt = next((f for f in FORMATS if name.startswith(f)), "executorch")  # a made-up name: an ExecuTorch artifact
     entry = {
         "name": name,
         "path": f"{name}.pte",
@@ -510,7 +514,8 @@ def test_ship_for_android_chooses_across_runtimes_and_names_the_one_the_app_need
     assert recommend.line(one).endswith(
         "of the 2 that passed. The app then needs LiteRT (TensorFlow Lite, XNNPACK delegate)."
     )
-    unknown = _doc([_artifact("someformat_fp32", p50=1.0)])  # a format this exporter does not know: no runtime named
+    unknown = _doc([_artifact("someformat_fp32", p50=1.0)])
+    unknown["artifacts"][0]["format"] = "someformat"  # a format this exporter does not know (a newer one's): no runtime
     assert (
         recommend.line(unknown) == "Ship for android: someformat_fp32, the only one that passed (p50 1.00 ms, 2.00 MB)."
     )
@@ -533,3 +538,256 @@ def test_nothing_passed_says_so():
     )
     page = html_report.render([doc, _doc([_artifact("onnx_fp32")], target="jetson")], [])
     assert "<b>Nothing to ship for ios:</b>" in page and "<b>Ship for jetson:</b> onnx_fp32, the only one" in page
+
+
+# --- (d) at phone width, and every line of report.md on the page ---
+def _every_note_doc() -> dict:
+    """One build carrying every kind of line report.md writes: notes on each artifact, cache events, the data's note,
+    the detections' decode, the eager reference, unreliable latency, aarch64 rows, wall time and thresholds."""
+    delegation = {
+        "delegate": "XnnpackBackend",
+        "delegated_nodes": 40,
+        "non_delegated_nodes": 2,
+        "delegated_subgraphs": 1,
+        "ops_outside_delegate": {"_to_dim_order_copy": 2},
+        "ops_outside_on_tensors": {"mean": 1},
+    }
+    profile = {
+        "available": True,
+        "source": "ExecuTorch ETDump (executorch.devtools.Inspector)",
+        "runs": 5,
+        "wall_ms": 6.1,
+        "ops_ms": 5.2,
+        "others_share": 0.0,
+        "ops": [{"op": "Convolution (NHWC, F32) IGEMM", "ms": 5.2, "count": 34, "share": 1.0}],
+        "conditions": {"reliable": True, "reasons": []},
+    }
+    memory = {"available": True, "peak_rss_increase_bytes": 9_000_000, "runtime_baseline_rss_bytes": 80_000_000}
+    outliers = {
+        "rows": [3, 7],
+        "of": 12,
+        "error_share": 0.9,
+        "rms_over_median": {"over": 4.0, "max": 9.5},
+        "peak_over_median": 3.0,
+        "fidelity_without": {
+            "samples": 10,
+            "psnr_db": 45.0,
+            "cosine": 1.0,
+            "max_abs_error": 0.1,
+            "top1_agreement": 1.0,
+            "top5_agreement": 1.0,
+        },
+        "thresholds_met_without": True,
+    }
+    retry = {
+        "kept": "calibrated ranges",
+        "note": "remade",
+        "per_inference": {"status": "failed", "reasons": [{"kind": "threshold", "text": "psnr_db 20 (needs >= 30)"}]},
+    }
+    arch_row = {
+        "arch": "aarch64",
+        "cpu": "cortex-a76",
+        "emulated": True,
+        "status": "passed",
+        "reasons": [],
+        "fidelity": {
+            "samples": 12,
+            "psnr_db": 60.0,
+            "cosine": 1.0,
+            "max_abs_error": 1e-6,
+            "top1_agreement": 1.0,
+            "top5_agreement": 1.0,
+        },
+        "vs_x86": {"max_abs_diff": 1e-6, "bit_identical": False, "rows_differing": 3},
+        "latency_ms": None,
+        "seconds": 12.0,
+    }
+    doc = _doc(
+        [
+            _artifact(
+                "executorch_fp32",
+                details={"delegation": delegation},
+                memory=memory,
+                profile=profile,
+                reasons=[{"kind": "note", "text": "ran with 2 threads where 4 were asked"}],
+                aarch64=[arch_row],
+            ),
+            _artifact(
+                "executorch_int8",
+                status="failed",
+                outlier_inputs=outliers,
+                details={"quantization": _quantization(), "validation_retry": retry},
+                latency_conditions={
+                    **dict.fromkeys(["window_s", "cpus", "threads", "load_avg_1m", "other_cpu_s", "steal_s"], 2.0),
+                    "spread": {"eager": 1.1},
+                    "max_spread": 2.0,
+                    "reliable": False,
+                    "reasons": ["load average 3.1 on 2 cores"],
+                },
+            ),
+            _artifact(
+                "torchscript_lite_fp32",
+                details={"xnnpack_rewrite": "unavailable", "xnnpack_rewrite_reason": "no XNNPACK in this torch"},
+                input={"size_range": [64, 256]},
+                sizes=[{"size": [64, 64], "status": "passed", "fidelity": {"pixel_agreement": 0.99}}],
+            ),
+        ]
+    )
+    doc["target"]["detection"] = {"kept_host_because": "no format of android takes NMS"}
+    doc["eager"]["reference"] = {"kind": "unquantized float", "weight": "W", "checkpoint": None, "note": "its float"}
+    doc["cache"] = {"events": ["executorch_fp32 restored from the cache"]}
+    doc["data"]["note"] = "12 of 13 images read; one was not an image"
+    doc["aarch64"] = {
+        "cpus": ["cortex-a76"],
+        "runner": {"key": "r1"},
+        "seconds": 30,
+        "instructions": {"unavailable": "no plugin"},
+    }
+    doc["timings_s"] = {"eager reference": 1.2, "executorch_int8": 61.3}
+    return doc
+
+
+def _plain(text: str) -> str:
+    """Markdown or HTML as the words a reader sees: markup and <wbr> dropped, entities read, spaces collapsed."""
+    text = re.sub(r"<style>.*?</style>", "", text, flags=re.S)
+    text = re.sub(r"<[^>]+>", "", text).replace("**", "").replace("`", "")
+    return re.sub(r"\s+", " ", __import__("html").unescape(text)).strip()
+
+
+def _missing_from_page(md: str, page: str) -> tuple[list[str], int]:
+    """(what report.md says that report.html does not, how many pieces were compared): every line of report.md,
+    each table cell on its own, the title as the weight's name and verdict."""
+    missing, checked, text = [], 0, _plain(page)
+    for line in md.splitlines():
+        if not line.strip() or line.startswith("|---"):
+            continue
+        if line.startswith("|"):
+            parts = [_plain(cell) for cell in line.strip("|").split("|")]
+        elif line.startswith("# "):
+            parts = [line[2:].split(" → ")[0], line.rsplit("**", 2)[-2].lower()]
+        else:
+            parts = [_plain(line.lstrip("#").removeprefix("- "))]
+        missing += [part for part in parts if part not in text]
+        checked += len(parts)
+    return missing, checked
+
+
+def test_every_line_of_report_md_is_on_the_page():
+    doc = _every_note_doc()
+    md, page = report.markdown(doc), html_report.render([doc], [])
+    missing, checked = _missing_from_page(md, page)
+    assert not missing and checked > 60, missing
+    # the lines the issue found missing from the page are among those compared
+    for needle in (
+        "unoptimized lite model written",
+        "Thresholds per precision",
+        "sha256 aaaaaaaaaaaaaaaa",
+        "Wall time",
+    ):
+        assert needle in _plain(md)
+
+
+def test_the_comparison_finds_a_line_the_page_leaves_out():
+    doc = _every_note_doc()
+    page = re.sub(r"<h2>Notes</h2>.*?(?=<h2>)", "", html_report.render([doc], []), flags=re.S)
+    missing, _ = _missing_from_page(report.markdown(doc), page)
+    assert any(m.startswith("Thresholds per precision") for m in missing) and any("cache:" in m for m in missing)
+
+
+def test_the_page_fits_a_phone_width(tmp_path):
+    doc = _every_note_doc()
+    page = html_report.render([doc, _doc([_artifact("onnx_fp32")], target="jetson")], [tmp_path, tmp_path])
+    assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in page
+    # every table scrolls in a box of its own, so a wide table never widens the page
+    tables = page.count("<table")
+    assert tables >= 3 and page.count('<div class="scroll"><table') == tables
+    assert re.search(r"\.scroll\{overflow-x:auto", page)
+    # names break after "_" only, never inside a word
+    assert '<td class="name" title="executorch_int8">executorch_<wbr>int8</td>' in page
+    assert "overflow-wrap:anywhere" not in page and "word-break:break-all" not in page
+    # charts are drawn no wider than a phone leaves them (390 px less the page's 2 × 16 px padding): their text is
+    # shown at its own 12px, not scaled down
+    charts = _charts(page)
+    assert len(charts) >= 3 and svg_text.FONT_PX >= 11
+    for chart in charts:
+        assert float(ET.fromstring(chart).get("width")) <= 390 - 2 * 16
+        _assert_clear(chart)
+
+
+def _axis_ticks(chart: str) -> tuple[list[float], list[float]]:
+    """(size ticks, metric ticks) of an accuracy-vs-size chart: tick labels below the plot and left of it."""
+    root = ET.fromstring(chart)
+    found = [
+        (float(t.get("x")), float(t.get("y")), float(t.text)) for t in root.iter("text") if t.get("class") == "tick"
+    ]
+    lowest = max(y for _, y, _ in found)
+    return [v for _, y, v in found if y == lowest], [v for _, y, v in found if y != lowest]
+
+
+@pytest.mark.parametrize("count", [1, 4])
+def test_artifacts_that_all_agree_still_get_axes_with_round_ticks_around_them(count):
+    artifacts = [_artifact(f"a{i}_fp32", size=5_000_000, acc1=97.5) for i in range(count)]
+    chart = html_report.accuracy_size_chart([_doc(artifacts)])
+    _assert_clear(chart)
+    sizes, metrics = _axis_ticks(chart)
+    assert len(sizes) >= 3 and len(metrics) >= 3, (sizes, metrics)
+    assert sizes[0] == 0 and sizes[-1] > 5.0 and metrics[0] < 97.5 < metrics[-1], (sizes, metrics)
+    assert metrics[-1] - metrics[0] <= 5  # a range of a few points around it, not 0–100
+    assert len(re.findall(r"<circle ", chart)) == count
+
+
+def test_the_metric_axis_stays_within_0_and_100_percent():
+    chart = html_report.accuracy_size_chart([_doc([_artifact("a_fp32", acc1=100.0), _artifact("b_int8", acc1=99.9)])])
+    _, metrics = _axis_ticks(chart)
+    assert metrics[-1] == 100 and metrics[0] < 99.9
+
+
+def test_a_chart_with_nothing_to_plot_says_why():
+    unlabeled = _doc([_artifact("a_fp32", accuracy=None)])
+    unlabeled["data"]["labeled"] = False
+    assert "needs labeled --data" in html_report.accuracy_size_chart([unlabeled])
+    unavailable = _doc([_artifact("coreml_fp16", status="unavailable", p50=None)])
+    assert "No artifact has both a measured acc@1 and a size" in html_report.accuracy_size_chart([unavailable])
+
+
+@pytest.mark.parametrize("low,high", [(96.5, 98.5), (0.0, 6.93), (99.0, 100.0), (0.0, 1200.0), (0.013, 0.017)])
+def test_ticks_are_round_and_cover_the_range(low, high):
+    values = html_report.ticks(low, high)
+    step = values[1] - values[0]
+    assert 2 <= len(values) <= 5 and values[0] <= low and values[-1] >= high
+    assert all(v2 - v1 == pytest.approx(step) for v1, v2 in itertools.pairwise(values))
+    mantissa = step / 10 ** np.floor(np.log10(step))
+    assert any(mantissa == pytest.approx(m) for m in (1, 2, 5)), step
+
+
+# --- (e) operator names: XNNPACK's profiler calls its int8 lookup-table ops "Invalid Unary Op" ---
+class _Int8Activation(torch.nn.Module):
+    """A convolution with a ReLU (XNNPACK's graph then holds an unbounded clamp, written as inf), an activation
+    XNNPACK has no int8 kernel for (it runs it as a 256-entry lookup table), a convolution."""
+
+    def __init__(self, activation: torch.nn.Module):
+        super().__init__()
+        self.first, self.activation, self.second = torch.nn.Conv2d(3, 8, 3), activation, torch.nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        return self.second(self.activation(torch.relu(self.first(x))))
+
+
+def test_an_int8_lookup_table_op_is_named_by_what_it_computes(tmp_path):
+    from exporter.formats import executorch
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 16, 16)
+    path = tmp_path / "hardswish_int8.pte"
+    executorch.export(
+        _Int8Activation(torch.nn.Hardswish()).eval(), x, "int8", [torch.randn(1, 3, 16, 16)] * 2, path, {}
+    )
+    profile = executorch.profile(path, x, 1, 1)
+    if not profile.get("available"):
+        pytest.skip(f"no operator profile: {profile.get('reason')}")
+    ops = [o["op"] for o in profile["ops"]]
+    assert executorch.XNNPACK_UNNAMED not in ops, ops  # the profiler's bare label is not what a reader gets ...
+    named = [op for op in ops if executorch.XNNPACK_UNNAMED in op]
+    assert named == [f"Hardswish (int8 lookup table; XNNPACK profiler name: {executorch.XNNPACK_UNNAMED})"], ops
+    assert any(op.startswith("Convolution (NHWC, QC8)") for op in ops), ops  # ... and named ops stay as XNNPACK says
+    assert executorch._lookup_table_kinds(path) == {"Hardswish"}  # read from the graph, not the fallback's words

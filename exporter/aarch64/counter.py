@@ -10,7 +10,8 @@ aarch64-linux-user only, `ninja qemu-aarch64`. The plugin is compiled against th
 The key hashes the source package's version, the plugin's source and LAYOUT. Built in a `.tmp-*` sibling under
 a lock, READY.json written last, then renamed into place (as runner.py does). The binary is dynamic (the host's
 glib): it runs on the host that built it, not inside a chroot. Building needs a C compiler, ninja, pkg-config and
-glib's development files; a host without one of them gets one line naming the `apt-get install` that fixes it.
+glib's development files: `exporter arm-setup` installs the missing ones with apt-get (prepare's `install`); a build
+gets one line naming what is missing and the command that fixes it (unavailable()), and counts nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ CONFIGURE = (
 # what building needs, and the Debian package that brings it
 TOOLS = {"gcc": "gcc", "ninja": "ninja-build", "pkg-config": "pkg-config", "python3": "python3", "apt-get": None}
 LIBRARIES = {"glib-2.0": "libglib2.0-dev", "zlib": "zlib1g-dev"}
+SETUP_COMMAND = "sudo -E exporter arm-setup"  # -E keeps $EXPORTER_CACHE
+WHAT = {  # what each package brings, for a line a person reads
+    "gcc": "a C compiler",
+    "ninja-build": "ninja",
+    "libglib2.0-dev": "glib's development files",
+    "zlib1g-dev": "zlib's development files",
+    "python3-venv": "Python's venv, for qemu's configure",
+}
 
 
 @dataclass
@@ -127,8 +136,9 @@ def missing_prerequisites(
         if not which(tool):
             if package is None:
                 raise UsageError(
-                    f"building the counting qemu uses Debian's apt ('{tool}' is missing): "
-                    "run it on a Debian or Ubuntu x86_64 host"
+                    f"the counting qemu is built from Debian's qemu source package ('{tool}' is missing) with gcc, "
+                    "ninja, pkg-config and glib's and zlib's development files: run `exporter arm-setup` on a Debian "
+                    "or Ubuntu x86_64 host"
                 )
             packages.append(package)
     if "pkg-config" not in packages:
@@ -138,6 +148,73 @@ def missing_prerequisites(
     if not has_venv():  # qemu's configure makes a venv of the `python3` on PATH and installs meson into it
         packages.append("python3-venv")
     return packages
+
+
+def setup_command() -> str:
+    """The command that installs what is missing and builds the counting qemu, as this user types it."""
+    return "exporter arm-setup" if os.geteuid() == 0 else SETUP_COMMAND
+
+
+def describe(packages: list[str]) -> str:
+    """The Debian packages, each with what it brings: `libglib2.0-dev (glib's development files)`."""
+    return ", ".join(f"{p} ({WHAT[p]})" if p in WHAT else p for p in packages)
+
+
+def apt_install(packages: list[str]) -> None:
+    """`apt-get install` of `packages` on this host, as root; UsageError (one line) when it cannot be done."""
+    if os.geteuid() != 0:
+        raise UsageError(
+            f"the counting qemu is built with {describe(packages)}; installing them needs root: run "
+            f"`sudo apt-get install -y {' '.join(packages)}` or `{SETUP_COMMAND}`"
+        )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    _run(["apt-get", "-q", "update"], "apt-get update", timeout=600, env=env)
+    command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
+    _run(command, f"apt-get install {' '.join(packages)}", timeout=1800, env=env)
+
+
+def install_prerequisites(
+    progress: Progress,
+    missing: Callable[[], list[str]] | None = None,
+    install: Callable[[list[str]], None] = apt_install,
+) -> list[str]:
+    """Install what building the counting qemu needs and this host lacks: the packages installed ([] when nothing
+    was missing). UsageError (one line) when they cannot be, or are still missing after."""
+    missing = missing or missing_prerequisites
+    packages = missing()
+    if not packages:
+        return []
+    with progress.step(f"counter: apt-get install {' '.join(packages)} (what the counting qemu is built with)"):
+        install(packages)
+    left = missing()
+    if left:
+        raise UsageError(f"apt-get installed {' '.join(packages)}, and these are still missing: {describe(left)}")
+    return packages
+
+
+def unavailable(
+    cache_dir: Path | None = None,
+    offline: bool | None = None,
+    root: Path | None = None,
+    missing: Callable[[], list[str]] | None = None,
+) -> str | None:
+    """Why a build here can take no instruction counts, in one line (what is missing, the command that fixes it), or
+    None: a counting qemu is built, or the build can build one (prepare, a few minutes)."""
+    root = counter_root(cache_dir, root)
+    if find(root=root) is not None:
+        return None
+    if offline_by_environment() if offline is None else offline:
+        return f"offline, and no counting qemu is built in {root}: run `exporter arm-setup` once with network access"
+    try:
+        packages = (missing or missing_prerequisites)()
+    except UsageError as e:  # not a Debian host
+        return str(e)
+    if not packages:
+        return None
+    return (
+        f"no counting qemu is built, and building it needs {describe(packages)}: run `{setup_command()}` "
+        f"(installs them and builds it), or `apt-get install -y {' '.join(packages)}`"
+    )
 
 
 def _has_library(name: str) -> bool:
@@ -156,7 +233,8 @@ def check_host() -> None:
     packages = missing_prerequisites()
     if packages:
         raise UsageError(
-            "building the counting qemu needs " + ", ".join(packages) + f": apt-get install -y {' '.join(packages)}"
+            f"building the counting qemu needs {describe(packages)}: run `{setup_command()}` (installs them), or "
+            f"`apt-get install -y {' '.join(packages)}`"
         )
 
 
@@ -395,9 +473,12 @@ def prepare(
     offline: bool | None = None,
     root: Path | None = None,
     clock: Callable[[], float] = time.time,
+    install: Callable[[list[str]], None] | None = None,
 ) -> Counter:
     """A ready counting qemu: an existing complete one (this plugin source, this layout), else one built now in a
-    temporary directory renamed into place when complete. UsageError (one line) when it cannot be."""
+    temporary directory renamed into place when complete. UsageError (one line) when it cannot be.
+    install: what installs the missing build prerequisites (arm-setup: apt_install), under the lock, before building;
+    None (a build): a host that lacks one is refused in one line."""
     progress = progress or Progress()
     offline = offline_by_environment() if offline is None else offline
     check_platform()
@@ -411,6 +492,8 @@ def prepare(
             return existing
         if offline:
             raise UsageError(f"offline, and no counting qemu is built in {root}: build it once with network access")
+        if install is not None:
+            install_prerequisites(progress, install=install)
         check_host()
         apt_dir = Path(tempfile.mkdtemp(prefix="exporter-apt-"))
         try:

@@ -31,8 +31,10 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
+import stat
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import ModuleType
 from typing import NamedTuple
 
@@ -99,6 +101,45 @@ ITEMS = {
 
 class BadInput(Exception):
     """Exit 2: the build directory, its files or this host cannot be validated at all."""
+
+
+def build_file(directory: Path, relative, missing_ok: bool = False) -> Path | None:
+    """`directory / relative` for a path manifest.json names (or a fixed one of the build), checked before anything
+    opens it: a relative path without `..` that leads, through any links, to a regular file inside `directory`
+    (and its ONNX external data likewise); no FIFO or device, which would hang the read. A missing one is None
+    with `missing_ok`; anything else is BadInput naming it. The exporter's own check (exporter/files.py
+    build_file) says the same: this script imports no exporter."""
+    pure = PurePosixPath(relative) if isinstance(relative, str) else None
+    if (
+        pure is None
+        or not pure.parts
+        or pure.is_absolute()
+        or ".." in pure.parts
+        or any(c in relative for c in "\\:\0")
+    ):
+        raise BadInput(f"path {relative!r} in manifest.json does not name a file inside {directory}")
+    path = Path(directory) / pure
+    if not os.path.lexists(path):
+        if missing_ok:
+            return None
+        raise BadInput(f"{path} is missing from the build")
+    for part in (path, path.with_name(path.name + ".data")):
+        if part is path or os.path.lexists(part):
+            _check_inside(Path(directory), part)
+    return path
+
+
+def _check_inside(directory: Path, path: Path) -> None:
+    try:
+        real = path.resolve(strict=True)
+        mode = real.stat().st_mode
+        inside = real.is_relative_to(directory.resolve(strict=True))
+    except (OSError, RuntimeError) as e:  # a dangling link, a loop of links
+        raise BadInput(f"{path} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    if not inside:
+        raise BadInput(f"{path} leads outside the build folder {directory} (to {real})")
+    if not stat.S_ISREG(mode):
+        raise BadInput(f"{path} is not a regular file")
 
 
 def _psnr(peak: float, rmse: float) -> float:
@@ -308,10 +349,10 @@ def _task(doc: dict) -> tuple[Task, dict]:
 
 def _read_build(directory: Path) -> tuple[dict, Task, str, np.ndarray, np.ndarray]:
     try:
-        doc = json.loads((directory / "manifest.json").read_text())
-        inputs = np.load(directory / "golden" / "inputs.npy")
-        logits = np.load(directory / "golden" / "eager_logits.npy")
-    except (OSError, ValueError) as e:
+        doc = json.loads(build_file(directory, "manifest.json").read_text())
+        inputs = np.load(build_file(directory, "golden/inputs.npy"))
+        logits = np.load(build_file(directory, "golden/eager_logits.npy"))
+    except (OSError, ValueError, RecursionError) as e:
         raise BadInput(f"{directory} is not a readable exporter build: {e}") from None
     task, entry = _task(doc)
     frames = entry.get("frames")  # clips: N x 3 x T x H x W
@@ -357,8 +398,8 @@ def _decoding(directory: Path, entry: dict, logits: np.ndarray, image_size) -> D
     params = {k: v for k, v in decode.items() if k not in ("anchors", "code", "code_sha256")}
     if decode["anchors"] is None:  # the graph decoded its detections itself: rows to read, no anchors
         return Decoding(_decode_code(), None, tuple(int(v) for v in image_size), params)
-    path = directory / decode["anchors"]
-    if not path.is_file():
+    path = build_file(directory, decode["anchors"], missing_ok=True)
+    if path is None:
         raise BadInput(
             f"{decode['anchors']} is missing from {directory}: detection needs the anchors manifest.json "
             "task.decode.anchors names"
@@ -378,8 +419,8 @@ def _decoding(directory: Path, entry: dict, logits: np.ndarray, image_size) -> D
 def _check_golden_detections(directory: Path, decoding: Decoding, eager: list[dict]) -> None:
     """Decoding eager's golden heads here must give the boxes the build wrote: otherwise the anchors, the
     parameters or the decode code are not the build's, and every comparison below would be off."""
-    path = directory / EAGER_DETECTIONS
-    if not path.is_file():
+    path = build_file(directory, EAGER_DETECTIONS, missing_ok=True)
+    if path is None:
         return
     try:
         written = json.loads(path.read_text(encoding="utf-8"))
@@ -559,8 +600,8 @@ def read_golden(directory) -> Golden:
         decoding = _decoding(directory, doc["task"], logits, inputs.shape[2:])
         eager = [decoding(r) for r in logits]
         _check_golden_detections(directory, decoding, eager)
-    bytes_path = directory / "golden" / "inputs_uint8.npy"
-    pixels = np.load(bytes_path) if bytes_path.is_file() else None
+    bytes_path = build_file(directory, "golden/inputs_uint8.npy", missing_ok=True)
+    pixels = np.load(bytes_path) if bytes_path is not None else None
     return Golden(doc, task, output, inputs, logits, decoding, eager, pixels)
 
 
@@ -604,13 +645,14 @@ def validate(directory, runtime: str = "auto", threads: int | None = None) -> li
     engines = {e["precision"]: e for e in golden.doc.get("jetson", {}).get("engines", [])}
     results = []
     for entry in (a for a in golden.doc["artifacts"] if a["format"] == "onnx" and a.get("path")):
-        path = directory / entry["path"]
-        if not path.is_file() or _sha256(path) != entry["sha256"]:
+        path = build_file(directory, entry["path"], missing_ok=True)
+        if path is None or _sha256(path) != entry["sha256"]:
             raise BadInput(f"corrupted ONNX {entry['path']}: missing or not matching its sha256 in manifest.json")
         kit = engines.get(entry["precision"], {})
         batch = kit.get("options", {}).get("batch", [1, 1, 1])
         if runtime == "tensorrt":
-            engine = directory / kit.get("engine", path.stem + ".engine")
+            name = kit.get("engine", path.stem + ".engine")
+            engine = build_file(directory, name, missing_ok=True) or directory / name  # built here when missing
             run = _trt_runner(path, engine, entry["precision"], batch, golden.output)
         else:
             run = _ort_runner(path, golden.output, threads)

@@ -95,6 +95,25 @@ def _count_on(session, cpu: str, items: dict, runner, counter, failed: dict) -> 
     return records
 
 
+def check_before_build(plans, request, progress: Progress) -> None:
+    """Before anything is built: where a plan counts on aarch64 and no counting qemu can be had, one line says what is
+    missing and the command that fixes it; with --count asked for, the build is refused (exit 2, nothing written).
+    Without a reason (one is built, or the build can build it) nothing is said."""
+    if not any(p.validate.count and p.validate.aarch64_cpus for p in plans):
+        return
+    runners = request.aarch64_runners
+    reason = counting_qemu.unavailable(
+        request.cache_dir,
+        offline=request.offline or None,
+        root=Path(runners) / "counter" if runners is not None else None,
+    )
+    if reason is None:
+        return
+    if request.count:
+        raise UsageError(f"--count: no instruction counts can be taken here: {reason}")
+    progress.note(f"aarch64 instruction counts: unavailable, the rows will carry none ({reason})")
+
+
 def add_counts(
     session,
     doc: Manifest,

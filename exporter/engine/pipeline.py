@@ -5,6 +5,7 @@ Imported only when a build is not served whole from the cache (it needs torch)."
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__, data, files, validation, weights
-from ..release import html_report, manifest, previews, report
+from ..release import html_report, manifest, previews, recommend, report
 from ..results import ArtifactResult, Kind, Manifest, Reason, Status, kinds, texts
 from . import bundled_program_step, cache, conditioning, default_out, memory_profile, profiles, validate_on_arm
 from . import validate_sizes
@@ -49,10 +50,36 @@ class BuildContext:
     x86_outputs: dict = field(default_factory=dict)  # artifact name -> its outputs on this host (for the aarch64 rows)
     shared_proxies: dict = field(default_factory=dict)  # (shared_key, thresholds) -> a proxy's metrics
     sized: dict = field(default_factory=dict)  # (h, w) -> the validation images and eager at that size
+    # latency settings -> the eager baseline every timed artifact is compared with (shared by a build's targets)
+    baselines: dict = field(default_factory=dict)
 
     @property
     def latency(self) -> dict:
         return self.plan.latency.describe()
+
+    def eager_baseline(self) -> validation.EagerBaseline:
+        """Eager timed alone, once per build and latency setting (validation.eager_baseline), on first use."""
+        key = json.dumps(self.latency, sort_keys=True)
+        if key not in self.baselines:
+            torch.set_num_threads(self.latency["threads"])
+            self.baselines[key] = validation.eager_baseline(
+                self.eager,
+                self.inputs.validation[:1],
+                self.latency["warmup"],
+                self.latency["iterations"],
+                self.latency["threads"],
+                self.latency.get("max_spread"),
+            )
+        return self.baselines[key]
+
+    def eager_latency(self, artifacts: list[ArtifactResult]) -> validation.EagerBaseline | None:
+        """The build's eager baseline with how eager's rounds beside each timed artifact compare with it (the
+        manifest's eager.latency), or None when no artifact was timed."""
+        baseline = self.baselines.get(json.dumps(self.latency, sort_keys=True))
+        if baseline is None:
+            return None
+        beside = [(a.latency_conditions.get("rounds_p50_ms") or {}).get("eager") for a in artifacts if a.latency_ms]
+        return validation.build_spread(baseline, [rounds for rounds in beside if rounds])
 
     @functools.cached_property
     def digests(self) -> dict:
@@ -226,6 +253,7 @@ def _evaluate(
         session.eager_accuracy,
         session.latency["warmup"],
         session.latency["iterations"],
+        session.eager_baseline,
     )
     metrics, outputs = validation.evaluate(reference, runner, thresholds, timed, fed=fed)
     # a runtime's own thread setting may have changed torch's; restore it for eager
@@ -284,6 +312,9 @@ def _validate(
                 tmp.write_bytes(base64.b64decode(picture))
         entry.update(cached, validation_reused_from_cache=True)  # its reasons stored as JSON records
         noisy = hostload.summary(entry.latency_conditions or {})
+        if entry.latency_ms and not noisy:  # its speedup against this build's eager baseline, judged with it
+            entry.update(_against_baseline(session, entry))
+            noisy = hostload.summary(entry.latency_conditions)
         if not noisy:
             session.cache.events.append(f"{entry.name}: validation results reused from the cache")
             return
@@ -300,6 +331,7 @@ def _validate(
                     session.latency["threads"],
                     session.latency.get("max_spread"),
                     fed=session.inputs_for(entry.format).validation[:1],
+                    baseline=session.eager_baseline(),
                 )
             )
         torch.set_num_threads(session.latency["threads"])
@@ -318,6 +350,14 @@ def _validate(
     if entry.preview is not None:
         record["preview_png"] = base64.b64encode((out / entry.preview).read_bytes()).decode()
     session.cache.store_json("validations", digest, record)
+
+
+def _against_baseline(session: BuildContext, entry: ArtifactResult) -> dict:
+    """A cached validation's latency restated against this build's eager baseline (validation.against_baseline)."""
+    fields = entry.fields(("latency_ms", "latency_conditions"))
+    return validation.against_baseline(
+        fields, session.eager_baseline(), session.latency["threads"], session.latency.get("max_spread")
+    )
 
 
 def _run_validation(
@@ -741,6 +781,7 @@ def _finish(out: Path, doc: Manifest, progress: Progress, prefix: str = "") -> d
     """Write the manifest and the reports; the manifest as its JSON file holds it (what a build returns)."""
     doc.status = doc.overall_status()
     doc.timings_s = _timings(progress, prefix)
+    doc.recommended = recommend.recommendation(manifest.record(doc))
     manifest.write(out, doc)
     doc = manifest.record(doc)
     files.write_text(out / "report.md", report.markdown(doc))
@@ -793,9 +834,17 @@ def run(
     outs = [base] if single else [base / p.target for p in plans]
     for out in [base] if single else [base, *outs]:
         files.check_out_dir(out, request.force)
+    problem = files.unwritable(cache_root) if cache_root is not None else None
+    if problem:  # found now, not when the first result is stored
+        raise UsageError(
+            f"the exporter's cache {cache_root} ($EXPORTER_CACHE or ~/.cache/exporter) is not writable ({problem}); "
+            "set EXPORTER_CACHE to a writable folder or pass --no-cache"
+        )
     if any("aarch64" in plan.validate.arches for plan in plans):  # offline with none cached: refused before any file
         from .. import aarch64
+        from .count_on_arm import check_before_build
 
+        check_before_build(plans, request, progress)  # no counts here: said now, not after the build
         with progress.step("aarch64 runner"):
             aarch64.prepare(request.cache_dir, progress, offline=request.offline or None, root=request.aarch64_runners)
     with progress.step("load weights"):
@@ -810,7 +859,7 @@ def run(
         )
     task = task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
     with progress.step("load data"):
-        inputs = data.load_inputs(request.data, task, loaded.weights, plans[0].data)
+        inputs = data.load_inputs(request.data, task, loaded.weights, plans[0].data, loaded.labels)
     _check_enough(inputs, request.data, calibrated, plans[0].data.calib_size)
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
@@ -830,10 +879,44 @@ def run(
         if session.bytes_in:
             session.byte_inputs = shared.byte_inputs
         prefix = "" if single else f"{plan.target}: "
-        docs.append(_build_one(request, session, out, progress, prefix))
+        docs.append(_whole_or_none(out, functools.partial(_build_one, request, session, out, progress, prefix)))
     if not single:
         files.write_text(base / "report.html", html_report.render(docs, outs))
     return base, docs
+
+
+def _whole_or_none(out: Path, build):
+    """`build()`, one target's build into `out`; when it fails, what it wrote there is removed, its manifest first, so
+    that `out` never holds half a build (only a killed build leaves its manifest, with status "building"). A full
+    disk or a folder that refuses writes is then one line (exit 2), not a traceback."""
+    existed = set(out.iterdir()) if out.is_dir() else None
+    try:
+        return build()
+    except Exception as e:
+        _discard(out, existed)
+        problem = files.environment_problem(e) or (f"{e} (free some space)" if cache.disk_full(e) else None)
+        if problem:
+            raise UsageError(f"{problem}; {out} holds no build: what this one wrote was removed") from None
+        raise
+
+
+def _discard(out: Path, existed: set[Path] | None) -> None:
+    """Remove what a failed build wrote into `out` (its manifest first, then its own files and whatever was not
+    there before it started, `existed`; `out` itself if it made it). Best effort: the disk may be the problem."""
+    import shutil
+
+    with contextlib.suppress(OSError):
+        (out / "manifest.json").unlink(missing_ok=True)
+        manifest.clear_build_files(out)
+        for entry in sorted(out.iterdir()):
+            if existed is not None and entry in existed:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        if existed is None:
+            out.rmdir()
 
 
 def _plans_by_decode(request: BuildRequest, resolved, task_class: type[Task], targets: list[dict]):
@@ -915,6 +998,13 @@ def _decoding_in_graph(loaded: weights.LoadedModel, task_class: type[Task]) -> w
     return dataclasses.replace(loaded, model=task_class.graph(loaded.model), task_class=task_class)
 
 
+def _note_eager_latency(session: BuildContext, doc: Manifest) -> None:
+    """The build's one eager baseline in the manifest (eager.latency), with its spread over the build's rounds."""
+    baseline = session.eager_latency(doc.artifacts)
+    if baseline is not None:
+        doc.eager = {**doc.eager, "latency": baseline}
+
+
 def _build_one(request: BuildRequest, session: BuildContext, out: Path, progress: Progress, prefix: str) -> dict:
     loaded, inputs, plan = session.loaded, session.inputs, session.plan
     out.mkdir(parents=True, exist_ok=True)
@@ -971,6 +1061,7 @@ def _build_one(request: BuildRequest, session: BuildContext, out: Path, progress
         runner_shown=True,
     )
     _post_build(plan, out, doc, session)
+    _note_eager_latency(session, doc)
     doc.cache = {
         "root": str(session.cache.root) if session.cache.root else None,
         "events": list(session.cache.events),
@@ -978,16 +1069,29 @@ def _build_one(request: BuildRequest, session: BuildContext, out: Path, progress
     return _finish(out, doc, progress, prefix)
 
 
+def _check_before_validating(out: Path, doc: Manifest) -> None:
+    """What `validate` refuses before it writes anything: a file the manifest names or promises that is missing,
+    outside the build folder or no regular file (manifest.check_build_files), an artifact without a file that does
+    not say why it has none, an artifact whose file changed since its build, and a format unknown to this exporter
+    or whose extra is not installed. Every artifact is then judged again or keeps the reason it has no file."""
+    manifest.check_build_files(out, manifest.record(doc))
+    for entry in doc.artifacts:
+        if entry.format not in FORMATS:
+            raise UsageError(f"artifact {entry.name}: unknown format {entry.format!r} (known: {', '.join(FORMATS)})")
+        if entry.path is None:
+            continue
+        FORMATS[entry.format].format()  # a missing extra, said now rather than after golden/ is rewritten
+        path = out / entry.path
+        if files.sha256(path) != entry.sha256:
+            raise UsageError(f"{path} does not match the sha256 in its manifest (changed or truncated)")
+
+
 def validate(
     out: Path, data_dir: Path | None, thresholds: list[str], progress: Progress, checkpoint: Path | None
 ) -> dict:
     """See build.validate_build."""
     doc = manifest.read(out)
-    for entry in doc.artifacts:
-        if entry.path:
-            path = out / entry.path
-            if not path.exists() or files.sha256(path) != entry.sha256:
-                raise UsageError(f"{path} does not match the sha256 in its manifest (changed or truncated)")
+    _check_before_validating(out, doc)
     profile = {
         "name": doc.target["name"],
         "path": doc.target["profile"],
@@ -1019,8 +1123,10 @@ def validate(
         loaded.weights, loaded.model_name, doc.task["num_classes"], tuple(doc.task["input_size"])
     )
     source = data_dir or (None if doc.data["source"] == "synthetic" else Path(doc.data["source"]))
+    if source is not None:  # the build's labels, which its class folders were read by
+        loaded.labels = weights.read_labels(out / "labels.txt", task.num_classes)
     with progress.step("load data"):
-        inputs = data.load_inputs(source, task, loaded.weights, plan.data)
+        inputs = data.load_inputs(source, task, loaded.weights, plan.data, loaded.labels)
     session = _start_session(loaded, task, inputs, plan, progress)
     _write_device_files(out, task)  # what this validation decodes with is what the build ships
     _write_golden(out, session)  # the inputs golden_fidelity is measured on, whatever --data says now
@@ -1030,7 +1136,7 @@ def validate(
     doc.eager = {"accuracy": session.eager_accuracy, "reference": loaded.reference}
     for entry in doc.artifacts:
         entry.thresholds = plan.thresholds_for(entry.precision)
-        if entry.path:
+        if entry.path is not None:  # checked above; an artifact without a file keeps why it has none
             entry.clear(*VALIDATION_FIELDS, "aarch64", "bundled_program")
             entry.update(reasons=[], status=Status.FAILED)
             _validate(session, entry, out, progress)
@@ -1039,5 +1145,6 @@ def validate(
                 validate_sizes.add_rows(session, spec, entry, out, progress)
             bundled_program_step.add_golden_program(session, entry, out, progress)
     validate_on_arm.add_rows(session, doc, out, progress, None, False)
+    _note_eager_latency(session, doc)
     doc.validated = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return _finish(out, doc, progress)

@@ -4,7 +4,8 @@ The key covers the request (paths made absolute), the resolved target profiles, 
 which format packages are installed, the exporter's own source and the host. The record lists the
 input files the build read (checkpoint, labels, every file of the data folder) with their sha256,
 checked again at every lookup, and the files the build wrote, stored by content under blobs/. A build whose
-latency was timed on a busy host (exporter.hostload judged it unreliable) is not recorded: the next run times it again.
+latency (an artifact's, or the eager baseline every speedup divides) was timed on a busy host (exporter.hostload judged
+it unreliable) is not recorded: the next run times it again.
 """
 
 from __future__ import annotations
@@ -138,9 +139,10 @@ def _unsettled(artifact: dict) -> bool:
 
 
 def _unsettled_timing(docs: list[dict]) -> bool:
-    """Whether any artifact's latency or operator profile was judged unreliable (exporter.hostload: timed on a
-    busy host)."""
-    return any(
+    """Whether the build's eager baseline, or any artifact's latency or operator profile, was judged unreliable
+    (exporter.hostload: timed on a busy host)."""
+    baselines = [((doc.get("eager") or {}).get("latency") or {}).get("conditions") or {} for doc in docs]
+    return not all(b.get("reliable", True) for b in baselines) or any(
         not (a.get("latency_conditions") or {}).get("reliable", True)
         or not ((a.get("profile") or {}).get("conditions") or {}).get("reliable", True)
         for doc in docs

@@ -46,7 +46,7 @@ def _at_size(session, size: tuple[int, int]) -> AtSize:
         task = type(session.task).bind(loaded.weights, loaded.model_name, loaded.num_classes, size)
         source = session.inputs.description.get("source")
         path = None if source in (None, "synthetic") else Path(source)
-        inputs = data.load_inputs(path, task, loaded.weights, session.plan.data)
+        inputs = data.load_inputs(path, task, loaded.weights, session.plan.data, loaded.labels)
         reference = validation.run_all(loaded.eager, inputs.validation)
         accuracy = task.labeled(reference, inputs.labels) if inputs.labels is not None else None
         session.sized[size] = AtSize(task, inputs, reference, accuracy)

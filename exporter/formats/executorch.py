@@ -327,9 +327,85 @@ def profile(path: Path, example, runs: int, threads: int) -> dict:
             total[1] += len(times)
     if not totals:
         return {"available": False, "reason": "ETDump recorded no operator events"}
+    if XNNPACK_UNNAMED in totals:
+        totals[_lookup_table_name(path)] = totals.pop(XNNPACK_UNNAMED)
     return shared.top_ops(
         {op: (ms, n) for op, (ms, n) in totals.items()}, wall, runs, "ExecuTorch ETDump (executorch.devtools.Inspector)"
     )
+
+
+# XNNPACK's profiler names every int8 elementwise op it runs as a 256-entry lookup table "Invalid Unary Op": that
+# path of its unary operator never records which op it is (XNNPACK's own string table, seen in
+# libexecutorch_backend_xnnpack.so of ExecuTorch 1.5.1; float ops and the int8 ones with kernels of their own, clamp,
+# leaky ReLU and convert, are named). Which ops they are is read back from the program's XNNPACK graph.
+XNNPACK_UNNAMED = "Invalid Unary Op"
+# XNNPACK graph nodes (ExecuTorch's serialization/schema.fbs) that are unary elementwise ops with no int8 kernel
+_LOOKUP_TABLE_NODES = {
+    "XNNSigmoid", "XNNFloor", "XNNSquareRoot", "XNNCeiling", "XNNHardswish", "XNNNegate", "XNNSquare", "XNNELU",
+    "XNNAbs", "XNNReciprocalSquareRoot", "XNNLog", "XNNGelu", "XNNTanh", "XNNExp", "XNNSin", "XNNCos",
+}  # fmt: skip
+_ONE_BYTE = {"xnn_datatype_qint8", "xnn_datatype_quint8"}
+
+
+def _xnnpack_graphs(path: Path) -> list[dict]:
+    """The XNNPACK graphs of a .pte as JSON (flatc with ExecuTorch's own schema): nodes, values."""
+    import json
+    import re
+    import tempfile
+
+    from executorch.backends.xnnpack import serialization
+    from executorch.backends.xnnpack.serialization.xnnpack_graph_serialize import XNNHeader
+    from executorch.exir._serialize._flatbuffer import _flatc_decompile
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(Path(path).read_bytes()).program
+    schema = Path(next(iter(serialization.__path__))) / "schema.fbs"
+    graphs = []
+    with tempfile.TemporaryDirectory() as work:
+        for plan in program.execution_plan:
+            for i, delegate in enumerate(d for d in plan.delegates if d.id == "XnnpackBackend"):
+                blob = program.backend_delegate_data[delegate.processed.index].data
+                header = XNNHeader.from_bytes(blob[: XNNHeader.EXPECTED_LENGTH])
+                graph = Path(work) / f"graph{i}.bin"
+                graph.write_bytes(blob[header.flatbuffer_offset : header.flatbuffer_offset + header.flatbuffer_size])
+                _flatc_decompile(work, str(schema), str(graph))
+                text = graph.with_suffix(".json").read_text()  # flatc writes unbounded clamps as bare inf
+                graphs.append(json.loads(re.sub(r"(?<=[\s:\[,])(-?inf|nan)(?=\s*[,\]}])", r'"\1"', text)))
+    return graphs
+
+
+def _lookup_table_name(path: Path) -> str:
+    """XNNPACK_UNNAMED, said with the ops it stands for in this program when its graph can be read."""
+    import subprocess
+
+    try:
+        kinds = _lookup_table_kinds(path)
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError):  # no flatc here, or a graph of another schema
+        kinds = set()
+    named = " or ".join(sorted(kinds)) or "an int8 elementwise op"
+    return f"{named} (int8 lookup table; XNNPACK profiler name: {XNNPACK_UNNAMED})"
+
+
+def _lookup_table_kinds(path: Path) -> set[str]:
+    """The program's unary nodes with no int8 kernel of their own that run on int8 data, either as they are or (as
+    ExecuTorch writes them) a float node between a Convert from int8 and one back, which XNNPACK fuses into one
+    int8 op."""
+    kinds = set()
+    for graph in _xnnpack_graphs(path):
+        int8 = set()
+        for value in graph["xvalues"]:
+            tensor = value["xvalue_union"].get("tensor_value", value["xvalue_union"])
+            if tensor["datatype"] in _ONE_BYTE:
+                int8.add(tensor["id_out"])
+        for node in graph["xnodes"]:  # a Convert's float side carries int8 data
+            ends = node["xnode_union"]
+            if node["xnode_union_type"] == "XNNConvert" and int8 & {ends["input_id"], ends["output_id"]}:
+                int8 |= {ends["input_id"], ends["output_id"]}
+        for node in graph["xnodes"]:
+            ends = node["xnode_union"]
+            if node["xnode_union_type"] in _LOOKUP_TABLE_NODES and {ends["input_id"], ends["output_id"]} <= int8:
+                kinds.add(node["xnode_union_type"].removeprefix("XNN"))
+    return kinds
 
 
 # Each method calls the module's function of the same name, looked up when called (tests patch them there).

@@ -117,6 +117,6 @@ def html(docs: list[dict]) -> str:
         )
         sections.append(
             f"<h3>{escape(doc['target']['name'])}</h3><p>{escape(line)}</p>"
-            + (f"<table><tr>{head}</tr>{body}</table>" if table else "")
+            + (f'<div class="scroll"><table><tr>{head}</tr>{body}</table></div>' if table else "")
         )
     return f"<h2>aarch64 (emulated)</h2>{''.join(sections)}" if sections else ""

@@ -19,7 +19,7 @@ import json
 import shutil
 import stat
 import zipfile
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from .. import files
 from . import manifest
@@ -103,7 +103,7 @@ def _selected(doc: dict, allow_failed: bool) -> list[tuple[str, dict]]:
     if failed and not allow_failed:
         names = "; ".join(f"{a['name']} ({_reasons(a)})" for a in failed)
         raise UsageError(f"artifacts failed: {names}; pass --allow-failed to bundle the rest anyway")
-    chosen = [(role, a) for role, a in matching if a.get("path")]  # a failed export has no file
+    chosen = [(role, a) for role, a in matching if a.get("path") is not None]  # a failed export has no file
     if not chosen:
         raise UsageError(
             f"{doc['target']['name']} build has none of the artifacts a bundle carries: "
@@ -126,17 +126,13 @@ def _reasons(entry: dict) -> str:
 
 
 def _inside(root: Path, relative: str) -> Path:
-    """`root / relative`, refused unless it stays inside root (no absolute paths, no `..`)."""
-    path = PurePosixPath(relative)
-    if not relative or path.is_absolute() or ".." in path.parts or "\\" in relative or ":" in relative:
-        raise UsageError(f"path {relative!r} would leave the bundle directory")
-    return root / path
+    """`root / relative`, refused unless it stays inside root (no absolute paths, no `..`): a path into the bundle
+    (a file of the build is read through files.build_file)."""
+    return root / files.relative_path(relative, "the bundle directory")
 
 
 def _copy(out: Path, stage: Path, relative: str, sha256: str | None = None) -> None:
-    source, target = _inside(out, relative), _inside(stage, relative)
-    if not source.exists():
-        raise UsageError(f"{source} is missing from the build")
+    source, target = files.build_file(out, relative, folder_ok=True), _inside(stage, relative)
     target.parent.mkdir(parents=True, exist_ok=True)
     if source.is_dir():
         shutil.copytree(source, target, symlinks=True)  # links are refused when listed, never followed
@@ -280,13 +276,10 @@ def _describe(doc: dict, chosen: list[tuple[str, dict]], golden: dict, listed: l
 def _plan(out: Path, allow_failed: bool) -> tuple[dict, list[tuple[str, dict]], dict]:
     """Everything that can be refused before a file is copied."""
     doc = _read_build(out)
+    manifest.check_artifacts(out, doc)  # every one, not only those bundled: none is left unchecked unsaid
     chosen = _selected(doc, allow_failed)
-    labels = (out / "labels.txt").read_text(encoding="utf-8").splitlines() if (out / "labels.txt").is_file() else []
-    if len(labels) != doc["labels"]["count"]:
-        raise UsageError(f"{out / 'labels.txt'} has {len(labels)} labels, the manifest says {doc['labels']['count']}")
-    golden = {key: path for key, path in GOLDEN.items() if (out / path).is_file()}
-    if {"inputs", "eager_logits"} - set(golden):
-        raise UsageError(f"{out / 'golden'} lacks inputs.npy or eager_logits.npy; run the build again")
+    manifest.check_side_files(out, doc)
+    golden = {key: path for key, path in GOLDEN.items() if files.build_file(out, path, missing_ok=True)}
     task = doc["task"]
     if task["name"] == "detection":
         decode = task.get("decode") or {}
@@ -294,11 +287,11 @@ def _plan(out: Path, allow_failed: bool) -> tuple[dict, list[tuple[str, dict]], 
             raise UsageError(
                 f"{out / 'manifest.json'} has a detection task without decode anchors and code; run the build again"
             )
-        if not _inside(out, decode["code"]).is_file():
+        if not files.build_file(out, decode["code"], missing_ok=True):
             raise UsageError(
                 f"{out / decode['code']} is missing: a detection bundle needs the build's decode; run the build again"
             )
-        if decode["anchors"] and not _inside(out, decode["anchors"]).is_file():  # None: a graph that decodes itself
+        if decode["anchors"] and not files.build_file(out, decode["anchors"], missing_ok=True):  # None: decoded inside
             raise UsageError(
                 f"{out / decode['anchors']} is missing: a detection bundle needs its anchors; run the build again"
             )
@@ -393,7 +386,7 @@ def extract_bundle(zip_file, dest) -> Path:
 def _check_listing(root: Path, source) -> None:
     try:
         listed = json.loads((root / "bundle.json").read_text(encoding="utf-8"))["files"]
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, RecursionError) as e:  # RecursionError: JSON nested past Python's reach
         raise UsageError(f"{source} has no readable bundle.json: {e}") from None
     for item in listed:
         path = _inside(root, item["path"])

@@ -5,21 +5,28 @@ from __future__ import annotations
 import base64
 import html
 import math
+import re
 from pathlib import Path
 
 from ..results import texts
 from . import arch_report, previews, recommend, svg_text
-from .report import COLUMNS, eager_summary, latency_warnings, outliers_summary, rows, task_name
+from .report import COLUMNS, about, closing, latency_warnings, notes, outliers_summary, rows, task_name
 from .svg_text import Box
 
 STATUS_COLOURS = {"passed": "#1a7f37", "failed": "#cf222e", "unavailable": "#9a6700"}
+# Phone width (390 px) is a design case: tables scroll inside their own box (.scroll), names break only after "_"
+# or "/" (<wbr>, see _name), and charts are drawn at most CHART_WIDTH wide so their 12px text is not scaled down.
 CSS = """
-body{font:14px/1.45 system-ui,sans-serif;margin:2rem auto;max-width:1100px;color:#1f2328;padding:0 1rem}
+body{font:14px/1.45 system-ui,sans-serif;margin:2rem auto;max-width:1100px;color:#1f2328;padding:0 1rem;
+overflow-wrap:break-word}
 h1{font-size:1.4rem}h2{font-size:1.1rem;margin-top:2rem}
+.scroll{overflow-x:auto;max-width:100%}
 table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums}
 th,td{border-bottom:1px solid #d0d7de;padding:.35rem .5rem;text-align:right;white-space:nowrap}
 th:first-child,td:first-child,td.status{text-align:left}
-td.name{white-space:normal;overflow-wrap:anywhere}
+td.name{white-space:normal;min-width:7em}th.name,td.name{text-align:left}
+svg{max-width:100%;height:auto}
+code{font-size:.92em}
 .badge{color:#fff;border-radius:1rem;padding:.05rem .55rem;font-size:.85em}
 .meta{color:#57606a}.charts{display:flex;gap:2rem;flex-wrap:wrap}
 svg text{font:12px system-ui,sans-serif;fill:#1f2328}
@@ -33,6 +40,23 @@ details{margin:.6rem 0}summary{cursor:pointer}
 
 def _esc(value) -> str:
     return html.escape(str(value))
+
+
+def _name(name: str) -> str:
+    """An artifact's (or layer's) name, escaped, that a narrow column breaks after "_", "/" or "." only."""
+    return re.sub(r"([_/.])", r"\1<wbr>", _esc(name))
+
+
+def _inline(text: str) -> str:
+    """A report.md line as HTML: escaped, **bold** and `code` (a name, breaking as _name does) kept."""
+    parts = re.split(r"(`[^`]*`)", text)
+    html_parts = [f"<code>{_name(p[1:-1])}</code>" if p.startswith("`") and p.endswith("`") else _esc(p) for p in parts]
+    return re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", "".join(html_parts))
+
+
+def _scroll(table: str) -> str:
+    """A table in a box of its own that scrolls sideways, so that a wide table never widens the page."""
+    return f'<div class="scroll">{table}</div>'
 
 
 def _badge(status: str) -> str:
@@ -53,35 +77,108 @@ def _svg(label: str, width: float, height: float) -> str:
     )
 
 
-def latency_chart(docs: list[dict], width: int = 620) -> str:
-    """Horizontal bars: p50 of each artifact beside the eager p50 measured in the same run."""
-    bars = []
-    for name, a in _named(docs):
-        if a.get("latency_ms"):
-            bars.append((name, a["latency_ms"]["p50"], "#0969da"))
-            bars.append((f"eager (vs {name})", a["eager_latency_ms"]["p50"], "#8c959f"))
-    if not bars:
+CHART_WIDTH = 350  # px: fits a 390 px phone (the page's padding taken off) at scale 1, so chart text stays 12px
+BAR = 12  # a bar's height; each bar has a text LINE of its own
+
+
+def _bar_chart(label: str, groups: list[tuple[str, list[tuple[float, str, str]]]], note: str, width: int) -> str:
+    """Horizontal bars in groups: each group's name on a line of its own, the whole width, then its bars
+    (value, text after the bar, colour), one LINE each; `note` wrapped under them."""
+    top = max((value for _, bars in groups for value, _, _ in bars), default=0.0) or 1.0
+    span = width - 12 - max(svg_text.text_width(shown) for _, bars in groups for _, shown, _ in bars)
+    parts, y = [], 2.0
+    for name, bars in groups:
+        parts.append(svg_text.text(4, y + svg_text.ASCENT * svg_text.FONT_PX, svg_text.fit(name, width - 8), full=name))
+        y += svg_text.LINE
+        for value, shown, colour in bars:
+            w = max(1.0, span * value / top)
+            middle = y + svg_text.LINE / 2  # the bar and its text centred on one line
+            parts.append(f'<rect x="4" y="{middle - BAR / 2:.1f}" width="{w:.1f}" height="{BAR}" fill="{colour}"/>')
+            parts.append(
+                svg_text.text(8 + w, middle + svg_text.FONT_PX * (svg_text.ASCENT - svg_text.DESCENT) / 2, shown)
+            )
+            y += svg_text.LINE
+        y += 4
+    for line in svg_text.wrap(note, width - 8):
+        parts.append(svg_text.text(4, y + svg_text.ASCENT * svg_text.FONT_PX, line, attrs=' class="meta"'))
+        y += svg_text.LINE
+    return _svg(label, width, y + 2) + "".join(parts) + "</svg>"
+
+
+def latency_chart(docs: list[dict], width: int = CHART_WIDTH) -> str:
+    """Per artifact, its p50 (blue) over the eager p50 measured beside it in the same run (grey)."""
+    groups = [
+        (
+            name,
+            [
+                (a["latency_ms"]["p50"], f"{a['latency_ms']['p50']:.2f} ms", "#0969da"),
+                (a["eager_latency_ms"]["p50"], f"{a['eager_latency_ms']['p50']:.2f} ms eager", "#8c959f"),
+            ],
+        )
+        for name, a in _named(docs)
+        if a.get("latency_ms")
+    ]
+    if not groups:
         return "<p class=meta>No latency was measured on this host.</p>"
-    top = max(v for _, v, _ in bars) or 1.0
-    label_w, row_h = 300, 20
-    values = [f"{value:.2f} ms" for _, value, _ in bars]
-    span = width - label_w - 8 - max(svg_text.text_width(v) for v in values)  # the longest bar and its value fit
-    height = row_h * len(bars) + 30
-    parts = [_svg("latency p50", width, height)]
-    for i, ((label, value, colour), shown) in enumerate(zip(bars, values)):
-        y = 10 + i * row_h
-        w = span * value / top
-        parts.append(svg_text.text(label_w - 6, y + 13, svg_text.fit(label, label_w - 10), "end", full=label))
-        parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 6}" fill="{colour}"/>')
-        parts.append(svg_text.text(label_w + w + 4, y + 13, shown))
-    note = f"p50 latency, batch 1, {docs[0]['host']['threads']} threads"
-    parts.append(svg_text.text(4, height - 6, svg_text.fit(note, width - 8), full=note, attrs=' class="meta"'))
-    return "".join(parts) + "</svg>"
+    note = f"p50 latency, batch 1, {docs[0]['host']['threads']} threads; grey: eager in the same run"
+    return _bar_chart("latency p50", groups, note, width)
 
 
-def accuracy_size_chart(docs: list[dict], width: int = 640, height: int = 280) -> str:
-    """Each artifact's labeled metric against its size; labels placed so that none overlaps another
-    (svg_text.place), the point coloured by the artifact's status."""
+def sensitivity_chart(name: str, q: dict, width: int = CHART_WIDTH, most: int = 24) -> str:
+    """The layers that cost most when alone int8 (output PSNR vs eager, lower is worse); float ones in red."""
+    kept = {f["name"] for f in q.get("float_layers", [])}
+    measured = (q.get("sensitivity") or {}).get("output_psnr_db") or {}
+    values = sorted(((layer, v) for layer, v in measured.items() if v is not None), key=lambda item: item[1])[:most]
+    if not values:
+        return ""
+    groups = [
+        (
+            layer,
+            [(value, f"{value:.1f} dB{' float' if layer in kept else ''}", "#cf222e" if layer in kept else "#0969da")],
+        )
+        for layer, value in values
+    ]
+    note = (
+        f"output PSNR vs eager with only that layer int8 · {len(values)} worst of {q['layers']} layers · "
+        f"red: kept in float"
+    )
+    return _bar_chart(f"int8 layer sensitivity of {name}", groups, note, width)
+
+
+def ticks(low: float, high: float, most: int = 5) -> list[float]:
+    """Round values (1, 2 or 5 × a power of ten apart), at most `most`, the first ≤ low and the last ≥ high."""
+    span = high - low if high > low else max(abs(high), 1.0)
+    magnitude = 10 ** math.floor(math.log10(span / (most - 1)))
+    step = next(
+        m * magnitude
+        for m in (1, 2, 5, 10, 20, 50)
+        if math.ceil(high / (m * magnitude)) - math.floor(low / (m * magnitude)) <= most - 1
+    )
+    first, last = math.floor(low / step), math.ceil(high / step)
+    return [round(k * step, 10) for k in range(first, max(last, first + 1) + 1)]
+
+
+def _tick_text(value: float, values: list[float]) -> str:
+    step = values[1] - values[0]
+    return f"{value:.{max(0, -math.floor(math.log10(step)))}f}"
+
+
+def _axis_ranges(points, percent: bool) -> tuple[list[float], list[float]]:
+    """Ticks for the size axis (from 0) and the metric axis: one point, or points that agree, get a range of a few
+    units around them; a percentage stays within 0–100."""
+    xs, ys = [p[1] for p in points], [p[2] for p in points]
+    low, high = min(ys), max(ys)
+    pad = max((high - low) * 0.1, 1.0 if high - low < 1.0 else 0.0)
+    low, high = low - pad, high + pad
+    if percent:
+        low, high = max(low, 0.0), min(high, 100.0)
+    y_ticks = [t for t in ticks(low, high) if not percent or 0 <= t <= 100]
+    return ticks(0.0, max(xs) * 1.1), y_ticks
+
+
+def accuracy_size_chart(docs: list[dict], width: int = CHART_WIDTH, height: int = 250) -> str:
+    """Each artifact's labeled metric against its size, on axes with round ticks; labels placed so that none
+    overlaps another (svg_text.place), the point coloured by the artifact's status."""
     _, (metric, _, label) = COLUMNS[task_name(docs[0])]
     points = [
         (name, a["size_bytes"] / 1e6, a["accuracy"][metric], a["status"])
@@ -89,40 +186,44 @@ def accuracy_size_chart(docs: list[dict], width: int = 640, height: int = 280) -
         if a.get("accuracy") and a.get("size_bytes") and a["accuracy"].get(metric) is not None
     ]
     if not points:
-        return "<p class=meta>Accuracy vs size needs labeled --data.</p>"
-    left, bottom, pad = 50, 30, 12
-    xs, ys = [p[1] for p in points], [p[2] for p in points]
-    x0, x1 = 0.0, max(xs) * 1.15
-    y0 = math.floor(min(ys) - 1)
-    y1 = max(min(math.ceil(max(ys) + 0.5), 100), math.ceil(max(ys)))  # percentages: no axis past 100%
+        if not any(d["data"].get("labeled") for d in docs):
+            return "<p class=meta>Accuracy vs size needs labeled --data.</p>"
+        return f"<p class=meta>No artifact has both a measured {_esc(label)} and a size: nothing to plot.</p>"
+    percent = metric != "epe"
+    x_ticks, y_ticks = _axis_ranges(points, percent)
+    left, right, top, bottom = 44, width - 12, 30, height - 36
+    x0, x1, y0, y1 = x_ticks[0], x_ticks[-1], y_ticks[0], y_ticks[-1]
 
     def sx(x):
-        return left + (width - left - pad) * (x - x0) / (x1 - x0)
+        return left + (right - left) * (x - x0) / (x1 - x0)
 
     def sy(y):
-        return height - bottom - (height - bottom - pad) * (y - y0) / max(y1 - y0, 1e-9)
+        return bottom - (bottom - top) * (y - y0) / max(y1 - y0, 1e-9)
 
-    axis_note = f"size MB (0 – {x1:.1f})"
-    # (x, baseline, text, anchor): the size axis titled at its right end, clear of overflow labels' leader lines
-    axis = [
-        (width - pad, height - 8, axis_note, "end"),
-        (4, pad + 10, f"{y1:.0f}%", "start"),
-        (4, height - bottom, f"{y0:.0f}%", "start"),
+    centre = svg_text.FONT_PX * (svg_text.ASCENT - svg_text.DESCENT) / 2
+    # (x, baseline, text, anchor, attrs): the axes' titles, then their ticks
+    axis = [(4, 14, f"{label} %" if percent else label, "start", ""), (right, height - 3, "size MB", "end", "")]
+    axis += [(left - 6, sy(v) + centre, _tick_text(v, y_ticks), "end", ' class="tick"') for v in y_ticks]
+    axis += [(sx(v), bottom + 16, _tick_text(v, x_ticks), "middle", ' class="tick"') for v in x_ticks]
+    grid = [f'<line x1="{left}" y1="{sy(v):.1f}" x2="{right}" y2="{sy(v):.1f}" stroke="#eaeef2"/>' for v in y_ticks]
+    grid += [
+        f'<line x1="{sx(v):.1f}" y1="{bottom}" x2="{sx(v):.1f}" y2="{bottom + 4}" stroke="#8c959f"/>' for v in x_ticks
     ]
-    plot = Box(left + 2, 2, width - 2, height - bottom - 2)
+    plot = Box(left + 2, 2, width - 2, bottom - 2)
     labels = svg_text.place(
         [(sx(x), sy(y), name) for name, x, y, _ in points],
         plot,
-        [svg_text.text_box(*a) for a in axis],
+        [svg_text.text_box(x, y, t, anchor) for x, y, t, anchor, _ in axis],
         overflow_y=height + 2,
     )
     below = svg_text.overflow_rows(labels, plot)
     total = height + 2 + below * svg_text.LINE + (2 if below else 0)
     parts = [
         _svg(f"{label} vs size", width, total),
-        f'<line x1="{left}" y1="{height - bottom}" x2="{width - pad}" y2="{height - bottom}" stroke="#8c959f"/>',
-        f'<line x1="{left}" y1="{pad}" x2="{left}" y2="{height - bottom}" stroke="#8c959f"/>',
-        *(svg_text.text(x, y, t, anchor) for x, y, t, anchor in axis),
+        *grid,
+        f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#8c959f"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="#8c959f"/>',
+        *(svg_text.text(x, y, t, anchor, attrs=attrs) for x, y, t, anchor, attrs in axis),
     ]
     for (name, x, y, status), placed in zip(points, labels):
         if placed.leader:
@@ -130,40 +231,13 @@ def accuracy_size_chart(docs: list[dict], width: int = 640, height: int = 280) -
             parts.append(
                 f'<line x1="{lx0:.1f}" y1="{ly0:.1f}" x2="{lx1:.1f}" y2="{ly1:.1f}" stroke="#8c959f" stroke-width="0.8"/>'
             )
+    unit = "%" if percent else ""
     for (name, x, y, status), placed in zip(points, labels):
         parts.append(
             f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{STATUS_COLOURS.get(status, "#57606a")}">'
-            f"<title>{_esc(name)} ({_esc(status)}): {y:.2f}% at {x:.2f} MB</title></circle>"
+            f"<title>{_esc(name)} ({_esc(status)}): {label} {y:.2f}{unit} at {x:.2f} MB</title></circle>"
         )
         parts.append(svg_text.text(placed.x, placed.y, placed.text, placed.anchor, full=placed.full))
-    return "".join(parts) + "</svg>"
-
-
-def sensitivity_chart(name: str, q: dict, width: int = 620, most: int = 24) -> str:
-    """The layers that cost most when alone int8 (output PSNR vs eager, lower is worse); float ones in red."""
-    kept = {f["name"] for f in q.get("float_layers", [])}
-    measured = (q.get("sensitivity") or {}).get("output_psnr_db") or {}
-    values = sorted(((layer, v) for layer, v in measured.items() if v is not None), key=lambda item: item[1])[:most]
-    if not values:
-        return ""
-    top = max(v for _, v in values) or 1.0
-    label_w, row_h = 260, 18
-    shown = [f"{value:.1f} dB{' float' if layer in kept else ''}" for layer, value in values]
-    span = width - label_w - 8 - max(svg_text.text_width(v) for v in shown)
-    height = row_h * len(values) + 34
-    parts = [_svg(f"int8 layer sensitivity of {name}", width, height)]
-    for i, ((layer, value), text) in enumerate(zip(values, shown)):
-        y = 8 + i * row_h
-        w = max(1.0, span * value / top)
-        colour = "#cf222e" if layer in kept else "#0969da"
-        parts.append(svg_text.text(label_w - 6, y + 12, svg_text.fit(layer, label_w - 10), "end", full=layer))
-        parts.append(f'<rect x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row_h - 5}" fill="{colour}"/>')
-        parts.append(svg_text.text(label_w + w + 4, y + 12, text))
-    note = (
-        f"output PSNR vs eager with only that layer int8 · {len(values)} worst of {q['layers']} layers · "
-        f"red: kept in float"
-    )
-    parts.append(svg_text.text(4, height - 8, svg_text.fit(note, width - 8), full=note, attrs=' class="meta"'))
     return "".join(parts) + "</svg>"
 
 
@@ -181,7 +255,7 @@ def _quantization(docs: list[dict]) -> str:
             )
             retry = f"<p>{_esc(retry_summary(a['details']))}</p>" if a["details"].get("validation_retry") else ""
             summary = _esc(quantization_summary(q).replace("**", ""))
-            sections.append(f"<h3>{_esc(name)}</h3><p>{summary}</p>{retry}{chart}")
+            sections.append(f"<h3>{_name(name)}</h3><p>{summary}</p>{retry}{chart}")
     return "<h2>int8: budget and layer sensitivity</h2>" + "".join(sections) if sections else ""
 
 
@@ -202,26 +276,29 @@ def _profiles(docs: list[dict]) -> str:
                 for o in profile["ops"]
             )
             body += (
-                f"<table><thead><tr><th>operator</th><th>ms/run</th><th>calls</th><th>share</th></tr></thead>"
-                f"<tbody>{ops}</tbody></table><p class=meta>{profile['ops_ms']:.2f} ms in operators of "
+                _scroll(
+                    "<table><thead><tr><th>operator</th><th>ms/run</th><th>calls</th><th>share</th></tr></thead>"
+                    f"<tbody>{ops}</tbody></table>"
+                )
+                + f"<p class=meta>{profile['ops_ms']:.2f} ms in operators of "
                 f"{profile['wall_ms']:.2f} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''}"
                 f" apart from the timed ones; "
                 f"{_esc(profile['source'])}{_esc(busy_profile(profile))}</p>"
             )
         elif profile and profile != memory:
             body += f"<p class=meta>{_esc(profile_line(profile))}</p>"
-        cards.append(f'<div style="flex:1 1 300px;min-width:300px"><h3>{_esc(name)}</h3>{body}</div>')
+        cards.append(f'<div style="flex:1 1 300px;min-width:0"><h3>{_name(name)}</h3>{body}</div>')
     return ("<h2>RAM and where the time goes</h2><div class=charts>" + "".join(cards) + "</div>") if cards else ""
 
 
 def _reasons(docs: list[dict]) -> str:
     items = [
-        f"<li><b>{_esc(name)}</b> {_badge(a['status'])} {_esc(r)}</li>"
+        f"<li><b>{_name(name)}</b> {_badge(a['status'])} {_esc(r)}</li>"
         for name, a in _named(docs)
         for r in texts(a.get("reasons"))
     ]
     items += [
-        f"<li><b>{_esc(name)}</b> {_esc(outliers_summary(a))}</li>"
+        f"<li><b>{_name(name)}</b> {_esc(outliers_summary(a))}</li>"
         for name, a in _named(docs)
         if a.get("outlier_inputs")
     ]
@@ -236,19 +313,19 @@ def _latency_warning(docs: list[dict]) -> str:
         if head:
             where = f"{doc['target']['name']}: " if len(docs) > 1 else ""
             items = "".join(f"<li><b>{_esc(name)}</b>: {_esc(why)}</li>" for name, why in noisy)
-            parts.append(f'<div class="busy"><p><b>{_esc(where + head)}.</b></p><ul>{items}</ul></div>')
+            parts.append(f'<div class="busy"><p><b>{_esc(where + head)}:</b></p><ul>{items}</ul></div>')
     return "".join(parts)
 
 
 def _table(docs: list[dict]) -> str:
     table = [({"target": d["target"]["name"]} if len(docs) > 1 else {}) | r for d in docs for r in rows(d)]
-    head = "".join(f"<th>{_esc(h)}</th>" for h in table[0]) if table else ""
+    head = "".join(f"<th{' class=name' if h == 'artifact' else ''}>{_esc(h)}</th>" for h in table[0]) if table else ""
     body = "".join(
         "<tr>"
         + "".join(
             f'<td class="status">{_badge(v)}</td>'
             if k == "status"
-            else f'<td class="name">{_esc(v)}</td>'
+            else f'<td class="name" title="{_esc(v)}">{_name(v)}</td>'
             if k == "artifact"
             else f"<td>{_esc(v)}</td>"
             for k, v in r.items()
@@ -256,7 +333,7 @@ def _table(docs: list[dict]) -> str:
         + "</tr>"
         for r in table
     )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return _scroll(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
 SAME = {
@@ -339,9 +416,35 @@ def _ship(docs: list[dict]) -> str:
     """One "ship this" line per target (exporter.release.recommend)."""
     lines = []
     for doc in docs:
-        head, _, rest = recommend.line(doc).partition(": ")
+        head, _, rest = recommend.shown(doc).partition(": ")
         lines.append(f"<p><b>{_esc(head)}:</b> {_esc(rest)}</p>")
     return f'<div class="ship">{"".join(lines)}</div>'
+
+
+def _per_target(docs: list[dict], body) -> str:
+    """body(doc) for each target, under the target's name when the page has several."""
+    if len(docs) == 1:
+        return body(docs[0])
+    return "".join(f"<h3>{_esc(doc['target']['name'])}</h3>{body(doc)}" for doc in docs)
+
+
+def _about(docs: list[dict]) -> str:
+    """report.md's opening bullets (report.about): once when every target's are the same, else per target."""
+
+    def body(doc: dict) -> str:
+        return '<ul class="meta">' + "".join(f"<li>{_inline(line)}</li>" for line in about(doc)) + "</ul>"
+
+    return body(docs[0]) if all(about(doc) == about(docs[0]) for doc in docs) else _per_target(docs, body)
+
+
+def _notes(docs: list[dict]) -> str:
+    """report.md's Notes, wall time and thresholds (report.notes, report.closing), per target: the same lines."""
+
+    def body(doc: dict) -> str:
+        said = "".join(f"<li>{_inline(line)}</li>" for line in notes(doc))
+        return (f"<ul>{said}</ul>" if said else "") + "".join(f"<p>{_inline(line)}</p>" for line in closing(doc))
+
+    return "<h2>Notes</h2>" + _per_target(docs, body)
 
 
 def render(docs: list[dict], dirs: list[Path] | None = None) -> str:
@@ -350,20 +453,19 @@ def render(docs: list[dict], dirs: list[Path] | None = None) -> str:
     first = docs[0]
     status = "failed" if any(d["status"] == "failed" for d in docs) else "passed"
     targets = ", ".join(d["target"]["name"] for d in docs)
-    host, data = first["host"], first["data"]
-    eager_text = f"{task_name(first)}; eager {eager_summary(first).replace('**', '')}"
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{_esc(first["weight"]["name"])} → {_esc(targets)}</title>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{_esc(first["weight"]["name"])} → {_esc(targets)}</title>
 <style>{CSS}</style></head><body>
-<h1>{_esc(first["weight"]["name"])} → {_esc(targets)} {_badge(status)}</h1>
-<p class="meta">{_esc(first["weight"]["model"])}, {first["weight"]["num_classes"]} classes · {_esc(eager_text)} ·
-{_esc(data["validation"])} validation images from {_esc(data["source"])} · {_esc(host["cpu"])}, {host["threads"]} threads for every runtime ·
-exporter {_esc(first["exporter_version"])}, torch {_esc(first["tools"].get("torch"))}</p>
+<h1>{_name(first["weight"]["name"])} → {_esc(targets)} {_badge(status)}</h1>
+{_about(docs)}
+<p class="meta">exporter {_esc(first["exporter_version"])}, torch {_esc(first["tools"].get("torch"))}</p>
 {_ship(docs)}
 {_table(docs)}
 {_latency_warning(docs)}
 {_reasons(docs)}
 {arch_report.html(docs)}
+{_notes(docs)}
 {_previews(docs, dirs)}
 {_quantization(docs)}
 {_profiles(docs)}
@@ -373,4 +475,4 @@ exporter {_esc(first["exporter_version"])}, torch {_esc(first["tools"].get("torc
 <h2>Labeled accuracy against size</h2>
 <div class="charts">{accuracy_size_chart(docs)}</div>
 </body></html>
-"""  # noqa: E501  (the page itself)
+"""

@@ -12,13 +12,17 @@ from pathlib import Path
 
 from .. import files
 from ..errors import UsageError
-from ..results import Manifest, jsonable
+from ..results import Kind, Manifest, jsonable, kinds
 
 SCHEMA_VERSION = 4  # 4: each reason an object with its kind ({"kind", "text", ...}), no longer a sentence
 SCHEMA_FILE = Path(__file__).parent / "schema" / "manifest.schema.json"
 # a build directory's own files and folders, beside its artifacts (removed first on --force)
 BUILD_FILES = ("manifest.json", "report.md", "report.html", "labels.txt", "preprocessing.json")
 BUILD_FOLDERS = ("golden", "previews")
+GOLDEN_FILES = ("golden/inputs.npy", "golden/eager_logits.npy")  # every task's build writes them
+# why an artifact may have no file: never made, by design or by its export; any other has one to check
+NO_FILE = frozenset({Kind.NOT_MADE, Kind.NOT_OFFERED, Kind.UNAVAILABLE_HERE, Kind.EXPORT_FAILED, Kind.DISK_FULL})
+MAX_DEPTH = 64  # a manifest nests about 10 deep; far deeper is none of ours, and would exhaust Python's recursion
 
 
 def clear_build_files(out: Path) -> None:
@@ -154,12 +158,17 @@ def read_build(out_dir) -> dict:
                 f"{out} is a several-target build: give one target's folder ({', '.join(str(t) for t in targets)})"
             )
         raise UsageError(f"{out} has no manifest.json; is it an exporter build directory?")
+    files.build_file(out, path.name)  # not a link out of the folder
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise UsageError(f"cannot read {path}: its JSON is nested deeper than Python reads") from None
     except (OSError, ValueError) as e:  # ValueError: broken JSON or not UTF-8
         raise UsageError(f"cannot read {path}: {e}") from None
     if not isinstance(doc, dict):
         raise UsageError(f"{path} is not a build manifest: it holds {type(doc).__name__}, not an object")
+    if _deeper_than(doc, MAX_DEPTH):
+        raise UsageError(f"{path} is not a build manifest: it nests deeper than {MAX_DEPTH} levels")
     if doc.get("schema_version") != SCHEMA_VERSION:
         raise UsageError(
             f"{path}: schema_version {doc.get('schema_version')} (this exporter reads {SCHEMA_VERSION}: build it again)"
@@ -181,15 +190,101 @@ def read(out_dir) -> Manifest:
         raise UsageError(f"{Path(out_dir) / 'manifest.json'} does not match the manifest schema: {e}") from None
 
 
+def _deeper_than(value, limit: int) -> bool:
+    """Whether JSON `value` nests lists and objects more than `limit` deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
 def schema_problem(doc: dict) -> str | None:
-    """Where and how `doc` departs from the manifest schema (the most relevant departure), or None."""
+    """Where and how `doc` departs from the manifest schema (the most relevant departure), or None. An artifact is
+    named beside its index; a value that breaks a pattern is told what the pattern means (its description)."""
     import jsonschema
 
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema()).iter_errors(doc))
     if error is None:
         return None
-    where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in error.absolute_path).lstrip(".") or "top level"
-    return f"{where}: {error.message[:200]}"
+    where = _where(doc, list(error.absolute_path))
+    # a path that is no relative path fails `null or relative_path` as a whole: its pattern says more
+    error = next((e for e in error.context if e.validator in ("pattern", "minLength")), error)
+    message = error.message
+    if error.validator in ("pattern", "minLength") and "description" in error.schema:
+        message = f"{error.instance!r} {error.schema['description']}"
+    return f"{where}: {message[:200]}"
+
+
+def _where(doc: dict, path: list) -> str:
+    """A place in the manifest as text (`artifacts[0] (onnx_fp32).path`): an artifact named beside its index."""
+    where = ""
+    for i, key in enumerate(path):
+        where += f"[{key}]" if isinstance(key, int) else f".{key}"
+        if i == 1 and path[0] == "artifacts" and isinstance(doc["artifacts"][key], dict):
+            where += f" ({doc['artifacts'][key].get('name')})"
+    return where.lstrip(".") or "top level"
+
+
+def check_build_files(out_dir, doc: dict) -> None:
+    """Every file of the build folder that the manifest record `doc` names or promises, checked before any is opened
+    (files.build_file: inside the folder, a regular file): each artifact's file, golden program and preview, or for
+    an artifact without a file, a status and reason that say why none was made (an artifact that claims more
+    could not be checked); labels.txt holding the manifest's count of labels, preprocessing.json, golden/'s inputs
+    and eager outputs and the preprocessing reference; the decode and the Jetson kit's files, where named, are
+    checked when present (bundle says what it misses). The first that fails is a UsageError naming it."""
+    check_artifacts(out_dir, doc)
+    check_side_files(out_dir, doc)
+
+
+def check_artifacts(out_dir, doc: dict) -> None:
+    """Each artifact's files (check_build_files), or why it has none."""
+    for entry in doc["artifacts"]:
+        _check_artifact(Path(out_dir), entry)
+
+
+def check_side_files(out_dir, doc: dict) -> None:
+    """The files beside the artifacts (check_build_files)."""
+    out = Path(out_dir)
+    for folder in BUILD_FOLDERS:  # validate writes into them: not through a link out of the build
+        files.build_file(out, folder, missing_ok=True, folder_ok=True)
+    labels = files.build_file(out, doc["labels"]["file"], "labels: ")
+    try:
+        count = len(labels.read_text(encoding="utf-8").splitlines())
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8
+        raise UsageError(f"cannot read {labels}: {e}") from None
+    if count != doc["labels"]["count"]:
+        raise UsageError(f"{labels} has {count} labels, the manifest says {doc['labels']['count']}")
+    for name in ("preprocessing.json", *GOLDEN_FILES):
+        files.build_file(out, name)
+    reference = (doc.get("preprocessing") or {}).get("reference")
+    if reference:
+        files.build_file(out, reference["file"], "preprocessing reference: ")
+    decode = (doc.get("task") or {}).get("decode") or {}
+    for name in (decode.get("code"), decode.get("anchors")):
+        if name is not None:
+            files.build_file(out, name, "detection decode: ", missing_ok=True)
+    for name in (doc.get("jetson") or {}).get("sha256", {}):
+        files.build_file(out, name, "device kit: ", missing_ok=True)
+
+
+def _check_artifact(out: Path, entry: dict) -> None:
+    what = f"artifact {entry['name']}: "
+    if entry.get("path") is None:
+        if entry["status"] == "passed" or not kinds(entry["reasons"]) & NO_FILE:
+            raise UsageError(
+                f"{what}no file, and no reason why none was made (status {entry['status']}): it cannot be checked; "
+                "run the build again"
+            )
+        return
+    files.build_file(out, entry["path"], what, folder_ok=True)
+    if entry.get("bundled_program"):
+        files.build_file(out, entry["bundled_program"]["path"], what)
+    if entry.get("preview") is not None:
+        files.build_file(out, entry["preview"], what, missing_ok=True)
 
 
 def schema() -> dict:

@@ -11,8 +11,10 @@ can be the smallest but never the fastest; a failed or unvalidated (unavailable)
 
 from __future__ import annotations
 
+import re
+
 from ..formats import FORMATS
-from ..results import Kind, kinds
+from ..results import Kind, Recommendation, kinds
 
 
 def _p50(a: dict) -> float:
@@ -129,6 +131,30 @@ def line(doc: dict, markdown: bool = False) -> str:
         f"smallest {code(smallest['name'])} ({mb})" if smallest else "smallest: no size recorded",
     ]
     return f"Ship for {target} ({count} passed): {'; '.join(parts)}.{unvalidated}"
+
+
+def recommendation(doc: dict) -> Recommendation:
+    """The pick as the manifest records it (`recommended`): the fastest that passed, what it was ranked by, the
+    smallest that passed, and `line`'s sentence, the one the reports show (`shown`)."""
+    pick = choose(doc)
+    named = lambda artifact: artifact["name"] if artifact else None  # noqa: E731
+    return Recommendation(named(pick["fastest"]), pick["ranked_by"], named(pick["smallest"]), line(doc))
+
+
+def shown(doc: dict, markdown: bool = False) -> str:
+    """The "Ship for" sentence a report shows for the manifest record `doc`: its `recommended.why` (computed by
+    `line` when the build finished; `line` itself for a manifest without one), artifact names in backticks when
+    `markdown`."""
+    why = (doc.get("recommended") or {}).get("why")
+    if why is None:
+        return line(doc, markdown)
+    if not markdown:
+        return why
+    names = sorted({a["name"] for a in doc["artifacts"]}, key=len, reverse=True)
+    if not names:
+        return why
+    pattern = re.compile(r"(?<![\w`])(" + "|".join(map(re.escape, names)) + r")(?![\w`])")
+    return pattern.sub(r"`\1`", why)
 
 
 def _speed(fastest: dict | None, cpu: str | None) -> str | None:

@@ -295,30 +295,102 @@ def memory_profile_notes(a: dict) -> list[str]:
     return lines
 
 
-def markdown(doc: dict) -> str:
+def scored_classes(data: dict) -> str:
+    """How many of the model's classes the labeled inputs cover (class folders read by name), or ""."""
+    if "model_classes" not in data:
+        return ""
+    return (
+        f"; labels by folder name: {data['scored_classes']} of the model's {data['model_classes']} classes scored "
+        f"({data['classes']} class folders)"
+    )
+
+
+def about(doc: dict) -> list[str]:
+    """What was built from what, where, on which data: report.md's opening bullets and report.html's list under its
+    title (Markdown inline: **bold**, `code`)."""
     host, data = doc["host"], doc["data"]
     lines = [
-        f"# {doc['weight']['name']} → {doc['target']['name']}: **{doc['status'].upper()}**",
-        "",
-        f"- model: `{doc['weight']['model']}`, {doc['weight']['num_classes']} classes; "
+        f"model: `{doc['weight']['model']}`, {doc['weight']['num_classes']} classes; "
         f"checkpoint sha256 `{doc['checkpoint']['sha256'][:16]}…` ({doc['checkpoint']['source']})",
-        f"- host: {host['cpu']}, {host['cores']} cores; **{host['threads']} threads** for eager and every runtime",
-        f"- data: {data['source']}; {data['validation']} validation / {data['calibration']} calibration images (seed {data.get('seed')})",
-        f"- task: {task_name(doc)}, input {'x'.join(map(str, (doc.get('task') or {}).get('input_size', [])))}; "
+        f"host: {host['cpu']}, {host['cores']} cores; **{host['threads']} threads** for eager and every runtime",
+        f"data: {data['source']}; {data['validation']} validation / {data['calibration']} calibration images (seed {data.get('seed')})"
+        + scored_classes(data),
+        f"task: {task_name(doc)}, input {'x'.join(map(str, (doc.get('task') or {}).get('input_size', [])))}; "
         f"eager: {eager_summary(doc)}",
     ]
     decode = doc["target"].get("detection") or {}
     if decode.get("kept_host_because"):  # asked for final detections in the graph, which no format here takes
         lines.append(
-            "- detections: **raw heads**, decoded by detection_decode.py (asked: in the graph; no format of this "
+            "detections: **raw heads**, decoded by detection_decode.py (asked: in the graph; no format of this "
             f"target takes it: {decode['kept_host_because']})"
         )
     elif decode.get("decode") == "graph":
-        lines.append("- detections: **final, inside the graph** (torchvision's post-processing; no decode in the app)")
+        lines.append("detections: **final, inside the graph** (torchvision's post-processing; no decode in the app)")
     reference = doc["eager"].get("reference") or {}
     if reference.get("note"):  # a quantized weight: which eager model the artifacts were measured against
-        lines.append(f"- eager reference: **{reference['kind']}** — {reference['note']}")
-    head, _, rest = recommend.line(doc, markdown=True).partition(": ")
+        lines.append(f"eager reference: **{reference['kind']}** — {reference['note']}")
+    return lines
+
+
+def _delegation_note(d: dict) -> str:
+    outside = ", ".join(f"{op}×{n}" for op, n in d["ops_outside_delegate"].items()) or "none"
+    on_tensors = ", ".join(f"{op}×{n}" for op, n in d.get("ops_outside_on_tensors", {}).items())
+    return (
+        f"{d['delegated_nodes']} nodes in {d['delegated_subgraphs']} {d['delegate']} subgraph(s); "
+        f"{d['non_delegated_nodes']} outside ({outside}); "
+        + (f"**on real tensors: {on_tensors}**" if on_tensors else "none of them on real tensors (scalar casts only)")
+    )
+
+
+def _artifact_notes(a: dict) -> list[str]:
+    notes = [f"`{a['name']}` {a['status']}: {reason}" for reason in texts(a.get("reasons"))]
+    said = []
+    if a.get("outlier_inputs"):
+        said.append(outliers_summary(a))
+    details = a.get("details") or {}
+    if "delegation" in details:
+        said.append(_delegation_note(details["delegation"]))
+    if details.get("quantization"):
+        said.append(quantization_summary(details["quantization"]))
+    if details.get("validation_retry"):
+        said.append(retry_summary(details))
+    notes += [f"`{a['name']}`: {text}" for text in said]
+    notes += [line.removeprefix("- ") for line in memory_profile_notes(a)]
+    if a.get("sizes"):
+        notes.append(f"`{a['name']}`: {sizes_line(a)}")
+    notes += [f"`{a['name']}`: {r['text']}" for r in a.get("reasons") or [] if r["kind"] == "note"]
+    if details.get("xnnpack_rewrite") == "unavailable":
+        notes.append(
+            f"`{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})"
+        )
+    return notes
+
+
+def notes(doc: dict) -> list[str]:
+    """Everything said about the artifacts, the cache and the data beside the table: report.md's Notes and
+    report.html's (Markdown inline)."""
+    lines = [note for a in doc["artifacts"] for note in _artifact_notes(a)]
+    lines += [f"cache: {event}" for event in (doc.get("cache") or {}).get("events", [])]
+    if doc["data"].get("note"):
+        lines.append(doc["data"]["note"])
+    return lines
+
+
+def closing(doc: dict) -> list[str]:
+    """The build's wall time per step and the thresholds it was held to: report.md's last paragraphs."""
+    lines = []
+    if doc.get("timings_s"):
+        steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in doc["timings_s"].items())
+        when = " of the build reused from the cache" if (doc.get("cache") or {}).get("build_record") else ""
+        lines.append(f"Wall time per step{when}: {steps}.")
+    lines.append("Thresholds per precision: " + ", ".join(f"{p}: {t}" for p, t in doc["target"]["thresholds"].items()))
+    return lines
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# {doc['weight']['name']} → {doc['target']['name']}: **{doc['status'].upper()}**", ""]
+    lines += [f"- {line}" for line in about(doc)]
+    head, _, rest = recommend.shown(doc, markdown=True).partition(": ")
     lines += ["", f"**{head}:** {rest}", ""]
     table = rows(doc)
     if table:
@@ -328,51 +400,9 @@ def markdown(doc: dict) -> str:
         lines += ["| " + " | ".join(str(r[h]) for h in headers) + " |" for r in table]
     lines += _latency_markdown(doc)
     lines += arch_report.markdown(doc)
-    notes = []
-    for a in doc["artifacts"]:
-        for reason in texts(a.get("reasons")):
-            notes.append(f"- `{a['name']}` {a['status']}: {reason}")
-        if a.get("outlier_inputs"):
-            notes.append(f"- `{a['name']}`: {outliers_summary(a)}")
-        details = a.get("details") or {}
-        if "delegation" in details:
-            d = details["delegation"]
-            outside = ", ".join(f"{op}×{n}" for op, n in d["ops_outside_delegate"].items()) or "none"
-            on_tensors = ", ".join(f"{op}×{n}" for op, n in d.get("ops_outside_on_tensors", {}).items())
-            notes.append(
-                f"- `{a['name']}`: {d['delegated_nodes']} nodes in {d['delegated_subgraphs']} {d['delegate']} subgraph(s); "
-                f"{d['non_delegated_nodes']} outside ({outside}); "
-                + (
-                    f"**on real tensors: {on_tensors}**"
-                    if on_tensors
-                    else "none of them on real tensors (scalar casts only)"
-                )
-            )
-        if details.get("quantization"):
-            notes.append(f"- `{a['name']}`: {quantization_summary(details['quantization'])}")
-        if details.get("validation_retry"):
-            notes.append(f"- `{a['name']}`: {retry_summary(details)}")
-        notes += memory_profile_notes(a)
-        if a.get("sizes"):
-            notes.append(f"- `{a['name']}`: {sizes_line(a)}")
-        notes += [f"- `{a['name']}`: {r['text']}" for r in a.get("reasons") or [] if r["kind"] == "note"]
-        if details.get("xnnpack_rewrite") == "unavailable":
-            notes.append(
-                f"- `{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})"
-            )
-    for event in (doc.get("cache") or {}).get("events", []):
-        notes.append(f"- cache: {event}")
-    if data.get("note"):
-        notes.append(f"- {data['note']}")
-    if notes:
-        lines += ["", "## Notes", *notes]
-    if doc.get("timings_s"):
-        steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in doc["timings_s"].items())
-        when = " of the build reused from the cache" if (doc.get("cache") or {}).get("build_record") else ""
-        lines += ["", f"Wall time per step{when}: {steps}."]
-    lines += [
-        "",
-        "Thresholds per precision: " + ", ".join(f"{p}: {t}" for p, t in doc["target"]["thresholds"].items()),
-        "",
-    ]
-    return "\n".join(lines)
+    said = notes(doc)
+    if said:
+        lines += ["", "## Notes", *(f"- {note}" for note in said)]
+    for line in closing(doc):
+        lines += ["", line]
+    return "\n".join([*lines, ""])

@@ -73,6 +73,17 @@ def fit(text: str, width: float) -> str:
     return ELLIPSIS if text_width(ELLIPSIS) <= width else ""
 
 
+def wrap(text: str, width: float) -> list[str]:
+    """`text` in lines no wider than `width`, broken between words (a word wider than that is fitted)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and text_width(f"{lines[-1]} {word}") <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(fit(word, width))
+    return lines
+
+
 def text(x: float, y: float, shown: str, anchor: str = "start", full: str | None = None, attrs: str = "") -> str:
     """An SVG <text>; with `full` (what `shown` was fitted from) a <title> beside it says the whole of it."""
     anchored = "" if anchor == "start" else f' text-anchor="{anchor}"'

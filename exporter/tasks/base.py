@@ -112,7 +112,9 @@ class Task:
     def transform(self, weights):
         raise NotImplementedError
 
-    def load_data(self, root, transform, calib_size: int, val_size: int, seed: int):
+    def load_data(self, root, transform, calib_size: int, val_size: int, seed: int, class_names=None):
+        """The --data folder's inputs (data.Inputs); `class_names`: the labels in effect for the build, by which a
+        classifier's class folders are read (None: the model's classes have no names)."""
         raise NotImplementedError
 
     def output(self) -> dict:

@@ -145,8 +145,8 @@ class Classification(Task):
             antialias=t.antialias,
         )
 
-    def load_data(self, root, transform, calib_size, val_size, seed):
-        return data.from_imagefolder(Path(root), transform, calib_size, val_size, seed, num_classes=self.num_classes)
+    def load_data(self, root, transform, calib_size, val_size, seed, class_names=None):
+        return data.from_imagefolder(Path(root), transform, calib_size, val_size, seed, self.num_classes, class_names)
 
     def output(self):
         return {

@@ -329,7 +329,7 @@ class Detection(Task):
         return {**super().device_files(), DECODE_CODE: Path(detection_decode.__file__).read_text(encoding="utf-8")}
 
     # --- data: DIR/annotations.json (COCO) and the images it names ---
-    def load_data(self, root, transform, calib_size, val_size, seed):
+    def load_data(self, root, transform, calib_size, val_size, seed, class_names=None):
         root = Path(root)
         records = self._records(root)
         calib_idx, val_idx = split(len(records), calib_size, val_size, seed)

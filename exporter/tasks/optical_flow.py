@@ -226,7 +226,7 @@ class OpticalFlow(Task):
             )
         return transform(tuple(frames)), resized_flow(flow, self.input_size).reshape(-1)
 
-    def load_data(self, root, transform, calib_size, val_size, seed):
+    def load_data(self, root, transform, calib_size, val_size, seed, class_names=None):
         root = Path(root)
         pairs = self._pairs(root)
         calib_idx, val_idx = split(len(pairs), calib_size, val_size, seed)

@@ -185,7 +185,7 @@ class Segmentation(Task):
             raise UsageError(f"cannot read image {image}: {e}") from None
         return transform(rgb), self._read_mask(mask, size)
 
-    def load_data(self, root, transform, calib_size, val_size, seed):
+    def load_data(self, root, transform, calib_size, val_size, seed, class_names=None):
         root = Path(root)
         pairs = self._pairs(root)
         calib_idx, val_idx = split(len(pairs), calib_size, val_size, seed)

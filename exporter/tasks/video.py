@@ -81,8 +81,8 @@ class Video(Classification):
     def transform(self, weights):
         return _ClipTransform(self.preprocessing(weights))
 
-    def load_data(self, root, transform, calib_size, val_size, seed):
-        return data.from_clipfolder(Path(root), transform, calib_size, val_size, seed, num_classes=self.num_classes)
+    def load_data(self, root, transform, calib_size, val_size, seed, class_names=None):
+        return data.from_clipfolder(Path(root), transform, calib_size, val_size, seed, self.num_classes, class_names)
 
     def output(self):
         return {
