@@ -207,7 +207,8 @@ def judge(conditions: dict, threads: int, max_spread: float | None = None) -> tu
     max_round_spread = conditions.get("max_round_spread") or DEFAULT_MAX_ROUND_SPREAD
     for name, value in (conditions.get("round_spread") or {}).items():
         if value is not None and value > max_round_spread:
-            against = " (its rounds with the build's eager baseline)" if name == "eager" else ""
+            beside = name == "eager" and "eager_beside_ms" in conditions  # with the baseline's rounds (validation)
+            against = " (its rounds beside the artifact with the build's eager baseline's)" if beside else ""
             reasons.append(
                 f"{name}'s p50 moved {value:.2f}x between rounds{against}; a quiet host allows {max_round_spread:g}x"
             )

@@ -290,3 +290,18 @@ def test_a_whole_build_stored_while_counts_were_unavailable_is_not_restored(tmp_
     uncounted = _stored_build(tmp_path / "uncounted", {"unavailable": "no counting qemu built", "unit": "x"})
     assert uncounted.cache.fetch_json("builds", uncounted.key) is not None
     assert uncounted.restore(Progress(quiet=True)) is None  # a build now may count: it runs
+
+
+def test_a_whole_build_whose_counts_failed_in_part_is_not_restored(tmp_path):
+    """A count that failed (the emulated process died or timed out) leaves its row without counts: restoring that
+    record would serve the row uncounted for good, so the next build counts again."""
+    failed = _stored_build(
+        tmp_path / "failed",
+        {"counter": "counter-key", "eager": {CPU: 1000}, "failed": {f"executorch_fp32 on {CPU}": "timed out"}},
+    )
+    assert failed.restore(Progress(quiet=True)) is None
+    rowless = _stored_build(tmp_path / "rowless", {"counter": "counter-key", "eager": {CPU: 1000}, "failed": {}})
+    record = rowless.cache.fetch_json("builds", rowless.key)
+    del record["docs"][0]["artifacts"][0]["aarch64"][0]["instructions"]
+    rowless.cache.store_json("builds", rowless.key, record)
+    assert rowless.restore(Progress(quiet=True)) is None

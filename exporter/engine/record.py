@@ -151,8 +151,18 @@ def _unsettled_timing(docs: list[dict]) -> bool:
 
 
 def _counts_missing(docs: list[dict]) -> bool:
-    """Whether a build's instruction counts were unavailable (no counting qemu then): a later build may count."""
-    return any("unavailable" in ((doc.get("aarch64") or {}).get("instructions") or {}) for doc in docs)
+    """Whether a build counted instructions only in part: the counter unavailable then, a program whose count failed
+    (the emulated process died or timed out), or an aarch64 row left without counts. A later build may count them."""
+    for doc in docs:
+        counts = (doc.get("aarch64") or {}).get("instructions")
+        if counts is None:
+            continue
+        if "unavailable" in counts or counts.get("failed"):
+            return True
+        rows = [row for entry in doc.get("artifacts") or [] for row in entry.get("aarch64") or []]
+        if any(row.get("instructions") is None for row in rows):
+            return True
+    return False
 
 
 class BuildRecord:
