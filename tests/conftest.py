@@ -11,7 +11,7 @@ import pytest
 
 from exporter.standins import digits
 
-from .helpers import ARM_CACHE, ARM_E2E, CACHE, QUANTIZED_WEIGHT, build_args, run_cli
+from .helpers import ARM_CACHE, ARM_E2E, CACHE, INT8_SLACK, QUANTIZED_WEIGHT, build_args, run_cli
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -170,5 +170,5 @@ def torch_home(tmp_path_factory, digits_model) -> Path:
 @pytest.fixture(scope="session")
 def android_build(tmp_path_factory, digits_model):
     out = tmp_path_factory.mktemp("android") / "build"
-    result = run_cli(*build_args(digits_model, out, "--target", "android"))
+    result = run_cli(*build_args(digits_model, out, "--target", "android", *INT8_SLACK))
     return out, result

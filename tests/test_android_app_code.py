@@ -106,6 +106,17 @@ def test_the_app_feeds_each_artifact_what_its_input_says(app, tmp_path):
     }
 
 
+def _ties_ordered(boxes: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """`boxes` with each run of equal `scores` (detections in descending score) sorted by x1, y1."""
+    boxes, start = boxes.copy(), 0
+    for end in range(1, len(scores) + 1):
+        if end == len(scores) or scores[end] != scores[start]:
+            run = boxes[start:end]
+            boxes[start:end] = run[np.lexsort((run[:, 1], run[:, 0]))]
+            start = end
+    return boxes
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_apps_ssd_decode_makes_torchvisions_detections(app, tmp_path, seed):
     """Varied heads on SSDlite's anchors (a random model's scores are near-tied and would prove nothing), decoded
@@ -129,5 +140,10 @@ def test_the_apps_ssd_decode_makes_torchvisions_detections(app, tmp_path, seed):
     assert len(rows) == len(theirs["scores"]) == len(ours["scores"]) == task.params["detections_per_img"]
     assert np.array_equal(rows[:, 0].astype(np.int64), theirs["labels"].numpy())
     assert np.allclose(rows[:, 1], theirs["scores"].numpy(), rtol=0, atol=1e-6)
-    assert np.allclose(rows[:, 2:], theirs["boxes"].numpy(), rtol=0, atol=1e-3)
+    # rows of one label and the same float32 score (a saturated softmax ties) come in an order torch's sort leaves
+    # open, and it differed between two hosts: the boxes are compared with ties put in one order on both sides
+    tied = theirs["scores"].numpy()
+    assert np.allclose(
+        _ties_ordered(rows[:, 2:], tied), _ties_ordered(theirs["boxes"].numpy(), tied), rtol=0, atol=1e-3
+    )
     assert np.array_equal(rows[:, 0].astype(np.int64), ours["labels"])

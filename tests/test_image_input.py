@@ -11,7 +11,7 @@ from PIL import Image
 from exporter.errors import UsageError
 from exporter.tasks.image_input import ImageBytesInput, as_bytes
 
-from .helpers import assert_clean_refusal, assert_device_reproduces_the_build, build_args, run_cli
+from .helpers import INT8_SLACK, assert_clean_refusal, assert_device_reproduces_the_build, build_args, run_cli
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -92,6 +92,7 @@ def uint8_build(tmp_path_factory, digits_model):
     out = tmp_path_factory.mktemp("uint8") / "build"
     result = run_cli(
         *build_args(digits_model, out, "--target", "android", "--target", "jetson", "--input-format", "uint8-nhwc"),
+        *INT8_SLACK,
         *["--format", "executorch:int8", "--format", "litert:int8"],
         *["--format", "onnx:fp16", "--format", "onnx:int8"],
     )

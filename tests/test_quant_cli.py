@@ -183,9 +183,12 @@ def test_a_second_trained_architecture_gets_an_honest_verdict_and_report(tmp_pat
     assert result.exit_code == (1 if any(a["status"] == "failed" for a in artifacts.values()) else 0), result.output
     for name, a in artifacts.items():
         q = a["details"]["quantization"]
-        assert a["reasons"] == jsonable(breaches(a, a["thresholds"])) and a["status"] == (
-            "failed" if a["reasons"] else "passed"
-        )
+        # a failed artifact may also carry the build's finding on eager (eager rounded to int8 breaks the same
+        # thresholds: the checkpoint's fault, tests/test_ill_conditioned.py); the verdict is the thresholds'
+        broken = [r for r in a["reasons"] if r["kind"] == "threshold"]
+        findings = {r["kind"] for r in a["reasons"]} - {"threshold"}
+        assert broken == jsonable(breaches(a, a["thresholds"])) and findings <= {"ill_conditioned_reference"}
+        assert a["status"] == ("failed" if broken else "passed") and (broken or not findings)
         assert q["meets_budget"] == q["after"]["meets_budget"] and (q["meets_budget"] or "budget not met" in q["note"])
         asked = [f for f in q["float_layers"] if "why" not in f]
         assert q["layers"] > 20 and len(asked) <= q["max_float_fraction"] * q["layers"]
