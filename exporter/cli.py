@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
+import operator
 import os
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .errors import UsageError
 from .thresholds import MIN_INPUTS
+
+if TYPE_CHECKING:
+    from .build import BuildRequest
 
 # 4096 px a side: past any torchvision weight's size (at most 1333), and 24 synthetic inputs already take 4.8 GB
 INPUT_SIDE = click.IntRange(min=1, max=4096)
@@ -57,6 +65,57 @@ def one_line_errors(fn):
             sys.exit(INTERNAL_ERROR)
 
     return wrapper
+
+
+Fill = Callable[[dict, Any], None]  # puts a parameter's value into the keyword arguments of a request
+
+
+def sets(field: str, convert: Callable[[Any], Any] = lambda value: value) -> Fill:
+    """Sets the request's `field` to the parameter's value, converted."""
+
+    def fill(fields: dict, value) -> None:
+        fields[field] = convert(value)
+
+    return fill
+
+
+@dataclass(frozen=True)
+class RequestParam:
+    """A command's click parameter and where its value goes: into the request (`into`: the name of the field
+    it sets, or a Fill) or, with no `into` (or with `to_body`), to the command's body as a parameter of its own."""
+
+    param: click.Parameter
+    into: str | Fill | None = None
+    to_body: bool = False
+
+    def fill(self, fields: dict, value) -> None:
+        if isinstance(self.into, str):
+            fields[self.into] = value
+        else:
+            self.into(fields, value)
+
+
+def option(*decls: str, into: str | Fill | None = None, to_body: bool = False, **attrs) -> RequestParam:
+    """One click option, declared as click.option takes it, and where its value goes (RequestParam)."""
+    return RequestParam(click.Option(decls, **attrs), into, to_body)
+
+
+def request_command(group: click.Group, params: tuple[RequestParam, ...], make_request, **attrs):
+    """Makes the decorated body `group`'s command taking `params`; the body is called with the request that
+    `make_request` builds from their values (a bad value is one line, exit 2), then the values no field takes."""
+
+    def decorate(body):
+        @functools.wraps(body)
+        def command(**values):
+            fields = {}
+            for p in params:
+                if p.into is not None:
+                    p.fill(fields, values[p.param.name] if p.to_body else values.pop(p.param.name))
+            return body(make_request(**fields), **values)
+
+        return group.command(params=[p.param for p in params], **attrs)(one_line_errors(command))
+
+    return decorate
 
 
 @click.group(epilog=EXIT_CODES)
@@ -176,15 +235,24 @@ def _parse_value(raw: str):
     return raw
 
 
-def _options(raw: tuple[str, ...], **flags) -> dict:
-    options = {}
+def _format_options(fields: dict, raw: tuple[str, ...]) -> None:
+    """--option KEY=VALUE... into the request's format options."""
+    options = fields.setdefault("options", {})
     for text in raw:
         key, sep, value = text.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"--option {text!r}: expected KEY=VALUE")
         options[key.strip()] = _parse_value(value)
-    options.update({k: v for k, v in flags.items() if v is not None})
-    return options
+
+
+def _format_option(key: str) -> Fill:
+    """An option that sets one format option (when given), over an --option of the same key."""
+
+    def fill(fields: dict, value) -> None:
+        if value is not None:
+            fields.setdefault("options", {})[key] = value
+
+    return fill
 
 
 def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
@@ -198,245 +266,250 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
     sys.exit(1 if doc["status"] == "failed" else 0)
 
 
-@main.command(epilog=EXIT_CODES)
-@click.argument("weight")
-@click.option(
-    "--target",
-    "targets",
-    multiple=True,
-    default=["android"],
-    show_default=True,
-    help="android, ios, jetson, all, or a profile .toml; repeat it to build several targets sharing one eager run",
+def _build_request(**fields):
+    from .build import BuildRequest
+
+    return BuildRequest(**fields)
+
+
+# `exporter build`'s parameters in --help order, each with the BuildRequest field it fills; --option comes before the
+# options that set one format option each, which win over it (as request.options is filled in this order).
+BUILD_PARAMS = (
+    RequestParam(click.Argument(["weight"]), "weight"),
+    option(
+        "--target",
+        "targets",
+        multiple=True,
+        default=["android"],
+        show_default=True,
+        help="android, ios, jetson, all, or a profile .toml; repeat it to build several targets sharing one eager run",
+        into=sets("target", lambda targets: targets[0]),
+        to_body=True,
+    ),
+    option(
+        "--out",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Output directory [default: exports/<weight>/<target>]",
+        into="out",
+    ),
+    option(
+        "--checkpoint",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="State dict to load instead of the torch hub cache.",
+        into="checkpoint",
+    ),
+    option(
+        "--no-verify",
+        is_flag=True,
+        help="Skip the sha256 check of a local checkpoint whose file name carries one (downloads are always checked).",
+        into=sets("verify", operator.not_),
+    ),
+    option(
+        "--offline", is_flag=True, help="Never download a missing checkpoint (also EXPORTER_OFFLINE=1).", into="offline"
+    ),
+    option(
+        "--float-checkpoint",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="A quantized weight's float model (its meta['unquantized']), the eager reference "
+        "[default: from the torch hub cache if there].",
+        into="float_checkpoint",
+    ),
+    option(
+        "--labels",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Class names, one per line (fine-tuned checkpoints).",
+        into="labels",
+    ),
+    option(
+        "--data",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Calibration and labeled validation data: an ImageFolder (classification), or DIR/images + DIR/masks "
+        "(segmentation, VOC-style: class index per pixel, 255 = ignore), DIR/annotations.json (detection, COCO), "
+        "or DIR/<class>/<clip>/<frame image> (video).",
+        into="data",
+    ),
+    option(
+        "--input-size",
+        type=(INPUT_SIDE, INPUT_SIDE),
+        default=None,
+        metavar="H W",
+        help="Fixed input size of a segmentation graph (the weight's resize size, square), of a RetinaNet, "
+        "FCOS or Faster R-CNN graph (multiples of 32; by default the weight's min_size square: 800 800, "
+        "320 320) or of a video graph's frames (the weight's crop), or a classifier's square crop (at least the "
+        "weight's min_size; the resize scaled with it; ViT, MaxViT and Swin take only their crop); SSD "
+        "takes its own.",
+        into="input_size",
+    ),
+    option("--calib-size", type=click.IntRange(min=0), default=None, into="calib_size"),
+    option("--val-size", type=click.IntRange(min=MIN_INPUTS), default=None, into="val_size"),
+    option(
+        "--threads",
+        type=click.IntRange(min=0),
+        default=None,
+        help="Threads for eager and every runtime alike (0: every core this process may use).",
+        into="threads",
+    ),
+    option("--warmup", type=click.IntRange(min=0), default=None, into="warmup"),
+    option(
+        "--iterations",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Timed iterations per runner.",
+        into="iterations",
+    ),
+    option("--threshold", "thresholds", multiple=True, help=_threshold_help(), into=sets("thresholds", list)),
+    option(
+        "--arch",
+        "arches",
+        multiple=True,
+        type=click.Choice(["x86_64", "aarch64"]),
+        help="Also validate on this architecture (repeatable): aarch64 re-runs every .pte, .tflite, .ptl and ONNX on "
+        "emulated CPUs (qemu-user; the runner is set up on first use, see `exporter arm-setup`).",
+        into=sets("arch", list),
+    ),
+    option(
+        "--cpu",
+        "cpus",
+        multiple=True,
+        metavar="NAME",
+        help="Emulated aarch64 CPU (repeatable), replacing the profile's [validate] cpus (implies --arch aarch64), e.g. cortex-a53.",
+        into=sets("cpus", list),
+    ),
+    option(
+        "--count/--no-count",
+        "count",
+        default=None,
+        help="Count emulated instructions per inference on each aarch64 CPU (default: the profile's [validate] count; "
+        "about a minute per CPU; a count is not time).",
+        into="count",
+    ),
+    option(
+        "--input-format",
+        type=click.Choice(["float32-nchw", "uint8-nhwc"]),
+        default=None,
+        help="What every artifact takes (default: the profile's [input] format, else float32-nchw): uint8-nhwc is the "
+        "RGB bytes of the resized (and cropped) image, N x H x W x 3, with the scaling, mean/std and layout change "
+        "inside the graph; the resize stays in the app (preprocessing.json says how).",
+        into="input_format",
+    ),
+    option(
+        "--input-size-range",
+        "size_range",
+        type=(int, int),
+        default=None,
+        metavar="MIN MAX",
+        help="Segmentation: artifacts that take any height and width from MIN to MAX (at most 4096), validated at three "
+        "sizes in that range besides --input-size (which stays the calibration and golden size); formats that cannot "
+        "take a dynamic size keep the fixed one and say why (default: the profile's [input] size_range).",
+        into="size_range",
+    ),
+    option(
+        "--detections",
+        type=click.Choice(["host", "graph"]),
+        default=None,
+        help="Where a single-stage detector's boxes are decoded (default: the profile's [detection] decode, else host): "
+        "host ends the graph in the raw heads (detection_decode.py decodes them); graph puts torchvision's "
+        "post-processing (decode, score threshold, top-k, per-class NMS) inside it and returns final detections (ONNX "
+        "and TensorRT; a target none of whose formats takes it keeps the raw heads and says why).",
+        into="detections",
+    ),
+    option(
+        "--quant-budget",
+        "quant_budget",
+        multiple=True,
+        help="int8 budget KEY=VALUE (repeatable): a threshold key (default: the int8 thresholds) or "
+        "max_float_fraction, psnr_margin_db, check_fraction, onnx_calibration, dynamic_ranges (true|false).",
+        into=sets("quant_budget", list),
+    ),
+    option(
+        "--no-fallback",
+        is_flag=True,
+        help="Plain PTQ: static ranges, no layer in float, whatever the budget says.",
+        into=sets("fallback", operator.not_),
+    ),
+    option(
+        "--format",
+        "formats",
+        multiple=True,
+        help="Only these formats, e.g. executorch or executorch:int8 (repeatable).",
+        into=sets("formats", list),
+    ),
+    option(
+        "--option",
+        "raw_options",
+        multiple=True,
+        help="Format option KEY=VALUE for every artifact that takes it (repeatable).",
+        into=_format_options,
+    ),
+    option(
+        "--batch",
+        default=None,
+        help="Batch profile MIN:OPT:MAX of the ONNX files and their TensorRT engines.",
+        into=_format_option("batch"),
+    ),
+    option(
+        "--workspace",
+        type=click.IntRange(min=1),
+        default=None,
+        help="TensorRT workspace limit in MB.",
+        into=_format_option("workspace_mb"),
+    ),
+    option(
+        "--dla-core",
+        type=click.IntRange(min=0),
+        default=None,
+        help="Build TensorRT engines for this DLA core.",
+        into=_format_option("dla_core"),
+    ),
+    option(
+        "--require-engine",
+        is_flag=True,
+        default=None,
+        help="Exit 2 instead of reporting engines unavailable.",
+        into=_format_option("require_engine"),
+    ),
+    option(
+        "--deployment-target",
+        default=None,
+        help="Core ML minimum deployment target, e.g. iOS17.",
+        into=_format_option("deployment_target"),
+    ),
+    option(
+        "--bundle",
+        "make_bundle",
+        is_flag=True,
+        help="Also write app bundles (see `exporter bundle`) when every bundled artifact passed.",
+    ),
+    option(
+        "--no-cache",
+        is_flag=True,
+        help="Rebuild and revalidate everything (cache: $EXPORTER_CACHE or ~/.cache/exporter).",
+        into=sets("cache", operator.not_),
+    ),
+    option("--force", is_flag=True, help="Write into a non-empty output directory.", into="force"),
+    option("--quiet", is_flag=True, help="No progress or report on the terminal."),
+    option("--json", "as_json", is_flag=True, help="Print the manifest JSON on stdout."),
 )
-@click.option(
-    "--out", type=click.Path(path_type=Path), default=None, help="Output directory [default: exports/<weight>/<target>]"
-)
-@click.option(
-    "--checkpoint",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="State dict to load instead of the torch hub cache.",
-)
-@click.option(
-    "--no-verify",
-    is_flag=True,
-    help="Skip the sha256 check of a local checkpoint whose file name carries one (downloads are always checked).",
-)
-@click.option("--offline", is_flag=True, help="Never download a missing checkpoint (also EXPORTER_OFFLINE=1).")
-@click.option(
-    "--float-checkpoint",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="A quantized weight's float model (its meta['unquantized']), the eager reference [default: from the torch hub cache if there].",
-)
-@click.option(
-    "--labels",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Class names, one per line (fine-tuned checkpoints).",
-)
-@click.option(
-    "--data",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Calibration and labeled validation data: an ImageFolder (classification), or DIR/images + DIR/masks "
-    "(segmentation, VOC-style: class index per pixel, 255 = ignore), DIR/annotations.json (detection, COCO), "
-    "or DIR/<class>/<clip>/<frame image> (video).",
-)
-@click.option(
-    "--input-size",
-    type=(INPUT_SIDE, INPUT_SIDE),
-    default=None,
-    metavar="H W",
-    help="Fixed input size of a segmentation graph (the weight's resize size, square), of a RetinaNet, "
-    "FCOS or Faster R-CNN graph (multiples of 32; by default the weight's min_size square: 800 800, "
-    "320 320) or of a video graph's frames (the weight's crop), or a classifier's square crop (at least the "
-    "weight's min_size; the resize scaled with it; ViT, MaxViT and Swin take only their crop); SSD "
-    "takes its own.",
-)
-@click.option("--calib-size", type=click.IntRange(min=0), default=None)
-@click.option("--val-size", type=click.IntRange(min=MIN_INPUTS), default=None)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Threads for eager and every runtime alike (0: every core this process may use).",
-)
-@click.option("--warmup", type=click.IntRange(min=0), default=None)
-@click.option("--iterations", type=click.IntRange(min=1), default=None, help="Timed iterations per runner.")
-@click.option("--threshold", "thresholds", multiple=True, help=_threshold_help())
-@click.option(
-    "--arch",
-    "arches",
-    multiple=True,
-    type=click.Choice(["x86_64", "aarch64"]),
-    help="Also validate on this architecture (repeatable): aarch64 re-runs every .pte, .tflite, .ptl and ONNX on "
-    "emulated CPUs (qemu-user; the runner is set up on first use, see `exporter arm-setup`).",
-)
-@click.option(
-    "--cpu",
-    "cpus",
-    multiple=True,
-    metavar="NAME",
-    help="Emulated aarch64 CPU (repeatable), replacing the profile's [validate] cpus (implies --arch aarch64), e.g. cortex-a53.",
-)
-@click.option(
-    "--count/--no-count",
-    "count",
-    default=None,
-    help="Count emulated instructions per inference on each aarch64 CPU (default: the profile's [validate] count; "
-    "about a minute per CPU; a count is not time).",
-)
-@click.option(
-    "--input-format",
-    type=click.Choice(["float32-nchw", "uint8-nhwc"]),
-    default=None,
-    help="What every artifact takes (default: the profile's [input] format, else float32-nchw): uint8-nhwc is the "
-    "RGB bytes of the resized (and cropped) image, N x H x W x 3, with the scaling, mean/std and layout change "
-    "inside the graph; the resize stays in the app (preprocessing.json says how).",
-)
-@click.option(
-    "--input-size-range",
-    "size_range",
-    type=(int, int),
-    default=None,
-    metavar="MIN MAX",
-    help="Segmentation: artifacts that take any height and width from MIN to MAX (at most 4096), validated at three "
-    "sizes in that range besides --input-size (which stays the calibration and golden size); formats that cannot "
-    "take a dynamic size keep the fixed one and say why (default: the profile's [input] size_range).",
-)
-@click.option(
-    "--detections",
-    type=click.Choice(["host", "graph"]),
-    default=None,
-    help="Where a single-stage detector's boxes are decoded (default: the profile's [detection] decode, else host): "
-    "host ends the graph in the raw heads (detection_decode.py decodes them); graph puts torchvision's "
-    "post-processing (decode, score threshold, top-k, per-class NMS) inside it and returns final detections (ONNX "
-    "and TensorRT; a target none of whose formats takes it keeps the raw heads and says why).",
-)
-@click.option(
-    "--quant-budget",
-    "quant_budget",
-    multiple=True,
-    help="int8 budget KEY=VALUE (repeatable): a threshold key (default: the int8 thresholds) or "
-    "max_float_fraction, psnr_margin_db, check_fraction, onnx_calibration, dynamic_ranges (true|false).",
-)
-@click.option(
-    "--no-fallback", is_flag=True, help="Plain PTQ: static ranges, no layer in float, whatever the budget says."
-)
-@click.option(
-    "--format", "formats", multiple=True, help="Only these formats, e.g. executorch or executorch:int8 (repeatable)."
-)
-@click.option(
-    "--option",
-    "raw_options",
-    multiple=True,
-    help="Format option KEY=VALUE for every artifact that takes it (repeatable).",
-)
-@click.option("--batch", default=None, help="Batch profile MIN:OPT:MAX of the ONNX files and their TensorRT engines.")
-@click.option("--workspace", type=click.IntRange(min=1), default=None, help="TensorRT workspace limit in MB.")
-@click.option("--dla-core", type=click.IntRange(min=0), default=None, help="Build TensorRT engines for this DLA core.")
-@click.option("--require-engine", is_flag=True, default=None, help="Exit 2 instead of reporting engines unavailable.")
-@click.option("--deployment-target", default=None, help="Core ML minimum deployment target, e.g. iOS17.")
-@click.option(
-    "--bundle",
-    "make_bundle",
-    is_flag=True,
-    help="Also write app bundles (see `exporter bundle`) when every bundled artifact passed.",
-)
-@click.option(
-    "--no-cache", is_flag=True, help="Rebuild and revalidate everything (cache: $EXPORTER_CACHE or ~/.cache/exporter)."
-)
-@click.option("--force", is_flag=True, help="Write into a non-empty output directory.")
-@click.option("--quiet", is_flag=True, help="No progress or report on the terminal.")
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest JSON on stdout.")
-@one_line_errors
-def build(
-    weight,
-    targets,
-    out,
-    checkpoint,
-    no_verify,
-    offline,
-    float_checkpoint,
-    labels,
-    data,
-    input_size,
-    calib_size,
-    val_size,
-    threads,
-    warmup,
-    iterations,
-    thresholds,
-    arches,
-    cpus,
-    count,
-    input_format,
-    size_range,
-    detections,
-    quant_budget,
-    no_fallback,
-    formats,
-    raw_options,
-    batch,
-    workspace,
-    dla_core,
-    require_engine,
-    deployment_target,
-    make_bundle,
-    no_cache,
-    force,
-    quiet,
-    as_json,
-):
+
+
+@request_command(main, BUILD_PARAMS, _build_request, epilog=EXIT_CODES)
+def build(request: BuildRequest, targets: tuple[str, ...], make_bundle: bool, quiet: bool, as_json: bool):
     """Export WEIGHT for a target, validate every artifact against eager PyTorch, write manifest and report."""
-    from .build import BuildRequest, build_targets, default_out, expand_targets, profiles
+    from .build import build_targets, default_out, expand_targets, profiles
     from .progress import Progress
 
-    request = BuildRequest(
-        weight=weight,
-        target=targets[0],
-        out=out,
-        checkpoint=checkpoint,
-        verify=not no_verify,
-        labels=labels,
-        data=data,
-        force=force,
-        thresholds=list(thresholds),
-        quant_budget=list(quant_budget),
-        fallback=not no_fallback,
-        formats=list(formats),
-        calib_size=calib_size,
-        val_size=val_size,
-        threads=threads,
-        warmup=warmup,
-        iterations=iterations,
-        options=_options(
-            raw_options,
-            batch=batch,
-            workspace_mb=workspace,
-            dla_core=dla_core,
-            require_engine=require_engine,
-            deployment_target=deployment_target,
-        ),
-        cache=not no_cache,
-        offline=offline,
-        float_checkpoint=float_checkpoint,
-        input_size=input_size,
-        arch=list(arches),
-        cpus=list(cpus),
-        count=count,
-        input_format=input_format,
-        detections=detections,
-        size_range=size_range,
-    )
     if make_bundle:  # a target with no bundle selection is refused before the build, not after it
         from .release.bundle import check_target
 
         for target in expand_targets(targets):
             check_target(profiles.load(target)["name"])
     docs = build_targets(request, expand_targets(targets), Progress(quiet=quiet or as_json))
-    base = out or default_out(docs[0]["weight"]["name"], [doc["target"]["name"] for doc in docs])
+    base = request.out or default_out(docs[0]["weight"]["name"], [doc["target"]["name"] for doc in docs])
     if make_bundle and all(doc["status"] == "passed" for doc in docs):
         from .release.bundle import make_bundles, zip_path
 
@@ -654,213 +727,264 @@ def _command_line(ctx: click.Context) -> str:
     return shlex.join(words + arguments)
 
 
-@main.command()
-@click.argument("merge_paths", nargs=-1, type=click.Path(path_type=Path), metavar="[PATH]...")
-@click.option("--target", "targets", multiple=True, help="A target (repeatable) [default: every target].")
-@click.option(
-    "--format",
-    "formats",
-    multiple=True,
-    help="Only these artifacts, e.g. onnx:fp32 (repeatable); targets without one are left out.",
-)
-@click.option(
-    "--models", multiple=True, help="Builder or weight names or globs, e.g. 'resnet*' (repeatable, or comma-separated)."
-)
-@click.option(
-    "--task",
-    "tasks",
-    multiple=True,
-    help="classification, segmentation, detection, quantization, video, optical_flow (repeatable) [default: all].",
-)
-@click.option("--one-per-builder", is_flag=True, help="Each builder's DEFAULT weight instead of every weight.")
-@click.option(
-    "--max-params", type=click.IntRange(min=1), default=None, help="Skip (⏭) weights with more parameters than this."
-)
-@click.option(
-    "--time-limit",
-    type=click.FloatRange(min=0),
-    default=900,
-    show_default=True,
-    help="CPU seconds per build (weight x target), 3x on the wall clock; 0: none.",
-)
-@click.option(
-    "--weights",
-    "weight_source",
-    type=click.Choice(["random", "digits"]),
-    default="random",
-    show_default=True,
-    help="random: settled random weights, synthetic inputs. digits: each classifier trained on the digits "
-    "(cached), validated on held-out labeled digits.",
-)
-@click.option(
-    "--train-epochs", type=click.IntRange(min=1), default=None, help="Epochs of the digits training [default: 4]."
-)
-@click.option(
-    "--calib-size", type=click.IntRange(min=0), default=None, help="[default: 16 (random); the target's own (digits)]"
-)
-@click.option(
-    "--val-size",
-    type=click.IntRange(min=MIN_INPUTS),
-    default=None,
-    help="[default: 8 (random); the target's own (digits)]",
-)
-@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--iterations", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Threads per build.")
-@click.option(
-    "--input-size",
-    type=(INPUT_SIDE, INPUT_SIDE),
-    default=(128, 128),
-    show_default=True,
-    metavar="H W",
-    help="Input size of the graphs that take one: segmentation, RetinaNet, FCOS, video frames.",
-)
-@click.option(
-    "--classifier-size",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="N",
-    help="Build classifiers at N×N (with --weights digits, trained at it too) where their graph takes it "
-    "and it is no larger than their crop (not ViT, MaxViT, Swin) [default: each weight's crop].",
-)
-@click.option(
-    "--arch",
-    "coverage_arch",
-    type=click.Choice(["aarch64"]),
-    default=None,
-    help="Also validate each .pte, .tflite, .ptl and ONNX artifact on emulated aarch64 CPUs (the target's [validate] "
-    "cpus); the table is coverage[-digits]-aarch64.",
-)
-@click.option(
-    "--cpu",
-    "coverage_cpus",
-    multiple=True,
-    metavar="NAME",
-    help="Emulated aarch64 CPU (repeatable), instead of the target's (implies --arch aarch64).",
-)
-@click.option(
-    "--shard",
-    default=None,
-    metavar="I/N",
-    help="Run only shard I of N (weights I, I+N, …); writes OUT/coverage-shard-I-of-N.json/.md.",
-)
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    default=Path("docs"),
-    show_default=True,
-    help="Where coverage.md and coverage.json go.",
-)
-@click.option(
-    "--builds",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Keep every build under DIR/<weight>/<target> [default: temporary].",
-)
-@click.option("--no-cache", is_flag=True, help="Rebuild rows cached in $EXPORTER_CACHE/coverage.")
-@click.option(
-    "--matrix",
-    "matrix_shards",
-    type=int,
-    default=None,
-    metavar="N",
-    help="Print a CI matrix of N shards as JSON and exit.",
-)
-@click.option(
-    "--merge",
-    "merge",
-    is_flag=True,
-    help="Merge the coverage JSON files or directories PATH... into OUT instead of building.",
-)
-@one_line_errors
-def coverage(
-    merge_paths,
-    targets,
-    formats,
-    models,
-    tasks,
-    one_per_builder,
-    max_params,
-    time_limit,
-    weight_source,
-    train_epochs,
-    calib_size,
-    val_size,
-    warmup,
-    iterations,
-    threads,
-    input_size,
-    classifier_size,
-    coverage_arch,
-    coverage_cpus,
-    shard,
-    out,
-    builds,
-    no_cache,
-    matrix_shards,
-    merge,
-):
+def _declared(param: click.Parameter):
+    """A request field declared by its click parameter, of the same name (params_of)."""
+    return dataclasses.field(metadata={"param": param})
+
+
+def params_of(request_class) -> tuple[RequestParam, ...]:
+    """The click parameters of a request whose every field is _declared, in field order, each filling its field."""
+    return tuple(RequestParam(f.metadata["param"], f.name) for f in dataclasses.fields(request_class))
+
+
+@dataclass(frozen=True)
+class CoverageRequest:
+    """What `exporter coverage` is asked, each field declared with its parameter."""
+
+    merge_paths: tuple[Path, ...] = _declared(
+        click.Argument(["merge_paths"], nargs=-1, type=click.Path(path_type=Path), metavar="[PATH]...")
+    )
+    targets: tuple[str, ...] = _declared(
+        click.Option(["--target", "targets"], multiple=True, help="A target (repeatable) [default: every target].")
+    )
+    formats: tuple[str, ...] = _declared(
+        click.Option(
+            ["--format", "formats"],
+            multiple=True,
+            help="Only these artifacts, e.g. onnx:fp32 (repeatable); targets without one are left out.",
+        )
+    )
+    models: tuple[str, ...] = _declared(
+        click.Option(
+            ["--models"],
+            multiple=True,
+            help="Builder or weight names or globs, e.g. 'resnet*' (repeatable, or comma-separated).",
+        )
+    )
+    tasks: tuple[str, ...] = _declared(
+        click.Option(
+            ["--task", "tasks"],
+            multiple=True,
+            help="classification, segmentation, detection, quantization, video, optical_flow (repeatable) "
+            "[default: all].",
+        )
+    )
+    one_per_builder: bool = _declared(
+        click.Option(["--one-per-builder"], is_flag=True, help="Each builder's DEFAULT weight instead of every weight.")
+    )
+    max_params: int | None = _declared(
+        click.Option(
+            ["--max-params"],
+            type=click.IntRange(min=1),
+            default=None,
+            help="Skip (⏭) weights with more parameters than this.",
+        )
+    )
+    time_limit: float = _declared(
+        click.Option(
+            ["--time-limit"],
+            type=click.FloatRange(min=0),
+            default=900,
+            show_default=True,
+            help="CPU seconds per build (weight x target), 3x on the wall clock; 0: none.",
+        )
+    )
+    weight_source: str = _declared(
+        click.Option(
+            ["--weights", "weight_source"],
+            type=click.Choice(["random", "digits"]),
+            default="random",
+            show_default=True,
+            help="random: settled random weights, synthetic inputs. digits: each classifier trained on the digits "
+            "(cached), validated on held-out labeled digits.",
+        )
+    )
+    train_epochs: int | None = _declared(
+        click.Option(
+            ["--train-epochs"],
+            type=click.IntRange(min=1),
+            default=None,
+            help="Epochs of the digits training [default: 4].",
+        )
+    )
+    calib_size: int | None = _declared(
+        click.Option(
+            ["--calib-size"],
+            type=click.IntRange(min=0),
+            default=None,
+            help="[default: 16 (random); the target's own (digits)]",
+        )
+    )
+    val_size: int | None = _declared(
+        click.Option(
+            ["--val-size"],
+            type=click.IntRange(min=MIN_INPUTS),
+            default=None,
+            help="[default: 8 (random); the target's own (digits)]",
+        )
+    )
+    warmup: int = _declared(click.Option(["--warmup"], type=click.IntRange(min=0), default=1, show_default=True))
+    iterations: int = _declared(
+        click.Option(["--iterations"], type=click.IntRange(min=1), default=2, show_default=True)
+    )
+    threads: int = _declared(
+        click.Option(["--threads"], type=click.IntRange(min=1), default=1, show_default=True, help="Threads per build.")
+    )
+    input_size: tuple[int, int] = _declared(
+        click.Option(
+            ["--input-size"],
+            type=(INPUT_SIDE, INPUT_SIDE),
+            default=(128, 128),
+            show_default=True,
+            metavar="H W",
+            help="Input size of the graphs that take one: segmentation, RetinaNet, FCOS, video frames.",
+        )
+    )
+    classifier_size: int | None = _declared(
+        click.Option(
+            ["--classifier-size"],
+            type=click.IntRange(min=1),
+            default=None,
+            metavar="N",
+            help="Build classifiers at N×N (with --weights digits, trained at it too) where their graph takes it "
+            "and it is no larger than their crop (not ViT, MaxViT, Swin) [default: each weight's crop].",
+        )
+    )
+    coverage_arch: str | None = _declared(
+        click.Option(
+            ["--arch", "coverage_arch"],
+            type=click.Choice(["aarch64"]),
+            default=None,
+            help="Also validate each .pte, .tflite, .ptl and ONNX artifact on emulated aarch64 CPUs (the target's "
+            "[validate] cpus); the table is coverage[-digits]-aarch64.",
+        )
+    )
+    coverage_cpus: tuple[str, ...] = _declared(
+        click.Option(
+            ["--cpu", "coverage_cpus"],
+            multiple=True,
+            metavar="NAME",
+            help="Emulated aarch64 CPU (repeatable), instead of the target's (implies --arch aarch64).",
+        )
+    )
+    shard: str | None = _declared(
+        click.Option(
+            ["--shard"],
+            default=None,
+            metavar="I/N",
+            help="Run only shard I of N (weights I, I+N, …); writes OUT/coverage-shard-I-of-N.json/.md.",
+        )
+    )
+    out: Path = _declared(
+        click.Option(
+            ["--out"],
+            type=click.Path(path_type=Path),
+            default=Path("docs"),
+            show_default=True,
+            help="Where coverage.md and coverage.json go.",
+        )
+    )
+    builds: Path | None = _declared(
+        click.Option(
+            ["--builds"],
+            type=click.Path(path_type=Path),
+            default=None,
+            help="Keep every build under DIR/<weight>/<target> [default: temporary].",
+        )
+    )
+    no_cache: bool = _declared(
+        click.Option(["--no-cache"], is_flag=True, help="Rebuild rows cached in $EXPORTER_CACHE/coverage.")
+    )
+    matrix_shards: int | None = _declared(
+        click.Option(
+            ["--matrix", "matrix_shards"],
+            type=int,
+            default=None,
+            metavar="N",
+            help="Print a CI matrix of N shards as JSON and exit.",
+        )
+    )
+    merge: bool = _declared(
+        click.Option(
+            ["--merge", "merge"],
+            is_flag=True,
+            help="Merge the coverage JSON files or directories PATH... into OUT instead of building.",
+        )
+    )
+
+
+@request_command(main, params_of(CoverageRequest), CoverageRequest)
+def coverage(request: CoverageRequest):
     """Sweep torchvision: build every weight (random weights, settled batch norms; or, with --weights digits,
     each classifier trained on the digits) for every target, validate, and write the weight x artifact table
     (OUT/coverage.md) and its JSON."""
     from . import coverage as sweep
 
     command = _command_line(click.get_current_context())
-    if matrix_shards is not None:
-        if merge or merge_paths:
+    if request.matrix_shards is not None:
+        if request.merge or request.merge_paths:
             raise UsageError("--matrix prints the shards of a sweep; --merge joins their tables: give one of them")
-        click.echo(json.dumps(sweep.matrix(matrix_shards)))
+        click.echo(json.dumps(sweep.matrix(request.matrix_shards)))
         return
-    if merge:
-        if not merge_paths:
+    if request.merge:
+        if not request.merge_paths:
             raise UsageError("--merge needs the coverage JSON files or directories to merge")
-        doc = sweep.merge(merge_paths, out, command)
+        doc = sweep.merge(request.merge_paths, request.out, command)
         json_path, md_path = sweep.output_paths(
-            out, None, doc["settings"].get("weights", "random"), bool(doc["settings"].get("cpus"))
+            request.out, None, doc["settings"].get("weights", "random"), bool(doc["settings"].get("cpus"))
         )
     else:
-        if merge_paths:
-            raise UsageError(f"unexpected argument {merge_paths[0]} (paths are for --merge)")
-        trained = weight_source == "digits"
-        if train_epochs is not None and not trained:
-            raise UsageError("--train-epochs is for --weights digits")
-        if not trained:
-            calib_size, val_size = (16 if calib_size is None else calib_size), (8 if val_size is None else val_size)
-        if coverage_cpus:
-            from .aarch64 import cpus as aarch64_cpus
-
-            aarch64_cpus.check(coverage_cpus)
-        settings = sweep.Settings(
-            targets=tuple(targets) or ("all",),
-            formats=tuple(formats),
-            calib_size=calib_size,
-            val_size=val_size,
-            warmup=warmup,
-            iterations=iterations,
-            threads=threads,
-            input_size=tuple(input_size),
-            classifier_size=classifier_size,
-            time_limit=time_limit or None,
-            weights=weight_source,
-            train_epochs=train_epochs or sweep.trained.EPOCHS,
-            cpus=tuple(coverage_cpus) or (("target",) if coverage_arch else ()),
-        )
+        settings = _sweep_settings(request)
         sweep.run(
             settings,
-            models,
-            tasks,
-            one_per_builder,
-            max_params,
-            shard,
-            out,
-            cache=not no_cache,
-            builds_dir=builds,
+            request.models,
+            request.tasks,
+            request.one_per_builder,
+            request.max_params,
+            request.shard,
+            request.out,
+            cache=not request.no_cache,
+            builds_dir=request.builds,
             command=command,
         )
         json_path, md_path = sweep.output_paths(
-            out, sweep.select.parse_shard(shard), weight_source, settings.on_aarch64
+            request.out, sweep.select.parse_shard(request.shard), request.weight_source, settings.on_aarch64
         )
     click.echo(f"table: {md_path}\njson: {json_path}", err=True)
+
+
+def _sweep_settings(request: CoverageRequest):
+    """The sweep's settings, a request that is not one (paths without --merge, --train-epochs without digits, an
+    unknown CPU) refused."""
+    from . import coverage as sweep
+
+    if request.merge_paths:
+        raise UsageError(f"unexpected argument {request.merge_paths[0]} (paths are for --merge)")
+    trained = request.weight_source == "digits"
+    if request.train_epochs is not None and not trained:
+        raise UsageError("--train-epochs is for --weights digits")
+    calib_size, val_size = request.calib_size, request.val_size
+    if not trained:
+        calib_size, val_size = (16 if calib_size is None else calib_size), (8 if val_size is None else val_size)
+    if request.coverage_cpus:
+        from .aarch64 import cpus as aarch64_cpus
+
+        aarch64_cpus.check(request.coverage_cpus)
+    return sweep.Settings(
+        targets=tuple(request.targets) or ("all",),
+        formats=tuple(request.formats),
+        calib_size=calib_size,
+        val_size=val_size,
+        warmup=request.warmup,
+        iterations=request.iterations,
+        threads=request.threads,
+        input_size=tuple(request.input_size),
+        classifier_size=request.classifier_size,
+        time_limit=request.time_limit or None,
+        weights=request.weight_source,
+        train_epochs=request.train_epochs or sweep.trained.EPOCHS,
+        cpus=tuple(request.coverage_cpus) or (("target",) if request.coverage_arch else ()),
+    )
 
 
 if __name__ == "__main__":

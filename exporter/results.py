@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from typing import Literal
 
 
 class Status(str, enum.Enum):
@@ -49,6 +50,28 @@ class Kind(str, enum.Enum):
         return self.value
 
 
+class Metric(enum.StrEnum):
+    """A threshold's key: what a profile's [thresholds] name, and the metric a broken threshold's Reason names.
+    A StrEnum, so it is its own string in JSON, TOML and messages, and the same key in a dict of plain strings.
+    (exporter.thresholds says where each is measured and which way it breaks.)"""
+
+    TOP1_AGREEMENT = "top1_agreement"
+    TOP5_AGREEMENT = "top5_agreement"
+    PSNR_DB = "psnr_db"
+    COSINE = "cosine"
+    MAX_ABS_ERROR = "max_abs_error"
+    ACCURACY_DROP = "accuracy_drop"
+    PIXEL_AGREEMENT = "pixel_agreement"
+    MIOU_VS_EAGER = "miou_vs_eager"
+    MIOU_DROP = "miou_drop"
+    MATCHED_RECALL = "matched_recall"
+    MATCHED_PRECISION = "matched_precision"
+    MAP_DROP = "map_drop"
+    FLOW_AGREEMENT = "flow_agreement"
+    EPE_VS_EAGER = "epe_vs_eager"
+    EPE_INCREASE = "epe_increase"
+
+
 FIELDS = ("kind", "text", "metric", "cpu", "value", "limit")  # a reason's JSON record: kind and text, the rest if set
 
 
@@ -56,7 +79,7 @@ FIELDS = ("kind", "text", "metric", "cpu", "value", "limit")  # a reason's JSON 
 class Reason:
     kind: Kind
     text: str  # for people; never parsed
-    metric: str | None = None  # Kind.THRESHOLD: the threshold key broken (e.g. "top1_agreement")
+    metric: str | None = None  # Kind.THRESHOLD: the threshold key broken (a Metric; as read from older records)
     cpu: str | None = None  # the emulated aarch64 CPU the reason was found on, if any
     value: float | None = None  # Kind.THRESHOLD: the measured value (None when not finite: NaN breaks any threshold)
     limit: float | None = None  # Kind.THRESHOLD: the threshold it broke
@@ -71,8 +94,9 @@ class Reason:
     def to_json(self) -> dict:
         record = {"kind": self.kind.value, "text": self.text}
         for name in FIELDS[2:]:
-            if getattr(self, name) is not None:
-                record[name] = getattr(self, name)
+            value = getattr(self, name)
+            if value is not None:
+                record[name] = value.value if isinstance(value, enum.Enum) else value
         return record
 
     @classmethod
@@ -83,8 +107,9 @@ class Reason:
         return cls(Kind(record["kind"]), record["text"], *(record.get(name) for name in FIELDS[2:]))
 
 
-def threshold(metric: str, text: str, value: float | None = None, limit: float | None = None) -> Reason:
-    return Reason(Kind.THRESHOLD, text, metric=metric, value=value, limit=limit)
+def threshold(metric: Metric | str, text: str, value: float | None = None, limit: float | None = None) -> Reason:
+    """A broken threshold (`metric` must name one: ValueError otherwise)."""
+    return Reason(Kind.THRESHOLD, text, metric=Metric(metric), value=value, limit=limit)
 
 
 def revived(reasons) -> list[Reason]:
@@ -113,9 +138,10 @@ def broken_value(reasons, metric: str) -> float | None:
 
 
 def jsonable(value):
-    """`value` with every Reason as its JSON record and every Status or Kind as its string, through dicts, lists
-    and tuples (lists in the result); anything else as it is. What the manifest writer and the caches store."""
-    if isinstance(value, (Reason, EmulatedRow, SizeRow, ArtifactResult, Manifest, EagerBaseline, Recommendation)):
+    """`value` with every result value (RECORDS: a Reason, a Checkpoint, an ArtifactResult, …) as its JSON record and
+    every enum (Status, Kind, Metric) as its string, through dicts, lists and tuples (lists in the result); anything
+    else as it is. What the manifest writer and the caches store."""
+    if isinstance(value, RECORDS):
         return value.to_json()
     if isinstance(value, enum.Enum):
         return value.value
@@ -291,7 +317,7 @@ class ArtifactResult:
     status: Status = Status.FAILED
     reasons: list[Reason] = field(default_factory=list)
     details: dict = field(default_factory=dict)  # what its format's export says (quantization report, sizes…)
-    thresholds: dict = field(default_factory=dict)
+    thresholds: dict[str, float] = field(default_factory=dict)  # threshold key (a Metric's string) -> limit
     # the contract's measurements: in every record, None where not measured
     fidelity: dict | None = None
     accuracy: dict | None = None
@@ -359,7 +385,7 @@ class ArtifactResult:
         return _from_record(cls, record)
 
 
-_ARTIFACT_FIELDS = frozenset(f.name for f in fields(ArtifactResult)) - {"extra"}
+_ARTIFACT_FIELDS = frozenset(f.name for f in fields(ArtifactResult)) - {"extra"}  # what `update` may set
 
 
 def _typed(values: Mapping) -> dict:
@@ -372,7 +398,68 @@ def _typed(values: Mapping) -> dict:
     return typed
 
 
-_ARTIFACT_FIELDS = frozenset(f.name for f in fields(ArtifactResult))
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    """The checkpoint file a model was loaded from (exporter.weights.load makes it): the manifest's `checkpoint`,
+    and a quantized weight's float model's in `eager.reference`."""
+
+    path: str  # absolute, on the host that built
+    sha256: str
+    source: Literal["checkpoint", "torch-hub-cache", "download"]  # --checkpoint, the hub cache, or fetched now
+    verified: bool  # its sha256 was checked against the prefix its file name carries
+    extra: dict = _extra()
+
+    ALWAYS = ("path", "sha256", "source", "verified")
+
+    def to_json(self) -> dict:
+        return _record(self, self.ALWAYS)
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> Checkpoint:
+        """A checkpoint from its JSON record (a Checkpoint is returned as it is)."""
+        return record if isinstance(record, Checkpoint) else _from_record(cls, record)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Host:
+    """The host that built (release/manifest.host): what its latencies were measured on."""
+
+    platform: str
+    machine: str | None = None  # None: a record made by hand without it (a build always writes it)
+    cpu: str
+    cores: int | None  # os.cpu_count(): None where it cannot tell
+    threads: int  # the threads every runtime was timed with
+    python: str | None = None
+    extra: dict = _extra()
+
+    ALWAYS = ("platform", "machine", "cpu", "cores", "threads", "python")  # as a build writes them
+
+    def to_json(self) -> dict:
+        return _record(self, self.ALWAYS)
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> Host:
+        return record if isinstance(record, Host) else _from_record(cls, record)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Labels:
+    """The build's class names: the file they are written to in the build folder, how many, and the --labels file
+    they were read from (None: the weight's own categories, or class_<i>)."""
+
+    file: str  # relative to the build folder
+    count: int
+    from_file: str | None = None
+    extra: dict = _extra()
+
+    ALWAYS = ("file", "count", "from_file")
+
+    def to_json(self) -> dict:
+        return _record(self, self.ALWAYS)
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> Labels:
+        return record if isinstance(record, Labels) else _from_record(cls, record)
 
 
 @dataclass(kw_only=True)
@@ -383,20 +470,20 @@ class Manifest:
     exporter_version: str
     exporter_commit: str | None = None  # the git commit exporter ran from, when a checkout
     created: str
-    command: list | None = None
+    command: list[str] | None = None
     status: Status
     weight: dict
     task: dict | None = None
-    checkpoint: dict
+    checkpoint: Checkpoint
     preprocessing: dict
-    labels: dict
+    labels: Labels
     target: dict
-    tools: dict
-    host: dict
+    tools: dict[str, str | None]  # distribution -> its version, None where not installed
+    host: Host
     data: dict
     eager: dict
     artifacts: list[ArtifactResult] = field(default_factory=list)
-    timings_s: dict = field(default_factory=dict)
+    timings_s: dict[str, float] = field(default_factory=dict)  # step -> seconds
     aarch64: dict | None = None  # the emulated CPUs' summary, when the target validates on them
     jetson: dict | None = None  # the Jetson device kit (its post_build step)
     cache: dict | None = None
@@ -409,7 +496,8 @@ class Manifest:
     ALWAYS += ("timings_s",)
 
     def __post_init__(self):
-        self.status = Status(self.status)
+        self.status, self.checkpoint = Status(self.status), Checkpoint.from_json(self.checkpoint)
+        self.labels, self.host = Labels.from_json(self.labels), Host.from_json(self.host)
         self.artifacts = [a if isinstance(a, ArtifactResult) else ArtifactResult.from_json(a) for a in self.artifacts]
         if self.recommended is not None:
             self.recommended = Recommendation.from_json(self.recommended)
@@ -423,3 +511,10 @@ class Manifest:
     @classmethod
     def from_json(cls, doc: Mapping) -> Manifest:
         return _from_record(cls, doc)
+
+
+# the result classes: each is written to JSON by its own to_json (through `jsonable`), and only there
+RECORDS = (
+    *(Reason, EmulatedRow, SizeRow, ArtifactResult, Manifest),
+    *(Checkpoint, Host, Labels, EagerBaseline, Recommendation),
+)

@@ -245,7 +245,7 @@ def test_a_ptl_whose_trace_check_fails_is_traced_unchecked_and_says_so(tmp_path)
     from exporter.formats import torchscript_lite
 
     example = torch.randn(1, 3, 4, 4)
-    details = torchscript_lite.export(_traces_differently(), example, "fp32", None, tmp_path / "m.ptl", {})
+    details = torchscript_lite.FORMAT.export(_traces_differently(), example, "fp32", None, tmp_path / "m.ptl", {})
     assert details["trace_check"].startswith("Tracing failed sanity checks! ERROR: Graphs differed across invocations!")
-    out = torchscript_lite.load(tmp_path / "m.ptl", 1)(example)
+    out = torchscript_lite.FORMAT.load(tmp_path / "m.ptl", 1)(example)
     assert torch.allclose(torch.as_tensor(out), example * 2)

@@ -85,7 +85,7 @@ def test_a_ratio_that_fell_against_the_baseline_is_flagged():
 
 
 def test_the_arm_columns_give_millions_per_core_count_ratios_and_what_was_not_counted():
-    from exporter import bench_counts
+    from exporter.bench import counts as bench_counts
 
     run = _run(2.5)
     run["instructions"] = {
@@ -107,7 +107,7 @@ def test_the_arm_columns_give_millions_per_core_count_ratios_and_what_was_not_co
 
 
 def test_the_bench_counts_on_the_profiles_cores_and_says_why_it_cannot(monkeypatch):
-    from exporter import bench_counts
+    from exporter.bench import counts as bench_counts
     from exporter.errors import UsageError
 
     assert bench_counts.profile_cpus()[0] == "cortex-a76" and {"cortex-a53", "cortex-a57"} <= set(

@@ -143,13 +143,13 @@ def test_the_android_self_test_reads_the_bpte_as_the_exporter_does(golden_progra
 
 
 def test_expected_outputs_are_what_the_build_validated(golden_program):
-    """outputs() gives, bit for bit, what the build's own runner (formats.executorch.load) gives."""
+    """outputs() gives, bit for bit, what the build's own runner (formats.executorch.FORMAT.load) gives."""
     import torch
 
     from exporter.formats import executorch
 
     g = golden_program
-    runner = executorch.load(g["pte"], torch.get_num_threads())
+    runner = executorch.FORMAT.load(g["pte"], torch.get_num_threads())
     for i, e in enumerate(g["expected"]):
         assert torch.equal(runner(g["inputs"][i : i + 1]), e[0]), i
 

@@ -329,7 +329,7 @@ def test_a_pte_counts_the_same_alone_and_in_a_batch_and_four_times_the_work_coun
 
     x = torch.randn(2, 3, 64, 64)
     for width in (16, 32):
-        executorch.export(_net(width), x[:1], "fp32", None, tmp_path / f"net{width}.pte", {})
+        executorch.FORMAT.export(_net(width), x[:1], "fp32", None, tmp_path / f"net{width}.pte", {})
     (tmp_path / "broken.pte").write_bytes(b"not a program")
     first = counting.count(arm_runner, counting_qemu, tmp_path / "net16.pte", x.numpy(), "cortex-a76")
     second, broken, large = counting.count_many(

@@ -51,11 +51,11 @@ def test_folded_constants_lower_into_xnnpack_with_the_same_output(tmp_path):
     from exporter.formats import executorch
 
     model, x = Masked().eval(), torch.randn(1, 3, 5, 4)
-    details = executorch.export(model, x, "fp32", None, tmp_path / "m.pte", {})
+    details = executorch.FORMAT.export(model, x, "fp32", None, tmp_path / "m.pte", {})
     assert details["rewrites"]["constants_folded"] >= 4, details
     assert not {"slice_scatter", "fill", "where", "arange"} & set(details["delegation"]["ops_outside_on_tensors"])
     with torch.no_grad():
-        torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(executorch.FORMAT.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_graph_that_changes_its_own_buffer_is_left_as_it_is():
@@ -107,9 +107,9 @@ def test_a_pte_of_a_tensor_the_input_is_written_into_is_eager(tmp_path):
 
     torch.manual_seed(0)
     model, x = WrittenChannels().eval(), torch.randn(1, 3, 5, 4)
-    executorch.export(model, x, "fp32", None, tmp_path / "m.pte", {})
+    executorch.FORMAT.export(model, x, "fp32", None, tmp_path / "m.pte", {})
     with torch.no_grad():
-        torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(executorch.FORMAT.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-5, atol=1e-5)
 
 
 class CatChannels(nn.Module):
@@ -134,8 +134,8 @@ def test_an_int8_pte_of_a_tensor_the_input_is_written_into_is_the_int8_of_the_sa
     x, calibration = torch.randn(4, 3, 5, 4), [torch.randn(1, 3, 5, 4) for _ in range(8)]
     outputs = []
     for model in (written, CatChannels(written.conv).eval()):
-        executorch.export(model, x[:1], "int8", calibration, tmp_path / "m.pte", {})
-        runner = executorch.load(tmp_path / "m.pte", 1)
+        executorch.FORMAT.export(model, x[:1], "int8", calibration, tmp_path / "m.pte", {})
+        runner = executorch.FORMAT.load(tmp_path / "m.pte", 1)
         with torch.no_grad():
             outputs.append(torch.cat([runner(x[i : i + 1]) for i in range(len(x))]))
     with torch.no_grad():

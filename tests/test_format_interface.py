@@ -16,6 +16,7 @@ import pytest
 from exporter.errors import UsageError
 from exporter.formats import FORMATS, FormatSpec, RuntimeUnavailable
 from exporter.formats.interface import Format
+from exporter.precision import Precision
 from exporter.progress import Progress
 from exporter.results import ArtifactResult, Status
 
@@ -26,7 +27,7 @@ OPTIONAL_HOOKS = ("proxies", "per_inference_ranges", "memory", "profile")
 class Bare(Format):
     """Only what is required: every optional hook keeps its default."""
 
-    name, suffix, precisions = "bare", ".bare", ("fp32",)
+    name, suffix, precisions = "bare", ".bare", (Precision.FP32,)
 
     def export(self, model, example, precision, calib, path, meta, **options):
         return {}
@@ -52,7 +53,7 @@ def test_every_registered_format_is_one_format_object(name):
         pytest.skip(f"{name}'s extra ({spec.extra}) is not installed")
     fmt = spec.format()
     assert isinstance(fmt, Format) and fmt.name == name
-    assert fmt.suffix.startswith(".") and fmt.precisions and set(fmt.precisions) <= {"fp32", "fp16", "int8"}
+    assert fmt.suffix.startswith(".") and fmt.precisions and all(isinstance(p, Precision) for p in fmt.precisions)
     assert isinstance(fmt.precisions, tuple) and isinstance(fmt.options, tuple)
     assert type(fmt).export is not Format.export and type(fmt).load is not Format.load
     # exactly one object per module, the one the registry returns
@@ -88,10 +89,50 @@ def test_a_hook_not_defined_has_the_declared_default():
     assert all(getattr(fmt, hook) is None for hook in OPTIONAL_HOOKS)
     assert fmt.proxies_version is None and fmt.options == ()
     assert fmt.preflight("fp32") is None and fmt.preflight("int8", anything=1) is None  # nothing to check
-    with pytest.raises(NotImplementedError):
-        Format().export(None, None, "fp32", None, Path("x"), {})
-    with pytest.raises(NotImplementedError):
-        Format().load(Path("x"), 1)
+
+
+def test_a_format_without_export_or_load_cannot_be_made():
+    class NoLoad(Format):
+        name, suffix, precisions = "no_load", ".x", (Precision.FP32,)
+
+        def export(self, model, example, precision, calib, path, meta, **options):
+            return {}
+
+    class NoExport(Format):
+        name, suffix, precisions = "no_export", ".x", (Precision.FP32,)
+
+        def load(self, path, threads):
+            return lambda x: x
+
+    for incomplete, missing in ((Format, "export, load"), (NoLoad, "load"), (NoExport, "export")):
+        with pytest.raises(TypeError, match=f"abstract methods? {missing}"):
+            incomplete()
+    assert isinstance(Bare(), Format)  # both defined: it can
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_memory_hook_takes_the_input_dtype(name):
+    """The engine passes dtype ("uint8") for a uint8-nhwc build: a format's memory() without it measured nothing."""
+    import inspect
+
+    spec = FORMATS[name]
+    if not spec.installed():
+        pytest.skip(f"{name}'s extra ({spec.extra}) is not installed")
+    fmt = spec.format()
+    if fmt.memory is None:
+        pytest.skip(f"{name} has no memory hook")
+    parameters = list(inspect.signature(fmt.memory).parameters)
+    assert parameters == ["path", "input_shape", "threads", "dtype"], parameters
+    inspect.signature(fmt.memory).bind(Path("a"), (1, 3, 4, 4), 1, "uint8")  # as memory_profile.measure calls it
+
+
+def test_precision_is_its_string():
+    """Members compare, hash, format and serialize as the strings target profiles and manifests hold."""
+    import json
+
+    assert [str(p) for p in Precision] == ["fp32", "fp16", "int8"]
+    assert Precision.INT8 == "int8" and {"int8": 1}[Precision.INT8] == 1 and Precision("fp16") is Precision.FP16
+    assert json.dumps({Precision.FP16: Precision.INT8}) == '{"fp16": "int8"}' and f"{Precision.FP32}" == "fp32"
 
 
 def test_the_registry_imports_no_torch_and_no_format():
@@ -169,7 +210,7 @@ def test_memory_and_profile_say_when_a_format_has_none(monkeypatch, tmp_path):
     class MemoryOnly(Bare):
         name = "memory_only"
 
-        def memory(self, path, input_shape, threads):
+        def memory(self, path, input_shape, threads, dtype="float32"):
             return {"peak_rss_increase_bytes": 1, "shape": list(input_shape)}
 
     _registered(monkeypatch, Bare())
@@ -214,7 +255,7 @@ def test_the_engine_does_not_probe_formats():
     probe = re.compile(
         r"\b(hasattr|getattr)\([^)]*[\"'](%s)[\"']" % "|".join((*OPTIONAL_HOOKS, "preflight", "shared_key", "[A-Z_]+"))
     )
-    sources = [*sorted((ROOT / "exporter" / "engine").glob("*.py")), ROOT / "exporter" / "bench.py"]
+    sources = [path for part in ("engine", "bench") for path in sorted((ROOT / "exporter" / part).glob("*.py"))]
     found = [
         f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
         for path in sources

@@ -93,7 +93,7 @@ def inputs() -> torch.Tensor:
 def package(tmp_path_factory, segmentation_model, inputs):
     """One fp16 package (about 10 s to convert): it has both proxies, the weights' and fp16 eager."""
     path = tmp_path_factory.mktemp("coreml_segmentation") / "seg_fp16.mlpackage"
-    return path, coreml.export(segmentation_model, inputs[:1], "fp16", [], path, _meta("NCHW"))
+    return path, coreml.FORMAT.export(segmentation_model, inputs[:1], "fp16", [], path, _meta("NCHW"))
 
 
 def test_segmentation_package_has_image_input_and_one_nchw_output(package):
@@ -119,7 +119,7 @@ def test_segmentation_package_has_image_input_and_one_nchw_output(package):
 def test_segmentation_proxies_reproduce_eager(package, segmentation_model, inputs):
     with torch.no_grad():
         reference = segmentation_model(inputs)
-    runners = coreml.proxies(package[0], segmentation_model)
+    runners = coreml.FORMAT.proxies(package[0], segmentation_model)
     assert set(runners) == {"weights", "fp16"}
     for label, floor_db in (("weights", 50), ("fp16", 45)):  # measured 61 and 56 dB
         with torch.no_grad():
@@ -147,10 +147,12 @@ def test_classifier_package_unchanged(tmp_path):
     example = torch.rand(1, 3, SIZE, SIZE)
     meta = _meta(None)
     meta["preprocessing"].update(crop_size=[SIZE], input_size=None)
-    old = coreml.export(model, example, "fp16", [], tmp_path / "old.mlpackage", meta)
+    old = coreml.FORMAT.export(model, example, "fp16", [], tmp_path / "old.mlpackage", meta)
     # the "NC" layout is what a build without meta["task"] was. (Bytes are not compared: coremltools
     # numbers constants per process, so a second conversion in one process renames them.)
-    new = coreml.export(model, example, "fp16", [], tmp_path / "new.mlpackage", {**meta, "task": _meta("NC")["task"]})
+    new = coreml.FORMAT.export(
+        model, example, "fp16", [], tmp_path / "new.mlpackage", {**meta, "task": _meta("NC")["task"]}
+    )
     assert old == new
     assert new["outputs"] == {"classLabel": "label", "classLabel_probs": "probabilities", "logits": [1, CLASSES]}
     old_spec, spec = (
@@ -176,9 +178,11 @@ def test_refuses_unknown_layout_and_mismatched_input_size(tmp_path, segmentation
     meta = _meta("NCHW")
     meta["task"]["output"]["layout"] = "NHWC"
     with pytest.raises(ValueError, match="output layout 'NHWC' is not supported"):
-        coreml.export(segmentation_model, torch.rand(1, 3, SIZE, SIZE), "fp16", [], tmp_path / "a.mlpackage", meta)
+        coreml.FORMAT.export(
+            segmentation_model, torch.rand(1, 3, SIZE, SIZE), "fp16", [], tmp_path / "a.mlpackage", meta
+        )
     with pytest.raises(ValueError, match=r"input_size \[96, 96\] differs from the example's \[64, 64\]"):
-        coreml.export(
+        coreml.FORMAT.export(
             segmentation_model,
             torch.rand(1, 3, SIZE, SIZE),
             "fp16",

@@ -295,12 +295,12 @@ def test_a_vit_package_is_read_back_and_its_weights_proxy_matches_eager(tmp_path
         "weight": "tiny",
         "exporter_version": "0",
     }
-    details = coreml.export(model, x, "fp32", None, tmp_path / "vit.mlpackage", meta, input="tensor")
+    details = coreml.FORMAT.export(model, x, "fp32", None, tmp_path / "vit.mlpackage", meta, input="tensor")
     matrices = [p for name, p in model.named_parameters() if name.endswith("weight") and p.dim() >= 2]
     assert len(matrices) == 6  # the patch conv, attention's in_proj_weight and out_proj, the MLP's two, the head
     assert details["compression"]["weights"] == 6
     assert details["compression"]["parameters"] == sum(p.numel() for p in matrices)
-    proxy = coreml.proxies(tmp_path / "vit.mlpackage", model)["weights"]
+    proxy = coreml.FORMAT.proxies(tmp_path / "vit.mlpackage", model)["weights"]
     with torch.no_grad():
         torch.testing.assert_close(proxy(x), model(x), rtol=1e-4, atol=1e-4)
 
@@ -426,8 +426,8 @@ def test_core_ml_leaves_no_package_in_the_temporary_directory(tmp_path, monkeypa
     }
     out = tmp_path / "out"
     out.mkdir()
-    coreml.export(model, x, "fp16", None, out / "m.mlpackage", meta, compression="palettize", nbits=4)
-    coreml.proxies(out / "m.mlpackage", model)
+    coreml.FORMAT.export(model, x, "fp16", None, out / "m.mlpackage", meta, compression="palettize", nbits=4)
+    coreml.FORMAT.proxies(out / "m.mlpackage", model)
     assert [p.name for p in temporary.iterdir()] == [] and [p.name for p in out.iterdir()] == ["m.mlpackage"]
     assert tempfile.tempdir == str(temporary)
     assert "passes/s" not in capsys.readouterr().err

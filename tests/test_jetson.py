@@ -290,7 +290,7 @@ def test_fp16_onnx_folds_batchnorm_in_float32_before_the_cast(tmp_path):
         init = {i.name: i for i in proto.graph.initializer}
         return onnx.numpy_helper.to_array(init[conv.input[1]])
 
-    details = onnx_format.export(model, example, "fp16", None, tmp_path / "folded.onnx", {})
+    details = onnx_format.FORMAT.export(model, example, "fp16", None, tmp_path / "folded.onnx", {})
     assert details["batchnorm_folding_fp32"] == {"batchnorms": 1, "folded": 1}
     assert np.array_equal(conv_weight(tmp_path / "folded.onnx"), expected)
     onnx_format._export_graph(onnx_format._HalfModel(model).eval(), example, 18, tmp_path / "half.onnx")
@@ -311,13 +311,13 @@ def test_a_transformer_onnx_graph_runs_at_every_batch_and_one_that_keeps_batch_1
     model = VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32).eval()
     torch.nn.init.normal_(model.heads.head.weight)
     example = torch.randn(1, 3, 32, 32)
-    details = onnx_format.export(model, example, "fp32", None, tmp_path / "dynamic.onnx", {}, batch="1:1:8")
+    details = onnx_format.FORMAT.export(model, example, "fp32", None, tmp_path / "dynamic.onnx", {}, batch="1:1:8")
     assert details["batch_check"]["batch"] == 8 and details["batch_check"]["max_abs_diff_vs_batch1"] < 1e-4
     # its fp16 graph killed ONNX Runtime 1.32's x86 NchwcTransformer (segfault); the build goes on without that pass
-    details = onnx_format.export(model, example, "fp16", None, tmp_path / "half.onnx", {}, batch="1:1:8")
+    details = onnx_format.FORMAT.export(model, example, "fp16", None, tmp_path / "half.onnx", {}, batch="1:1:8")
     assert details["batch_check"]["batch"] == 8
     with torch.no_grad():
-        assert torch.allclose(onnx_format.load(tmp_path / "half.onnx", 1)(example), model(example), atol=0.05)
+        assert torch.allclose(onnx_format.FORMAT.load(tmp_path / "half.onnx", 1)(example), model(example), atol=0.05)
 
     with torch.no_grad():  # the batch-1 trace the exporter used before
         torch.onnx.export(
@@ -345,19 +345,19 @@ def test_a_graph_whose_session_kills_onnx_runtime_is_run_without_the_pass_that_d
     example = torch.randn(1, 3, 8, 8)
     model(example)
     path = tmp_path / "m.onnx"
-    assert "onnxruntime_nchwc" not in onnx_format.export(model, example, "fp32", None, path, {})
+    assert "onnxruntime_nchwc" not in onnx_format.FORMAT.export(model, example, "fp32", None, path, {})
     made = []
     real_session = __import__("onnxruntime").InferenceSession
     monkeypatch.setattr(
         "onnxruntime.InferenceSession",
         lambda *a, **k: made.append(k.get("disabled_optimizers")) or real_session(*a, **k),
     )
-    onnx_format.load(path, 1)
+    onnx_format.FORMAT.load(path, 1)
     monkeypatch.setattr(onnx_format, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     monkeypatch.setattr(onnx_format.platform, "machine", lambda: "x86_64")  # the pass exists only on x86
-    details = onnx_format.export(model, example, "fp32", None, path, {})
+    details = onnx_format.FORMAT.export(model, example, "fp32", None, path, {})
     assert "dies (signal 11)" in details["onnxruntime_nchwc"]
-    onnx_format.load(path, 1)
+    onnx_format.FORMAT.load(path, 1)
     assert made[0] == [] and made[-1] == ["NchwcTransformer"]
 
 
@@ -422,7 +422,7 @@ def test_an_artifact_its_runtime_fails_on_one_input_is_failed_with_the_error(dig
 
     from exporter.formats import onnx as onnx_format
 
-    real = onnx_format.load
+    real = onnx_format.FORMAT.load
 
     def load(path, threads, **options):
         run, calls = real(path, threads, **options), itertools.count()
@@ -435,7 +435,7 @@ def test_an_artifact_its_runtime_fails_on_one_input_is_failed_with_the_error(dig
         return fails_on_the_fourth
 
     env = {"EXPORTER_CACHE": str(tmp_path / "cache")}
-    monkeypatch.setattr(onnx_format, "load", load)
+    monkeypatch.setattr(onnx_format.FORMAT, "load", load)
     result = run_cli(
         *build_args(digits_model, tmp_path / "build", "--target", "jetson", "--format", "onnx:fp32"), env=env
     )
@@ -460,7 +460,7 @@ def test_an_artifact_its_runtime_fails_on_one_input_is_failed_with_the_error(dig
     assert entry["artifact_reused_from_cache"] is True
     # `exporter validate` on that build, its runtime now refusing the file: failed, and none of the earlier numbers
     monkeypatch.setattr(
-        onnx_format,
+        onnx_format.FORMAT,
         "load",
         lambda path, threads, **options: (_ for _ in ()).throw(
             RuntimeError("[ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed")

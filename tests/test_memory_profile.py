@@ -151,14 +151,14 @@ def test_onnx_runtime_memory_and_profile(tmp_path):
     ).eval()
     example = torch.randn(1, 3, 64, 64)
     path = tmp_path / "tiny.onnx"
-    onnx_format.export(model, example, "fp32", None, path, {})
-    memory = onnx_format.memory(path, tuple(example.shape), 1)
+    onnx_format.FORMAT.export(model, example, "fp32", None, path, {})
+    memory = onnx_format.FORMAT.memory(path, tuple(example.shape), 1)
     parameters = sum(p.numel() * 4 for p in model.parameters())
     assert parameters <= memory["constants_bytes"] <= parameters + 1024  # plus a few shape constants
     assert memory["peak_rss_increase_bytes"] > 0 and memory["peak_rss_bytes"] > memory["runtime_baseline_rss_bytes"]
 
     start = time.perf_counter()
-    profile = onnx_format.profile(path, example, 5, 1)
+    profile = onnx_format.FORMAT.profile(path, example, 5, 1)
     elapsed_ms = (time.perf_counter() - start) * 1000
     assert profile["available"] and profile["runs"] == 5
     assert sum(o["ms"] for o in profile["ops"]) <= profile["ops_ms"] + 1e-3 <= profile["wall_ms"] + 2e-3
@@ -201,11 +201,11 @@ def test_the_lite_interpreter_profile_stops_adding_runs_once_its_trace_is_large(
     ).eval()
     example = torch.randn(1, 3, 16, 16)
     path = tmp_path / "tiny.ptl"
-    torchscript_lite.export(model, example, "fp32", None, path, {})
-    whole = torchscript_lite.profile(path, example, 5, 1)
+    torchscript_lite.FORMAT.export(model, example, "fp32", None, path, {})
+    whole = torchscript_lite.FORMAT.profile(path, example, 5, 1)
     assert whole["runs"] == 5 and {o["op"] for o in whole["ops"]} >= {"aten::addmm"}
     monkeypatch.setattr(torchscript_lite, "PROFILE_CALLS", 1)  # the first run is over it: no second
-    capped = torchscript_lite.profile(path, example, 5, 1)
+    capped = torchscript_lite.FORMAT.profile(path, example, 5, 1)
     assert capped["runs"] == 1 and "aten::addmm" in {o["op"] for o in capped["ops"]}
     counts = {o["op"]: o["count"] for o in whole["ops"]}
     assert all(o["count"] == counts[o["op"]] for o in capped["ops"] if o["op"] in counts)  # per run, either way
@@ -241,7 +241,7 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
         torch.nn.Linear(8, 10),
     ).eval()
     example = torch.randn(1, 3, 32, 32)
-    onnx_format.export(model, example, "fp32", None, tmp_path / "tiny.onnx", {})
+    onnx_format.FORMAT.export(model, example, "fp32", None, tmp_path / "tiny.onnx", {})
 
     class Cache:
         def __init__(self):

@@ -8,6 +8,7 @@ import torch
 
 from exporter.engine import profiles
 from exporter.engine.plan import make as make_plan
+from exporter.engine.request import Overrides
 from exporter.errors import UsageError
 from exporter.quant import SETTINGS, Calibration
 
@@ -33,9 +34,11 @@ def test_calibration_split_holds_out_disjoint_interleaved_images():
 def test_budget_follows_int8_thresholds_unless_overridden():
     profile = profiles.with_overrides(
         profiles.load("jetson"),
-        thresholds=["int8.psnr_db=33"],
-        quant_budget=["top1_agreement=0.995", "max_float_fraction=0.1", "dynamic_ranges=False"],
-        fallback=False,
+        Overrides(
+            thresholds=("int8.psnr_db=33",),
+            quant_budget=("top1_agreement=0.995", "max_float_fraction=0.1", "dynamic_ranges=False"),
+            fallback=False,
+        ),
     )
     plan = make_plan(profile, "classification")
     budget, settings = plan.quant_budget, plan.quant_settings

@@ -277,9 +277,9 @@ def test_calibrated_ranges_that_fail_validation_are_made_again_per_inference(tmp
     assert "made again with ranges chosen per inference" in (out / "report.md").read_text()
 
     # the remade artifact fails too (plain static PTQ, no margin: the same clipping): the first is put back
-    hook = executorch.per_inference_ranges
+    hook = executorch.FORMAT.per_inference_ranges
     monkeypatch.setattr(
-        executorch,
+        executorch.FORMAT,
         "per_inference_ranges",
         lambda calib, details: dataclasses.replace(
             hook(calib, details),

@@ -61,7 +61,7 @@ def test_every_add_kept_float_leaves_no_add_int8_and_lowers_whole(tmp_path, digi
     assert delegation["ops_outside_on_tensors"] == {} and delegation["delegated_subgraphs"] == 1, delegation
     path = tmp_path / "adds_float.pte"
     path.write_bytes(edge.to_executorch().buffer)
-    out = validation.run_all(executorch.load(path, threads=1), images)
+    out = validation.run_all(executorch.FORMAT.load(path, threads=1), images)
     expected = validation.run_all(quantized, images)
     assert (out - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
     assert psnr[("add",)] >= psnr[()] - 0.5, psnr
@@ -97,7 +97,7 @@ def test_every_add_kept_float_takes_the_relu_fused_after_it_and_lowers_whole(tmp
     assert delegation["ops_outside_on_tensors"] == {} and delegation["delegated_subgraphs"] == 1, delegation
     path = tmp_path / "blocks.pte"
     path.write_bytes(edge.to_executorch().buffer)
-    out = executorch.load(path, threads=1)(example)
+    out = executorch.FORMAT.load(path, threads=1)(example)
     with torch.no_grad():
         expected = quantized(example)
     assert (out - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
@@ -116,7 +116,7 @@ def _int8_pte_against_its_quantized_graph(model, example, tmp_path, method="hist
     edge = to_edge_transform_and_lower(torch.export.export(quantized, (example,)), partitioner=[XnnpackPartitioner()])
     path = tmp_path / "int8.pte"
     path.write_bytes(edge.to_executorch().buffer)
-    out = executorch.load(path, threads=1)(example)
+    out = executorch.FORMAT.load(path, threads=1)(example)
     with torch.no_grad():
         expected = quantized(example)
     assert out.shape == expected.shape
@@ -195,12 +195,13 @@ def test_a_lowering_that_breaks_the_budget_its_graph_met_is_made_again_with_stat
     # a PSNR budget (with the search's 2 dB margin) between the two: static ranges miss it, dynamic ones meet it
     calibration = Calibration(images, budget={"psnr_db": (static + dynamic) / 2 - 2})
 
-    quantization = executorch.export(model, example, "int8", calibration, tmp_path / "ok.pte", {})["quantization"]
+    details = executorch.FORMAT.export(model, example, "int8", calibration, tmp_path / "ok.pte", {})
+    quantization = details["quantization"]
     assert quantization["after"]["ranges"] == "dynamic" and "lowering_fault" not in quantization
     assert quantization["program"]["meets_budget"]
 
     monkeypatch.setattr(pt2e, "_own_dynamic_quantize", lambda module: module)
-    quantization = executorch.export(model, example, "int8", calibration, tmp_path / "x.pte", {})["quantization"]
+    quantization = executorch.FORMAT.export(model, example, "int8", calibration, tmp_path / "x.pte", {})["quantization"]
     fault = quantization["lowering_fault"]
     assert fault["ranges"] == "dynamic" and fault["graph"]["meets_budget"] and not fault["program"]["meets_budget"]
     assert fault["kept"] == "static" and fault["static_program"] == quantization["program"]

@@ -141,7 +141,7 @@ def test_float_reference_from_the_hub_cache_is_verified(quantized_digits, tmp_pa
         weights.load(quantized_digits.weight, quantized_digits.checkpoint)
     loaded = weights.load(quantized_digits.weight, quantized_digits.checkpoint, verify=False)
     assert loaded.reference["kind"] == "unquantized float"
-    assert loaded.reference["checkpoint"]["source"] == "torch-hub-cache"
+    assert loaded.reference["checkpoint"].source == "torch-hub-cache"
     assert loaded.eager is loaded.reference_model and not any(
         p.is_quantized for p in loaded.eager.state_dict().values() if isinstance(p, torch.Tensor)
     )

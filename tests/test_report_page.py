@@ -779,10 +779,10 @@ def test_an_int8_lookup_table_op_is_named_by_what_it_computes(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(1, 3, 16, 16)
     path = tmp_path / "hardswish_int8.pte"
-    executorch.export(
+    executorch.FORMAT.export(
         _Int8Activation(torch.nn.Hardswish()).eval(), x, "int8", [torch.randn(1, 3, 16, 16)] * 2, path, {}
     )
-    profile = executorch.profile(path, x, 1, 1)
+    profile = executorch.FORMAT.profile(path, x, 1, 1)
     if not profile.get("available"):
         pytest.skip(f"no operator profile: {profile.get('reason')}")
     ops = [o["op"] for o in profile["ops"]]

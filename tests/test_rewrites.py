@@ -128,12 +128,12 @@ def test_a_split_convolution_lowers_whole_into_xnnpack(tmp_path):
 
     torch.manual_seed(0)
     model, x = Head(dilations=(12, 24)).eval(), torch.randn(1, 3, 66, 66)  # the branches see 33x33: split
-    details = executorch.export(model, x, "fp32", None, tmp_path / "m.pte", {})
+    details = executorch.FORMAT.export(model, x, "fp32", None, tmp_path / "m.pte", {})
     assert [len(r["parts"]) for r in details["rewrites"]["padding_taps_dropped"]] == [9, 9]
     assert details["delegation"]["delegated_subgraphs"] == 1
     assert set(details["delegation"]["ops_outside_delegate"]) <= {"dim_order_ops__to_dim_order_copy_default", "getitem"}
     with torch.no_grad():
-        torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(executorch.FORMAT.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-4, atol=1e-5)
 
 
 def test_a_global_3d_pool_becomes_a_mean_with_the_same_output_and_other_pools_stay():
@@ -169,11 +169,13 @@ def test_googlenets_input_transform_is_one_multiply_and_add_delegated_whole_with
         assert torch.equal(rewritten(x), model(x))
     assert input_transform_as_affine(get_model("googlenet", weights=None, init_weights=True))[1] == []
 
-    details = executorch.export(model, x[:1], "fp32", None, tmp_path / "m.pte", {})
+    details = executorch.FORMAT.export(model, x[:1], "fp32", None, tmp_path / "m.pte", {})
     assert details["rewrites"]["input_transform_as_affine"] == [""]
     assert set(details["delegation"]["ops_outside_delegate"]) <= {"getitem"}  # before: aten_select_copy_int×3, ...
     with torch.no_grad():
-        torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x[:1]), model(x[:1]), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            executorch.FORMAT.load(tmp_path / "m.pte", 1)(x[:1]), model(x[:1]), rtol=1e-4, atol=1e-5
+        )
 
 
 class DenseStart(nn.Module):
@@ -195,19 +197,19 @@ def test_a_concatenation_of_one_tensor_is_dropped_and_the_pte_is_one_delegate(tm
 
     torch.manual_seed(0)
     model, x = DenseStart().eval(), torch.randn(1, 3, 16, 16)
-    kept = executorch.export(model, x, "fp32", None, tmp_path / "kept.pte", {}, rewrites=False)
+    kept = executorch.FORMAT.export(model, x, "fp32", None, tmp_path / "kept.pte", {}, rewrites=False)
     assert kept["delegation"]["ops_outside_delegate"].get("aten_cat_default") == 1  # what the rewrite is for
     for precision in ("fp32", "int8"):
         path = tmp_path / f"{precision}.pte"
         calibration = [torch.randn(1, 3, 16, 16) for _ in range(8)] if precision == "int8" else None
-        details = executorch.export(model, x, precision, calibration, path, {})
+        details = executorch.FORMAT.export(model, x, precision, calibration, path, {})
         assert details["rewrites"]["single_tensor_cats_dropped"] == 1, details
         assert details["delegation"]["delegated_subgraphs"] == 1 and set(
             details["delegation"]["ops_outside_delegate"]
         ) <= {"getitem"}
         if precision == "fp32":
             with torch.no_grad():
-                torch.testing.assert_close(executorch.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(executorch.FORMAT.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)
 
 
 class Pool(nn.Module):
@@ -275,22 +277,22 @@ def test_inceptions_padded_pool_lowers_into_xnnpack_with_the_same_output(tmp_pat
     kept = {}
     for precision in ("fp32", "int8"):
         path = tmp_path / f"kept_{precision}.pte"
-        details = executorch.export(model, x, precision, calibration, path, {}, rewrites=False)
+        details = executorch.FORMAT.export(model, x, precision, calibration, path, {}, rewrites=False)
         assert details["delegation"]["ops_outside_on_tensors"] == {"avg_pool2d": 1}  # what the rewrite is for
-        kept[precision] = executorch.load(path, 1)(x)
+        kept[precision] = executorch.FORMAT.load(path, 1)(x)
     for precision in ("fp32", "int8"):
         path = tmp_path / f"{precision}.pte"
-        details = executorch.export(model, x, precision, calibration, path, {})
+        details = executorch.FORMAT.export(model, x, precision, calibration, path, {})
         assert details["rewrites"]["padded_avg_pools_as_pad"] == 1, details
         assert details["delegation"]["delegated_subgraphs"] == 1 and set(
             details["delegation"]["ops_outside_delegate"]
         ) <= {"getitem"}
         with torch.no_grad():
             if precision == "fp32":
-                torch.testing.assert_close(executorch.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(executorch.FORMAT.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)
             else:  # the same int8 graph; the pool's float kernel differs (portable, XNNPACK): one step at most
                 step = (kept["int8"].max() - kept["int8"].min()).item() / 255
-                assert (executorch.load(path, 1)(x) - kept["int8"]).abs().max() <= step * 1.01
+                assert (executorch.FORMAT.load(path, 1)(x) - kept["int8"]).abs().max() <= step * 1.01
 
 
 def test_every_kernel_part_is_centred_within_the_tile_and_the_parts_cover_each_tap_once():
@@ -381,13 +383,13 @@ def test_a_7x7_depthwise_runs_on_xnnpacks_depthwise_kernels_with_eagers_output(t
         nn.Conv2d(3, 16, 4, stride=4), nn.Conv2d(16, 16, 7, padding=3, groups=16), nn.Conv2d(16, 8, 1)
     ).eval()
     x = torch.randn(1, 3, 32, 32)
-    kept = executorch.export(model, x, "fp32", None, tmp_path / "kept.pte", {}, rewrites=False)
+    kept = executorch.FORMAT.export(model, x, "fp32", None, tmp_path / "kept.pte", {}, rewrites=False)
     assert "large_depthwise_split" not in kept.get("rewrites", {})
     assert _convolutions(tmp_path / "kept.pte", x) == {"IGEMM": 2}  # the 7x7 too: what the split is for
     for precision in ("fp32", "int8"):
         path = tmp_path / f"{precision}.pte"
         calibration = [torch.randn(1, 3, 32, 32) for _ in range(8)] if precision == "int8" else None
-        details = executorch.export(model, x, precision, calibration, path, {})
+        details = executorch.FORMAT.export(model, x, precision, calibration, path, {})
         assert details["rewrites"]["large_depthwise_split"] == [
             {"module": "1", "kernel": [7, 7], "parts": [[5, 5], [2, 7], [5, 2]]}
         ]
@@ -395,7 +397,7 @@ def test_a_7x7_depthwise_runs_on_xnnpacks_depthwise_kernels_with_eagers_output(t
         assert _convolutions(path, x) == {"IGEMM": 1, "DWConv": 3}, precision  # the stem; the 7x7's three parts
         if precision == "fp32":
             with torch.no_grad():
-                torch.testing.assert_close(executorch.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(executorch.FORMAT.load(path, 1)(x), model(x), rtol=1e-4, atol=1e-5)
 
 
 def _convolutions(path, x) -> dict[str, int]:
@@ -405,7 +407,7 @@ def _convolutions(path, x) -> dict[str, int]:
 
     from exporter.formats import executorch
 
-    profile = executorch.profile(path, x, 1, 1)
+    profile = executorch.FORMAT.profile(path, x, 1, 1)
     if not profile.get("available"):
         pytest.skip(f"no operator profile: {profile.get('reason')}")
     kinds: dict[str, int] = {}
@@ -426,9 +428,9 @@ def test_a_channels_last_example_exports_a_pte_that_computes_the_model(tmp_path)
         nn.Conv2d(3, 8, 3, 2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)
     ).eval()
     x = torch.randn(1, 3, 16, 16)
-    executorch.export(model, x.to(memory_format=torch.channels_last), "fp32", None, tmp_path / "m.pte", {})
+    executorch.FORMAT.export(model, x.to(memory_format=torch.channels_last), "fp32", None, tmp_path / "m.pte", {})
     with torch.no_grad():
-        torch.testing.assert_close(executorch.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(executorch.FORMAT.load(tmp_path / "m.pte", 1)(x), model(x), rtol=1e-4, atol=1e-5)
 
 
 class ShuffleTail(nn.Module):
@@ -458,17 +460,17 @@ def test_chunks_adaptive_pools_and_means_lower_into_xnnpack_with_the_same_output
         kept = {}
         for precision in ("fp32", "int8"):
             path = tmp_path / f"kept_{pool}_{precision}.pte"
-            details = executorch.export(model, x, precision, calibration, path, {}, rewrites=False)
+            details = executorch.FORMAT.export(model, x, precision, calibration, path, {}, rewrites=False)
             outside = details["delegation"]["ops_outside_on_tensors"]  # what the rewrites are for
             assert outside == {"split_with_sizes_copy": 1, "_adaptive_avg_pool2d": 1, "mean": 1}, outside
-            kept[precision] = executorch.load(path, 1)(x)
+            kept[precision] = executorch.FORMAT.load(path, 1)(x)
         for precision in ("fp32", "int8"):
             path = tmp_path / f"{pool}_{precision}.pte"
-            details = executorch.export(model, x, precision, calibration, path, {})
+            details = executorch.FORMAT.export(model, x, precision, calibration, path, {})
             assert details["rewrites"] == expected, details
             assert details["delegation"]["delegated_subgraphs"] == 1, details["delegation"]
             assert set(details["delegation"]["ops_outside_delegate"]) <= {"getitem"}, details["delegation"]
-            out = executorch.load(path, 1)(x)
+            out = executorch.FORMAT.load(path, 1)(x)
             with torch.no_grad():
                 if precision == "fp32":
                     torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
@@ -550,16 +552,16 @@ def test_attention_without_a_mask_lowers_into_xnnpack_with_the_same_output(tmp_p
     kept = {}
     for precision in ("fp32", "int8"):
         path = tmp_path / f"kept_{precision}.pte"
-        details = executorch.export(model, x, precision, calibration, path, {}, rewrites=False)
+        details = executorch.FORMAT.export(model, x, precision, calibration, path, {}, rewrites=False)
         assert guard | {"expand_copy"} <= set(details["delegation"]["ops_outside_on_tensors"]), details["delegation"]
-        kept[precision] = executorch.load(path, 1)(x)
+        kept[precision] = executorch.FORMAT.load(path, 1)(x)
     for precision in ("fp32", "int8"):
         path = tmp_path / f"{precision}.pte"
-        details = executorch.export(model, x, precision, calibration, path, {})
+        details = executorch.FORMAT.export(model, x, precision, calibration, path, {})
         assert details["rewrites"]["attention_as_matmuls"] == 1 and details["rewrites"]["matmuls_as_bmm"] == 2, details
         outside = set(details["delegation"]["ops_outside_on_tensors"])
         assert not outside & (guard | {"expand_copy"}), details["delegation"]  # matmuls lowered as one bmm each
-        out = executorch.load(path, 1)(x)
+        out = executorch.FORMAT.load(path, 1)(x)
         with torch.no_grad():
             if precision == "fp32":
                 torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
@@ -616,10 +618,12 @@ def test_nearest_upsampling_by_whole_factors_lowers_into_xnnpack_with_the_same_o
     outputs = {}
     for precision in ("fp32", "int8"):
         for rewrites in (False, True):
-            details = executorch.export(model, x[:1], precision, calibration, tmp_path / "m.pte", {}, rewrites=rewrites)
+            details = executorch.FORMAT.export(
+                model, x[:1], precision, calibration, tmp_path / "m.pte", {}, rewrites=rewrites
+            )
             outside = details["delegation"]["ops_outside_on_tensors"]
             assert ("upsample_nearest2d" in outside) != rewrites, outside
-            runner = executorch.load(tmp_path / "m.pte", 1)
+            runner = executorch.FORMAT.load(tmp_path / "m.pte", 1)
             with torch.no_grad():
                 outputs[precision, rewrites] = torch.cat([runner(x[i : i + 1]) for i in range(len(x))])
         assert details["rewrites"]["nearest_upsamples_as_deconvs"] == 1

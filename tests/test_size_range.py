@@ -7,6 +7,7 @@ import pytest
 
 from exporter.engine import profiles
 from exporter.engine.plan import make
+from exporter.engine.request import Overrides
 from exporter.engine.validate_sizes import bounds_of, checked_sizes
 from exporter.formats import FORMATS
 
@@ -17,7 +18,7 @@ LRASPP = "LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1"
 
 def test_only_formats_that_take_a_dynamic_size_are_exported_with_one():
     for target in ("android", "ios", "jetson"):
-        profile = profiles.with_overrides(profiles.load(target), size_range=(64, 320))
+        profile = profiles.with_overrides(profiles.load(target), Overrides(size_range=(64, 320)))
         plan = make(profile, "segmentation")
         assert plan.size_range == (64, 320) and plan.describe()["input"]["size_range"] == [64, 320]
         for spec in plan.artifacts:

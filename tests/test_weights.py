@@ -79,7 +79,7 @@ def test_checkpoint_num_classes_and_labels(digits_model):
     loaded = weights.load(digits_model.weight, digits_model.checkpoint, labels_file=digits_model.labels_file)
     assert loaded.num_classes == 10
     assert loaded.labels[3] == "digit 3"
-    assert loaded.checkpoint["verified"] is True
+    assert loaded.checkpoint.verified is True
     assert not loaded.model.training
 
 
@@ -103,7 +103,7 @@ def test_hub_cache_is_used(torch_home, digits_model, monkeypatch):
     with pytest.raises(UsageError, match="hash check"):
         weights.load(digits_model.weight)
     loaded = weights.load(digits_model.weight, verify=False)
-    assert loaded.checkpoint["source"] == "torch-hub-cache"
+    assert loaded.checkpoint.source == "torch-hub-cache"
     assert loaded.num_classes == 10
 
 

@@ -47,24 +47,7 @@ def _distinct(chosen: list[dict]) -> list[dict]:
 
 def target_profile(request: BuildRequest, target: str) -> dict:
     """The target's profile with the request's overrides, checked; the pipeline turns it into a Plan."""
-    return profiles.with_overrides(
-        profiles.load(target),
-        thresholds=request.thresholds,
-        quant_budget=request.quant_budget,
-        fallback=None if request.fallback else False,
-        formats=request.formats,
-        calib_size=request.calib_size,
-        val_size=request.val_size,
-        threads=request.threads,
-        warmup=request.warmup,
-        iterations=request.iterations,
-        arch=request.arch,
-        cpus=request.cpus,
-        count=request.count,
-        input_format=request.input_format,
-        detections=request.detections,
-        size_range=request.size_range,
-    )
+    return profiles.with_overrides(profiles.load(target), request.overrides())
 
 
 def target_refusal(weight: str, target: str, formats=()) -> str | None:

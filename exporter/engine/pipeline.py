@@ -27,7 +27,7 @@ from .plan import ArtifactSpec, Plan, export_order, make_all, make as make_plan
 from ..tasks import Task, image_input
 from ..quant import Calibration
 from ..quant.calibration import BACKEND_SETTINGS
-from .request import BuildRequest
+from .request import BuildRequest, Overrides
 from .cache import BuildCache
 from ..errors import UsageError
 from ..thresholds import MIN_INPUTS
@@ -86,8 +86,8 @@ class BuildContext:
         """What the cache keys hang on: the exact checkpoint, input tensors and what is written with them."""
         labels = self.inputs.labels
         return {
-            "checkpoint": self.loaded.checkpoint["sha256"],
-            "reference": (self.loaded.reference.get("checkpoint") or {}).get("sha256"),
+            "checkpoint": self.loaded.checkpoint.sha256,
+            "reference": getattr(self.loaded.reference.get("checkpoint"), "sha256", None),
             "model": self.loaded.model_name,
             "num_classes": self.loaded.num_classes,
             "task": self.task.describe(),
@@ -232,7 +232,7 @@ def _start_session(
     broken = validation.non_finite_inputs(session.reference)
     if broken:  # nothing can be judged against it: refused before any artifact (or file) is made
         raise UsageError(
-            f"checkpoint {loaded.checkpoint['path']}: eager's outputs are NaN or infinite on {broken} of "
+            f"checkpoint {loaded.checkpoint.path}: eager's outputs are NaN or infinite on {broken} of "
             f"{len(session.reference)} validation inputs; no artifact can be validated against them"
         )
     if inputs.labels is not None:
@@ -789,28 +789,67 @@ def _finish(out: Path, doc: Manifest, progress: Progress, prefix: str = "") -> d
     return doc
 
 
-def run(
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request found buildable on its targets (check_request): what to build, and where."""
+
+    resolved: weights.WeightsEnum
+    task_class: type[Task]
+    plans: list[Plan]
+    classes: list[type[Task]]  # the task class each plan builds (a detector's decode in the graph has its own)
+    calibrated: list[str]  # the artifacts calibrated on the --data images, on any target
+    base: Path
+    outs: list[Path]  # each plan's output directory: `base` itself for one target
+
+    @property
+    def single(self) -> bool:
+        return len(self.plans) == 1
+
+
+def check_request(
     request: BuildRequest, targets: list[dict], cache_root: Path | None, progress: Progress
-) -> tuple[Path, list[dict]]:
-    """Build the target profiles in `targets`, sharing one model load, one calibration set and one eager run;
-    returns the output directory and the manifests. See build.build_targets."""
-    # Everything that can be wrong with the request is checked before anything is written, and what needs no
-    # checkpoint before one is downloaded.
+) -> CheckedRequest:
+    """Everything that can be wrong with the request, refused (UsageError) before anything is written, and what
+    needs no checkpoint before one is downloaded."""
     resolved = weights.resolve(request.weight)
     task_class = weights.task_class(resolved)
     plans, classes = _plans_by_decode(request, resolved, task_class, targets)
-    single = len(plans) == 1
     refusals = [whole_target_refusal(resolved, cls, plan) for cls, plan in zip(classes, plans)]
     if all(refusals):  # a target that makes nothing beside one that does says why in its manifest
-        why = refusals[0] if single else "; ".join(f"{p.target}: {r}" for p, r in zip(plans, refusals))
+        why = refusals[0] if len(plans) == 1 else "; ".join(f"{p.target}: {r}" for p, r in zip(plans, refusals))
         raise UsageError(
             f"{weights.canonical_name(resolved)} makes no artifact for target "
             f"{', '.join(p.target for p in plans)}: {why}"
         )
     if task_class.image_bytes_refusal and any(plan.input_format == image_input.BYTES for plan in plans):
         raise UsageError(f"--input-format {image_input.BYTES}: {task_class.image_bytes_refusal}")
-    calibrated = []  # the artifacts calibrated on the --data images, on any target
-    quantized = weights.is_quantized(resolved)
+    calibrated = _check_calibration(plans, classes, weights.is_quantized(resolved))
+    input_size = task_class.input_size_of(resolved, weights.model_name_of(resolved), request.input_size)
+    for plan in plans:
+        _check_size_range(plan, task_class, input_size)
+    if request.data is not None and not Path(request.data).is_dir():
+        raise UsageError(f"--data {request.data} is not a directory")
+    base = Path(request.out or default_out(weights.canonical_name(resolved), [p.target for p in plans]))
+    outs = [base] if len(plans) == 1 else [base / p.target for p in plans]
+    for out in [base] if len(plans) == 1 else [base, *outs]:
+        files.check_out_dir(out, request.force)
+    problem = files.unwritable(cache_root) if cache_root is not None else None
+    if problem:  # found now, not when the first result is stored
+        raise UsageError(
+            f"the exporter's cache {cache_root} ($EXPORTER_CACHE or ~/.cache/exporter) is not writable ({problem}); "
+            "set EXPORTER_CACHE to a writable folder or pass --no-cache"
+        )
+    if _on_aarch64(plans):  # offline with no counting qemu cached: refused before any file
+        from .count_on_arm import check_before_build
+
+        check_before_build(plans, request, progress)  # no counts here: said now, not after the build
+    return CheckedRequest(resolved, task_class, plans, classes, calibrated, base, outs)
+
+
+def _check_calibration(plans: list[Plan], classes: list[type[Task]], quantized: bool) -> list[str]:
+    """Each target's options checked (_preflight), and its int8 artifacts refused when --calib-size 0 leaves them no
+    calibration images; returns the artifacts calibrated on the --data images, on any target."""
+    calibrated = []
     for plan, cls in zip(plans, classes):
         _preflight(plan)
         labels = (
@@ -825,28 +864,45 @@ def run(
                 f"target {plan.target}: {', '.join(labels)} need calibration images; --calib-size 0 gives none"
             )
         calibrated += [label for label in labels if label not in calibrated]
-    input_size = task_class.input_size_of(resolved, weights.model_name_of(resolved), request.input_size)
-    for plan in plans:
-        _check_size_range(plan, task_class, input_size)
-    if request.data is not None and not Path(request.data).is_dir():
-        raise UsageError(f"--data {request.data} is not a directory")
-    base = Path(request.out or default_out(weights.canonical_name(resolved), [p.target for p in plans]))
-    outs = [base] if single else [base / p.target for p in plans]
-    for out in [base] if single else [base, *outs]:
-        files.check_out_dir(out, request.force)
-    problem = files.unwritable(cache_root) if cache_root is not None else None
-    if problem:  # found now, not when the first result is stored
-        raise UsageError(
-            f"the exporter's cache {cache_root} ($EXPORTER_CACHE or ~/.cache/exporter) is not writable ({problem}); "
-            "set EXPORTER_CACHE to a writable folder or pass --no-cache"
-        )
-    if any("aarch64" in plan.validate.arches for plan in plans):  # offline with none cached: refused before any file
-        from .. import aarch64
-        from .count_on_arm import check_before_build
+    return calibrated
 
-        check_before_build(plans, request, progress)  # no counts here: said now, not after the build
+
+def _on_aarch64(plans: list[Plan]) -> bool:
+    return any("aarch64" in plan.validate.arches for plan in plans)
+
+
+def run(
+    request: BuildRequest, targets: list[dict], cache_root: Path | None, progress: Progress
+) -> tuple[Path, list[dict]]:
+    """Build the target profiles in `targets`, sharing one model load, one calibration set and one eager run;
+    returns the output directory and the manifests. See build.build_targets."""
+    checked = check_request(request, targets, cache_root, progress)
+    if _on_aarch64(checked.plans):
+        from .. import aarch64
+
         with progress.step("aarch64 runner"):
             aarch64.prepare(request.cache_dir, progress, offline=request.offline or None, root=request.aarch64_runners)
+    loaded, inputs = _load_weight_and_data(request, checked, progress)
+    sessions = _shared_sessions(request, checked, loaded, inputs, cache_root, progress)
+    docs = []
+    for plan, cls, out in zip(checked.plans, checked.classes, checked.outs):
+        shared = sessions[cls]
+        session = dataclasses.replace(shared, plan=plan, x86_outputs={})
+        session.digests = shared.digests  # hashing the inputs once is enough
+        if session.bytes_in:
+            session.byte_inputs = shared.byte_inputs
+        prefix = "" if checked.single else f"{plan.target}: "
+        docs.append(_whole_or_none(out, functools.partial(_build_one, request, session, out, progress, prefix)))
+    if not checked.single:
+        files.write_text(checked.base / "report.html", html_report.render(docs, checked.outs))
+    return checked.base, docs
+
+
+def _load_weight_and_data(
+    request: BuildRequest, checked: CheckedRequest, progress: Progress
+) -> tuple[weights.LoadedModel, data.Inputs]:
+    """The weight (the checkpoint downloaded if need be) and the calibration and validation inputs, refused when
+    too few; a checkpoint without class names takes the --data folder's when they are as many."""
     with progress.step("load weights"):
         loaded = weights.load(
             request.weight,
@@ -857,32 +913,34 @@ def run(
             progress,
             request.float_checkpoint,
         )
-    task = task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
+    task = checked.task_class.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
     with progress.step("load data"):
-        inputs = data.load_inputs(request.data, task, loaded.weights, plans[0].data, loaded.labels)
-    _check_enough(inputs, request.data, calibrated, plans[0].data.calib_size)
+        inputs = data.load_inputs(request.data, task, loaded.weights, checked.plans[0].data, loaded.labels)
+    _check_enough(inputs, request.data, checked.calibrated, checked.plans[0].data.calib_size)
     if request.labels is None and inputs.classes and len(inputs.classes) == loaded.num_classes:
         if loaded.labels == [f"class_{i}" for i in range(loaded.num_classes)]:
             loaded.labels = list(inputs.classes)
-    sessions = {}  # task class -> the session its targets share (a detector's decode in the graph has its own eager)
-    for cls in dict.fromkeys(classes):
-        graph = loaded if cls is task_class else _decoding_in_graph(loaded, cls)
+    return loaded, inputs
+
+
+def _shared_sessions(
+    request: BuildRequest,
+    checked: CheckedRequest,
+    loaded: weights.LoadedModel,
+    inputs: data.Inputs,
+    cache_root: Path | None,
+    progress: Progress,
+) -> dict[type[Task], BuildContext]:
+    """Task class -> the session (eager reference included) its targets share: a detector's decode in the graph has
+    its own eager."""
+    sessions = {}
+    for cls in dict.fromkeys(checked.classes):
+        graph = loaded if cls is checked.task_class else _decoding_in_graph(loaded, cls)
         bound = cls.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
-        sessions[cls] = _start_session(graph, bound, inputs, plans[0], progress, BuildCache(cache_root))
-        if any(plan.input_format == image_input.BYTES for plan in plans):
+        sessions[cls] = _start_session(graph, bound, inputs, checked.plans[0], progress, BuildCache(cache_root))
+        if any(plan.input_format == image_input.BYTES for plan in checked.plans):
             sessions[cls].byte_inputs  # noqa: B018 - inputs that are not whole bytes are refused before any file
-    docs = []
-    for plan, cls, out in zip(plans, classes, outs):
-        shared = sessions[cls]
-        session = dataclasses.replace(shared, plan=plan, x86_outputs={})
-        session.digests = shared.digests  # hashing the inputs once is enough
-        if session.bytes_in:
-            session.byte_inputs = shared.byte_inputs
-        prefix = "" if single else f"{plan.target}: "
-        docs.append(_whole_or_none(out, functools.partial(_build_one, request, session, out, progress, prefix)))
-    if not single:
-        files.write_text(base / "report.html", html_report.render(docs, outs))
-    return base, docs
+    return sessions
 
 
 def _whole_or_none(out: Path, build):
@@ -1104,7 +1162,7 @@ def validate(
         "input": doc.target.get("input", {}),
         "detection": {k: v for k, v in doc.target.get("detection", {}).items() if k == "decode"},
     }
-    profile = profiles.with_overrides(profile, thresholds=list(thresholds))
+    profile = profiles.with_overrides(profile, Overrides(thresholds=tuple(thresholds)))
     profiles.check_precisions([profile], thresholds)
     plan = make_plan(profile, doc.task["name"])
     _preflight(plan)
@@ -1112,10 +1170,10 @@ def validate(
         recorded = doc.checkpoint
         reference = (doc.eager.get("reference") or {}).get("checkpoint") or {}
         loaded = weights.load(
-            doc.weight["name"], checkpoint or recorded["path"], verify=False, float_checkpoint=reference.get("path")
+            doc.weight["name"], checkpoint or recorded.path, verify=False, float_checkpoint=reference.get("path")
         )
-        if loaded.checkpoint["sha256"] != recorded["sha256"]:
-            raise UsageError(f"checkpoint {loaded.checkpoint['path']} is not the one this build used (sha256 differs)")
+        if loaded.checkpoint.sha256 != recorded.sha256:
+            raise UsageError(f"checkpoint {loaded.checkpoint.path} is not the one this build used (sha256 differs)")
     in_graph = loaded.task_class.for_decode(plan.detection_decode)
     if in_graph is not loaded.task_class:
         loaded = _decoding_in_graph(loaded, in_graph)

@@ -13,6 +13,7 @@ from ..errors import UsageError
 from ..formats import FORMATS
 from ..quant import ONNX_CALIBRATIONS, SETTINGS as QUANT_SETTINGS
 from ..thresholds import FRACTIONS, MIN_INPUTS, TASK_KEYS, THRESHOLD_KEYS
+from .request import Overrides
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "targets"
 SECTIONS = {
@@ -326,32 +327,16 @@ def parse_quant_budget(text: str) -> tuple[str, object]:
     raise UsageError(f"--quant-budget {text!r}: unknown key '{key}'; allowed: {', '.join(allowed)} (and --no-fallback)")
 
 
-def with_overrides(
-    profile: dict,
-    thresholds: list[str] = (),
-    quant_budget: list[str] = (),
-    fallback: bool | None = None,
-    formats: list[str] = (),
-    calib_size: int | None = None,
-    val_size: int | None = None,
-    threads: int | None = None,
-    warmup: int | None = None,
-    iterations: int | None = None,
-    arch: list[str] = (),
-    cpus: list[str] = (),
-    count: bool | None = None,
-    input_format: str | None = None,
-    detections: str | None = None,
-    size_range: tuple[int, int] | None = None,
-) -> dict:
-    """The profile with the CLI's overrides; `arch` adds architectures to [validate] arch, `cpus` replaces its cpus,
-    `count` its count, `input_format` its [input] format, `detections` its [detection] decode, `size_range` its [input] size_range."""
+def with_overrides(profile: dict, changes: Overrides) -> dict:
+    """The profile with the request's `changes`: `arch` adds architectures to [validate] arch, `cpus` replaces its
+    cpus, `count` its count, `input_format` its [input] format, `detections` its [detection] decode, `size_range` its
+    [input] size_range."""
     profile = copy.deepcopy(profile)
     overrides = profile.setdefault("overrides", {})
-    _override_thresholds(profile, thresholds)
-    overrides["thresholds"] = [*overrides.get("thresholds", []), *thresholds]
-    if formats:
-        wanted = {f.strip() for f in formats}
+    _override_thresholds(profile, changes.thresholds)
+    overrides["thresholds"] = [*overrides.get("thresholds", []), *changes.thresholds]
+    if changes.formats:
+        wanted = {f.strip() for f in changes.formats}
         keep = [a for a in profile["artifacts"] if a["format"] in wanted or f"{a['format']}:{a['precision']}" in wanted]
         if not keep:
             choices = sorted({f"{a['format']}:{a['precision']}" for a in profile["artifacts"]})
@@ -360,28 +345,29 @@ def with_overrides(
             )
         profile["artifacts"] = keep
     quantization = profile.setdefault("quantization", {})
-    for text in quant_budget:
+    for text in changes.quant_budget:
         key, value = parse_quant_budget(text)
         if key in THRESHOLD_KEYS:
             quantization.setdefault("budget", {})[key] = value
         else:
             quantization[key] = value
-    if fallback is not None:
-        quantization["fallback"] = fallback
+    if changes.fallback is not None:
+        quantization["fallback"] = changes.fallback
     for section, key, value in (
-        ("data", "calib_size", calib_size),
-        ("data", "val_size", val_size),
-        ("latency", "threads", threads),
-        ("latency", "warmup", warmup),
-        ("latency", "iterations", iterations),
-        ("validate", "count", count),
-        ("input", "format", input_format),
-        ("detection", "decode", detections),
-        ("input", "size_range", list(size_range) if size_range else None),
+        ("data", "calib_size", changes.calib_size),
+        ("data", "val_size", changes.val_size),
+        ("latency", "threads", changes.threads),
+        ("latency", "warmup", changes.warmup),
+        ("latency", "iterations", changes.iterations),
+        ("validate", "count", changes.count),
+        ("input", "format", changes.input_format),
+        ("detection", "decode", changes.detections),
+        ("input", "size_range", list(changes.size_range) if changes.size_range else None),
     ):
         if value is not None:
             profile.setdefault(section, {})[key] = value
             overrides.setdefault(section, {})[key] = value
+    arch, cpus = changes.arch, changes.cpus
     if arch or cpus:
         validate = profile.setdefault("validate", {})
         validate["arch"] = list(

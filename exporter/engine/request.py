@@ -6,6 +6,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+@dataclass(frozen=True)
+class Overrides:
+    """What a request changes in a target's profile (profiles.with_overrides); None or empty: the profile's own."""
+
+    thresholds: tuple[str, ...] = ()  # [PRECISION.]KEY=VALUE
+    quant_budget: tuple[str, ...] = ()  # KEY=VALUE: int8 budget keys or [quantization] settings
+    fallback: bool | None = None  # False: plain PTQ, no layers kept in float
+    formats: tuple[str, ...] = ()  # only these artifacts: FORMAT or FORMAT:PRECISION
+    calib_size: int | None = None
+    val_size: int | None = None
+    threads: int | None = None
+    warmup: int | None = None
+    iterations: int | None = None
+    arch: tuple[str, ...] = ()  # added to [validate] arch
+    cpus: tuple[str, ...] = ()  # replace [validate] cpus
+    count: bool | None = None  # [validate] count
+    input_format: str | None = None  # [input] format
+    detections: str | None = None  # [detection] decode
+    size_range: tuple[int, int] | None = None  # [input] size_range
+
+
 @dataclass
 class BuildRequest:
     weight: str
@@ -40,3 +61,23 @@ class BuildRequest:
     input_size: tuple[int, int] | None = (
         None  # (H, W) of a segmentation graph; default: the weight's resize size, square
     )
+
+    def overrides(self) -> Overrides:
+        """What this request changes in each target's profile (a fallback left on is the profile's own)."""
+        return Overrides(
+            thresholds=tuple(self.thresholds),
+            quant_budget=tuple(self.quant_budget),
+            fallback=None if self.fallback else False,
+            formats=tuple(self.formats),
+            calib_size=self.calib_size,
+            val_size=self.val_size,
+            threads=self.threads,
+            warmup=self.warmup,
+            iterations=self.iterations,
+            arch=tuple(self.arch),
+            cpus=tuple(self.cpus),
+            count=self.count,
+            input_format=self.input_format,
+            detections=self.detections,
+            size_range=self.size_range,
+        )

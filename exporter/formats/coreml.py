@@ -33,14 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from ..errors import UsageError
+from ..precision import Precision
 from . import RuntimeUnavailable
 from .interface import Format, SharedProxy
 from .rewrites import global_pool3d_as_mean, rel_pos_within_rank5
-
-NAME = "coreml"
-SUFFIX = ".mlpackage"
-PRECISIONS = ("fp16", "fp32")  # Core ML compute precision
-OPTIONS = ("deployment_target", "input", "compression", "nbits")
 
 INPUTS = ("image", "tensor")
 COMPRESSIONS = ("none", "w8", "palettize")
@@ -103,27 +99,6 @@ def _ios_version(deployment_target: str) -> int:
         known = ", ".join(f"iOS{v}" for v in IOS_TARGETS)
         raise UsageError(f"coreml: unknown deployment target {deployment_target!r}; choose from {known}")
     return int(match.group(1))
-
-
-def preflight(precision, deployment_target=DEFAULT_TARGET, input="image", compression="none", nbits=None) -> None:
-    version = _ios_version(deployment_target)
-    if version < 15:
-        raise UsageError(f"coreml: deployment target {deployment_target} is too old; ML programs need iOS15 or later")
-    if input not in INPUTS:
-        raise UsageError(f"coreml: input must be one of {', '.join(INPUTS)}, got {input!r}")
-    if compression not in COMPRESSIONS:
-        raise UsageError(f"coreml: unknown compression {compression!r}; choose from {', '.join(COMPRESSIONS)}")
-    if nbits is not None and (isinstance(nbits, bool) or nbits not in PALETTE_NBITS):
-        raise UsageError(f"coreml: nbits must be one of {', '.join(map(str, PALETTE_NBITS))}, got {nbits!r}")
-    if compression == "palettize" and nbits is None:
-        raise UsageError("coreml: compression=palettize needs nbits")
-    # coremltools would silently raise the package's deployment target instead of refusing
-    if compression != "none" and version < 16:
-        raise UsageError(
-            f"coreml: compression={compression} needs deployment target iOS16 or later, got {deployment_target}"
-        )
-    if compression == "palettize" and nbits == 3 and version < 18:
-        raise UsageError(f"coreml: 3-bit palettization needs deployment target iOS18 or later, got {deployment_target}")
 
 
 def _output(meta) -> dict:
@@ -204,7 +179,7 @@ def _convert(model, example, precision, meta, deployment_target, input):
     with torch.no_grad():
         exported = _convertible(torch.export.export(wrapper, (example,)).run_decompositions({}))
     target = getattr(ct.target, f"iOS{_ios_version(deployment_target)}")
-    compute_precision = ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32
+    compute_precision = ct.precision.FLOAT16 if precision == Precision.FP16 else ct.precision.FLOAT32
     if per_pixel:
         return ct.convert(
             exported,
@@ -558,44 +533,6 @@ def _spec_check(path: Path, precision, meta, options, output_shape) -> dict:
     }
 
 
-def export(
-    model,
-    example,
-    precision,
-    calib,
-    path: Path,
-    meta: dict,
-    deployment_target=DEFAULT_TARGET,
-    input="image",
-    compression="none",
-    nbits=None,
-) -> dict:
-    preflight(precision, deployment_target, input, compression, nbits)
-    if input == "image" and example.dim() != 4:  # an image input is one frame: a clip (N, 3, T, H, W) is a tensor
-        input = "tensor"
-    options = {
-        "deployment_target": deployment_target,
-        "input": input,
-        "compression": compression,
-        "nbits": nbits if compression == "palettize" else None,
-    }
-    image_size = _image_size(meta["preprocessing"], example)
-    model, pooled = global_pool3d_as_mean(model)
-    with _scratch_beside(Path(path)), _without_progress_bars():  # reading the package back draws bars too
-        with rel_pos_within_rank5(model) as rel_pos:
-            mlmodel = _compress(_convert(model, example, precision, meta, deployment_target, input), compression, nbits)
-        with torch.no_grad():  # after _convert, which put the model in eval mode
-            output_shape = list(model(example).shape)
-        _describe(mlmodel, precision, meta, options, image_size, output_shape)
-        mlmodel.save(str(path))
-        _make_reproducible(Path(path))
-        details = _spec_check(path, precision, meta, options, output_shape)
-    rewritten = {"adaptive_avg_pool3d_as_mean": pooled, "relative_positions_within_rank5": rel_pos}
-    if any(rewritten.values()):
-        details["rewrites"] = {name: done for name, done in rewritten.items() if done}
-    return details
-
-
 def _make_reproducible(package: Path) -> None:
     """Rewrites the two files of a saved package that differ between identical conversions.
 
@@ -635,32 +572,6 @@ def _user_metadata(path: Path) -> dict:
 
     user = ct.models.MLModel(str(path), skip_model_load=True).user_defined_metadata
     return {k[len(METADATA_PREFIX) :]: v for k, v in user.items() if k.startswith(METADATA_PREFIX)}
-
-
-def load(path: Path, threads: int):
-    """On macOS: feeds what an app feeds (an 8-bit RGB image, or the tensor) and returns the
-    package's scores output (`logits`: (1, C), or (1, C, H, W) per pixel), compared with eager's
-    like every other format. Core ML has no thread setting; `threads` does not apply."""
-    if sys.platform != "darwin":
-        raise RuntimeUnavailable(f"Core ML predict needs macOS; this host is {sys.platform}")
-    import coremltools as ct
-    from PIL import Image
-
-    info = _user_metadata(path)
-    mlmodel = ct.models.MLModel(str(path), compute_units=ct.ComputeUnit.ALL)
-    output = info.get("output", LOGITS_OUTPUT)
-    if info["input"] == "tensor":
-        return lambda x: torch.from_numpy(np.asarray(mlmodel.predict({"input": x.numpy()})[output], dtype=np.float32))
-    pre = json.loads(info["preprocessing"])
-    mean = torch.tensor(pre["mean"]).view(-1, 1, 1)
-    std = torch.tensor(pre["std"]).view(-1, 1, 1)
-
-    def run(x):
-        pixels = ((x[0] * std + mean) * 255).round().clamp(0, 255).to(torch.uint8)
-        image = Image.fromarray(pixels.permute(1, 2, 0).numpy(), mode="RGB")
-        return torch.from_numpy(np.asarray(mlmodel.predict({"image": image})[output], dtype=np.float32))
-
-    return run
 
 
 def _with_package_weights(model: nn.Module, layers: list[dict]) -> nn.Module:
@@ -706,24 +617,6 @@ def _with_package_weights(model: nn.Module, layers: list[dict]) -> nn.Module:
                     else torch.from_numpy(package_bias.astype(np.float32))
                 )
     return fused
-
-
-def proxies(path: Path, model: nn.Module) -> dict:
-    """Numerical stand-ins on hosts without Core ML; they are not Core ML's results.
-
-    weights: eager PyTorch (fp32) with the package's decompressed weights, so the effect of
-             fp16 storage and of the compression is measured, not fp16 arithmetic.
-    fp16:    the eager model with every weight and op result rounded to float16 (fp16 packages only).
-    """
-    import coremltools as ct
-
-    mlmodel = ct.models.MLModel(str(path), skip_model_load=True)
-    with _scratch_beside(Path(path)), _without_progress_bars():
-        weighted = _with_package_weights(model, _layer_weights(mlmodel))
-    runners = {"weights": lambda x: weighted(x)}
-    if _user_metadata(path)["compute_precision"] == "fp16":
-        runners["fp16"] = EagerFp16(model)
-    return runners
 
 
 class EagerFp16(SharedProxy):
@@ -777,22 +670,124 @@ class _RoundedToHalf(TorchDispatchMode):
         )
 
 
-# Each method calls the module's function of the same name, looked up when called (tests patch them there).
 class CoreMLFormat(Format):
-    name, suffix, precisions, options = NAME, SUFFIX, PRECISIONS, OPTIONS
+    """A Core ML ML program package: preflight, export, load (macOS only) and the proxies that stand in for it
+    elsewhere."""
+
+    name, suffix = "coreml", ".mlpackage"
+    precisions = (Precision.FP16, Precision.FP32)  # Core ML compute precision
+    options = ("deployment_target", "input", "compression", "nbits")
     proxies_version = 2  # 2: the fp16 proxy emulates half precision in float32 (1: ran it in CPU half kernels)
 
-    def preflight(self, precision, **options) -> None:
-        preflight(precision, **options)
+    def preflight(
+        self, precision, deployment_target=DEFAULT_TARGET, input="image", compression="none", nbits=None
+    ) -> None:
+        version = _ios_version(deployment_target)
+        if version < 15:
+            raise UsageError(
+                f"coreml: deployment target {deployment_target} is too old; ML programs need iOS15 or later"
+            )
+        if input not in INPUTS:
+            raise UsageError(f"coreml: input must be one of {', '.join(INPUTS)}, got {input!r}")
+        if compression not in COMPRESSIONS:
+            raise UsageError(f"coreml: unknown compression {compression!r}; choose from {', '.join(COMPRESSIONS)}")
+        if nbits is not None and (isinstance(nbits, bool) or nbits not in PALETTE_NBITS):
+            raise UsageError(f"coreml: nbits must be one of {', '.join(map(str, PALETTE_NBITS))}, got {nbits!r}")
+        if compression == "palettize" and nbits is None:
+            raise UsageError("coreml: compression=palettize needs nbits")
+        # coremltools would silently raise the package's deployment target instead of refusing
+        if compression != "none" and version < 16:
+            raise UsageError(
+                f"coreml: compression={compression} needs deployment target iOS16 or later, got {deployment_target}"
+            )
+        if compression == "palettize" and nbits == 3 and version < 18:
+            raise UsageError(
+                f"coreml: 3-bit palettization needs deployment target iOS18 or later, got {deployment_target}"
+            )
 
-    def export(self, model, example, precision, calib, path: Path, meta: dict, **options) -> dict:
-        return export(model, example, precision, calib, path, meta, **options)
+    def export(
+        self,
+        model,
+        example,
+        precision,
+        calib,
+        path: Path,
+        meta: dict,
+        deployment_target=DEFAULT_TARGET,
+        input="image",
+        compression="none",
+        nbits=None,
+    ) -> dict:
+        self.preflight(precision, deployment_target, input, compression, nbits)
+        if input == "image" and example.dim() != 4:  # an image input is one frame: a clip (N, 3, T, H, W) is a tensor
+            input = "tensor"
+        options = {
+            "deployment_target": deployment_target,
+            "input": input,
+            "compression": compression,
+            "nbits": nbits if compression == "palettize" else None,
+        }
+        image_size = _image_size(meta["preprocessing"], example)
+        model, pooled = global_pool3d_as_mean(model)
+        with _scratch_beside(Path(path)), _without_progress_bars():  # reading the package back draws bars too
+            with rel_pos_within_rank5(model) as rel_pos:
+                mlmodel = _compress(
+                    _convert(model, example, precision, meta, deployment_target, input), compression, nbits
+                )
+            with torch.no_grad():  # after _convert, which put the model in eval mode
+                output_shape = list(model(example).shape)
+            _describe(mlmodel, precision, meta, options, image_size, output_shape)
+            mlmodel.save(str(path))
+            _make_reproducible(Path(path))
+            details = _spec_check(path, precision, meta, options, output_shape)
+        rewritten = {"adaptive_avg_pool3d_as_mean": pooled, "relative_positions_within_rank5": rel_pos}
+        if any(rewritten.values()):
+            details["rewrites"] = {name: done for name, done in rewritten.items() if done}
+        return details
 
     def load(self, path: Path, threads: int):
-        return load(path, threads)
+        """On macOS: feeds what an app feeds (an 8-bit RGB image, or the tensor) and returns the
+        package's scores output (`logits`: (1, C), or (1, C, H, W) per pixel), compared with eager's
+        like every other format. Core ML has no thread setting; `threads` does not apply."""
+        if sys.platform != "darwin":
+            raise RuntimeUnavailable(f"Core ML predict needs macOS; this host is {sys.platform}")
+        import coremltools as ct
+        from PIL import Image
+
+        info = _user_metadata(path)
+        mlmodel = ct.models.MLModel(str(path), compute_units=ct.ComputeUnit.ALL)
+        output = info.get("output", LOGITS_OUTPUT)
+        if info["input"] == "tensor":
+            return lambda x: torch.from_numpy(
+                np.asarray(mlmodel.predict({"input": x.numpy()})[output], dtype=np.float32)
+            )
+        pre = json.loads(info["preprocessing"])
+        mean = torch.tensor(pre["mean"]).view(-1, 1, 1)
+        std = torch.tensor(pre["std"]).view(-1, 1, 1)
+
+        def run(x):
+            pixels = ((x[0] * std + mean) * 255).round().clamp(0, 255).to(torch.uint8)
+            image = Image.fromarray(pixels.permute(1, 2, 0).numpy(), mode="RGB")
+            return torch.from_numpy(np.asarray(mlmodel.predict({"image": image})[output], dtype=np.float32))
+
+        return run
 
     def proxies(self, path: Path, model: nn.Module) -> dict:
-        return proxies(path, model)
+        """Numerical stand-ins on hosts without Core ML; they are not Core ML's results.
+
+        weights: eager PyTorch (fp32) with the package's decompressed weights, so the effect of
+                 fp16 storage and of the compression is measured, not fp16 arithmetic.
+        fp16:    the eager model with every weight and op result rounded to float16 (fp16 packages only).
+        """
+        import coremltools as ct
+
+        mlmodel = ct.models.MLModel(str(path), skip_model_load=True)
+        with _scratch_beside(Path(path)), _without_progress_bars():
+            weighted = _with_package_weights(model, _layer_weights(mlmodel))
+        runners = {"weights": lambda x: weighted(x)}
+        if _user_metadata(path)["compute_precision"] == Precision.FP16:
+            runners["fp16"] = EagerFp16(model)
+        return runners
 
 
 FORMAT = CoreMLFormat()

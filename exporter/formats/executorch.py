@@ -7,14 +7,10 @@ from pathlib import Path
 
 import torch
 
+from ..precision import Precision
 from . import dynamic_size
 from .interface import Format
 from .memory import native_stderr_silenced as _native_stderr_silenced  # the runtime's C++ logging goes to fd 2
-
-NAME = "executorch"
-SUFFIX = ".pte"
-OPTIONS = ("size_range",)
-PRECISIONS = ("fp32", "int8")
 
 
 class _TorchaoEnumNotice(logging.Filter):
@@ -58,88 +54,6 @@ def _outside_on_tensors(graph_module) -> dict:
         name = parts[1] if len(parts) >= 3 else parts[0]
         counts[name] = counts.get(name, 0) + 1
     return counts
-
-
-def export(model, example, precision, calib, path: Path, meta: dict, rewrites: bool = True, size_range=None) -> dict:
-    """rewrites=False lowers the graph as it is (make bench times both, to show what formats.rewrites buys).
-    size_range="MIN:MAX": a program for any height and width in it (segmentation); the rewrites read the example's
-    size (the padding a dilated tap reads, an adaptive pool's window), so they are left out, and XNNPACK leaves a
-    bilinear resize of dynamic size to ExecuTorch's portable kernel (details.delegation lists it outside).
-    An int8 program is scored on the search's check images once lowered (details.quantization.program). When
-    ranges chosen per inference met the budget in the graph and the program misses it by more than a rounding,
-    ExecuTorch's lowering changed the numbers: the program is made again from a search with static ranges only,
-    and the better of the two programs on the check images is kept."""
-    import dataclasses
-
-    from ..quant import as_calibration
-    from ..quant.pt2e import Pt2eBackend
-    from ..quant.search import better, lowered_quality, lowering_broke
-
-    sides = dynamic_size.bounds(size_range)
-    rewrites = rewrites and not sides
-    details = _lower(model, example, precision, calib, path, rewrites, sides)
-    report = details.get("quantization")
-    if report is None:
-        return details
-    calibration = as_calibration(calib)
-    report["program"] = program = lowered_quality(model, lambda: load(path), calibration)
-    graph = report.get("after") or {}
-    if graph.get("ranges") not in Pt2eBackend.fallback_range_methods or not lowering_broke(graph, program):
-        return details
-    calibration.log(
-        f"  int8 .pte: its graph met the budget ({_db(graph['psnr_db'])}) and the lowered program missed "
-        f"it ({_db(program['psnr_db'])}): made again with static ranges"
-    )
-    first = path.read_bytes()
-    static = dataclasses.replace(calibration, settings={**calibration.settings, "dynamic_ranges": False})
-    remade = _lower(model, example, precision, static, path, rewrites, sides)
-    remade_report = remade["quantization"]
-    remade_report["program"] = lowered_quality(model, lambda: load(path), calibration)
-    keep_remade = better(remade_report["program"], program)
-    fault = {
-        "ranges": graph["ranges"],
-        "graph": graph,
-        "program": program,
-        "static_program": remade_report["program"],
-        "kept": "static" if keep_remade else graph["ranges"],
-        "note": f"ExecuTorch lowered the int8 graph with {graph['ranges']} ranges to a program that missed the "
-        "budget its graph met; a program was made again from a search with static ranges only, and the "
-        "better of the two on the check images is the artifact",
-    }
-    if not keep_remade:
-        path.write_bytes(first)
-        report["lowering_fault"] = fault
-        return details
-    remade_report.update(
-        lowering_fault=fault,
-        dynamic_ranges=calibration.settings.get("dynamic_ranges", True),
-        seconds=round(remade_report["seconds"] + report["seconds"], 1),
-    )
-    return remade
-
-
-def per_inference_ranges(calib, details: dict):
-    """The calibration that makes this int8 program again with ranges chosen per inference, or None: when its ranges
-    were calibrated on images and ranges per inference are allowed (not when they were lowered wrong). For inputs
-    the calibration images did not cover (EfficientNet-V2-M trained on the digits: squeeze-and-excitation gates
-    that 6 validation digits drive 150x past their calibrated ranges)."""
-    import dataclasses
-
-    from ..quant import as_calibration
-    from ..quant.calibration import STATIC_RANGES
-    from ..quant.pt2e import Pt2eBackend
-
-    report = details.get("quantization") or {}
-    ranges = (report.get("after") or {}).get("ranges")
-    if (
-        not report.get("fallback")
-        or not report.get("dynamic_ranges")
-        or report.get("lowering_fault")
-        or ranges in Pt2eBackend.fallback_range_methods
-    ):
-        return None
-    calibration = as_calibration(calib)
-    return dataclasses.replace(calibration, settings={**calibration.settings, STATIC_RANGES: False})
 
 
 def _db(value) -> str:
@@ -186,7 +100,7 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool, sides=N
     exported, adaptive = adaptive_pools_as_pools(exported) if rewrites else (exported, 0)
     exported, means = means_keeping_dims(exported) if rewrites else (exported, 0)
     exported, chunks = chunks_as_slices(exported) if rewrites else (exported, 0)
-    if precision == "int8":  # quantized from the rewritten graph: a pad before a pool shares its input's int8
+    if precision == Precision.INT8:  # quantized from the rewritten graph: a pad before a pool shares its input's int8
         backend = Pt2eBackend(model, example, exported)
         quantized, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))
         with torch.no_grad():
@@ -224,21 +138,6 @@ def runtime_version() -> str:
     return version("executorch")
 
 
-def load(path: Path, threads: int | None = None):
-    """threads=None: the runtime's pool as it is (scoring, not timing)."""
-    from executorch.extension.pybindings import portable_lib
-    from executorch.runtime import Runtime
-
-    with _native_stderr_silenced():
-        # ExecuTorch sizes its pool from cpuinfo, which can disagree with torch's thread count
-        # (NOTES' ResNet18 .pte "slower than eager" matches a 1-thread pool against 2-thread eager).
-        # Resizing frees the pool under methods already loaded (they crash), so resize only on change.
-        if threads is not None and portable_lib._threadpool_get_thread_count() != threads:
-            portable_lib._unsafe_reset_threadpool(threads)
-        method = Runtime.get().load_program(Path(path)).load_method("forward")
-    return lambda x: method.execute([x.contiguous()])[0]
-
-
 def _program_memory(path: Path) -> dict:
     """What the program itself says it needs: its execution plan's planned (non-constant) buffers, and its
     constant data (named data, where XNNPACK keeps its weights, plus the program's constant buffers)."""
@@ -268,70 +167,7 @@ module = portable_lib._load_for_executorch(path)
 tensor = torch.from_numpy(x)"""
 
 
-def memory(path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
-    from . import memory as shared
-
-    return {
-        **_program_memory(path),
-        **shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, "module.forward([tensor])", path, input_shape, threads, dtype=dtype),
-    }
-
-
 _CONTAINERS = {"Method::execute", "Method::init", "Program::load_method", "DELEGATE_CALL", "OPERATOR_CALL"}
-
-
-def profile(path: Path, example, runs: int, threads: int) -> dict:
-    """Operators by time from ExecuTorch's own event tracer (ETDump, read with devtools' Inspector): XNNPACK's
-    per-operator events inside the delegate, the portable kernels outside it. A module of its own, loaded
-    with ETDump on; the first run is a warm-up and left out."""
-    import re
-    import tempfile
-
-    from executorch.devtools import Inspector
-    from executorch.extension.pybindings import portable_lib
-
-    from . import memory as shared
-
-    with _native_stderr_silenced():
-        if portable_lib._threadpool_get_thread_count() != threads:
-            portable_lib._unsafe_reset_threadpool(threads)
-        module = portable_lib._load_for_executorch(str(path), enable_etdump=True, debug_buffer_size=0)
-        if not module.has_etdump():
-            return {"available": False, "reason": "this ExecuTorch runtime was built without the event tracer (ETDump)"}
-        for _ in range(runs + 1):
-            module.forward([example.contiguous()])
-        with tempfile.TemporaryDirectory() as work:
-            etdump = Path(work) / "profile.etdp"
-            module.write_etdump_result_to_file(str(etdump), str(Path(work) / "debug.bin"))
-            inspector = Inspector(etdump_path=str(etdump))
-    totals: dict[str, list] = {}
-    wall = 0.0
-    for block in inspector.event_blocks:
-        if block.name != "Execute":
-            continue
-        for event in block.events:
-            if event.perf_data is None:
-                continue
-            times = list(event.perf_data.raw)[1:]  # ms per run, the warm-up dropped
-            if event.name == "Method::execute":
-                wall += sum(times)
-                continue
-            if event.name in _CONTAINERS:
-                continue
-            if event.is_delegated_op:
-                op = re.sub(r"\s+#\d+$", "", event.name)  # XNNPACK's "Convolution (NHWC, F32) IGEMM #3"
-            else:
-                op = f"{event.name.removeprefix('native_call_').removesuffix('.out')} (portable, outside the delegate)"
-            total = totals.setdefault(op, [0.0, 0])
-            total[0] += sum(times)
-            total[1] += len(times)
-    if not totals:
-        return {"available": False, "reason": "ETDump recorded no operator events"}
-    if XNNPACK_UNNAMED in totals:
-        totals[_lookup_table_name(path)] = totals.pop(XNNPACK_UNNAMED)
-    return shared.top_ops(
-        {op: (ms, n) for op, (ms, n) in totals.items()}, wall, runs, "ExecuTorch ETDump (executorch.devtools.Inspector)"
-    )
 
 
 # XNNPACK's profiler names every int8 elementwise op it runs as a 256-entry lookup table "Invalid Unary Op": that
@@ -408,24 +244,177 @@ def _lookup_table_kinds(path: Path) -> set[str]:
     return kinds
 
 
-# Each method calls the module's function of the same name, looked up when called (tests patch them there).
 class ExecuTorchFormat(Format):
-    name, suffix, precisions, options = NAME, SUFFIX, PRECISIONS, OPTIONS
+    """An ExecuTorch program lowered to XNNPACK: export, load, the per-inference remake of an int8 program, memory
+    (its own plan and a fresh process's peak RSS) and profile (ETDump)."""
 
-    def export(self, model, example, precision, calib, path: Path, meta: dict, **options) -> dict:
-        return export(model, example, precision, calib, path, meta, **options)
+    name, suffix, options = "executorch", ".pte", ("size_range",)
+    precisions = (Precision.FP32, Precision.INT8)
+
+    def export(
+        self, model, example, precision, calib, path: Path, meta: dict, rewrites: bool = True, size_range=None
+    ) -> dict:
+        """rewrites=False lowers the graph as it is (make bench times both, to show what formats.rewrites buys).
+        size_range="MIN:MAX": a program for any height and width in it (segmentation); the rewrites read the example's
+        size (the padding a dilated tap reads, an adaptive pool's window), so they are left out, and XNNPACK leaves a
+        bilinear resize of dynamic size to ExecuTorch's portable kernel (details.delegation lists it outside).
+        An int8 program is scored on the search's check images once lowered (details.quantization.program). When
+        ranges chosen per inference met the budget in the graph and the program misses it by more than a rounding,
+        ExecuTorch's lowering changed the numbers: the program is made again from a search with static ranges only,
+        and the better of the two programs on the check images is kept."""
+        import dataclasses
+
+        from ..quant import as_calibration
+        from ..quant.pt2e import Pt2eBackend
+        from ..quant.search import better, lowered_quality, lowering_broke
+
+        sides = dynamic_size.bounds(size_range)
+        rewrites = rewrites and not sides
+        details = _lower(model, example, precision, calib, path, rewrites, sides)
+        report = details.get("quantization")
+        if report is None:
+            return details
+        calibration = as_calibration(calib)
+        report["program"] = program = lowered_quality(model, lambda: self.load(path), calibration)
+        graph = report.get("after") or {}
+        if graph.get("ranges") not in Pt2eBackend.fallback_range_methods or not lowering_broke(graph, program):
+            return details
+        calibration.log(
+            f"  int8 .pte: its graph met the budget ({_db(graph['psnr_db'])}) and the lowered program missed "
+            f"it ({_db(program['psnr_db'])}): made again with static ranges"
+        )
+        first = path.read_bytes()
+        static = dataclasses.replace(calibration, settings={**calibration.settings, "dynamic_ranges": False})
+        remade = _lower(model, example, precision, static, path, rewrites, sides)
+        remade_report = remade["quantization"]
+        remade_report["program"] = lowered_quality(model, lambda: self.load(path), calibration)
+        keep_remade = better(remade_report["program"], program)
+        fault = {
+            "ranges": graph["ranges"],
+            "graph": graph,
+            "program": program,
+            "static_program": remade_report["program"],
+            "kept": "static" if keep_remade else graph["ranges"],
+            "note": f"ExecuTorch lowered the int8 graph with {graph['ranges']} ranges to a program that missed the "
+            "budget its graph met; a program was made again from a search with static ranges only, and the "
+            "better of the two on the check images is the artifact",
+        }
+        if not keep_remade:
+            path.write_bytes(first)
+            report["lowering_fault"] = fault
+            return details
+        remade_report.update(
+            lowering_fault=fault,
+            dynamic_ranges=calibration.settings.get("dynamic_ranges", True),
+            seconds=round(remade_report["seconds"] + report["seconds"], 1),
+        )
+        return remade
 
     def load(self, path: Path, threads: int | None = None):
-        return load(path, threads)
+        """threads=None: the runtime's pool as it is (scoring, not timing)."""
+        from executorch.extension.pybindings import portable_lib
+        from executorch.runtime import Runtime
+
+        with _native_stderr_silenced():
+            # ExecuTorch sizes its pool from cpuinfo, which can disagree with torch's thread count
+            # (NOTES' ResNet18 .pte "slower than eager" matches a 1-thread pool against 2-thread eager).
+            # Resizing frees the pool under methods already loaded (they crash), so resize only on change.
+            if threads is not None and portable_lib._threadpool_get_thread_count() != threads:
+                portable_lib._unsafe_reset_threadpool(threads)
+            method = Runtime.get().load_program(Path(path)).load_method("forward")
+        return lambda x: method.execute([x.contiguous()])[0]
 
     def per_inference_ranges(self, calib, details: dict):
-        return per_inference_ranges(calib, details)
+        """The calibration that makes this int8 program again with ranges chosen per inference, or None: when its ranges
+        were calibrated on images and ranges per inference are allowed (not when they were lowered wrong). For inputs
+        the calibration images did not cover (EfficientNet-V2-M trained on the digits: squeeze-and-excitation gates
+        that 6 validation digits drive 150x past their calibrated ranges)."""
+        import dataclasses
+
+        from ..quant import as_calibration
+        from ..quant.calibration import STATIC_RANGES
+        from ..quant.pt2e import Pt2eBackend
+
+        report = details.get("quantization") or {}
+        ranges = (report.get("after") or {}).get("ranges")
+        if (
+            not report.get("fallback")
+            or not report.get("dynamic_ranges")
+            or report.get("lowering_fault")
+            or ranges in Pt2eBackend.fallback_range_methods
+        ):
+            return None
+        calibration = as_calibration(calib)
+        return dataclasses.replace(calibration, settings={**calibration.settings, STATIC_RANGES: False})
 
     def memory(self, path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
-        return memory(path, input_shape, threads, dtype)
+        from . import memory as shared
+
+        return {
+            **_program_memory(path),
+            **shared.peak_rss(
+                _RSS_IMPORTS, _RSS_LOAD, "module.forward([tensor])", path, input_shape, threads, dtype=dtype
+            ),
+        }
 
     def profile(self, path: Path, example, runs: int, threads: int) -> dict:
-        return profile(path, example, runs, threads)
+        """Operators by time from ExecuTorch's own event tracer (ETDump, read with devtools' Inspector): XNNPACK's
+        per-operator events inside the delegate, the portable kernels outside it. A module of its own, loaded
+        with ETDump on; the first run is a warm-up and left out."""
+        import re
+        import tempfile
+
+        from executorch.devtools import Inspector
+        from executorch.extension.pybindings import portable_lib
+
+        from . import memory as shared
+
+        with _native_stderr_silenced():
+            if portable_lib._threadpool_get_thread_count() != threads:
+                portable_lib._unsafe_reset_threadpool(threads)
+            module = portable_lib._load_for_executorch(str(path), enable_etdump=True, debug_buffer_size=0)
+            if not module.has_etdump():
+                return {
+                    "available": False,
+                    "reason": "this ExecuTorch runtime was built without the event tracer (ETDump)",
+                }
+            for _ in range(runs + 1):
+                module.forward([example.contiguous()])
+            with tempfile.TemporaryDirectory() as work:
+                etdump = Path(work) / "profile.etdp"
+                module.write_etdump_result_to_file(str(etdump), str(Path(work) / "debug.bin"))
+                inspector = Inspector(etdump_path=str(etdump))
+        totals: dict[str, list] = {}
+        wall = 0.0
+        for block in inspector.event_blocks:
+            if block.name != "Execute":
+                continue
+            for event in block.events:
+                if event.perf_data is None:
+                    continue
+                times = list(event.perf_data.raw)[1:]  # ms per run, the warm-up dropped
+                if event.name == "Method::execute":
+                    wall += sum(times)
+                    continue
+                if event.name in _CONTAINERS:
+                    continue
+                if event.is_delegated_op:
+                    op = re.sub(r"\s+#\d+$", "", event.name)  # XNNPACK's "Convolution (NHWC, F32) IGEMM #3"
+                else:
+                    op = f"{event.name.removeprefix('native_call_').removesuffix('.out')} (portable, outside the delegate)"
+                total = totals.setdefault(op, [0.0, 0])
+                total[0] += sum(times)
+                total[1] += len(times)
+        if not totals:
+            return {"available": False, "reason": "ETDump recorded no operator events"}
+        if XNNPACK_UNNAMED in totals:
+            totals[_lookup_table_name(path)] = totals.pop(XNNPACK_UNNAMED)
+        return shared.top_ops(
+            {op: (ms, n) for op, (ms, n) in totals.items()},
+            wall,
+            runs,
+            "ExecuTorch ETDump (executorch.devtools.Inspector)",
+        )
 
 
 FORMAT = ExecuTorchFormat()

@@ -4,8 +4,8 @@ A format is one module exposing one object, `FORMAT`, an instance of a `Format` 
 (formats/__init__.py) names the module and `FormatSpec.format()` imports it and returns that object. The engine
 calls formats only through this interface: it never asks a format module what it happens to define.
 
-Required:
-    name, suffix, precisions, options (the option names export and preflight accept)
+Required (`Format` is an abstract base class: a subclass without export or load cannot be made):
+    name, suffix, precisions (Precision members), options (the option names export and preflight accept)
     export(model, example, precision, calib, path, meta, **options) -> dict  # writes `path`, returns details
     load(path, threads) -> Runner                                             # Runner(x: Tensor) -> Tensor
 
@@ -28,13 +28,21 @@ Any hook may raise RuntimeUnavailable (no GPU, no macOS): the artifact is then `
 
 from __future__ import annotations
 
+import abc
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from ..precision import Precision
 
 if TYPE_CHECKING:  # the interface itself needs no torch
     import torch
 
+    from ..quant import Calibration
+
     Runner = Callable[[torch.Tensor], torch.Tensor]
+    # what export() quantizes with: a Calibration (images, budget, settings; the engine's int8), or for fp32 and
+    # direct use the images alone (or None): a list is taken as a Calibration with no budget (quant.as_calibration)
+    Calib = Calibration | list[torch.Tensor] | None
 
 
 class SharedProxy:
@@ -44,24 +52,25 @@ class SharedProxy:
     shared_key: ClassVar[str]
 
 
-class Format:
-    """One export format. Subclasses set the four class attributes, define export() and load(), and define
-    whichever optional hooks they have; every other hook keeps the default declared here."""
+class Format(abc.ABC):
+    """One export format. Subclasses set the four class attributes, define export() and load() (an instance of a
+    subclass missing either cannot be made), and define whichever optional hooks they have; every other hook keeps
+    the default declared here."""
 
     name: ClassVar[str]
     suffix: ClassVar[str]  # the artifact's file name ends with it (".pte"; ".mlpackage" is a folder)
-    precisions: ClassVar[tuple[str, ...]]
+    precisions: ClassVar[tuple[Precision, ...]]  # the precisions it makes
     options: ClassVar[tuple[str, ...]] = ()  # what a target profile's [[artifacts]] `options` table may set
 
-    def export(self, model, example, precision: str, calib, path: Path, meta: dict, **options) -> dict:
+    @abc.abstractmethod
+    def export(self, model, example, precision: Precision, calib: Calib, path: Path, meta: dict, **options) -> dict:
         """Writes the artifact to `path` and returns its details (recorded in the manifest)."""
-        raise NotImplementedError(f"{type(self).__name__}.export")
 
+    @abc.abstractmethod
     def load(self, path: Path, threads: int) -> Runner:
         """The artifact in its runtime, as a function of one input batch."""
-        raise NotImplementedError(f"{type(self).__name__}.load")
 
-    def preflight(self, precision: str, **options) -> None:
+    def preflight(self, precision: Precision, **options) -> None:
         """Impossible options (UsageError) or a host that cannot make the artifact (RuntimeUnavailable), found
         before anything is written. By default there is nothing to check."""
 
@@ -76,7 +85,7 @@ class Format:
     proxies: Callable[[Path, Any], dict[str, Runner]] | None = None
     # per_inference_ranges(calib, details) -> Calibration | None: the calibration that makes an int8 artifact
     # again with ranges chosen per inference, after its calibrated ranges failed validation (None: not remade).
-    per_inference_ranges: Callable[[Any, dict], Any] | None = None
+    per_inference_ranges: Callable[[Calib, dict], Calibration | None] | None = None
     # memory(path, input_shape, threads, dtype) -> dict: RAM (planned and constant bytes; the peak RSS of a fresh
     # process running it on a `dtype` input); recorded by engine/memory_profile.py, formats/memory.py measures.
     memory: Callable[[Path, tuple, int, str], dict] | None = None

@@ -38,14 +38,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..precision import Precision
 from ..quant.pt2e import Pt2eQuantizer
 from .interface import Format
 from .memory import native_stderr_silenced as _native_stderr_silenced  # the runtime logs to fd 2
 
-NAME = "litert"
-SUFFIX = ".tflite"
-OPTIONS = ()
-PRECISIONS = ("fp32", "int8")
 # how the int8 file's interface was written (details.io.interface)
 FLOAT_INTERFACE = (
     "no int8 input or output: the converter's int8 interface tensors (io_rewritten) put back inside the file (a "
@@ -102,54 +99,6 @@ def _import_converter():
         import litert_torch
         import litert_torch.quantize.pt2e_quantizer  # noqa: F401  (its native dependencies load here too)
     return litert_torch
-
-
-def export(model, example, precision, calib, path: Path, meta: dict) -> dict:
-    litert_torch = _import_converter()
-
-    example = example.contiguous()
-    details: dict = {"converter": f"litert-torch {_version('litert-torch')}"}
-    quant_config = None
-    eager = model
-    if precision == "int8":
-        from litert_torch.quantize.quant_config import QuantConfig
-
-        from ..quant import as_calibration, quantize_with_budget
-        from ..quant.pt2e import Pt2eBackend
-
-        backend = Pt2eBackend(model, example, quantizer=LITERT)
-        model, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))
-        for module in model.modules():  # a PT2E graph computes as exported; the flag only makes the converter warn
-            module.training = False
-        quantizer = LITERT.quantizer_class()().set_global(LITERT.config())
-        quant_config = QuantConfig(pt2e_quantizer=quantizer)
-    elif precision != "fp32":
-        raise ValueError(f"litert takes {' or '.join(PRECISIONS)}, not {precision}")
-    # the converter's native code logs to fd 2 ("Estimated count of arithmetic ops"); an error still raises
-    try:
-        with _quiet_converter(), _native_stderr_silenced(), torch.no_grad():
-            content = bytes(litert_torch.convert(model, (example,), quant_config=quant_config).model_content())
-    except Exception as e:
-        refused = refusal(e)
-        if refused is e:
-            raise
-        raise refused from e
-    if precision == "int8":
-        content, details["io_rewritten"] = float_interface(content)
-    interpreter = _interpreter(content, 1)
-    details["io"] = _io(interpreter)
-    if precision == "int8":
-        details["io"]["interface"] = FLOAT_INTERFACE
-    details["ops"] = _op_counts(interpreter)
-    path.write_bytes(content)
-    if precision == "int8":
-        # the search scored PT2E graphs in eager; the converter lowers the chosen one and can change its numbers:
-        # the file itself is scored on the same check images (as the .pte's program is)
-        from ..quant import as_calibration
-        from ..quant.search import lowered_quality
-
-        details["quantization"]["program"] = lowered_quality(eager, lambda: load(path), as_calibration(calib))
-    return details
 
 
 class ConverterRefused(RuntimeError):
@@ -308,31 +257,6 @@ def _op_counts(interpreter) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def load(path: Path, threads: int | None = None):
-    """The file in ai-edge-litert's interpreter (XNNPACK delegate) with `threads` (None: the runtime's default).
-    Inputs are batch-1 as exported (validation feeds one image at a time); a batch of N is run one exported
-    batch at a time. An int8 interface is fed quantized and read dequantized with its tensors' parameters."""
-    interpreter = _interpreter(Path(path), threads)
-    (feed,) = interpreter.get_input_details()
-    (fetch, *_) = _outputs(interpreter)
-    shape = tuple(int(s) for s in feed["shape"])
-
-    def run_batch(x: np.ndarray) -> torch.Tensor:
-        interpreter.set_tensor(feed["index"], _quantize(x, feed))
-        interpreter.invoke()
-        return torch.from_numpy(_dequantize(interpreter.get_tensor(fetch["index"]), fetch))
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        array = (x.detach() if x.dtype == torch.uint8 else x.detach().float()).contiguous().numpy()
-        if array.shape == shape:
-            return run_batch(array)
-        if array.shape[1:] != shape[1:] or array.shape[0] % shape[0]:
-            raise ValueError(f"the .tflite takes {list(shape)}, not {list(array.shape)}")
-        return torch.cat([run_batch(array[i : i + shape[0]]) for i in range(0, array.shape[0], shape[0])])
-
-    return run
-
-
 def _quantize(x: np.ndarray, detail: dict) -> np.ndarray:
     dtype = np.dtype(detail["dtype"])
     if dtype == np.float32 or x.dtype == dtype:  # float, or the uint8 pixels of a uint8-nhwc input
@@ -362,28 +286,90 @@ interpreter.set_tensor(feed["index"], x)
 interpreter.invoke()"""
 
 
-def memory(path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
-    """Peak resident memory of a fresh process running the .tflite in ai-edge-litert's interpreter (its arena and
-    XNNPACK's packed weights show there; the interpreter reports no memory plan of its own from Python)."""
-    from . import memory as shared
-
-    return shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, _RSS_RUN, path, input_shape, threads, dtype=dtype)
-
-
 class LiteRTFormat(Format):
     """The LiteRT format as the engine calls it (formats/interface.py): export, load and memory; no profile
     (ai-edge-litert has no per-operator profiler from Python: the engine says so)."""
 
-    name, suffix, precisions, options = NAME, SUFFIX, PRECISIONS, OPTIONS
+    name, suffix = "litert", ".tflite"
+    precisions = (Precision.FP32, Precision.INT8)
 
-    def export(self, model, example, precision, calib, path: Path, meta: dict, **options) -> dict:
-        return export(model, example, precision, calib, path, meta, **options)
+    def export(self, model, example, precision, calib, path: Path, meta: dict) -> dict:
+        litert_torch = _import_converter()
+
+        example = example.contiguous()
+        details: dict = {"converter": f"litert-torch {_version('litert-torch')}"}
+        quant_config = None
+        eager = model
+        if precision == Precision.INT8:
+            from litert_torch.quantize.quant_config import QuantConfig
+
+            from ..quant import as_calibration, quantize_with_budget
+            from ..quant.pt2e import Pt2eBackend
+
+            backend = Pt2eBackend(model, example, quantizer=LITERT)
+            model, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))
+            for module in model.modules():  # a PT2E graph computes as exported; the flag only makes the converter warn
+                module.training = False
+            quantizer = LITERT.quantizer_class()().set_global(LITERT.config())
+            quant_config = QuantConfig(pt2e_quantizer=quantizer)
+        elif precision != Precision.FP32:
+            raise ValueError(f"litert takes {' or '.join(self.precisions)}, not {precision}")
+        # the converter's native code logs to fd 2 ("Estimated count of arithmetic ops"); an error still raises
+        try:
+            with _quiet_converter(), _native_stderr_silenced(), torch.no_grad():
+                content = bytes(litert_torch.convert(model, (example,), quant_config=quant_config).model_content())
+        except Exception as e:
+            refused = refusal(e)
+            if refused is e:
+                raise
+            raise refused from e
+        if precision == Precision.INT8:
+            content, details["io_rewritten"] = float_interface(content)
+        interpreter = _interpreter(content, 1)
+        details["io"] = _io(interpreter)
+        if precision == Precision.INT8:
+            details["io"]["interface"] = FLOAT_INTERFACE
+        details["ops"] = _op_counts(interpreter)
+        path.write_bytes(content)
+        if precision == Precision.INT8:
+            # the search scored PT2E graphs in eager; the converter lowers the chosen one and can change its numbers:
+            # the file itself is scored on the same check images (as the .pte's program is)
+            from ..quant import as_calibration
+            from ..quant.search import lowered_quality
+
+            details["quantization"]["program"] = lowered_quality(eager, lambda: self.load(path), as_calibration(calib))
+        return details
 
     def load(self, path: Path, threads: int | None = None):
-        return load(path, threads)
+        """The file in ai-edge-litert's interpreter (XNNPACK delegate) with `threads` (None: the runtime's default).
+        Inputs are batch-1 as exported (validation feeds one image at a time); a batch of N is run one exported
+        batch at a time. An int8 interface is fed quantized and read dequantized with its tensors' parameters."""
+        interpreter = _interpreter(Path(path), threads)
+        (feed,) = interpreter.get_input_details()
+        (fetch, *_) = _outputs(interpreter)
+        shape = tuple(int(s) for s in feed["shape"])
+
+        def run_batch(x: np.ndarray) -> torch.Tensor:
+            interpreter.set_tensor(feed["index"], _quantize(x, feed))
+            interpreter.invoke()
+            return torch.from_numpy(_dequantize(interpreter.get_tensor(fetch["index"]), fetch))
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            array = (x.detach() if x.dtype == torch.uint8 else x.detach().float()).contiguous().numpy()
+            if array.shape == shape:
+                return run_batch(array)
+            if array.shape[1:] != shape[1:] or array.shape[0] % shape[0]:
+                raise ValueError(f"the .tflite takes {list(shape)}, not {list(array.shape)}")
+            return torch.cat([run_batch(array[i : i + shape[0]]) for i in range(0, array.shape[0], shape[0])])
+
+        return run
 
     def memory(self, path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
-        return memory(path, input_shape, threads, dtype)
+        """Peak resident memory of a fresh process running the .tflite in ai-edge-litert's interpreter (its arena and
+        XNNPACK's packed weights show there; the interpreter reports no memory plan of its own from Python)."""
+        from . import memory as shared
+
+        return shared.peak_rss(_RSS_IMPORTS, _RSS_LOAD, _RSS_RUN, path, input_shape, threads, dtype=dtype)
 
 
 FORMAT = LiteRTFormat()

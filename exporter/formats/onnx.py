@@ -29,15 +29,12 @@ import torch
 
 from .. import files
 from ..errors import UsageError
+from ..precision import Precision
 from ..quant import as_calibration, quantize_with_budget
 from ..quant.onnx_qdq import OnnxQdqBackend
 from . import dynamic_size
 from .interface import Format
 
-NAME = "onnx"
-SUFFIX = ".onnx"
-OPTIONS = ("opset", "batch", "external_data", "exporter", "size_range")
-PRECISIONS = ("fp32", "fp16", "int8")
 DEFAULT_OPSET = 18
 DEFAULT_BATCH = "1:1:1"
 EXTERNAL_DATA = ("auto", "always")  # auto: only a graph that cannot be one file (protobuf's 2 GiB)
@@ -98,16 +95,6 @@ def size_bounds(size_range, exporter: str = "dynamo") -> tuple[int, int] | None:
     if sides and exporter != "dynamo":
         raise UsageError(f"size_range {size_range!r}: a dynamic height and width needs exporter=dynamo")
     return sides
-
-
-def preflight(
-    precision, opset=DEFAULT_OPSET, batch=DEFAULT_BATCH, external_data="auto", exporter="dynamo", size_range=None
-) -> None:
-    check_opset(opset)
-    batch_profile(batch)
-    check_external_data(external_data)
-    check_exporter(exporter, batch)
-    size_bounds(size_range, exporter)
 
 
 def _input_dims(example: torch.Tensor, bounds: tuple[int, int] | None) -> dict:
@@ -324,69 +311,6 @@ def _check_batch_axis(path: Path, example: torch.Tensor, sizes: tuple[int, int, 
     return {"batch": sizes[2], "max_abs_diff_vs_batch1": float(np.abs(batched - single).max())}
 
 
-def export(
-    model,
-    example,
-    precision,
-    calib,
-    path: Path,
-    meta: dict,
-    opset=DEFAULT_OPSET,
-    batch=DEFAULT_BATCH,
-    external_data="auto",
-    exporter="dynamo",
-    size_range=None,
-) -> dict:
-    import onnx
-
-    opset, sizes, external = check_opset(opset), batch_profile(batch), check_external_data(external_data)
-    exporter = check_exporter(exporter, batch)
-    bounds = size_bounds(size_range, exporter)
-    if precision == "fp16":
-        half, folding = _half_graph(model)
-        _export_graph(half, example, opset, path, external, exporter, bounds)
-    elif precision == "int8":
-        quantization = _quantize(model, example, opset, as_calibration(calib), path, external, exporter, bounds)
-    else:
-        _export_graph(model, example, opset, path, external, exporter, bounds)
-    proto = onnx.load(str(path), load_external_data=False)
-    onnx.checker.check_model(str(path), full_check=True)  # by path: a proto over 2 GiB cannot be serialized to check
-    written = {o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")}
-    if written != {opset}:
-        raise RuntimeError(f"asked for opset {opset}, the file has {sorted(written)}")
-    ops = sorted(_op_types(proto.graph))
-    details = {
-        "opset": opset,
-        "input": INPUT,
-        "output": OUTPUT,
-        "exporter": exporter,
-        "dynamic_batch": exporter == "dynamo",
-        "batch_profile": list(sizes),
-        "batch_check": _check_batch_axis(path, example, sizes),
-        **({"dynamic_size": dynamic_size.described(bounds)} if bounds else {}),
-        "ops": ops,
-        "nodes": len(proto.graph.node),
-        "graph": {
-            "fp32": "float32",
-            "fp16": "float16 with fp32 I/O casts",
-            "int8": "explicit Q/DQ, symmetric int8, per-channel weights",
-        }[precision],
-    }
-    if data := files.companions(path):
-        # the tensors, beside the graph under this name (written inside it): ship and copy the two together
-        details["external_data"] = {"file": data[0].name, "bytes": data[0].stat().st_size}
-    if precision == "fp16":
-        details["batchnorm_folding_fp32"] = folding
-        if "half_modules" in folding:
-            details["graph"] = f"float16 in {', '.join(folding['half_modules'])}, float32 elsewhere"
-    if crash := nchwc_crash(path):
-        details["onnxruntime_nchwc"] = crash
-    if precision == "int8":
-        details["quantized_nodes"] = sum(n.op_type == "QuantizeLinear" for n in proto.graph.node)
-        details["quantization"] = quantization
-    return details
-
-
 _CRASHES: dict[tuple, str | None] = {}
 _PROBE = "import sys, onnxruntime as ort; ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])"
 
@@ -430,11 +354,6 @@ def _session(path: Path, threads: int, nchwc: bool = True):
     )
 
 
-def load(path: Path, threads: int, nchwc: bool = True):
-    session = _session(path, threads, nchwc)
-    return lambda x: torch.from_numpy(session.run(None, {INPUT: x.contiguous().numpy()})[0])
-
-
 _RSS_IMPORTS = "import onnxruntime as ort"
 _RSS_LOAD = """\
 options = ort.SessionOptions()
@@ -443,86 +362,162 @@ options.inter_op_num_threads = 1
 session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"], disabled_optimizers={disabled!r})"""
 
 
-def memory(path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
-    """Constant size (the graph's initializers) and the peak resident memory of a fresh process running the
-    file in ONNX Runtime (CPU provider; no torch in that process)."""
-    import onnx
-
-    from . import memory as shared
-
-    proto = onnx.load(str(path), load_external_data=False)
-    constants = sum(_tensor_bytes(t) for t in proto.graph.initializer)
-    return {
-        "constants_bytes": int(constants),
-        **shared.peak_rss(
-            _RSS_IMPORTS,
-            _RSS_LOAD.format(disabled=_disabled_optimizers(path)),
-            f"session.run(None, {{{INPUT!r}: x}})",
-            path,
-            input_shape,
-            threads,
-            dtype=dtype,
-        ),
-    }
-
-
-def profile(path: Path, example, runs: int, threads: int) -> dict:
-    """Operators by kernel time from ONNX Runtime's own profiler, in a session of its own (profiling on); the
-    first run is a warm-up and left out."""
-    import json
-    import onnxruntime as ort
-
-    from . import memory as shared
-
-    with tempfile.TemporaryDirectory() as work:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.enable_profiling = True
-        options.profile_file_prefix = str(Path(work) / "ort")
-        session = ort.InferenceSession(
-            str(path), options, providers=["CPUExecutionProvider"], disabled_optimizers=_disabled_optimizers(path)
-        )
-        feed = {INPUT: example.contiguous().numpy()}
-        for _ in range(runs + 1):
-            session.run(None, feed)
-        events = json.loads(Path(session.end_profiling()).read_text())
-    model_runs = sorted(
-        (e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"), key=lambda e: e["ts"]
-    )[1:]
-    if not model_runs:
-        return {"available": False, "reason": "ONNX Runtime's profile has no model runs"}
-    start = model_runs[0]["ts"]
-    totals: dict[str, list] = {}
-    for event in events:
-        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time") and event["ts"] >= start:
-            total = totals.setdefault(event.get("args", {}).get("op_name", "?"), [0.0, 0])
-            total[0] += event["dur"] / 1000  # µs
-            total[1] += 1
-    wall = sum(e["dur"] for e in model_runs) / 1000
-    return shared.top_ops(
-        {op: (ms, n) for op, (ms, n) in totals.items()}, wall, runs, "ONNX Runtime profiler (kernel time per op type)"
-    )
-
-
-# Each method calls the module's function of the same name, looked up when called (tests patch them there).
 class OnnxFormat(Format):
-    name, suffix, precisions, options = NAME, SUFFIX, PRECISIONS, OPTIONS
+    """An ONNX graph run by ONNX Runtime: preflight (opset, batch, external data, exporter, size range), export,
+    load, memory (its initializers and a fresh process's peak RSS) and profile (ONNX Runtime's profiler)."""
 
-    def preflight(self, precision, **options) -> None:
-        preflight(precision, **options)
+    name, suffix = "onnx", ".onnx"
+    precisions = (Precision.FP32, Precision.FP16, Precision.INT8)
+    options = ("opset", "batch", "external_data", "exporter", "size_range")
 
-    def export(self, model, example, precision, calib, path: Path, meta: dict, **options) -> dict:
-        return export(model, example, precision, calib, path, meta, **options)
+    def preflight(
+        self,
+        precision,
+        opset=DEFAULT_OPSET,
+        batch=DEFAULT_BATCH,
+        external_data="auto",
+        exporter="dynamo",
+        size_range=None,
+    ) -> None:
+        check_opset(opset)
+        batch_profile(batch)
+        check_external_data(external_data)
+        check_exporter(exporter, batch)
+        size_bounds(size_range, exporter)
 
-    def load(self, path: Path, threads: int, **options):  # nchwc=False: ONNX Runtime as on ARM (bench.py)
-        return load(path, threads, **options)
+    def export(
+        self,
+        model,
+        example,
+        precision,
+        calib,
+        path: Path,
+        meta: dict,
+        opset=DEFAULT_OPSET,
+        batch=DEFAULT_BATCH,
+        external_data="auto",
+        exporter="dynamo",
+        size_range=None,
+    ) -> dict:
+        import onnx
+
+        opset, sizes, external = check_opset(opset), batch_profile(batch), check_external_data(external_data)
+        exporter = check_exporter(exporter, batch)
+        bounds = size_bounds(size_range, exporter)
+        if precision == Precision.FP16:
+            half, folding = _half_graph(model)
+            _export_graph(half, example, opset, path, external, exporter, bounds)
+        elif precision == Precision.INT8:
+            quantization = _quantize(model, example, opset, as_calibration(calib), path, external, exporter, bounds)
+        else:
+            _export_graph(model, example, opset, path, external, exporter, bounds)
+        proto = onnx.load(str(path), load_external_data=False)
+        onnx.checker.check_model(
+            str(path), full_check=True
+        )  # by path: a proto over 2 GiB cannot be serialized to check
+        written = {o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")}
+        if written != {opset}:
+            raise RuntimeError(f"asked for opset {opset}, the file has {sorted(written)}")
+        ops = sorted(_op_types(proto.graph))
+        details = {
+            "opset": opset,
+            "input": INPUT,
+            "output": OUTPUT,
+            "exporter": exporter,
+            "dynamic_batch": exporter == "dynamo",
+            "batch_profile": list(sizes),
+            "batch_check": _check_batch_axis(path, example, sizes),
+            **({"dynamic_size": dynamic_size.described(bounds)} if bounds else {}),
+            "ops": ops,
+            "nodes": len(proto.graph.node),
+            "graph": {
+                Precision.FP32: "float32",
+                Precision.FP16: "float16 with fp32 I/O casts",
+                Precision.INT8: "explicit Q/DQ, symmetric int8, per-channel weights",
+            }[precision],
+        }
+        if data := files.companions(path):
+            # the tensors, beside the graph under this name (written inside it): ship and copy the two together
+            details["external_data"] = {"file": data[0].name, "bytes": data[0].stat().st_size}
+        if precision == Precision.FP16:
+            details["batchnorm_folding_fp32"] = folding
+            if "half_modules" in folding:
+                details["graph"] = f"float16 in {', '.join(folding['half_modules'])}, float32 elsewhere"
+        if crash := nchwc_crash(path):
+            details["onnxruntime_nchwc"] = crash
+        if precision == Precision.INT8:
+            details["quantized_nodes"] = sum(n.op_type == "QuantizeLinear" for n in proto.graph.node)
+            details["quantization"] = quantization
+        return details
+
+    def load(self, path: Path, threads: int, nchwc: bool = True):
+        """nchwc=False: without the x86-only NCHWc layout pass, ONNX Runtime as on ARM (the bench's column)."""
+        session = _session(path, threads, nchwc)
+        return lambda x: torch.from_numpy(session.run(None, {INPUT: x.contiguous().numpy()})[0])
 
     def memory(self, path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
-        return memory(path, input_shape, threads, dtype)
+        """Constant size (the graph's initializers) and the peak resident memory of a fresh process running the
+        file in ONNX Runtime (CPU provider; no torch in that process)."""
+        import onnx
+
+        from . import memory as shared
+
+        proto = onnx.load(str(path), load_external_data=False)
+        constants = sum(_tensor_bytes(t) for t in proto.graph.initializer)
+        return {
+            "constants_bytes": int(constants),
+            **shared.peak_rss(
+                _RSS_IMPORTS,
+                _RSS_LOAD.format(disabled=_disabled_optimizers(path)),
+                f"session.run(None, {{{INPUT!r}: x}})",
+                path,
+                input_shape,
+                threads,
+                dtype=dtype,
+            ),
+        }
 
     def profile(self, path: Path, example, runs: int, threads: int) -> dict:
-        return profile(path, example, runs, threads)
+        """Operators by kernel time from ONNX Runtime's own profiler, in a session of its own (profiling on); the
+        first run is a warm-up and left out."""
+        import json
+
+        import onnxruntime as ort
+
+        from . import memory as shared
+
+        with tempfile.TemporaryDirectory() as work:
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            options.enable_profiling = True
+            options.profile_file_prefix = str(Path(work) / "ort")
+            session = ort.InferenceSession(
+                str(path), options, providers=["CPUExecutionProvider"], disabled_optimizers=_disabled_optimizers(path)
+            )
+            feed = {INPUT: example.contiguous().numpy()}
+            for _ in range(runs + 1):
+                session.run(None, feed)
+            events = json.loads(Path(session.end_profiling()).read_text())
+        model_runs = sorted(
+            (e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"), key=lambda e: e["ts"]
+        )[1:]
+        if not model_runs:
+            return {"available": False, "reason": "ONNX Runtime's profile has no model runs"}
+        start = model_runs[0]["ts"]
+        totals: dict[str, list] = {}
+        for event in events:
+            if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time") and event["ts"] >= start:
+                total = totals.setdefault(event.get("args", {}).get("op_name", "?"), [0.0, 0])
+                total[0] += event["dur"] / 1000  # µs
+                total[1] += 1
+        wall = sum(e["dur"] for e in model_runs) / 1000
+        return shared.top_ops(
+            {op: (ms, n) for op, (ms, n) in totals.items()},
+            wall,
+            runs,
+            "ONNX Runtime profiler (kernel time per op type)",
+        )
 
 
 FORMAT = OnnxFormat()

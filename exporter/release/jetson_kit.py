@@ -118,7 +118,7 @@ def device_kit(out: Path, doc: dict, chw: tuple) -> dict:
     builds = []
     for entry in onnx_entries:
         options = _options(doc, entry["precision"])
-        engine = f"{model}_tensorrt_{entry['precision']}{tensorrt_format.SUFFIX}"
+        engine = f"{model}_tensorrt_{entry['precision']}{tensorrt_format.FORMAT.suffix}"
         builds.append(
             {
                 "precision": entry["precision"],

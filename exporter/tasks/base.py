@@ -1,8 +1,12 @@
-"""What every task shares: the bound dataclass, logit fidelity, and the quality verdict."""
+"""What every task shares: the bound dataclass, logit fidelity, and the quality verdict.
+
+`Task` is abstract: a task names its model's input size, classes and construction, its preprocessing and data,
+its output, its metrics and its golden files (the `@abstractmethod`s); the rest has a default it may override."""
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Mapping
@@ -31,7 +35,7 @@ def logit_fidelity(reference: torch.Tensor, output: torch.Tensor) -> dict:
 
 
 @dataclass(frozen=True)
-class Task:
+class Task(ABC):
     num_classes: int
     input_size: tuple[int, int]  # (H, W) of the exported graph's input
 
@@ -87,18 +91,20 @@ class Task:
         return cls(num_classes, cls.input_size_of(weights, model_name, input_size))
 
     @classmethod
+    @abstractmethod
     def input_size_of(cls, weights, model_name: str, requested: tuple[int, int] | None) -> tuple[int, int]:
-        raise NotImplementedError
+        """(H, W) of the graph's input: `requested` (--input-size) where the model takes it, else the weight's own."""
 
     @classmethod
+    @abstractmethod
     def num_classes_in(cls, state: dict, model_name: str, default: int) -> int:
-        raise NotImplementedError
+        """How many classes the checkpoint `state` was trained for (`default` where it does not say)."""
 
     @classmethod
+    @abstractmethod
     def construct(cls, model_name: str, num_classes: int, state: dict, arch: dict | None = None) -> nn.Module:
         """The model without weights, for `state`; `arch`: what the weight's own builder sets from the weight
         (exporter.weights.builder_kwargs)."""
-        raise NotImplementedError
 
     @classmethod
     def graph(cls, model: nn.Module) -> nn.Module:
@@ -106,19 +112,22 @@ class Task:
         return model
 
     # --- bound: data, metrics, files ---
+    @abstractmethod
     def preprocessing(self, weights) -> dict:
-        raise NotImplementedError
+        """The exact preprocessing of the weight, as the manifest and preprocessing.json record it."""
 
+    @abstractmethod
     def transform(self, weights):
-        raise NotImplementedError
+        """The callable that turns one input read from --data into the graph's input tensor."""
 
+    @abstractmethod
     def load_data(self, root, transform, calib_size: int, val_size: int, seed: int, class_names=None):
         """The --data folder's inputs (data.Inputs); `class_names`: the labels in effect for the build, by which a
         classifier's class folders are read (None: the model's classes have no names)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def output(self) -> dict:
-        raise NotImplementedError
+        """The graph's output (name, layout, shape) as `describe` reports it."""
 
     def describe(self) -> dict:
         """The manifest's, bundle's and formats' view of the graph: `meta["task"]`."""
@@ -139,14 +148,17 @@ class Task:
 
         return {preprocess.SHIPPED_AS: Path(preprocess.__file__).read_text(encoding="utf-8")}
 
+    @abstractmethod
     def fidelity(self, reference: torch.Tensor, outputs: torch.Tensor) -> dict:
-        raise NotImplementedError
+        """How close an artifact's `outputs` are to eager's `reference` (the threshold keys of this task)."""
 
+    @abstractmethod
     def labeled(self, outputs: torch.Tensor, labels: torch.Tensor) -> dict:
-        raise NotImplementedError
+        """The labeled metrics of `outputs` (accuracy or its task's equivalent)."""
 
+    @abstractmethod
     def vs_eager(self, eager: dict, artifact: dict) -> dict:
-        raise NotImplementedError
+        """An artifact's labeled metrics beside eager's, with how much worse it is (the `drop` key)."""
 
     def quality(
         self,
@@ -182,9 +194,9 @@ class Task:
         outputs): those where a device's numerics show first. By default the first `count`."""
         return list(range(min(count, len(reference))))
 
+    @abstractmethod
     def golden(self, inputs: torch.Tensor, reference: torch.Tensor, labels) -> dict:
         """File name under golden/ -> numpy array (.npy) or list (.json), for on-device checks."""
-        raise NotImplementedError
 
     def departure(self, reference: torch.Tensor, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """How far each row of an artifact's outputs departs from eager's: term -> (N,) scores, the terms in

@@ -20,6 +20,7 @@ from .download import HASH_IN_NAME
 from ..errors import UsageError
 from ..files import sha256
 from ..progress import Progress
+from ..results import Checkpoint
 
 TASK_MODULES = {
     "classification": torchvision.models,
@@ -221,11 +222,11 @@ class LoadedModel:
     model: nn.Module  # what gets exported: the task's graph (one output tensor)
     num_classes: int
     labels: list[str]
-    checkpoint: dict = field(default_factory=dict)  # path, sha256, source, verified
+    checkpoint: Checkpoint
     # what artifacts are validated against, when it is not `model` itself: a quantized weight's own
     # float model (meta["unquantized"]) where its checkpoint is at hand
     reference_model: nn.Module | None = None
-    reference: dict = field(default_factory=dict)  # kind, weight, checkpoint, note
+    reference: dict = field(default_factory=dict)  # kind, weight, checkpoint (a Checkpoint or None), note
     task_class: type[tasks.Task] = tasks.Classification
 
     @property
@@ -383,7 +384,7 @@ def _float_reference(weights: WeightsEnum, num_classes: int, path: Path | None, 
     name = model_name_of(unquantized)
     model = get_model(name, weights=None, num_classes=num_classes, **builder_kwargs(unquantized))
     _load_exactly(model, _read_state_dict(path), path, name)
-    checkpoint = {"path": str(path.resolve()), "sha256": digest, "source": source, "verified": verified}
+    checkpoint = Checkpoint(path=str(path.resolve()), sha256=digest, source=source, verified=verified)
     return model.eval(), {
         "kind": "unquantized float",
         "weight": canonical_name(unquantized),
@@ -446,7 +447,7 @@ def load(
         model=model,
         num_classes=num_classes,
         labels=labels,
-        checkpoint={"path": str(path.resolve()), "sha256": digest, "source": source, "verified": verified},
+        checkpoint=Checkpoint(path=str(path.resolve()), sha256=digest, source=source, verified=verified),
         reference_model=reference_model,
         reference=reference,
         task_class=task,

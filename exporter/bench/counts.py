@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .aarch64 import counting
-from .engine import profiles
-from .release.recommend import COUNT_TIE
-from .errors import UsageError
+from ..aarch64 import counting
+from ..engine import profiles
+from ..release.recommend import COUNT_TIE
+from ..errors import UsageError
 
 UNIT = "emulated aarch64 instructions per inference, one thread (qemu TCG plugin): not time"
 WARMUP, RUNS = 1, 2  # on the example, then two other images: three inputs, the counted two on images of their own
@@ -38,7 +38,7 @@ class ArmCounter:
     """The runner and counting qemu, set up once for a bench run; `unavailable` says why when either cannot be."""
 
     def __init__(self, cpus: list[str], log, offline: bool | None = None):
-        from .aarch64 import counter, runner
+        from ..aarch64 import counter, runner
 
         self.cpus, self.log, self.runner, self.counter, self.unavailable = cpus, log, None, None, None
         try:
