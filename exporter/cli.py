@@ -263,7 +263,20 @@ def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
     elif not quiet:
         click.echo(report.markdown(doc))
         click.echo(f"report: {out / 'report.md'}\nmanifest: {out / 'manifest.json'}")
+    if as_json or quiet:
+        _say_failures([doc])
     sys.exit(1 if doc["status"] == "failed" else 0)
+
+
+def _say_failures(docs: list[dict]) -> None:
+    """Without the report on the terminal (--quiet, --json), why a build exits 1: a line on stderr per failed
+    artifact, with its reasons."""
+    for doc in docs:
+        target = doc["target"]["name"]
+        for artifact in doc["artifacts"]:
+            if artifact["status"] == "failed":
+                why = "; ".join(reason["text"] for reason in artifact.get("reasons") or []) or "see the manifest"
+                click.echo(f"failed: {target} {artifact['name']}: {why}", err=True)
 
 
 def _build_request(**fields):
@@ -517,6 +530,8 @@ def build(request: BuildRequest, targets: tuple[str, ...], make_bundle: bool, qu
             click.echo(f"bundle: {directory}  zip: {zip_path(directory)}", err=True)
     if len(docs) == 1:
         _emit(docs[0], as_json, quiet, base)
+    if as_json or quiet:
+        _say_failures(docs)
     if as_json:
         from .release import manifest
 

@@ -217,9 +217,7 @@ def judge(conditions: dict, threads: int, max_spread: float | None = None) -> tu
             f"threads of this process still ran when a runner was timed: {', '.join(conditions['unsettled'])}"
         )
     if conditions.get("baseline_reasons"):
-        reasons.append(
-            f"the build's eager baseline was timed on a busy host: {'; '.join(conditions['baseline_reasons'])}"
-        )
+        reasons.append(f"the build's eager baseline is unreliable: {'; '.join(conditions['baseline_reasons'])}")
     return not reasons, reasons
 
 

@@ -170,3 +170,31 @@ def test_the_requests_checks_write_nothing(tmp_path):
     with pytest.raises(UsageError, match="is not a directory"):
         pipeline.check_request(request, chosen, None, Progress(quiet=True))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["--quiet", "--json"])
+def test_a_failed_build_without_its_report_says_why_on_stderr(monkeypatch, tmp_path, flag):
+    """In CI a quiet build's exit 1 names each failed artifact and its reasons; a passing one says nothing."""
+
+    def artifact(name, status, *texts):
+        return {"name": name, "status": status, "reasons": [{"kind": "threshold", "text": t} for t in texts]}
+
+    doc = {
+        "weight": {"name": "W"},
+        "target": {"name": "android"},
+        "status": "failed",
+        "artifacts": [
+            artifact("executorch_fp32", "passed"),
+            artifact("litert_int8", "failed", "accuracy_drop 1.667 (needs <= 1)", "psnr_db 20 (needs >= 30)"),
+        ],
+    }
+    monkeypatch.setattr(api, "build_targets", lambda request, targets, progress=None: [doc])
+    monkeypatch.setattr("exporter.release.manifest.dumps", lambda d: "{}")
+    result = run_cli("build", "resnet18", "--out", tmp_path / "o", flag)
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        "failed: android litert_int8: accuracy_drop 1.667 (needs <= 1); psnr_db 20 (needs >= 30)"
+    ]
+    doc.update(status="passed", artifacts=[artifact("executorch_fp32", "passed")])
+    result = run_cli("build", "resnet18", "--out", tmp_path / "o", flag)
+    assert result.exit_code == 0 and result.stderr == ""

@@ -188,7 +188,7 @@ def test_a_baseline_timed_on_a_busy_host_makes_every_speedup_unreliable(real_jud
     row = validation.against_baseline(_measured(2.0, [6.5] * 5), busy, threads=2)
     assert not row["latency_conditions"]["reliable"]
     assert row["latency_conditions"]["reasons"] == [
-        "the build's eager baseline was timed on a busy host: load 3.9 on 2 cores, 2 threads timed"
+        "the build's eager baseline is unreliable: load 3.9 on 2 cores, 2 threads timed"
     ]
     # restated against a quiet baseline (a later build's), the earlier one's reasons do not stay
     quiet = validation.against_baseline(row, _baseline(6.5, [6.5] * 5), threads=2)

@@ -164,7 +164,7 @@ def _speed(fastest: dict | None, cpu: str | None) -> str | None:
     p50 = (fastest.get("latency_ms") or {}).get("p50")
     x86 = f"p50 {p50:.2f} ms" if p50 is not None else "x86 p50 not measured"
     if p50 is not None and not (fastest.get("latency_conditions") or {}).get("reliable", True):
-        x86 += ", timed on a busy host: unreliable"
+        x86 += ", unreliable (see the latency notes)"
     if cpu is None:
         return x86
     return (

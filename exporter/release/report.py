@@ -173,7 +173,7 @@ def eager_summary(doc: dict) -> str:
 
 
 def unreliable_latency(a: dict) -> bool:
-    """Whether an artifact's latency was timed on a busy host (exporter.hostload judged it unreliable)."""
+    """Whether an artifact's latency was judged unreliable (exporter.hostload: a busy host, or timings that moved)."""
     return not (a.get("latency_conditions") or {}).get("reliable", True)
 
 
@@ -189,7 +189,8 @@ def latency_warnings(doc: dict) -> tuple[str, list[tuple[str, str]]]:
     threads = (doc.get("host") or {}).get("threads")
     head = (
         f"Latency unreliable for {len(noisy)} of {sum(1 for a in doc['artifacts'] if a.get('latency_ms'))} timed "
-        f"artifacts: taken on a busy host ({threads} threads timed); ratios to eager shown as measured, the verdict "
+        f"artifacts ({threads} threads timed): a busy host, or timings that moved between rounds; ratios to eager shown "
+        "as measured, the verdict "
         "does not use them, and the cache does not keep them (the next run times them again)"
     )
     return head, noisy
