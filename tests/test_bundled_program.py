@@ -255,6 +255,8 @@ def test_bundle_carries_the_bpte_beside_its_pte(golden_program, tmp_path):
 def test_a_program_too_large_for_one_flatbuffer_gets_no_golden_program_and_says_why(tmp_path, monkeypatch):
     """A .bpte embeds the whole program in one flatbuffer (under 2 GiB): RegNetY-128GF's 2.6 GB fp32 .pte made the
     whole build fail (BuilderSizeError). Past the limit, its artifact stands without one, the reason in its details."""
+    from types import SimpleNamespace
+
     from exporter.engine import bundled_program_step
 
     (tmp_path / "model.pte").write_bytes(b"x" * 64)
@@ -262,7 +264,8 @@ def test_a_program_too_large_for_one_flatbuffer_gets_no_golden_program_and_says_
         "executorch_fp32", "executorch", "fp32", path="model.pte", status=Status.PASSED, fidelity={"psnr_db": 80.0}
     )
     monkeypatch.setattr(bundled_program_step, "FLATBUFFER_LIMIT", 64)
-    bundled_program_step.add_golden_program(None, entry, tmp_path, None)  # nothing of the session is needed to decide
+    # nothing of the session but where the build is written is needed to decide
+    bundled_program_step.add_golden_program(SimpleNamespace(out=tmp_path), entry)
     assert entry.status is Status.PASSED and entry.bundled_program is None
     assert entry.details["golden_program"].kind is Kind.NOTE  # a note: its artifact stands, the build is replayed
     assert entry.details["golden_program"].text.startswith("not made: the program is 0.00 GiB")
@@ -293,11 +296,14 @@ def test_a_golden_program_that_cannot_be_made_leaves_its_artifact_standing_and_s
     session = SimpleNamespace(
         golden_rows=[0],
         inputs=inputs,
-        inputs_for=lambda format_name: inputs,
+        fed_to=lambda format_name: inputs,
         digests=dict.fromkeys(("validation", "tools", "checkpoint", "reference", "task"), "d"),
         cache=SimpleNamespace(fetch_artifact=lambda digest, tmp: None),
+        out=tmp_path,
+        progress=Progress(quiet=True),
+        prefix="",
     )
-    bundled_program_step.add_golden_program(session, entry, tmp_path, Progress(quiet=True))
+    bundled_program_step.add_golden_program(session, entry)
     assert entry.status is Status.PASSED and entry.reasons == [] and entry.bundled_program is None
     note = entry.details["golden_program"]
     assert note.kind is Kind.BUNDLED_PROGRAM_FAILED, note  # what the whole-build record reads: not replayed

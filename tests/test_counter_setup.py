@@ -169,7 +169,7 @@ def test_a_build_that_counts_or_is_told_not_to_says_nothing(monkeypatch, tmp_pat
 CPU = "cortex-a76"
 
 
-def _session(cache_root: Path):
+def _session(cache_root: Path, out: Path):
     """What add_rows and add_counts read of a build's session, for one .pte judged on one emulated CPU."""
     import torch
 
@@ -182,10 +182,13 @@ def _session(cache_root: Path):
         digests=digests,
         cache=BuildCache(cache_root),
         fed=SimpleNamespace(validation=torch.zeros(2, 3, 8, 8)),
-        eager_fed="the eager module",
-        bytes_in=False,
+        eager_taking_fed="the eager module",
+        takes_bytes=False,
         latency={"threads": 1},
         x86_outputs={},
+        out=out,
+        progress=Progress(quiet=True),
+        prefix="",
     )
 
 
@@ -216,7 +219,8 @@ def test_a_row_cached_while_counts_were_unavailable_is_counted_once_they_are(mon
     runner = Runner(tmp_path / "runner", {"key": "runner-key", "cpus": {CPU: "0x414fd0b1"}})
     monkeypatch.setattr(aarch64, "prepare", lambda *args, **kwargs: runner)
     monkeypatch.setattr(aarch64, "run", lambda *args, **kwargs: pytest.fail("a cached row was emulated again"))
-    session, out = _session(tmp_path / "cache"), tmp_path / "build"
+    out = tmp_path / "build"
+    session = _session(tmp_path / "cache", out)
     entry = _pte(out)
     stored = EmulatedRow(cpu=CPU, status=Status.PASSED, fidelity={"top1_agreement": 1.0})  # as a build stores it
     session.cache.store_json("aarch64", validate_on_arm._key(session, entry, CPU, runner), stored)
@@ -234,7 +238,7 @@ def test_a_row_cached_while_counts_were_unavailable_is_counted_once_they_are(mon
     def build(counter_prepare):
         monkeypatch.setattr(counter, "prepare", counter_prepare)
         doc = SimpleNamespace(artifacts=[_pte(out)], aarch64=None)
-        validate_on_arm.add_rows(session, doc, out, Progress(quiet=True), tmp_path / "cache", offline=False)
+        validate_on_arm.add_rows(session, doc, tmp_path / "cache", offline=False)
         (row,) = doc.artifacts[0].aarch64
         assert row.reused_from_cache
         return doc, row

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from exporter import hostload, validation
-from exporter.engine import pipeline
+from exporter.engine import context, pipeline
 from exporter.engine.record import _unsettled_timing
 from exporter.progress import Progress
 from exporter.release import manifest, recommend, report
@@ -201,7 +201,19 @@ def test_a_build_times_eager_alone_once_for_all_its_targets_and_records_the_spre
     latency = {"threads": 1, "warmup": 1, "iterations": 10, "max_spread": 2.0}
     plan = SimpleNamespace(latency=SimpleNamespace(describe=lambda: dict(latency)))
     loaded = SimpleNamespace(eager=eager)
-    session = pipeline.BuildContext(loaded, None, SimpleNamespace(validation=torch.ones(4, 3)), None, None, plan)
+    session = context.BuildContext(
+        loaded=loaded,
+        task=None,
+        inputs=SimpleNamespace(validation=torch.ones(4, 3)),
+        byte_inputs=None,
+        reference=None,
+        eager_accuracy=None,
+        digests={},
+        cache=None,
+        plan=plan,
+        out=Path("unused"),
+        progress=Progress(quiet=True),
+    )
     first = session.eager_baseline()
     other_target = dataclasses.replace(session, plan=SimpleNamespace(latency=plan.latency))
     assert other_target.eager_baseline() is first and session.eager_baseline() is first

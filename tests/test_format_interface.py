@@ -193,10 +193,16 @@ def test_validation_asks_the_format_for_its_proxies(monkeypatch, tmp_path):
 
     _registered(monkeypatch, Unavailable())
     _registered(monkeypatch, WithProxies())
-    session = SimpleNamespace(latency={"threads": 1}, loaded=SimpleNamespace(model="the model"))
+    session = SimpleNamespace(
+        latency={"threads": 1},
+        loaded=SimpleNamespace(model="the model"),
+        out=tmp_path,
+        progress=Progress(quiet=True),
+        prefix="",
+    )
     entries = {name: ArtifactResult(name, name, "fp32", path=f"a.{name}") for name in ("unavailable", "with_proxies")}
     for entry in entries.values():
-        assert pipeline._run_validation(session, entry, tmp_path, Progress(quiet=True))
+        assert pipeline._run_validation(session, entry)
     assert entries["unavailable"].status is Status.UNAVAILABLE and entries["unavailable"].proxy_unavailable is None
     assert entries["with_proxies"].proxy_unavailable == "no stand-in for this one"
     assert WithProxies.asked == [("a.with_proxies", "the model")]
@@ -229,9 +235,12 @@ def test_memory_and_profile_say_when_a_format_has_none(monkeypatch, tmp_path):
     session = SimpleNamespace(
         latency={"threads": 1},
         inputs=inputs,
-        inputs_for=lambda format_name: inputs,
+        fed_to=lambda format_name: inputs,
         cache=Cache(),
         digests={"tools": "test"},
+        out=tmp_path,
+        progress=Progress(quiet=True),
+        prefix="",
     )
 
     def entry(fmt):
@@ -240,8 +249,8 @@ def test_memory_and_profile_say_when_a_format_has_none(monkeypatch, tmp_path):
     bare, memory_only = entry("bare"), entry("memory_only")
     threads = torch.get_num_threads()
     try:
-        memory_profile.measure(session, bare, tmp_path, Progress(quiet=True))
-        memory_profile.measure(session, memory_only, tmp_path, Progress(quiet=True))
+        memory_profile.measure(session, bare)
+        memory_profile.measure(session, memory_only)
     finally:
         torch.set_num_threads(threads)  # add() sets the build's threads
     none = {"available": False, "reason": "bare has no memory measurement"}

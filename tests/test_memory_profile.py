@@ -260,9 +260,12 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
         session = SimpleNamespace(
             latency={"threads": 1},
             inputs=inputs,
-            inputs_for=lambda format_name: inputs,
+            fed_to=lambda format_name: inputs,
             cache=Cache(),
             digests={"tools": "test"},
+            out=tmp_path,
+            progress=Progress(quiet=True),
+            prefix="",
         )
         entry = ArtifactResult(
             "onnx_fp32",
@@ -274,7 +277,7 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
             fidelity={"psnr_db": 90.0},
             latency_ms={"p50": 4000.0},
         )
-        memory_profile.measure(session, entry, tmp_path, Progress(quiet=True))
+        memory_profile.measure(session, entry)
         profile = entry.profile
         assert profile["available"] and profile["runs"] == 2, profile
         assert profile["conditions"]["reliable"] == (not busy) and profile["conditions"]["reasons"] == busy

@@ -7,12 +7,15 @@ validate_on_arm). A `.bpte` that does not verify fails its artifact: the app's s
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import files
 from ..formats import bundled_program
-from ..progress import Progress
 from ..results import ArtifactResult, Kind, Reason, Status
 from . import cache
+
+if TYPE_CHECKING:
+    from .context import BuildContext
 
 FORMAT = "executorch"
 FAILED = "not made, it failed: "  # its note (Kind.BUNDLED_PROGRAM_FAILED): not replayed from the whole-build record
@@ -23,13 +26,13 @@ def wanted(entry: ArtifactResult) -> bool:
     return entry.format == FORMAT and entry.ran_here()
 
 
-def add_golden_program(session, entry: ArtifactResult, out: Path, progress: Progress, prefix: str = "") -> None:
+def add_golden_program(session: BuildContext, entry: ArtifactResult) -> None:
     """Write the entry's `.bpte` (from the cache when the same one was made before), verify it on this host and
     record it as entry.bundled_program."""
     if not wanted(entry):
         return
     entry.details.pop("golden_program", None)  # a note from an earlier run (exporter validate runs it again)
-    pte = out / entry.path
+    pte = session.out / entry.path
     size = pte.stat().st_size
     if size >= FLATBUFFER_LIMIT:  # measured: RegNetY-128GF's 2.6 GB fp32 .pte, BuilderSizeError
         entry.details["golden_program"] = Reason(
@@ -40,11 +43,11 @@ def add_golden_program(session, entry: ArtifactResult, out: Path, progress: Prog
         return
     bpte = pte.with_suffix(bundled_program.SUFFIX)
     try:
-        details = _write_bpte(session, entry, pte, bpte, progress, prefix)
+        details = _write_bpte(session, entry, pte, bpte)
     except (RuntimeError, OSError, MemoryError, ValueError) as e:  # ExecuTorch's, as the 2 GiB limit: the .pte stands
         first = (str(e).strip().splitlines() or [""])[0][:300]
         entry.details["golden_program"] = Reason(Kind.BUNDLED_PROGRAM_FAILED, f"{FAILED}{type(e).__name__}: {first}")
-        progress.note(f"{prefix}golden program {bpte.name} {FAILED}{type(e).__name__}: {first}")
+        session.progress.note(f"{session.prefix}golden program {bpte.name} {FAILED}{type(e).__name__}: {first}")
         return
     verified = bundled_program.verify(bpte, details["rtol"], details["atol"])
     entry.bundled_program = {**details, "verified": {"x86_64": verified}}
@@ -59,7 +62,7 @@ def add_golden_program(session, entry: ArtifactResult, out: Path, progress: Prog
         ]
 
 
-def _write_bpte(session, entry: ArtifactResult, pte: Path, bpte: Path, progress: Progress, prefix: str) -> dict:
+def _write_bpte(session: BuildContext, entry: ArtifactResult, pte: Path, bpte: Path) -> dict:
     """The .bpte written (or fetched from the cache): its details."""
     rows = session.golden_rows
     digest = cache.key(
@@ -68,11 +71,11 @@ def _write_bpte(session, entry: ArtifactResult, pte: Path, bpte: Path, progress:
         golden=rows,
         **{k: session.digests[k] for k in ("validation", "tools", "checkpoint", "reference", "task")},
     )
-    with progress.step(f"{prefix}golden program {bpte.name}"):
+    with session.progress.step(f"{session.prefix}golden program {bpte.name}"):
         with files.atomic_path(bpte) as tmp:
             details = session.cache.fetch_artifact(digest, tmp)
             if details is None:
-                golden = session.inputs_for(entry.format).validation[rows]
+                golden = session.fed_to(entry.format).validation[rows]
                 expected = bundled_program.outputs(pte, golden)
                 first = [outputs[0].reshape(1, -1) for outputs in expected]  # what validation compares to eager
                 import torch

@@ -27,12 +27,16 @@ floors for every row."""
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..results import ArtifactResult, Kind, Reason, Status, kinds
 from ..thresholds import THRESHOLD_KEYS, breaches
+
+if TYPE_CHECKING:
+    from .context import BuildContext
 
 PRECISIONS = ("fp32", "fp16", "int8")
 STATIC = "int8_static"  # judged with the int8 thresholds
@@ -213,7 +217,7 @@ def _far_below(fidelity: dict, floor: dict, margin_db: float) -> bool:
     return numbers and artifact < reached - margin_db
 
 
-def note_ill_conditioned(session, entry: ArtifactResult) -> None:
+def note_ill_conditioned(session: BuildContext, entry: ArtifactResult) -> None:
     """After an artifact's validation: when it failed a fidelity threshold, the reason saying that its reference
     is ill-conditioned at its precision, if it is (see ill_conditioned). A passing artifact costs nothing; a floor
     that cannot be computed (a graph that does not run in float64) says nothing."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import aarch64, files
 from ..aarch64 import counter as counting_qemu
@@ -22,6 +23,9 @@ from ..errors import UsageError
 from ..progress import Progress
 from ..results import ArtifactResult, Manifest
 from . import cache
+
+if TYPE_CHECKING:
+    from .context import BuildContext
 
 UNIT = "emulated aarch64 instructions per inference, one thread (qemu TCG plugin): not time"
 WARMUP, RUNS = 1, 2
@@ -33,7 +37,7 @@ def _scripts() -> str:
     return "".join(files.sha256(here / name) for name in ("inside.py", "inside_count.py"))
 
 
-def _key(session, what, cpu: str, runner, counter) -> str:
+def _key(session: BuildContext, what, cpu: str, runner, counter) -> str:
     return cache.key(
         kind="instructions",
         what=what,
@@ -59,7 +63,7 @@ def _record(counts: counting.Counts) -> dict:
     }
 
 
-def _count_on(session, cpu: str, items: dict, runner, counter, failed: dict) -> dict:
+def _count_on(session: BuildContext, cpu: str, items: dict, runner, counter, failed: dict) -> dict:
     """{name: record} for `items` ({name: (cache key material, artifact path or nn.Module)}) on `cpu`: each from the
     cache, the rest counted in one emulated process and stored. What cannot be counted goes to `failed`."""
     records, missing = {}, {}
@@ -115,16 +119,13 @@ def check_before_build(plans, request, progress: Progress) -> None:
 
 
 def add_counts(
-    session,
+    session: BuildContext,
     doc: Manifest,
     entries: list[ArtifactResult],
-    out: Path,
     runner,
-    progress: Progress,
     offline: bool,
     request_cache_dir: Path | None,
     runners: Path | None = None,
-    prefix: str = "",
 ) -> None:
     """Counts on every CPU of the plan for `entries` (their aarch64 rows made) and eager; written into each row's
     `instructions` and `doc.aarch64["instructions"]` (the counter, eager's counts, the reference core, what failed).
@@ -135,7 +136,7 @@ def add_counts(
         return
     try:
         counter = counting_qemu.prepare(
-            progress,
+            session.progress,
             cache_dir=request_cache_dir,
             offline=offline or None,
             root=Path(runners) / "counter" if runners is not None else None,
@@ -155,14 +156,14 @@ def add_counts(
     }
     summary["instructions"] = info
     eager_key = {"eager": {k: session.digests[k] for k in ("checkpoint", "reference", "model", "task")}}
-    if session.bytes_in:  # counted behind the preprocessing, on the bytes the artifacts take
+    if session.takes_bytes:  # counted behind the preprocessing, on the bytes the artifacts take
         eager_key["input"] = session.plan.input_format
     for cpu in validate.cpus:
         rows = {e.name: r for e in entries for r in e.aarch64 or [] if r.cpu == cpu}
-        items = {"eager": (eager_key, session.eager_fed)}
-        items.update({e.name: (e.sha256, out / e.path) for e in entries if e.name in rows})
-        with progress.step(
-            f"{prefix}aarch64 instruction counts on {cpu} (emulated, one thread, {len(items)} programs)"
+        items = {"eager": (eager_key, session.eager_taking_fed)}
+        items.update({e.name: (e.sha256, session.out / e.path) for e in entries if e.name in rows})
+        with session.progress.step(
+            f"{session.prefix}aarch64 instruction counts on {cpu} (emulated, one thread, {len(items)} programs)"
         ):
             records = _count_on(session, cpu, items, runner, counter, failed)
         base = records.get("eager", {}).get("per_inference")

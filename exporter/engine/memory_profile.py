@@ -9,15 +9,17 @@ and the CPU. Neither decides the status: a measurement that fails is recorded wi
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import hostload
 from ..formats import FORMATS
-from ..progress import Progress
 from ..results import ArtifactResult, texts
 from . import cache
+
+if TYPE_CHECKING:
+    from .context import BuildContext
 
 VERSION = 2  # bump when what is measured changes
 PROFILE_RUNS = 10  # profiled inferences after one warm-up, at most...
@@ -50,7 +52,7 @@ def _measure(what: str, function, *args) -> dict:
         return _unavailable(f"{what} not measured: {type(e).__name__}: {first}")
 
 
-def measure(session, entry: ArtifactResult, out: Path, progress: Progress, prefix: str = "") -> None:
+def measure(session: BuildContext, entry: ArtifactResult) -> None:
     """entry.memory and entry.profile, from the cache when this artifact was measured before."""
     fmt = FORMATS[entry.format].format() if FORMATS[entry.format].installed() else None
     reason = _reason(entry, fmt)
@@ -58,7 +60,7 @@ def measure(session, entry: ArtifactResult, out: Path, progress: Progress, prefi
         entry.memory = entry.profile = _unavailable(reason)
         return
     threads = session.latency["threads"]
-    example = session.inputs_for(entry.format).validation[:1]
+    example = session.fed_to(entry.format).validation[:1]
     # not keyed on the runs (from a measured latency: a key that moved with it would measure memory again)
     digest = cache.key(
         kind="memory_profile",
@@ -75,8 +77,8 @@ def measure(session, entry: ArtifactResult, out: Path, progress: Progress, prefi
         entry.update(cached)
         session.cache.events.append(f"{entry.name}: memory and profile reused from the cache")
         return
-    path = out / entry.path
-    with progress.step(f"{prefix}memory and profile {entry.name}"):
+    path = session.out / entry.path
+    with session.progress.step(f"{session.prefix}memory and profile {entry.name}"):
         pixels = ["uint8"] if example.dtype == torch.uint8 else []  # a uint8-nhwc input; float32 by default
         entry.memory = _measure("memory", fmt.memory, path, tuple(example.shape), threads, *pixels)
         if fmt.profile is not None:
@@ -105,7 +107,7 @@ def profile_runs(entry: ArtifactResult) -> int:
     return max(1, min(PROFILE_RUNS, int(PROFILE_BUDGET_MS // p50)))
 
 
-def session_cpu(session) -> str:
+def session_cpu(session: BuildContext) -> str:
     """The host's CPU model, as the validation cache keys on it (times and kernels depend on it)."""
     from ..release import manifest
 

@@ -13,7 +13,7 @@ import functools
 import json
 import os
 import sys
-from dataclasses import field, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,168 +29,12 @@ from ..quant import Calibration
 from ..quant.calibration import BACKEND_SETTINGS
 from .request import BuildRequest, Overrides
 from .cache import BuildCache
+from .context import BuildContext, SharedContext, digests_of, inputs_as_bytes
 from ..errors import UsageError
 from ..thresholds import MIN_INPUTS
 from ..formats import FORMATS, RuntimeUnavailable
 from ..formats.interface import SharedProxy
 from ..progress import Progress
-
-
-@dataclass
-class BuildContext:
-    """What every artifact of one build is validated against."""
-
-    loaded: weights.LoadedModel
-    task: Task
-    inputs: data.Inputs
-    reference: torch.Tensor
-    eager_accuracy: dict | None
-    plan: Plan  # the target being built (a multi-target build replaces it per target)
-    cache: BuildCache = field(default_factory=lambda: BuildCache(None))
-    x86_outputs: dict = field(default_factory=dict)  # artifact name -> its outputs on this host (for the aarch64 rows)
-    shared_proxies: dict = field(default_factory=dict)  # (shared_key, thresholds) -> a proxy's metrics
-    sized: dict = field(default_factory=dict)  # (h, w) -> the validation images and eager at that size
-    # latency settings -> the eager baseline every timed artifact is compared with (shared by a build's targets)
-    baselines: dict = field(default_factory=dict)
-
-    @property
-    def latency(self) -> dict:
-        return self.plan.latency.describe()
-
-    def eager_baseline(self) -> validation.EagerBaseline:
-        """Eager timed alone, once per build and latency setting (validation.eager_baseline), on first use."""
-        key = json.dumps(self.latency, sort_keys=True)
-        if key not in self.baselines:
-            torch.set_num_threads(self.latency["threads"])
-            self.baselines[key] = validation.eager_baseline(
-                self.eager,
-                self.inputs.validation[:1],
-                self.latency["warmup"],
-                self.latency["iterations"],
-                self.latency["threads"],
-                self.latency.get("max_spread"),
-            )
-        return self.baselines[key]
-
-    def eager_latency(self, artifacts: list[ArtifactResult]) -> validation.EagerBaseline | None:
-        """The build's eager baseline with how eager's rounds beside each timed artifact compare with it (the
-        manifest's eager.latency), or None when no artifact was timed."""
-        baseline = self.baselines.get(json.dumps(self.latency, sort_keys=True))
-        if baseline is None:
-            return None
-        beside = [(a.latency_conditions.get("rounds_p50_ms") or {}).get("eager") for a in artifacts if a.latency_ms]
-        return validation.build_spread(baseline, [rounds for rounds in beside if rounds])
-
-    @functools.cached_property
-    def digests(self) -> dict:
-        """What the cache keys hang on: the exact checkpoint, input tensors and what is written with them."""
-        labels = self.inputs.labels
-        return {
-            "checkpoint": self.loaded.checkpoint.sha256,
-            "reference": getattr(self.loaded.reference.get("checkpoint"), "sha256", None),
-            "model": self.loaded.model_name,
-            "num_classes": self.loaded.num_classes,
-            "task": self.task.describe(),
-            "calibration": cache.tensors_digest(self.inputs.calibration),
-            "validation": cache.tensors_digest([self.inputs.validation]),
-            "labels": cache.tensors_digest([labels]) if labels is not None else None,
-            "calibration_labels": (
-                cache.tensors_digest([self.inputs.calibration_labels])
-                if self.inputs.calibration_labels is not None
-                else None
-            ),
-            "meta": self.meta,  # written into artifacts (Core ML's class names) and previews
-            # every cached step is keyed on these: the exporter's own code is one of the tools
-            "tools": {**manifest.tool_versions(), "exporter_source": cache.source_digest()},
-            "exporter": __version__,
-        }
-
-    @property
-    def meta(self) -> dict:
-        return {
-            "weight": self.loaded.weight_name,
-            "model": self.loaded.model_name,
-            "labels": list(self.loaded.labels),
-            "task": self.task.describe(),
-            "preprocessing": self.task.preprocessing(self.loaded.weights),
-            "accuracy": weights.meta_summary(self.loaded.weights)["metrics"],
-            "recipe": self.loaded.weights.meta.get("recipe"),
-            "exporter_version": __version__,
-        }
-
-    def eager(self, x):
-        return self.loaded.eager(x)
-
-    @property
-    def bytes_in(self) -> bool:
-        """Whether this target's artifacts take uint8-nhwc (those whose format has no image input of its own)."""
-        return self.plan.input_format == image_input.BYTES
-
-    def takes_bytes(self, format_name: str) -> bool:
-        return self.bytes_in and not FORMATS[format_name].own_image_input
-
-    @functools.cached_property
-    def byte_inputs(self) -> data.Inputs:
-        """The calibration and validation images as uint8-nhwc artifacts take them (image_input.as_bytes)."""
-        pre = self.task.preprocessing(self.loaded.weights)
-        as_bytes = functools.partial(image_input.as_bytes, mean=pre["mean"], std=pre["std"])
-        return dataclasses.replace(
-            self.inputs,
-            calibration=[as_bytes(x) for x in self.inputs.calibration],
-            validation=as_bytes(self.inputs.validation),
-        )
-
-    def _behind_preprocessing(self, module: torch.nn.Module) -> torch.nn.Module:
-        pre = self.task.preprocessing(self.loaded.weights)
-        return image_input.ImageBytesInput(module, pre["mean"], pre["std"]).eval()
-
-    def graph_for(self, format_name: str) -> torch.nn.Module:
-        """The module an artifact of `format_name` is exported from: the weight's graph, behind the preprocessing
-        when it takes bytes."""
-        return self._behind_preprocessing(self.loaded.model) if self.takes_bytes(format_name) else self.loaded.model
-
-    @property
-    def fed(self) -> data.Inputs:
-        """The inputs of every artifact without an image input of its own (all that run on aarch64)."""
-        return self.byte_inputs if self.bytes_in else self.inputs
-
-    @property
-    def eager_fed(self) -> torch.nn.Module:
-        """Eager as those artifacts are fed (behind the preprocessing for uint8-nhwc): what is counted beside them."""
-        return self._behind_preprocessing(self.loaded.eager) if self.bytes_in else self.loaded.eager
-
-    def inputs_for(self, format_name: str) -> data.Inputs:
-        """The inputs an artifact of `format_name` is fed (exported with, calibrated and validated on): the
-        validation images as the app feeds them, the same images eager is fed as torchvision's transforms make
-        them."""
-        return self.byte_inputs if self.takes_bytes(format_name) else self.inputs
-
-    def input_of(self, format_name: str, example: torch.Tensor) -> dict:
-        """What the artifact takes, as the manifest and bundle.json record it."""
-        own = FORMATS[format_name].own_image_input
-        if own and self.bytes_in:
-            return {"format": "own", "note": own}
-        return image_input.describe(self.plan.input_format, example)
-
-    @functools.cached_property
-    def golden_rows(self) -> list[int]:
-        """The validation rows written to golden/ and measured as golden_fidelity."""
-        return self.task.golden_rows(self.reference, GOLDEN_COUNT)
-
-    def calibration(self, precision: str, format_name: str, log=lambda _message: None):
-        """What a format quantizes with: for int8, the images (as the artifact takes them) plus the budget and how
-        to meet it."""
-        images = self.inputs_for(format_name).calibration
-        if precision != "int8":
-            return images
-        return Calibration(
-            images,
-            self.inputs.calibration_labels,
-            dict(self.plan.quant_budget),
-            dict(self.plan.quant_settings),
-            log,
-            self.task,
-        )
 
 
 def _check_enough(inputs: data.Inputs, path: Path | None, calibrated: list[str], calib_size: int) -> None:
@@ -214,30 +58,45 @@ def _check_enough(inputs: data.Inputs, path: Path | None, calibrated: list[str],
 
 
 def _start_session(
-    loaded, task, inputs, plan: Plan, progress: Progress, build_cache: BuildCache | None = None
-) -> BuildContext:
-    torch.set_num_threads(plan.latency.threads)
-    session = BuildContext(loaded, task, inputs, None, None, plan, build_cache or BuildCache(None))
+    loaded: weights.LoadedModel,
+    task: Task,
+    inputs: data.Inputs,
+    plans: list[Plan],
+    progress: Progress,
+    build_cache: BuildCache | None = None,
+) -> SharedContext:
+    """Eager's reference on the validation inputs (from the cache when it was run before), and the inputs as bytes
+    where any of `plans` takes them: what those targets share."""
+    torch.set_num_threads(plans[0].latency.threads)
+    build_cache = build_cache or BuildCache(None)
+    digests = digests_of(loaded, task, inputs)
     reference_key = cache.key(
-        kind="eager",
-        **{k: session.digests[k] for k in ("checkpoint", "reference", "model", "task", "validation", "tools")},
+        kind="eager", **{k: digests[k] for k in ("checkpoint", "reference", "model", "task", "validation", "tools")}
     )
     with progress.step("eager reference"):
-        session.reference = session.cache.fetch_tensor(reference_key)
-        if session.reference is None:
-            session.reference = validation.run_all(loaded.eager, inputs.validation)
-            session.cache.store_tensor(reference_key, session.reference)
+        reference = build_cache.fetch_tensor(reference_key)
+        if reference is None:
+            reference = validation.run_all(loaded.eager, inputs.validation)
+            build_cache.store_tensor(reference_key, reference)
         else:
-            session.cache.events.append("eager reference reused from the cache")
-    broken = validation.non_finite_inputs(session.reference)
+            build_cache.events.append("eager reference reused from the cache")
+    broken = validation.non_finite_inputs(reference)
     if broken:  # nothing can be judged against it: refused before any artifact (or file) is made
         raise UsageError(
             f"checkpoint {loaded.checkpoint.path}: eager's outputs are NaN or infinite on {broken} of "
-            f"{len(session.reference)} validation inputs; no artifact can be validated against them"
+            f"{len(reference)} validation inputs; no artifact can be validated against them"
         )
-    if inputs.labels is not None:
-        session.eager_accuracy = task.labeled(session.reference, inputs.labels)
-    return session
+    takes_bytes = any(plan.input_format == image_input.BYTES for plan in plans)
+    return SharedContext(
+        loaded=loaded,
+        task=task,
+        inputs=inputs,
+        byte_inputs=inputs_as_bytes(loaded, task, inputs) if takes_bytes else None,  # refused now if not whole bytes
+        reference=reference,
+        eager_accuracy=task.labeled(reference, inputs.labels) if inputs.labels is not None else None,
+        digests=digests,
+        cache=build_cache,
+    )
 
 
 def _evaluate(
@@ -277,18 +136,16 @@ VALIDATION_FIELDS = (  # what a validation sets on an artifact (and the cache ke
     "preview",
     "preview_rows",
 )
-GOLDEN_COUNT = 8  # validation inputs written to golden/ for on-device checks
 GOLDEN_BYTES = "inputs_uint8.npy"  # golden/'s inputs as a uint8-nhwc artifact takes them
 
 
-def _validate(
-    session: BuildContext, entry: ArtifactResult, out: Path, progress: Progress, prefix: str = "", step: str = ""
-) -> None:
+def _validate(session: BuildContext, entry: ArtifactResult, step: str = "") -> None:
     """Validation, reusing an earlier identical one (same artifact bytes, inputs, thresholds, host
     and thread settings) from the cache; the manifest says when it did. A cached latency judged unreliable
     (hostload: a busy host) is never served: its fidelity is, and the latency is timed again."""
     from .. import hostload
 
+    out = session.out
     # a format whose stand-ins for an unavailable runtime changed says so, and is not served the older ones
     proxies = FORMATS[entry.format].format().proxies_version
     digest = cache.key(
@@ -319,7 +176,7 @@ def _validate(
             session.cache.events.append(f"{entry.name}: validation results reused from the cache")
             return
         # fidelity is settled; a latency taken on a busy host is not: timed again, and the record replaced
-        with progress.step(f"{prefix}time {entry.name}{step} again"):
+        with session.progress.step(f"{session.prefix}time {entry.name}{step} again"):
             runner = FORMATS[entry.format].format().load(out / entry.path, session.latency["threads"])
             entry.update(
                 validation.latency_against_eager(
@@ -330,7 +187,7 @@ def _validate(
                     session.latency["iterations"],
                     session.latency["threads"],
                     session.latency.get("max_spread"),
-                    fed=session.inputs_for(entry.format).validation[:1],
+                    fed=session.fed_to(entry.format).validation[:1],
                     baseline=session.eager_baseline(),
                 )
             )
@@ -340,7 +197,7 @@ def _validate(
             f"again (the cached one was unreliable: {noisy})"
         )
     else:
-        if not _run_validation(session, entry, out, progress, prefix, step):
+        if not _run_validation(session, entry, step):
             return  # not kept: what stopped it may be this host's (memory), not the artifact's
         if entry.latency_conditions:  # judged again with this profile's max_spread
             entry.latency_conditions = hostload.judged(
@@ -360,15 +217,13 @@ def _against_baseline(session: BuildContext, entry: ArtifactResult) -> dict:
     )
 
 
-def _run_validation(
-    session: BuildContext, entry: ArtifactResult, out: Path, progress: Progress, prefix: str = "", step: str = ""
-) -> bool:
+def _run_validation(session: BuildContext, entry: ArtifactResult, step: str = "") -> bool:
     """Whether the artifact was run (or, unavailable here, said why); one that loads or runs on no or only some
     validation inputs has failed, with the runtime's error."""
     fmt = FORMATS[entry.format].format()
-    with progress.step(f"{prefix}validate {entry.name}{step}") as shown:
+    with session.progress.step(f"{session.prefix}validate {entry.name}{step}") as shown:
         try:
-            runner = fmt.load(out / entry.path, session.latency["threads"])
+            runner = fmt.load(session.out / entry.path, session.latency["threads"])
         except UsageError:
             raise
         except RuntimeUnavailable as e:
@@ -379,7 +234,7 @@ def _run_validation(
                 # reported as the runtime's own numbers, and they do not decide the status. Not timed:
                 # eager in fp16 on a CPU says nothing about Core ML's speed (and takes seconds per image).
                 try:
-                    proxies = fmt.proxies(out / entry.path, session.loaded.model)
+                    proxies = fmt.proxies(session.out / entry.path, session.loaded.model)
                 except ValueError as e:  # a stand-in that cannot be made says why; the artifact is not failed
                     entry.proxy_unavailable = str(e)
                     return True
@@ -391,7 +246,7 @@ def _run_validation(
             entry.update(status=Status.FAILED, reasons=[Reason(Kind.DOES_NOT_LOAD, f"does not load: {_first_line(e)}")])
             return False
         try:
-            fed = session.inputs_for(entry.format).validation
+            fed = session.fed_to(entry.format).validation
             metrics, outputs = _evaluate(session, _reporting_failures(runner), entry.thresholds, fed)
         except ArtifactRunFailed as e:  # e.g. ONNX Runtime failing on one image's shapes
             torch.set_num_threads(session.latency["threads"])
@@ -405,7 +260,7 @@ def _run_validation(
         # what a device's run of this artifact on golden/ is held to (device_validate.py)
         rows = session.golden_rows
         entry.golden_fidelity = session.task.fidelity(session.reference[rows], outputs[rows])
-        _write_preview(session, entry, out, outputs)
+        _write_preview(session, entry, outputs)
         return True
 
 
@@ -438,7 +293,7 @@ def _proxy_metrics(session: BuildContext, proxy, thresholds: dict) -> dict:
     return copy.deepcopy(session.shared_proxies[key])
 
 
-def _write_preview(session: BuildContext, entry: ArtifactResult, out: Path, outputs: torch.Tensor) -> None:
+def _write_preview(session: BuildContext, entry: ArtifactResult, outputs: torch.Tensor) -> None:
     """The task's pictures of the validation inputs where this artifact departs most from eager (eager beside
     the artifact), with `preview_rows` naming them; `preview_rows: []` and no picture when the artifact's
     outputs are bit-identical to eager's on every input."""
@@ -457,8 +312,8 @@ def _write_preview(session: BuildContext, entry: ArtifactResult, out: Path, outp
     if picture is None:
         return
     path = Path("previews") / f"{entry.name}.png"
-    (out / "previews").mkdir(exist_ok=True)
-    with files.atomic_path(out / path) as tmp:
+    (session.out / "previews").mkdir(exist_ok=True)
+    with files.atomic_path(session.out / path) as tmp:
         picture.save(tmp, format="PNG")
     entry.preview = path.as_posix()
 
@@ -469,9 +324,7 @@ def _new_entry(session: BuildContext, spec: ArtifactSpec) -> ArtifactResult:
     )
 
 
-def _export(
-    session: BuildContext, spec: ArtifactSpec, out: Path, progress: Progress, prefix: str = ""
-) -> ArtifactResult:
+def _export(session: BuildContext, spec: ArtifactSpec) -> ArtifactResult:
     fmt = FORMATS[spec.format].format()
     model_name = session.loaded.model_name
     name = spec.label
@@ -485,17 +338,17 @@ def _export(
         offers = f"{spec.format} does not offer {spec.precision} (it offers {', '.join(fmt.precisions)})"
         entry.reasons = [Reason(Kind.NOT_OFFERED, offers)]
         return entry
-    calibration = session.calibration(spec.precision, spec.format, progress.note)
-    if not _export_into(session, spec, fmt, entry, calibration, out / filename, progress, prefix):
+    calibration = session.calibration(spec.precision, spec.format, session.progress.note)
+    if not _export_into(session, spec, fmt, entry, calibration, session.out / filename):
         return entry
-    _validate(session, entry, out, progress, prefix)
+    _validate(session, entry)
     remade = fmt.per_inference_ranges
     calibration = remade(calibration, entry.details) if remade and _ranges_did_not_hold(entry) else None
     if calibration is not None:
-        entry = _remake_with_per_inference_ranges(session, spec, fmt, entry, calibration, out, progress, prefix)
-    validate_sizes.add_rows(session, spec, entry, out, progress, prefix)
-    bundled_program_step.add_golden_program(session, entry, out, progress, prefix)
-    memory_profile.measure(session, entry, out, progress, prefix)
+        entry = _remake_with_per_inference_ranges(session, spec, fmt, entry, calibration)
+    validate_sizes.add_rows(session, spec, entry)
+    bundled_program_step.add_golden_program(session, entry)
+    memory_profile.measure(session, entry)
     return entry
 
 
@@ -506,14 +359,12 @@ def _export_into(
     entry: ArtifactResult,
     calibration,
     path: Path,
-    progress: Progress,
-    prefix: str,
     step: str = "",
 ) -> bool:
     """Export (or fetch from the cache) the artifact into `path`; whether it was made (if not, `entry` says why)."""
-    label = f"{prefix}export {entry.name}{step}"
-    example = session.inputs_for(spec.format).example
-    bytes_in = {"input": image_input.BYTES} if session.takes_bytes(spec.format) else {}
+    label = f"{session.prefix}export {entry.name}{step}"
+    example = session.fed_to(spec.format).example
+    byte_input = {"input": image_input.BYTES} if session.format_takes_bytes(spec.format) else {}
     digest = cache.key(
         kind="artifact",
         format=spec.format,
@@ -521,7 +372,7 @@ def _export_into(
         options=dict(spec.options),
         example=list(example.shape),
         example_values=cache.tensors_digest([example]),
-        **bytes_in,
+        **byte_input,
         # every setting, whichever format reads it (without dynamic_ranges, a static .pte was
         # reused for a build that asked for dynamic ranges)
         quantization=(calibration.describe(BACKEND_SETTINGS) if isinstance(calibration, Calibration) else None),
@@ -530,7 +381,7 @@ def _export_into(
         **{k: v for k, v in session.digests.items() if k not in ("validation", "labels")},
     )
     try:
-        with progress.step(label, unavailable=RuntimeUnavailable), files.atomic_path(path) as tmp:
+        with session.progress.step(label, unavailable=RuntimeUnavailable), files.atomic_path(path) as tmp:
             details = session.cache.fetch_artifact(digest, tmp)
             if details is not None:
                 entry.details, entry.artifact_reused_from_cache = details, True
@@ -550,15 +401,15 @@ def _export_into(
         raise
     except RuntimeUnavailable as e:
         entry.update(status=Status.UNAVAILABLE, reasons=[Reason(Kind.UNAVAILABLE_HERE, f"not built on this host: {e}")])
-        memory_profile.measure(session, entry, path.parent, progress, prefix)  # not measured either: says why
+        memory_profile.measure(session, entry)  # not measured either: says why
         return False
     except Exception as e:  # a conversion failure is a finding about this artifact, not a crash
         kind = Kind.DISK_FULL if cache.disk_full(e) else Kind.EXPORT_FAILED  # a full disk: the host's, not the model's
         entry.reasons = [Reason(kind, f"export failed: {_first_line(e)}")]
         return False
-    entry.export_s = progress.timings.get(label)
+    entry.export_s = session.progress.timings.get(label)
     entry.update(path=path.name, sha256=files.sha256(path), size_bytes=files.size(path))
-    entry.input = session.input_of(spec.format, example)
+    entry.input = session.describe_fed(spec.format, example)
     if bounds := validate_sizes.bounds_of(spec):  # any height and width within them
         entry.input = {**entry.input, "size_range": list(bounds)}
     return True
@@ -591,23 +442,20 @@ def _remake_with_per_inference_ranges(
     fmt,
     first: ArtifactResult,
     calibration,
-    out: Path,
-    progress: Progress,
-    prefix: str,
 ) -> ArtifactResult:
     """The artifact made again with ranges chosen per inference (beside the first, under a staging name), validated
     on the same inputs and moved over the first only if it passes. Either way the manifest has both verdicts
     (details.validation_retry)."""
-    progress.note(
+    session.progress.note(
         f"  {first.name}: calibrated int8 ranges met the budget on the check images and failed on the "
         f"validation inputs ({'; '.join(texts(first.reasons))}): made again with ranges chosen per inference"
     )
-    staged = out / f".per-inference-{first.path}"
-    kept = _FirstValidation.set_aside(session, first, out)
+    staged = session.out / f".per-inference-{first.path}"
+    kept = _FirstValidation.set_aside(session, first)
     try:
-        remade = _remade(session, spec, fmt, calibration, staged, out, progress, prefix)
+        remade = _remade(session, spec, fmt, calibration, staged)
         if remade.passed():
-            os.replace(staged, out / first.path)
+            os.replace(staged, session.out / first.path)
             remade.path = first.path
             remade.details["validation_retry"] = {
                 "kept": "per-inference ranges",
@@ -629,19 +477,17 @@ def _remake_with_per_inference_ranges(
     return first
 
 
-def _remade(
-    session: BuildContext, spec: ArtifactSpec, fmt, calibration, staged: Path, out: Path, progress: Progress, prefix
-) -> ArtifactResult:
+def _remade(session: BuildContext, spec: ArtifactSpec, fmt, calibration, staged: Path) -> ArtifactResult:
     """The artifact exported into `staged` with the per-inference calibration and validated (unless its program was
     lowered wrong: then it is not one to keep)."""
     remade = _new_entry(session, spec)
-    if not _export_into(session, spec, fmt, remade, calibration, staged, progress, prefix, REMADE):
+    if not _export_into(session, spec, fmt, remade, calibration, staged, REMADE):
         return remade
     if (remade.details.get("quantization") or {}).get("lowering_fault"):
         why = "its program with ranges chosen per inference was lowered wrong (details.quantization.lowering_fault)"
         remade.update(status=Status.FAILED, reasons=[Reason(Kind.LOWERING_FAULT, why)], fidelity=None)
     else:
-        _validate(session, remade, out, progress, prefix, REMADE)
+        _validate(session, remade, REMADE)
     return remade
 
 
@@ -667,8 +513,8 @@ class _FirstValidation:
     outputs: torch.Tensor | None
 
     @classmethod
-    def set_aside(cls, session: BuildContext, first: ArtifactResult, out: Path) -> _FirstValidation:
-        preview = out / "previews" / f"{first.name}.png"
+    def set_aside(cls, session: BuildContext, first: ArtifactResult) -> _FirstValidation:
+        preview = session.out / "previews" / f"{first.name}.png"
         picture = preview.read_bytes() if preview.is_file() else None
         # popped: a cached validation of the remade one stores no outputs, and must not leave the first's
         return cls(preview, picture, session.x86_outputs.pop(first.name, None))
@@ -729,17 +575,17 @@ def _write_device_files(out: Path, task) -> None:
         files.write_text(out / name, text)
 
 
-def _write_golden(out: Path, session: BuildContext) -> None:
+def _write_golden(session: BuildContext) -> None:
     """The task's golden validation inputs and what eager made of them (the task says which files), for on-device checks."""
     import numpy as np
 
-    golden = out / "golden"
+    golden = session.out / "golden"
     golden.mkdir(exist_ok=True)
     rows = session.golden_rows
     labels = session.inputs.labels[rows] if session.inputs.labels is not None else None
     contents = session.task.golden(session.inputs.validation[rows], session.reference[rows], labels)
-    if session.bytes_in:  # the same images as a uint8-nhwc artifact takes them
-        contents[GOLDEN_BYTES] = session.byte_inputs.validation[rows].numpy()
+    if session.takes_bytes:  # the same images as a uint8-nhwc artifact takes them
+        contents[GOLDEN_BYTES] = session.fed.validation[rows].numpy()
     for name, content in contents.items():
         if name.endswith(".json"):
             files.write_text(golden / name, json.dumps(content) + "\n")
@@ -749,10 +595,10 @@ def _write_golden(out: Path, session: BuildContext) -> None:
                 np.save(f, content)
 
 
-def _post_build(plan: Plan, out: Path, doc: Manifest, session: BuildContext) -> None:
-    if not plan.post_build:
+def _post_build(session: BuildContext, doc: Manifest) -> None:
+    if not session.plan.post_build:
         return
-    _post_build_function(plan)(out, doc, session)
+    _post_build_function(session.plan)(session.out, doc, session)
 
 
 def _post_build_function(plan: Plan):
@@ -886,13 +732,9 @@ def run(
     sessions = _shared_sessions(request, checked, loaded, inputs, cache_root, progress)
     docs = []
     for plan, cls, out in zip(checked.plans, checked.classes, checked.outs):
-        shared = sessions[cls]
-        session = dataclasses.replace(shared, plan=plan, x86_outputs={})
-        session.digests = shared.digests  # hashing the inputs once is enough
-        if session.bytes_in:
-            session.byte_inputs = shared.byte_inputs
         prefix = "" if checked.single else f"{plan.target}: "
-        docs.append(_whole_or_none(out, functools.partial(_build_one, request, session, out, progress, prefix)))
+        session = BuildContext.for_target(sessions[cls], plan, out, progress, prefix)
+        docs.append(_whole_or_none(out, functools.partial(_build_one, request, session)))
     if not checked.single:
         files.write_text(checked.base / "report.html", html_report.render(docs, checked.outs))
     return checked.base, docs
@@ -930,16 +772,14 @@ def _shared_sessions(
     inputs: data.Inputs,
     cache_root: Path | None,
     progress: Progress,
-) -> dict[type[Task], BuildContext]:
-    """Task class -> the session (eager reference included) its targets share: a detector's decode in the graph has
-    its own eager."""
+) -> dict[type[Task], SharedContext]:
+    """Task class -> what its targets share (eager reference included): a detector's decode in the graph has its own
+    eager."""
     sessions = {}
     for cls in dict.fromkeys(checked.classes):
         graph = loaded if cls is checked.task_class else _decoding_in_graph(loaded, cls)
         bound = cls.bind(loaded.weights, loaded.model_name, loaded.num_classes, request.input_size)
-        sessions[cls] = _start_session(graph, bound, inputs, checked.plans[0], progress, BuildCache(cache_root))
-        if any(plan.input_format == image_input.BYTES for plan in checked.plans):
-            sessions[cls].byte_inputs  # noqa: B018 - inputs that are not whole bytes are refused before any file
+        sessions[cls] = _start_session(graph, bound, inputs, checked.plans, progress, BuildCache(cache_root))
     return sessions
 
 
@@ -1063,8 +903,8 @@ def _note_eager_latency(session: BuildContext, doc: Manifest) -> None:
         doc.eager = {**doc.eager, "latency": baseline}
 
 
-def _build_one(request: BuildRequest, session: BuildContext, out: Path, progress: Progress, prefix: str) -> dict:
-    loaded, inputs, plan = session.loaded, session.inputs, session.plan
+def _build_one(request: BuildRequest, session: BuildContext) -> dict:
+    loaded, inputs, plan, out = session.loaded, session.inputs, session.plan, session.out
     out.mkdir(parents=True, exist_ok=True)
     manifest.clear_build_files(out)
     doc = Manifest(
@@ -1097,34 +937,31 @@ def _build_one(request: BuildRequest, session: BuildContext, out: Path, progress
     files.write_text(out / "labels.txt", "".join(f"{label}\n" for label in loaded.labels))
     files.write_text(out / "preprocessing.json", json.dumps(doc.preprocessing, indent=2) + "\n")
     manifest.write(out, doc)
-    _write_golden(out, session)
+    _write_golden(session)
     _write_device_files(out, session.task)
     specs, made = _artifacts(plan, loaded.quantized), {}
     for i in export_order([spec.precision for spec in specs]):
-        made[i] = _export(session, specs[i], out, progress, prefix)
+        made[i] = _export(session, specs[i])
         _note_fixed_size(session, specs[i], made[i])
         doc.artifacts = [made[k] for k in sorted(made)]
-        doc.timings_s = _timings(progress, prefix)
+        doc.timings_s = _timings(session.progress, session.prefix)
         manifest.write(out, doc)  # only complete artifacts are ever listed
     validate_on_arm.add_rows(
         session,
         doc,
-        out,
-        progress,
         request.cache_dir,
         request.offline,
-        prefix,
         runners=request.aarch64_runners,
         write=lambda: manifest.write(out, doc),
         runner_shown=True,
     )
-    _post_build(plan, out, doc, session)
+    _post_build(session, doc)
     _note_eager_latency(session, doc)
     doc.cache = {
         "root": str(session.cache.root) if session.cache.root else None,
         "events": list(session.cache.events),
     }
-    return _finish(out, doc, progress, prefix)
+    return _finish(out, doc, session.progress, session.prefix)
 
 
 def _check_before_validating(out: Path, doc: Manifest) -> None:
@@ -1185,9 +1022,9 @@ def validate(
         loaded.labels = weights.read_labels(out / "labels.txt", task.num_classes)
     with progress.step("load data"):
         inputs = data.load_inputs(source, task, loaded.weights, plan.data, loaded.labels)
-    session = _start_session(loaded, task, inputs, plan, progress)
+    session = BuildContext.for_target(_start_session(loaded, task, inputs, [plan], progress), plan, out, progress)
     _write_device_files(out, task)  # what this validation decodes with is what the build ships
-    _write_golden(out, session)  # the inputs golden_fidelity is measured on, whatever --data says now
+    _write_golden(session)  # the inputs golden_fidelity is measured on, whatever --data says now
     doc.task = task.describe()
     doc.target["thresholds"] = plan.describe()["thresholds"]
     doc.data = inputs.description
@@ -1197,12 +1034,12 @@ def validate(
         if entry.path is not None:  # checked above; an artifact without a file keeps why it has none
             entry.clear(*VALIDATION_FIELDS, "aarch64", "bundled_program")
             entry.update(reasons=[], status=Status.FAILED)
-            _validate(session, entry, out, progress)
+            _validate(session, entry)
             spec = next((a for a in plan.artifacts if a.label == entry.name), None)
             if spec is not None:
-                validate_sizes.add_rows(session, spec, entry, out, progress)
-            bundled_program_step.add_golden_program(session, entry, out, progress)
-    validate_on_arm.add_rows(session, doc, out, progress, None, False)
+                validate_sizes.add_rows(session, spec, entry)
+            bundled_program_step.add_golden_program(session, entry)
+    validate_on_arm.add_rows(session, doc, None, False)
     _note_eager_latency(session, doc)
     doc.validated = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return _finish(out, doc, progress)

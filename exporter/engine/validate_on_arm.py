@@ -12,16 +12,19 @@ import contextlib
 import functools
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .. import aarch64, files, validation
 from ..formats import FORMATS
-from ..progress import Progress
 from ..results import ArtifactResult, EmulatedRow, Kind, Manifest, Reason, Status
 from . import cache
 from .count_on_arm import add_counts
+
+if TYPE_CHECKING:
+    from .context import BuildContext
 
 
 def _not_run(entry: ArtifactResult) -> str:
@@ -62,7 +65,7 @@ def _flat(result_outputs: list, count: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(first.reshape(count, -1)))
 
 
-def row(session, entry: ArtifactResult, cpu: str, result, x86: torch.Tensor | None) -> EmulatedRow:
+def row(session: BuildContext, entry: ArtifactResult, cpu: str, result, x86: torch.Tensor | None) -> EmulatedRow:
     """One CPU's row for one artifact: the validation contract on the emulated outputs, never timed."""
     where = {"cpu": cpu, "why": aarch64.WHY.get(cpu, ""), "seconds": result.seconds, "runtime": result.info}
 
@@ -100,14 +103,14 @@ def _failed_run_kind(result) -> Kind:
     return Kind.EMULATOR_TIMEOUT if result.timed_out else Kind.DOES_NOT_RUN
 
 
-def x86_outputs(session, entry: ArtifactResult, out: Path) -> torch.Tensor | None:
+def x86_outputs(session: BuildContext, entry: ArtifactResult) -> torch.Tensor | None:
     """The artifact's outputs on this host (kept from its validation, or run again when that came from the cache)."""
     kept = session.x86_outputs.get(entry.name)
     if kept is not None:
         return kept
     try:
-        runner = FORMATS[entry.format].format().load(out / entry.path, session.latency["threads"])
-        outputs = validation.run_all(runner, session.inputs_for(entry.format).validation)
+        runner = FORMATS[entry.format].format().load(session.out / entry.path, session.latency["threads"])
+        outputs = validation.run_all(runner, session.fed_to(entry.format).validation)
     except Exception:  # noqa: BLE001 - the comparison is then reported as not made, the rows still judged
         return None
     finally:
@@ -128,7 +131,7 @@ def _golden(entry: ArtifactResult, out: Path) -> dict | None:
     return {(out / entry.path).resolve(): (out / golden["path"], golden["rtol"], golden["atol"])}
 
 
-def _key(session, entry: ArtifactResult, cpu: str, runner) -> str:
+def _key(session: BuildContext, entry: ArtifactResult, cpu: str, runner) -> str:
     return cache.key(
         kind="aarch64",
         artifact=entry.sha256,
@@ -142,13 +145,10 @@ def _key(session, entry: ArtifactResult, cpu: str, runner) -> str:
 
 
 def add_rows(
-    session,
+    session: BuildContext,
     doc: Manifest,
-    out: Path,
-    progress: Progress,
     request_cache_dir: Path | None,
     offline: bool,
-    prefix: str = "",
     write=lambda: None,
     runners: Path | None = None,
     runner_shown: bool = False,
@@ -167,8 +167,9 @@ def add_rows(
     doc.aarch64 = summary
     if not entries or not cpus:
         return
+    out, progress = session.out, session.progress
     started = time.perf_counter()
-    with contextlib.nullcontext() if runner_shown else progress.step(f"{prefix}aarch64 runner"):
+    with contextlib.nullcontext() if runner_shown else progress.step(f"{session.prefix}aarch64 runner"):
         runner = aarch64.prepare(request_cache_dir, progress, offline=offline or None, root=runners)
     summary["runner"] = {k: runner.info.get(k) for k in ("key", "qemu", "packages", "seconds", "size_bytes")}
     inputs = session.fed.validation.contiguous().numpy()
@@ -195,7 +196,7 @@ def add_rows(
         golden = {}
         for entry in missing:
             golden.update(_golden(entry, out) or {})
-        with progress.step(f"{prefix}aarch64 {', '.join(e.name for e in missing)} on {cpu} (emulated)"):
+        with progress.step(f"{session.prefix}aarch64 {', '.join(e.name for e in missing)} on {cpu} (emulated)"):
             # the threads of the x86 run: fp32 reductions split by thread, so another count changes the bits
             results = aarch64.run(
                 runner,
@@ -207,7 +208,7 @@ def add_rows(
             )
         for entry, result in zip(missing, results):
             if entry.name not in x86:
-                x86[entry.name] = x86_outputs(session, entry, out)
+                x86[entry.name] = x86_outputs(session, entry)
             rows[entry.name][cpu] = row(session, entry, cpu, result, x86[entry.name])
             session.cache.store_json("aarch64", _key(session, entry, cpu, runner), rows[entry.name][cpu])
         show_progress()
@@ -220,7 +221,7 @@ def add_rows(
             )
         judge_entry(entry)
     write()
-    add_counts(session, doc, entries, out, runner, progress, offline, request_cache_dir, runners, prefix)
+    add_counts(session, doc, entries, runner, offline, request_cache_dir, runners)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     write()
 

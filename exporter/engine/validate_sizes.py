@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import data, validation
 from ..formats import FORMATS
-from ..progress import Progress
 from ..results import ArtifactResult, Kind, Reason, SizeRow, Status
 from ..tasks import image_input
 from .plan import ArtifactSpec
+
+if TYPE_CHECKING:
+    from .context import BuildContext
 
 
 def checked_sizes(bounds: tuple[int, int]) -> list[tuple[int, int]]:
@@ -39,7 +42,7 @@ class AtSize:
     eager_accuracy: dict | None
 
 
-def _at_size(session, size: tuple[int, int]) -> AtSize:
+def _at_size(session: BuildContext, size: tuple[int, int]) -> AtSize:
     """Cached on the session (shared by its targets): one eager run per size."""
     if size not in session.sized:
         loaded = session.loaded
@@ -53,32 +56,30 @@ def _at_size(session, size: tuple[int, int]) -> AtSize:
     return session.sized[size]
 
 
-def _fed(session, entry: ArtifactResult, at: AtSize):
+def _fed_at(session: BuildContext, entry: ArtifactResult, at: AtSize):
     """The images at this size as the artifact takes them (bytes for a uint8-nhwc artifact)."""
-    if not session.takes_bytes(entry.format):
+    if not session.format_takes_bytes(entry.format):
         return at.inputs.validation
     pre = session.task.preprocessing(session.loaded.weights)
     return image_input.as_bytes(at.inputs.validation, pre["mean"], pre["std"])
 
 
-def add_rows(
-    session, spec: ArtifactSpec, entry: ArtifactResult, out: Path, progress: Progress, prefix: str = ""
-) -> None:
+def add_rows(session: BuildContext, spec: ArtifactSpec, entry: ArtifactResult) -> None:
     """Judge a run, dynamic-size artifact at each checked size; a size that breaks a threshold fails it."""
     bounds = bounds_of(spec)
     if not bounds or not entry.ran_here():
         return
-    runner = FORMATS[entry.format].format().load(out / entry.path, session.latency["threads"])
+    runner = FORMATS[entry.format].format().load(session.out / entry.path, session.latency["threads"])
     rows = []
     for size in checked_sizes(bounds):
-        with progress.step(f"{prefix}validate {entry.name} at {size[0]}x{size[1]}"):
+        with session.progress.step(f"{session.prefix}validate {entry.name} at {size[0]}x{size[1]}"):
             at = _at_size(session, size)
             reference = validation.EagerReference(
                 at.task, session.eager, at.inputs.validation, at.reference, at.inputs.labels, at.eager_accuracy
             )
             try:
                 metrics, _ = validation.evaluate(
-                    reference, runner, entry.thresholds, timed=False, fed=_fed(session, entry, at)
+                    reference, runner, entry.thresholds, timed=False, fed=_fed_at(session, entry, at)
                 )
             except Exception as e:  # the runtime refuses this size: a finding about the artifact
                 reason = Reason(Kind.DOES_NOT_RUN, f"does not run at {size[0]}x{size[1]}: {str(e).splitlines()[0]}")
