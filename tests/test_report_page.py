@@ -791,3 +791,15 @@ def test_an_int8_lookup_table_op_is_named_by_what_it_computes(tmp_path):
     assert named == [f"Hardswish (int8 lookup table; XNNPACK profiler name: {executorch.XNNPACK_UNNAMED})"], ops
     assert any(op.startswith("Convolution (NHWC, QC8)") for op in ops), ops  # ... and named ops stay as XNNPACK says
     assert executorch._lookup_table_kinds(path) == {"Hardswish"}  # read from the graph, not the fallback's words
+
+
+def test_the_latency_chart_draws_the_builds_one_eager_baseline_once():
+    """Every row timed against one eager baseline: one grey bar for it, one blue bar per artifact. A manifest from
+    before the baseline (eager timed beside each artifact, each p50 its own) keeps a grey bar per artifact."""
+    doc = _doc([_artifact("executorch_fp32", p50=4.0), _artifact("litert_fp32", p50=3.0)])
+    shared = [full for _, _, full in _texts(html_report.latency_chart([doc]))[1]]
+    assert shared.count("9.00 ms") == 1 and "eager (the build's baseline)" in shared
+    assert not any(t.endswith("ms eager") for t in shared)
+    doc["artifacts"][1]["eager_latency_ms"] = _latency(11.0)
+    apart = [full for _, _, full in _texts(html_report.latency_chart([doc]))[1]]
+    assert {"9.00 ms eager", "11.00 ms eager"} <= set(apart) and "eager (the build's baseline)" not in apart
