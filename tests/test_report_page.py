@@ -368,8 +368,9 @@ class _Task(Classification):
         return PRE
 
 
-def _session(reference):
+def _session(reference, out):
     return SimpleNamespace(
+        out=out,
         task=_Task(10, (8, 8)),
         inputs=SimpleNamespace(validation=torch.zeros(len(reference), 3, 8, 8)),
         reference=reference,
@@ -385,12 +386,12 @@ def test_the_build_writes_the_picture_and_the_rows(tmp_path):
     outputs[2, 7] += 4.0
     outputs[5, 7] += 9.0
     entry = ArtifactResult("executorch_int8", "executorch", "int8")
-    _write_preview(_session(reference), entry, tmp_path, outputs)
+    _write_preview(_session(reference, tmp_path), entry, outputs)
     assert entry.preview == "previews/executorch_int8.png" and [r["row"] for r in entry.preview_rows] == [5, 2]
     with Image.open(tmp_path / entry.preview) as im:
         assert im.height == 2 * (8 + previews.TITLE) + previews.GAP
     # `exporter validate` again, now bit-identical: the earlier picture's keys go
-    _write_preview(_session(reference), entry, tmp_path, reference.clone())
+    _write_preview(_session(reference, tmp_path), entry, reference.clone())
     assert entry.preview_rows == [] and entry.preview is None and "preview" not in entry.to_json()
 
 
