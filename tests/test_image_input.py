@@ -120,7 +120,8 @@ def test_every_uint8_artifact_passes_against_eager_and_says_what_it_takes(uint8_
 
 def test_the_files_take_bytes_and_an_app_feeding_the_golden_bytes_gets_eagers_answers(uint8_build):
     """The ONNX and .tflite files' own input is uint8 N x H x W x 3; golden/inputs_uint8.npy is golden/inputs.npy as
-    bytes; ONNX Runtime fed those bytes returns eager's top-1 on every golden image."""
+    bytes; ONNX Runtime fed those bytes names eager's top-1 exactly as often as the build recorded for the file on
+    its golden inputs (an int8 file is held to its threshold, not to every image: CI once had 6 of 8 here)."""
     import onnxruntime as ort
     from ai_edge_litert.interpreter import Interpreter
 
@@ -130,12 +131,16 @@ def test_the_files_take_bytes_and_an_app_feeding_the_golden_bytes_gets_eagers_an
     assert pixels.dtype == np.uint8
     assert np.array_equal(pixels, as_bytes(torch.from_numpy(floats), IMAGENET_MEAN, IMAGENET_STD).numpy())
     eager = np.load(golden / "eager_logits.npy")
-    (onnx_int8,) = (out / "jetson").glob("*_onnx_int8.onnx")
-    session = ort.InferenceSession(str(onnx_int8), providers=["CPUExecutionProvider"])
-    (feed,) = session.get_inputs()
-    assert feed.type == "tensor(uint8)" and feed.shape[1:] == list(pixels.shape[1:])
-    logits = np.concatenate([session.run(None, {feed.name: pixels[i : i + 1]})[0] for i in range(len(pixels))])
-    assert (logits.argmax(1) == eager.argmax(1)).all()
+    doc = json.loads((out / "jetson" / "manifest.json").read_text())
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = doc["host"]["threads"]  # int8 outputs move with the thread count
+    for entry in (a for a in doc["artifacts"] if a["format"] == "onnx"):
+        session = ort.InferenceSession(str(out / "jetson" / entry["path"]), options, ["CPUExecutionProvider"])
+        (feed,) = session.get_inputs()
+        assert feed.type == "tensor(uint8)" and feed.shape[1:] == list(pixels.shape[1:])
+        logits = np.concatenate([session.run(None, {feed.name: pixels[i : i + 1]})[0] for i in range(len(pixels))])
+        agreement = float((logits.argmax(1) == eager.argmax(1)).mean())
+        assert agreement == pytest.approx(entry["golden_fidelity"]["top1_agreement"]), entry["name"]
     (tflite,) = (out / "android").glob("*_litert_int8.tflite")
     interpreter = Interpreter(model_path=str(tflite))
     (detail,) = interpreter.get_input_details()
