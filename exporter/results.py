@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal
+from typing import ClassVar, Literal, Self
 
 
 class Status(str, enum.Enum):
@@ -162,20 +162,234 @@ def _record(obj, always: tuple[str, ...]) -> dict:
 
 
 def _from_record(cls, record: Mapping):
+    """A result from its JSON record (a result of that class is returned as it is)."""
+    if isinstance(record, cls):
+        return record
     known = {f.name for f in fields(cls)} - {"extra"}
     return cls(
-        **{k: v for k, v in _typed(record).items() if k in known},
+        **{k: v for k, v in _typed(record, cls).items() if k in known},
         extra={k: v for k, v in record.items() if k not in known},
     )
 
 
-def _extra() -> dict:
-    """Fields a record was read with that this exporter does not know, kept as they were."""
+def _typed(values: Mapping, cls) -> dict:
+    """`values` with a status as a Status, reasons as Reason values and each of `cls`'s typed fields (its TYPED: name
+    -> what reads it) as its value, where they are given as the JSON records that hold them."""
+    typed = dict(values)
+    if "status" in typed:
+        typed["status"] = Status(typed["status"])
+    if "reasons" in typed:
+        typed["reasons"] = revived(typed["reasons"])
+    for name, kind in getattr(cls, "TYPED", {}).items():
+        if typed.get(name) is not None:
+            typed[name] = kind(typed[name])
+    return typed
+
+
+# What a record was read with that this exporter does not know, kept as it was (the schema leaves records open).
+Extra = dict[str, object]
+
+
+def _extra() -> Extra:
     return field(default_factory=dict, repr=False, compare=False)
 
 
+class _Record:
+    """A result written as its JSON record: ALWAYS's fields whatever their value, the others once set (`_record`);
+    its typed fields (TYPED: name -> what reads one) given as their JSON records are read as values when it is made."""
+
+    ALWAYS: ClassVar[tuple[str, ...]] = ()
+    TYPED: ClassVar[dict] = {}
+
+    def __post_init__(self):
+        _revive(self)
+
+    def to_json(self) -> dict:
+        return _record(self, self.ALWAYS)
+
+    @classmethod
+    def from_json(cls, record: Mapping) -> Self:
+        return _from_record(cls, record)
+
+
+def _each(kind):
+    """A list of `kind`'s values from a list of them or of their JSON records."""
+    return lambda records: [kind.from_json(r) for r in records]
+
+
+def _revive(obj) -> None:
+    """Each typed field of `obj` that was given as its JSON record, as its value (frozen or not)."""
+    for name, value in _typed({f.name: getattr(obj, f.name) for f in fields(obj)}, type(obj)).items():
+        object.__setattr__(obj, name, value)
+
+
+# Open records, typed for what they hold. A task's metrics by name (fidelity, accuracy: psnr_db, top1_agreement,
+# acc1, per-class lists for some tasks; "inf" as the manifest file writes a non-finite value):
+Metrics = dict[str, object]
+FormatDetails = dict[str, object]  # what a format's export says: quantization report, delegation, sizes…
+# hostload.judged: the host's load over the timed window, each runner's spreads and rounds, and the verdict. Its keys'
+# order depends on how it was judged (fresh, or a cached record judged again), which the manifest keeps as it was.
+LatencyConditions = dict[str, object]
+Versions = dict[str, object]  # what a runtime reports of itself (the aarch64 runner's packages and versions)
+# validation.outlier_inputs: the few inputs a failed artifact's error sits on (rows, their error share, the fidelity
+# without them)
+OutlierInputs = dict[str, object]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Latency(_Record):
+    """One runner's timed runs (validation.percentiles), in milliseconds."""
+
+    p50: float
+    p90: float | None = None
+    p99: float | None = None
+    mean: float | None = None
+    iterations: int | None = None
+    extra: Extra = _extra()
+
+    ALWAYS = ("p50",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaselineSpread(_Record):
+    """How far eager's p50 moved over every round of a build (validation.build_spread)."""
+
+    rounds: int  # the baseline's rounds and those timed beside each artifact
+    artifacts: int | None = None  # the artifacts timed beside it
+    p50_range_ms: list[float] | None = None  # [min, max] of the rounds' p50s
+    round_spread: float | None  # max/min of them (hostload.round_spread)
+    extra: Extra = _extra()
+
+    ALWAYS = ("rounds", "round_spread")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Memory(_Record):
+    """The RAM an artifact needs (a format's `memory` hook, engine/memory_profile.py), in bytes; or why it was not
+    measured. The program's own plan (a .pte), its constants, and the peak resident memory of a fresh process
+    running it (formats/memory.peak_rss)."""
+
+    available: bool
+    reason: str | None = None  # available False: why not
+    planned_bytes: int | None = None
+    planned_buffers: list[int] | None = None
+    planned_note: str | None = None
+    constants_bytes: int | None = None
+    delegate_blobs_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+    runtime_baseline_rss_bytes: int | None = None
+    peak_rss_increase_bytes: int | None = None
+    load_increase_bytes: int | None = None
+    runs: int | None = None
+    method: str | None = None
+    extra: Extra = _extra()
+
+    ALWAYS = ("available",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpTime(_Record):
+    """One operator (or kernel) of a profile: its time per run, calls per run, and share of the operators' time."""
+
+    op: str
+    ms: float
+    count: float
+    share: float
+    extra: Extra = _extra()
+
+    ALWAYS = ("op", "ms", "count", "share")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile(_Record):
+    """Where an artifact's time goes (a format's `profile` hook, formats/memory.top_ops): its top operators by time
+    per run from the runtime's own profiler; or why there is none."""
+
+    available: bool
+    reason: str | None = None  # available False: why not
+    source: str | None = None  # the profiler
+    runs: int | None = None
+    wall_ms: float | None = None
+    ops_ms: float | None = None
+    ops: list[OpTime] | None = None
+    others_share: float | None = None
+    conditions: LatencyConditions | None = None  # what the host did while it was profiled (wall-clock times)
+    extra: Extra = _extra()
+
+    ALWAYS = ("available",)
+    TYPED: ClassVar[dict] = {"ops": _each(OpTime)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputDescription(_Record):
+    """What an artifact takes (tasks/image_input.describe); absent in older manifests: float32 NCHW."""
+
+    format: str | None = None  # "float32-nchw", "uint8-nhwc" (an image's bytes, preprocessed in the graph) or "own"
+    note: str | None = None  # "own": the format's own image input, what it takes
+    dtype: str | None = None
+    layout: str | None = None
+    shape: list[int] | None = None
+    preprocessing: str | None = None  # uint8-nhwc: what the graph does before the model
+    size_range: list[int] | None = None  # a dynamic-size artifact: the heights and widths it takes
+    extra: Extra = _extra()
+
+
+@dataclass(frozen=True, kw_only=True)
+class GoldenCheck(_Record):
+    """A golden program run through ExecuTorch's verifier on one CPU (formats/bundled_program.verify)."""
+
+    passed: bool
+    cases: int
+    error: str | None  # the first failing case, its worst element
+    backends: list[str] | None = None  # on an emulated CPU: the backends registered in its ExecuTorch runtime
+    seconds: float | None = None  # on an emulated CPU: the check's wall time there
+    extra: Extra = _extra()
+
+    ALWAYS = ("passed", "cases", "error")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BundledProgram(_Record):
+    """A .pte's ExecuTorch golden program (.bpte, formats/bundled_program.write): the file, the tolerances it holds
+    the program to, and its verification per CPU (x86_64, then each emulated aarch64 CPU)."""
+
+    path: str  # relative to the build folder, beside its .pte
+    sha256: str
+    size_bytes: int | None = None
+    program_sha256: str | None = None  # the .pte's
+    method: str | None = None
+    cases: int
+    rtol: float
+    atol: float
+    tolerances: dict[str, float | str] | None = None  # max_abs_gap, output_scale and the rule that made rtol, atol
+    verified: dict[str, GoldenCheck]  # "x86_64" and each emulated CPU -> its check
+    extra: Extra = _extra()
+
+    ALWAYS = ("path", "sha256", "cases", "rtol", "atol", "verified")
+    TYPED: ClassVar[dict] = {"verified": lambda checks: {cpu: GoldenCheck.from_json(c) for cpu, c in checks.items()}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Instructions(_Record):
+    """Emulated aarch64 instructions of one inference at one thread on one CPU (engine/count_on_arm.py: qemu's TCG
+    plugin; a count, not time), and eager's on the same CPU."""
+
+    per_inference: int
+    warmup: int | None = None  # the first (warm-up) inference's
+    load: int | None = None  # loading the program
+    spread: float | None = None  # (max - min) / median over the counted runs
+    runs: int | None = None
+    unit: str
+    qemu: str | None = None  # the counting qemu's version
+    eager_per_inference: int | None = None
+    ratio_to_eager: float | None = None  # eager's count / this one's; None where eager was not counted
+    extra: Extra = _extra()
+
+    ALWAYS = ("per_inference", "warmup", "unit", "eager_per_inference", "ratio_to_eager")  # as a build writes them
+
+
 @dataclass(kw_only=True)
-class EmulatedRow:
+class EmulatedRow(_Record):
     """One artifact judged on one emulated aarch64 CPU (exporter.engine.validate_on_arm): the contract on the
     emulated outputs, never timed, and how far they are from the same artifact's x86 outputs."""
 
@@ -185,37 +399,28 @@ class EmulatedRow:
     emulated: bool = True
     latency_ms: None = None  # an emulated run has no latency
     seconds: float | None = None  # the emulated run's wall time (not the artifact's latency)
-    runtime: dict | None = None  # what ran it there (versions)
+    runtime: Versions | None = None  # what ran it there
     status: Status
     reasons: list[Reason] = field(default_factory=list)
-    fidelity: dict | None = None
-    accuracy: dict | None = None
-    vs_x86: dict | None = None
-    bundled_program: dict | None = None  # the .pte's golden program, verified on this CPU
+    fidelity: Metrics | None = None
+    accuracy: Metrics | None = None
+    vs_x86: Metrics | None = None  # how far its outputs are from the same artifact's on x86
+    bundled_program: GoldenCheck | None = None  # the .pte's golden program, verified on this CPU
     # emulated instructions per inference at one thread on this CPU (not time), and eager's on the same CPU
-    instructions: dict | None = None
+    instructions: Instructions | None = None
     reused_from_cache: bool | None = None
-    extra: dict = _extra()
+    extra: Extra = _extra()
 
     ALWAYS = ("arch", "cpu", "why", "emulated", "latency_ms", "seconds", "runtime", "status", "reasons")
     ALWAYS += ("fidelity", "accuracy", "vs_x86")
-
-    def __post_init__(self):
-        self.status, self.reasons = Status(self.status), revived(self.reasons)
+    TYPED: ClassVar[dict] = {"bundled_program": GoldenCheck.from_json, "instructions": Instructions.from_json}
 
     def failed(self) -> bool:
         return self.status is Status.FAILED
 
-    def to_json(self) -> dict:
-        return _record(self, self.ALWAYS)
-
-    @classmethod
-    def from_json(cls, record: Mapping) -> EmulatedRow:
-        return _from_record(cls, record)
-
 
 @dataclass(kw_only=True)
-class SizeRow:
+class SizeRow(_Record):
     """One dynamic-size artifact judged at one more input size (exporter.engine.validate_sizes): the contract
     against eager at that size, on the same images resized to it, never timed."""
 
@@ -223,21 +428,11 @@ class SizeRow:
     images: int
     status: Status
     reasons: list[Reason] = field(default_factory=list)
-    fidelity: dict | None = None
-    accuracy: dict | None = None
-    extra: dict = _extra()
+    fidelity: Metrics | None = None
+    accuracy: Metrics | None = None
+    extra: Extra = _extra()
 
     ALWAYS = ("size", "images", "status", "reasons", "fidelity", "accuracy")
-
-    def __post_init__(self):
-        self.status, self.reasons = Status(self.status), revived(self.reasons)
-
-    def to_json(self) -> dict:
-        return _record(self, self.ALWAYS)
-
-    @classmethod
-    def from_json(cls, record: Mapping) -> SizeRow:
-        return _from_record(cls, record)
 
 
 @dataclass(frozen=True)
@@ -247,15 +442,20 @@ class EagerBaseline:
     the build is done, `build` adds how eager's rounds beside every artifact compare with it (validation.build_spread).
     """
 
-    latency_ms: dict  # validation.percentiles of every timed run
+    latency_ms: Latency  # every timed run
     rounds_p50_ms: list[float]  # the p50 of each round
     round_spread: float | None  # max/min of those (hostload.round_spread)
-    conditions: dict  # hostload.judged: what the host did meanwhile, and whether it can be trusted
-    build: dict | None = None  # {"rounds": eager's rounds in the build, "round_spread": their max/min, ...}
+    conditions: LatencyConditions  # hostload.judged: what the host did meanwhile, and whether it can be trusted
+    build: BaselineSpread | None = None
+
+    TYPED: ClassVar[dict] = {"latency_ms": Latency.from_json, "build": BaselineSpread.from_json}
+
+    def __post_init__(self):
+        _revive(self)
 
     @property
     def p50(self) -> float:
-        return self.latency_ms["p50"]
+        return self.latency_ms.p50
 
     @property
     def reliable(self) -> bool:
@@ -263,12 +463,12 @@ class EagerBaseline:
 
     def to_json(self) -> dict:
         record = {
-            "latency_ms": self.latency_ms,
+            "latency_ms": self.latency_ms.to_json(),
             "rounds_p50_ms": self.rounds_p50_ms,
             "round_spread": self.round_spread,
             "conditions": self.conditions,
         }
-        return {**record, "build": self.build} if self.build is not None else record
+        return {**record, "build": self.build.to_json()} if self.build is not None else record
 
     @classmethod
     def from_json(cls, record: Mapping) -> EagerBaseline:
@@ -303,8 +503,26 @@ class Recommendation:
         return cls(record["artifact"], record["ranked_by"], record.get("smallest"), record["why"])
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProxyMetrics(_Record):
+    """The contract on one stand-in for an artifact whose runtime is not on this host (a format's `proxies`, e.g. a
+    Core ML package's weights put back into eager): never timed, never deciding the artifact's status."""
+
+    fidelity: Metrics
+    accuracy: Metrics | None
+    reasons: list[Reason]
+    status: Status
+    outlier_inputs: OutlierInputs | None = None
+    latency_ms: None = None
+    eager_latency_ms: None = None
+    speedup_vs_eager: None = None
+    extra: Extra = _extra()
+
+    ALWAYS = ("fidelity", "accuracy", "reasons", "status", "latency_ms", "eager_latency_ms", "speedup_vs_eager")
+
+
 @dataclass
-class ArtifactResult:
+class ArtifactResult(_Record):
     """One artifact of a build, as the engine fills it in (export, validation, golden program, memory, aarch64
     rows) and the manifest records it. Fields below `speedup_vs_eager` appear in the record only once set."""
 
@@ -316,48 +534,48 @@ class ArtifactResult:
     size_bytes: int | None = None
     status: Status = Status.FAILED
     reasons: list[Reason] = field(default_factory=list)
-    details: dict = field(default_factory=dict)  # what its format's export says (quantization report, sizes…)
+    details: FormatDetails = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)  # threshold key (a Metric's string) -> limit
     # the contract's measurements: in every record, None where not measured
-    fidelity: dict | None = None
-    accuracy: dict | None = None
-    latency_ms: dict | None = None
-    eager_latency_ms: dict | None = None
+    fidelity: Metrics | None = None
+    accuracy: Metrics | None = None
+    latency_ms: Latency | None = None
+    eager_latency_ms: Latency | None = None
     speedup_vs_eager: float | None = None
     export_s: float | None = None
     artifact_reused_from_cache: bool | None = None
     validation_reused_from_cache: bool | None = None
-    outlier_inputs: list | None = None
-    latency_conditions: dict | None = None
-    golden_fidelity: dict | None = None
+    outlier_inputs: OutlierInputs | None = None
+    latency_conditions: LatencyConditions | None = None
+    golden_fidelity: Metrics | None = None
     preview_rows: list | None = None  # [] when the artifact's outputs are bit-identical to eager's
     preview: str | None = None
-    proxy: dict | None = None  # stand-ins' metrics where its runtime is not on this host
+    proxy: dict[str, ProxyMetrics] | None = None  # stand-ins' metrics by label where its runtime is not on this host
     proxy_unavailable: str | None = None
-    bundled_program: dict | None = None
-    memory: dict | None = None
-    profile: dict | None = None
+    bundled_program: BundledProgram | None = None
+    memory: Memory | None = None
+    profile: Profile | None = None
     aarch64: list[EmulatedRow] | None = None  # one row per emulated CPU
-    input: dict | None = None  # what it takes (tasks/image_input.describe); absent in older manifests: float32-nchw
+    input: InputDescription | None = None  # what it takes; absent in older manifests: float32-nchw
     sizes: list[SizeRow] | None = None  # a dynamic-size artifact judged at more sizes than its input size
-    extra: dict = _extra()
+    extra: Extra = _extra()
 
     ALWAYS = (
         *("name", "format", "precision", "path", "sha256", "size_bytes", "status", "reasons", "details"),
         *("thresholds", "fidelity", "accuracy", "latency_ms", "eager_latency_ms", "speedup_vs_eager"),
     )
-
-    def __post_init__(self):
-        self.status, self.reasons = Status(self.status), revived(self.reasons)
-        if self.aarch64 is not None:
-            self.aarch64 = [row if isinstance(row, EmulatedRow) else EmulatedRow.from_json(row) for row in self.aarch64]
-        if self.sizes is not None:
-            self.sizes = [row if isinstance(row, SizeRow) else SizeRow.from_json(row) for row in self.sizes]
+    TYPED: ClassVar[dict] = {
+        **{"latency_ms": Latency.from_json, "eager_latency_ms": Latency.from_json},
+        **{"memory": Memory.from_json, "profile": Profile.from_json, "input": InputDescription.from_json},
+        "bundled_program": BundledProgram.from_json,
+        "proxy": lambda proxies: {label: ProxyMetrics.from_json(m) for label, m in proxies.items()},
+        **{"aarch64": _each(EmulatedRow), "sizes": _each(SizeRow)},
+    }
 
     def update(self, values: Mapping | None = None, **more) -> None:
         """Set the fields named in `values` and `more` (a metrics record, a cached validation); an unknown name
         is an error, never a silent new key."""
-        for name, value in _typed({**(values or {}), **more}).items():
+        for name, value in _typed({**(values or {}), **more}, ArtifactResult).items():
             if name not in _ARTIFACT_FIELDS:
                 raise TypeError(f"ArtifactResult has no field {name!r}")
             setattr(self, name, value)
@@ -377,29 +595,12 @@ class ArtifactResult:
         """Made and run on this host's validation inputs (passed or failed by them, not unavailable)."""
         return bool(self.path) and self.status in (Status.PASSED, Status.FAILED) and self.fidelity is not None
 
-    def to_json(self) -> dict:
-        return _record(self, self.ALWAYS)
-
-    @classmethod
-    def from_json(cls, record: Mapping) -> ArtifactResult:
-        return _from_record(cls, record)
-
 
 _ARTIFACT_FIELDS = frozenset(f.name for f in fields(ArtifactResult)) - {"extra"}  # what `update` may set
 
 
-def _typed(values: Mapping) -> dict:
-    """`values` with a status as a Status and reasons as Reason values (a JSON record holds their strings)."""
-    typed = dict(values)
-    if "status" in typed:
-        typed["status"] = Status(typed["status"])
-    if "reasons" in typed:
-        typed["reasons"] = revived(typed["reasons"])
-    return typed
-
-
 @dataclass(frozen=True, kw_only=True)
-class Checkpoint:
+class Checkpoint(_Record):
     """The checkpoint file a model was loaded from (exporter.weights.load makes it): the manifest's `checkpoint`,
     and a quantized weight's float model's in `eager.reference`."""
 
@@ -407,21 +608,13 @@ class Checkpoint:
     sha256: str
     source: Literal["checkpoint", "torch-hub-cache", "download"]  # --checkpoint, the hub cache, or fetched now
     verified: bool  # its sha256 was checked against the prefix its file name carries
-    extra: dict = _extra()
+    extra: Extra = _extra()
 
     ALWAYS = ("path", "sha256", "source", "verified")
 
-    def to_json(self) -> dict:
-        return _record(self, self.ALWAYS)
-
-    @classmethod
-    def from_json(cls, record: Mapping) -> Checkpoint:
-        """A checkpoint from its JSON record (a Checkpoint is returned as it is)."""
-        return record if isinstance(record, Checkpoint) else _from_record(cls, record)
-
 
 @dataclass(frozen=True, kw_only=True)
-class Host:
+class Host(_Record):
     """The host that built (release/manifest.host): what its latencies were measured on."""
 
     platform: str
@@ -430,40 +623,93 @@ class Host:
     cores: int | None  # os.cpu_count(): None where it cannot tell
     threads: int  # the threads every runtime was timed with
     python: str | None = None
-    extra: dict = _extra()
+    extra: Extra = _extra()
 
     ALWAYS = ("platform", "machine", "cpu", "cores", "threads", "python")  # as a build writes them
 
-    def to_json(self) -> dict:
-        return _record(self, self.ALWAYS)
-
-    @classmethod
-    def from_json(cls, record: Mapping) -> Host:
-        return record if isinstance(record, Host) else _from_record(cls, record)
-
 
 @dataclass(frozen=True, kw_only=True)
-class Labels:
+class Labels(_Record):
     """The build's class names: the file they are written to in the build folder, how many, and the --labels file
     they were read from (None: the weight's own categories, or class_<i>)."""
 
     file: str  # relative to the build folder
     count: int
     from_file: str | None = None
-    extra: dict = _extra()
+    extra: Extra = _extra()
 
     ALWAYS = ("file", "count", "from_file")
 
-    def to_json(self) -> dict:
-        return _record(self, self.ALWAYS)
 
-    @classmethod
-    def from_json(cls, record: Mapping) -> Labels:
-        return record if isinstance(record, Labels) else _from_record(cls, record)
+@dataclass(frozen=True, kw_only=True)
+class Weight(_Record):
+    """The torchvision weight built: its canonical name, its builder, the classes the model was built with."""
+
+    name: str
+    model: str
+    num_classes: int | None
+    meta: dict[str, object]  # weights.meta_summary: torchvision's meta, its long fields summarised
+    extra: Extra = _extra()
+
+    ALWAYS = ("name", "model", "num_classes", "meta")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reference(_Record):
+    """What every artifact is compared with (weights.load): the weight's own eager model, or for a quantized weight
+    its float model when its checkpoint is found, else the quantized eager model and where the float one was looked
+    for."""
+
+    kind: str  # "float eager", "unquantized float" or "quantized eager"
+    weight: str
+    checkpoint: Checkpoint | None  # the float model's, when it is not the build's own
+    looked_for: str | None = None
+    note: str | None = None
+    extra: Extra = _extra()
+
+    ALWAYS = ("kind", "weight", "checkpoint")
+    TYPED: ClassVar[dict] = {"checkpoint": Checkpoint.from_json}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eager(_Record):
+    """The eager model as the build ran it: its labeled metrics, what it is, and its one latency baseline."""
+
+    accuracy: Metrics | None
+    reference: Reference | None = None  # None: a record made without it (a build always writes it)
+    latency: EagerBaseline | None = None  # set once the build has timed every artifact
+    extra: Extra = _extra()
+
+    ALWAYS = ("accuracy",)
+    TYPED: ClassVar[dict] = {"reference": Reference.from_json, "latency": EagerBaseline.from_json}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheUse(_Record):
+    """The cache a build used (None: --no-cache) and what it reused from it, one sentence each."""
+
+    root: str | None
+    events: list[str]
+    build_record: str | None = None  # the whole build restored from this record (engine/record.py)
+    extra: Extra = _extra()
+
+    ALWAYS = ("root", "events")
+
+
+# Records whose keys are each producer's own, kept open: a task's description (tasks' describe: name, input size,
+# classes, outputs, a detector's decode…), its preprocessing (what preprocessing.json holds), the target profile as
+# planned (Plan.describe), the data read (data.Inputs.description), the emulated CPUs' summary (validate_on_arm, filled
+# in as it runs) and the Jetson device kit (release/jetson_kit).
+TaskDescription = dict[str, object]
+Preprocessing = dict[str, object]
+TargetDescription = dict[str, object]
+DataDescription = dict[str, object]
+EmulationSummary = dict[str, object]
+DeviceKit = dict[str, object]
 
 
 @dataclass(kw_only=True)
-class Manifest:
+class Manifest(_Record):
     """A build's manifest as the engine holds it (release/manifest.py writes and reads its JSON file)."""
 
     schema_version: int
@@ -472,49 +718,37 @@ class Manifest:
     created: str
     command: list[str] | None = None
     status: Status
-    weight: dict
-    task: dict | None = None
+    weight: Weight
+    task: TaskDescription | None = None
     checkpoint: Checkpoint
-    preprocessing: dict
+    preprocessing: Preprocessing
     labels: Labels
-    target: dict
+    target: TargetDescription
     tools: dict[str, str | None]  # distribution -> its version, None where not installed
     host: Host
-    data: dict
-    eager: dict
+    data: DataDescription
+    eager: Eager
     artifacts: list[ArtifactResult] = field(default_factory=list)
     timings_s: dict[str, float] = field(default_factory=dict)  # step -> seconds
-    aarch64: dict | None = None  # the emulated CPUs' summary, when the target validates on them
-    jetson: dict | None = None  # the Jetson device kit (its post_build step)
-    cache: dict | None = None
+    aarch64: EmulationSummary | None = None  # the emulated CPUs' summary, when the target validates on them
+    jetson: DeviceKit | None = None  # the Jetson device kit (its post_build step)
+    cache: CacheUse | None = None
     validated: str | None = None  # when `exporter validate` judged it again
     recommended: Recommendation | None = None  # the pick the reports show (set when the build is finished)
-    extra: dict = _extra()
+    extra: Extra = _extra()
 
     ALWAYS = ("schema_version", "exporter_version", "exporter_commit", "created", "command", "status", "weight")
     ALWAYS += ("checkpoint", "preprocessing", "labels", "target", "tools", "host", "data", "eager", "artifacts")
     ALWAYS += ("timings_s",)
-
-    def __post_init__(self):
-        self.status, self.checkpoint = Status(self.status), Checkpoint.from_json(self.checkpoint)
-        self.labels, self.host = Labels.from_json(self.labels), Host.from_json(self.host)
-        self.artifacts = [a if isinstance(a, ArtifactResult) else ArtifactResult.from_json(a) for a in self.artifacts]
-        if self.recommended is not None:
-            self.recommended = Recommendation.from_json(self.recommended)
+    TYPED: ClassVar[dict] = {
+        **{"weight": Weight.from_json, "checkpoint": Checkpoint.from_json, "labels": Labels.from_json},
+        **{"host": Host.from_json, "eager": Eager.from_json, "cache": CacheUse.from_json},
+        **{"artifacts": _each(ArtifactResult), "recommended": Recommendation.from_json},
+    }
 
     def overall_status(self) -> Status:
         return Status.FAILED if any(a.status is Status.FAILED for a in self.artifacts) else Status.PASSED
 
-    def to_json(self) -> dict:
-        return _record(self, self.ALWAYS)
-
-    @classmethod
-    def from_json(cls, doc: Mapping) -> Manifest:
-        return _from_record(cls, doc)
-
 
 # the result classes: each is written to JSON by its own to_json (through `jsonable`), and only there
-RECORDS = (
-    *(Reason, EmulatedRow, SizeRow, ArtifactResult, Manifest),
-    *(Checkpoint, Host, Labels, EagerBaseline, Recommendation),
-)
+RECORDS = (_Record, Reason, EagerBaseline, Recommendation)

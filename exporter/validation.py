@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import hostload
-from .results import EagerBaseline, Kind, Reason, Status
+from .results import BaselineSpread, EagerBaseline, Kind, Latency, Reason, Status
 from .tasks import Task
 from .thresholds import MIN_INPUTS, THRESHOLD_KEYS, breaches
 
@@ -144,13 +144,14 @@ def latency_against_eager(
         iterations,
         examples=None if fed is None else {"artifact": fed},
     )
-    measured = {"latency_ms": timing["artifact"], "eager_latency_ms": timing["eager"]}
+    artifact, eager_beside = Latency.from_json(timing["artifact"]), Latency.from_json(timing["eager"])
+    measured = {"latency_ms": artifact, "eager_latency_ms": eager_beside}
     if baseline is not None:
         conditions = {**conditions, "eager_beside_ms": timing["eager"]}
         return against_baseline({**measured, "latency_conditions": conditions}, baseline, threads, max_spread)
     return {
         **measured,
-        "speedup_vs_eager": timing["eager"]["p50"] / timing["artifact"]["p50"],
+        "speedup_vs_eager": eager_beside.p50 / artifact.p50,
         "latency_conditions": hostload.judged(conditions, threads, max_spread),
     }
 
@@ -172,10 +173,11 @@ def against_baseline(latency: Mapping, baseline: EagerBaseline, threads: int, ma
         conditions["baseline_reasons"] = list(baseline.conditions.get("reasons") or ["host busy"])
     for key in ("reliable", "reasons"):
         conditions.pop(key, None)
+    artifact = Latency.from_json(latency["latency_ms"])
     return {
-        "latency_ms": latency["latency_ms"],
+        "latency_ms": artifact,
         "eager_latency_ms": baseline.latency_ms,
-        "speedup_vs_eager": baseline.p50 / latency["latency_ms"]["p50"],
+        "speedup_vs_eager": baseline.p50 / artifact.p50,
         "latency_conditions": hostload.judged(conditions, threads, max_spread),
     }
 
@@ -184,12 +186,12 @@ def build_spread(baseline: EagerBaseline, beside: list[list[float]]) -> EagerBas
     """The baseline with `build`: how far eager's p50 moved over every round of the build, the baseline's and
     those timed beside each artifact (`beside`, one list of round p50s per timed artifact)."""
     rounds = baseline.rounds_p50_ms + [p50 for artifact in beside for p50 in artifact]
-    build = {
-        "rounds": len(rounds),
-        "artifacts": len(beside),
-        "p50_range_ms": [min(rounds), max(rounds)],
-        "round_spread": hostload.round_spread(rounds),
-    }
+    build = BaselineSpread(
+        rounds=len(rounds),
+        artifacts=len(beside),
+        p50_range_ms=[min(rounds), max(rounds)],
+        round_spread=hostload.round_spread(rounds),
+    )
     return dataclasses.replace(baseline, build=build)
 
 

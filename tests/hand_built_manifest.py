@@ -17,6 +17,7 @@ CONDITIONS = {
 }
 MEMORY = {"available": True, "peak_rss_increase_bytes": 1234567, "model_bytes": 100, "dtype": "float32"}
 PROFILE = {"available": False, "reason": "no profiler for this format"}
+GOLDEN_CHECK = {"passed": True, "cases": 8, "error": None}
 
 
 def manifest() -> Manifest:
@@ -43,6 +44,12 @@ def manifest() -> Manifest:
         memory=MEMORY,
         profile=PROFILE,
         input={"dtype": "float32", "layout": "nchw"},
+        bundled_program={
+            **{"path": "model_fp32.bpte", "sha256": "12" * 32, "size_bytes": 5000, "program_sha256": "cd" * 32},
+            **{"method": "forward", "cases": 8, "rtol": 1e-05, "atol": 7.5e-05},
+            "tolerances": {"max_abs_gap": 7.6e-06, "output_scale": 7.5, "rule": "atol = max(2 * gap, 1e-05 * scale)"},
+            "verified": {"x86_64": GOLDEN_CHECK, "cortex-a76": {**GOLDEN_CHECK, "seconds": 1.5}},
+        },
         aarch64=[
             EmulatedRow(
                 cpu="cortex-a76",
@@ -53,7 +60,12 @@ def manifest() -> Manifest:
                 fidelity={"top1_agreement": 1.0, "psnr_db": 80.0},
                 accuracy=None,
                 vs_x86={"max_abs_diff": 1e-6},
-                instructions={"artifact": 1000, "eager": 2000},
+                bundled_program=GOLDEN_CHECK,
+                instructions={
+                    **{"per_inference": 1000, "warmup": 1500, "load": 30000, "spread": 0.002, "runs": 3},
+                    **{"unit": "emulated aarch64 instructions per inference", "qemu": "9.2.0"},
+                    **{"eager_per_inference": 2000, "ratio_to_eager": 2.0, "marker_cost": 12},
+                },
             )
         ],
         sizes=[SizeRow(size=[16, 16], images=4, status="passed", fidelity={"psnr_db": 60.0}, accuracy=None)],
@@ -98,10 +110,16 @@ def manifest() -> Manifest:
         eager={
             "accuracy": None,
             "reference": {"kind": "float eager", "weight": "Tiny_Weights.TEST", "checkpoint": None},
-            "latency": EagerBaseline({"p50": 2.0}, [2.0, 2.1], 1.05, {"reliable": True, "threads": 1}),
+            "latency": EagerBaseline(
+                {"p50": 2.0},
+                [2.0, 2.1],
+                1.05,
+                {"reliable": True, "threads": 1},
+                {"rounds": 12, "artifacts": 2, "p50_range_ms": [2.0, 2.3], "round_spread": 1.15},
+            ),
         },
         artifacts=[passed, failed],
         timings_s={"export onnx_fp32": 0.5},
-        cache={"hits": 1},
+        cache={"root": "/nowhere/cache", "events": ["onnx_fp32: validation results reused from the cache"], "hits": 1},
         recommended=Recommendation("onnx_fp32", "x86 latency", "onnx_int8", "the fastest that passed"),
     )

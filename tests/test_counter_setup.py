@@ -250,10 +250,10 @@ def test_a_row_cached_while_counts_were_unavailable_is_counted_once_they_are(mon
     assert row.instructions is None and "unavailable" in doc.aarch64["instructions"] and counted == []
     doc, row = build(lambda *args, **kwargs: counter.Counter(tmp_path / "counter", {"key": "counter-key"}))
     assert counted == [["the eager module", "model.pte"]], counted
-    assert row.instructions["per_inference"] == 1001 and row.instructions["eager_per_inference"] == 1000
+    assert row.instructions.per_inference == 1001 and row.instructions.eager_per_inference == 1000
     assert doc.aarch64["instructions"]["counter"] == "counter-key" and not doc.aarch64["instructions"]["failed"]
     doc, row = build(lambda *args, **kwargs: counter.Counter(tmp_path / "counter", {"key": "counter-key"}))
-    assert row.instructions["per_inference"] == 1001 and len(counted) == 1  # now from the instructions cache
+    assert row.instructions.per_inference == 1001 and len(counted) == 1  # now from the instructions cache
 
 
 def _stored_build(tmp_path: Path, counts: dict):

@@ -128,7 +128,7 @@ def test_a_runtime_spinning_after_each_call_never_runs_beside_eager_and_leaves_t
     assert timed["latency_conditions"]["unsettled"] == []
     assert timed["eager_latency_ms"] == baseline.latency_ms  # the baseline, not the eager timed beside it
     assert timed["latency_conditions"]["eager_beside_ms"]["iterations"] == 20
-    assert timed["speedup_vs_eager"] == baseline.p50 / timed["latency_ms"]["p50"]
+    assert timed["speedup_vs_eager"] == baseline.p50 / timed["latency_ms"].p50
     assert len(timed["latency_conditions"]["rounds_p50_ms"]["eager"]) == 5
 
 
@@ -163,7 +163,9 @@ def test_every_rows_speedup_divides_the_same_eager_p50():
         validation.against_baseline(_measured(p50, [eager] * 5), baseline, threads=2)
         for p50, eager in ((2.0, 6.6), (4.0, 6.4), (1.0, 6.5))
     ]
-    assert {json.dumps(row["eager_latency_ms"]) for row in rows} == {json.dumps(baseline.latency_ms)}
+    assert {json.dumps(row["eager_latency_ms"].to_json()) for row in rows} == {
+        json.dumps(baseline.latency_ms.to_json())
+    }
     assert [row["speedup_vs_eager"] for row in rows] == [6.5 / 2.0, 6.5 / 4.0, 6.5 / 1.0]
 
 
@@ -224,7 +226,7 @@ def test_a_build_times_eager_alone_once_for_all_its_targets_and_records_the_spre
     untimed = SimpleNamespace(latency_ms=None, latency_conditions=None)
     recorded = session.eager_latency([timed, untimed])
     rounds = first.rounds_p50_ms + [2.0, 4.0]
-    assert recorded.build == {
+    assert recorded.build.to_json() == {
         "rounds": 7,
         "artifacts": 1,
         "p50_range_ms": [min(rounds), max(rounds)],

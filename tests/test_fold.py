@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from exporter.quant import Calibration
 from exporter.quant.fold import fold_constants
 
 
@@ -131,7 +132,7 @@ def test_an_int8_pte_of_a_tensor_the_input_is_written_into_is_the_int8_of_the_sa
 
     torch.manual_seed(0)
     written = WrittenChannels().eval()
-    x, calibration = torch.randn(4, 3, 5, 4), [torch.randn(1, 3, 5, 4) for _ in range(8)]
+    x, calibration = torch.randn(4, 3, 5, 4), Calibration([torch.randn(1, 3, 5, 4) for _ in range(8)])
     outputs = []
     for model in (written, CatChannels(written.conv).eval()):
         executorch.FORMAT.export(model, x[:1], "int8", calibration, tmp_path / "m.pte", {})

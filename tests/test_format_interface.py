@@ -254,9 +254,9 @@ def test_memory_and_profile_say_when_a_format_has_none(monkeypatch, tmp_path):
     finally:
         torch.set_num_threads(threads)  # add() sets the build's threads
     none = {"available": False, "reason": "bare has no memory measurement"}
-    assert bare.memory == none and bare.profile == none
-    assert memory_only.memory == {"available": True, "peak_rss_increase_bytes": 1, "shape": [1, 3, 4, 4]}
-    assert memory_only.profile == {"available": False, "reason": "memory_only has no profiler here"}
+    assert bare.memory.to_json() == none and bare.profile.to_json() == none
+    assert memory_only.memory.to_json() == {"available": True, "peak_rss_increase_bytes": 1, "shape": [1, 3, 4, 4]}
+    assert memory_only.profile.to_json() == {"available": False, "reason": "memory_only has no profiler here"}
 
 
 def test_the_engine_does_not_probe_formats():

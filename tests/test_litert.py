@@ -93,7 +93,7 @@ def test_a_graph_the_converter_refuses_names_the_op_and_is_classified(model, ope
     from exporter.formats import litert
 
     with pytest.raises(litert.ConverterRefused) as refused:
-        litert.FORMAT.export(model.eval(), torch.randn(1, 3, 8, 8), "fp32", [], tmp_path / "m.tflite", {})
+        litert.FORMAT.export(model.eval(), torch.randn(1, 3, 8, 8), "fp32", None, tmp_path / "m.tflite", {})
     first_line = str(refused.value).splitlines()[0]
     assert first_line.startswith(f"unsupported op {operator}") and classify(first_line) == "unsupported op"
     assert not (tmp_path / "m.tflite").exists()

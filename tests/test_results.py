@@ -162,6 +162,8 @@ def test_a_manifest_reads_and_writes_back_as_it_was_read_its_unknown_fields_kept
     artifact |= {"eager_latency_ms": None, "speedup_vs_eager": None, "annotation": {"by": "a user"}}
     doc = {name: {} for name in ("weight", "task", "checkpoint", "preprocessing", "labels", "target", "tools")}
     doc |= {name: {} for name in ("host", "data", "eager", "timings_s")}
+    doc["weight"] = {"name": "W.TEST", "model": "w", "num_classes": 2, "meta": {}, "origin": "mine"}
+    doc["eager"] = {"accuracy": None, "reference": {"kind": "float eager", "weight": "W.TEST", "checkpoint": None}}
     doc["checkpoint"] = {"path": "/c.pth", "sha256": "0" * 64, "source": "checkpoint", "verified": False, "why": "mine"}
     doc["labels"] = {"file": "labels.txt", "count": 2, "from_file": None, "language": "en"}
     doc["host"] = {"platform": "Linux", "machine": "x86_64", "cpu": "c", "cores": None, "threads": 1, "python": "3.11"}

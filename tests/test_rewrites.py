@@ -5,6 +5,7 @@ import random
 import torch
 from torch import nn
 
+from exporter.quant import Calibration
 from exporter.formats.rewrites import (
     DEPTHWISE_TAPS,
     GlobalMean3d,
@@ -201,7 +202,7 @@ def test_a_concatenation_of_one_tensor_is_dropped_and_the_pte_is_one_delegate(tm
     assert kept["delegation"]["ops_outside_delegate"].get("aten_cat_default") == 1  # what the rewrite is for
     for precision in ("fp32", "int8"):
         path = tmp_path / f"{precision}.pte"
-        calibration = [torch.randn(1, 3, 16, 16) for _ in range(8)] if precision == "int8" else None
+        calibration = Calibration([torch.randn(1, 3, 16, 16) for _ in range(8)]) if precision == "int8" else None
         details = executorch.FORMAT.export(model, x, precision, calibration, path, {})
         assert details["rewrites"]["single_tensor_cats_dropped"] == 1, details
         assert details["delegation"]["delegated_subgraphs"] == 1 and set(
@@ -273,7 +274,7 @@ def test_inceptions_padded_pool_lowers_into_xnnpack_with_the_same_output(tmp_pat
 
     torch.manual_seed(0)
     model, x = InceptionBranch().eval(), torch.randn(1, 3, 16, 16)
-    calibration = [torch.randn(1, 3, 16, 16) for _ in range(8)]
+    calibration = Calibration([torch.randn(1, 3, 16, 16) for _ in range(8)])
     kept = {}
     for precision in ("fp32", "int8"):
         path = tmp_path / f"kept_{precision}.pte"
@@ -388,7 +389,7 @@ def test_a_7x7_depthwise_runs_on_xnnpacks_depthwise_kernels_with_eagers_output(t
     assert _convolutions(tmp_path / "kept.pte", x) == {"IGEMM": 2}  # the 7x7 too: what the split is for
     for precision in ("fp32", "int8"):
         path = tmp_path / f"{precision}.pte"
-        calibration = [torch.randn(1, 3, 32, 32) for _ in range(8)] if precision == "int8" else None
+        calibration = Calibration([torch.randn(1, 3, 32, 32) for _ in range(8)]) if precision == "int8" else None
         details = executorch.FORMAT.export(model, x, precision, calibration, path, {})
         assert details["rewrites"]["large_depthwise_split"] == [
             {"module": "1", "kernel": [7, 7], "parts": [[5, 5], [2, 7], [5, 2]]}
@@ -453,7 +454,7 @@ def test_chunks_adaptive_pools_and_means_lower_into_xnnpack_with_the_same_output
 
     torch.manual_seed(0)
     x = torch.randn(1, 3, 12, 12)
-    calibration = [torch.randn(1, 3, 12, 12) for _ in range(8)]
+    calibration = Calibration([torch.randn(1, 3, 12, 12) for _ in range(8)])
     expected = {"chunks_as_slices": 1, "adaptive_pools_as_pools": 1, "means_keeping_dims": 1}
     for pool in (6, 12):
         model = ShuffleTail(pool).eval()
@@ -547,7 +548,7 @@ def test_attention_without_a_mask_lowers_into_xnnpack_with_the_same_output(tmp_p
 
     torch.manual_seed(0)
     model, x = Tokens().eval(), torch.randn(1, 3, 16, 16)
-    calibration = [torch.randn(1, 3, 16, 16) for _ in range(8)]
+    calibration = Calibration([torch.randn(1, 3, 16, 16) for _ in range(8)])
     guard = {"eq", "logical_not", "any", "where"}  # the math path's guard for rows of -inf
     kept = {}
     for precision in ("fp32", "int8"):
@@ -614,7 +615,7 @@ def test_nearest_upsampling_by_whole_factors_lowers_into_xnnpack_with_the_same_o
 
     torch.manual_seed(0)
     model, x = Pyramid().eval(), torch.randn(3, 3, 32, 24)
-    calibration = [torch.randn(1, 3, 32, 24) for _ in range(16)]
+    calibration = Calibration([torch.randn(1, 3, 32, 24) for _ in range(16)])
     outputs = {}
     for precision in ("fp32", "int8"):
         for rewrites in (False, True):

@@ -177,11 +177,11 @@ def test_mvit_v2s_relative_positions_convert_to_core_ml_within_rank_5(tmp_path, 
             torch.testing.assert_close(model(clip), reference, rtol=1e-5, atol=1e-5)
     with rewrites.rel_pos_within_rank5(_PatchClassifier()) as untouched:  # a model without them: as it is
         assert rewritten and not untouched
-    details = coreml.FORMAT.export(model, clip, "fp32", [], tmp_path / "m.mlpackage", _meta("NC", 32))
+    details = coreml.FORMAT.export(model, clip, "fp32", None, tmp_path / "m.mlpackage", _meta("NC", 32))
     assert details["rewrites"] == {"relative_positions_within_rank5": True}
     monkeypatch.setattr(coreml, "rel_pos_within_rank5", lambda _m: contextlib.nullcontext(False))
     with pytest.raises(ValueError, match="rank <= 5"):
-        coreml.FORMAT.export(model, clip, "fp32", [], tmp_path / "raw.mlpackage", _meta("NC", 32))
+        coreml.FORMAT.export(model, clip, "fp32", None, tmp_path / "raw.mlpackage", _meta("NC", 32))
 
 
 def test_a_clip_models_fp16_package_gets_its_proxies(tmp_path):
@@ -195,7 +195,7 @@ def test_a_clip_models_fp16_package_gets_its_proxies(tmp_path):
     model = _PatchClassifier().eval()
     clips = torch.randn(2, 3, 4, 16, 16)
     path = tmp_path / "clip.mlpackage"
-    details = coreml.FORMAT.export(model, clips[:1], "fp16", [], path, _meta("NC", 16))
+    details = coreml.FORMAT.export(model, clips[:1], "fp16", None, path, _meta("NC", 16))
     assert details["input"]["shape"] == [1, 3, 4, 16, 16]
     runners = coreml.FORMAT.proxies(path, model)
     assert set(runners) == {"weights", "fp16"}

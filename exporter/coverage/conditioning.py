@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..engine.conditioning import PRECISIONS, STATIC, outputs
+from ..precision import Precision
 
 __all__ = ["PRECISIONS", "STATIC", "floor", "outputs", "top1_margins", "weight_row"]
 
@@ -51,8 +52,8 @@ def floor(
     result = {"labeled": True} if labels is not None else {}
     eager_labeled = task.labeled(reference, labels) if labels is not None else None
     variants = [(p, p) for p in PRECISIONS if p in thresholds]
-    if calibration and "int8" in thresholds:
-        variants.append((STATIC, "int8"))
+    if calibration and Precision.INT8 in thresholds:
+        variants.append((STATIC, Precision.INT8))
     margins = top1_margins(reference)
     if margins is not None:
         result["margins"] = margins

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import re
 
+from ..precision import Precision
 from ..results import Kind, broken_metrics, broken_value, kinds, revived
 from .memory import oom_text, others_to_blame
 
@@ -102,7 +103,7 @@ DECISION_KEYS = {
 
 
 # the floors an artifact of a precision is judged against (coverage.conditioning): int8 has a dynamic and a static one
-FLOORS = {"int8": ("int8", "int8_static")}
+FLOORS = {Precision.INT8: (Precision.INT8, "int8_static")}
 WEIGHT_FLOOR = "quantized_weight"  # the floor row of an eager-quantized weight run as it is (conditioning.weight_row)
 JUDGED_KINDS = ("validation", "ill-conditioned reference", "quantized weight")
 
@@ -183,7 +184,7 @@ def floor_wanted(row: dict) -> bool:
     measured = row.get("floor")
     if measured is not None and "error" in measured:
         return False
-    wanted = set(FLOORS.get("int8")) | ({WEIGHT_FLOOR} if row.get("quantized") else set())
+    wanted = set(FLOORS.get(Precision.INT8)) | ({WEIGHT_FLOOR} if row.get("quantized") else set())
     return any(
         c.get("outcome") == "failed"
         and c.get("kind") != "runtime error"
@@ -192,7 +193,7 @@ def floor_wanted(row: dict) -> bool:
             or (
                 c.get("kind") == "validation"
                 and (
-                    not (wanted if c.get("precision") == "int8" else set()) <= set(measured)
+                    not (wanted if c.get("precision") == Precision.INT8 else set()) <= set(measured)
                     or (broken_keys(c.get("reasons")) & LABELED_KEYS and not measured.get("labeled"))
                 )
             )

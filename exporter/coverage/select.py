@@ -8,6 +8,7 @@ import fnmatch
 from dataclasses import asdict, dataclass
 
 from ..errors import UsageError
+from ..precision import Precision
 
 TASK_ORDER = ("classification", "segmentation", "detection", "quantization", "video", "optical_flow")
 
@@ -112,7 +113,7 @@ def planned_artifacts(weight: str, target: str, formats=(), quantized: bool = Fa
     if quantized:  # an eager-quantized weight: one int8 artifact per format (Plan.for_eager_quantized)
         seen = {}
         for a in artifacts:
-            seen.setdefault(a["format"], {"format": a["format"], "precision": "int8"})
+            seen.setdefault(a["format"], {"format": a["format"], "precision": Precision.INT8})
         artifacts = list(seen.values())
     return [
         {"name": a.get("name") or f"{a['format']}_{a['precision']}", "format": a["format"], "precision": a["precision"]}

@@ -151,6 +151,7 @@ def floor(request, target: str) -> dict:
     from .. import data, weights
     from ..engine import target_profile
     from ..engine.plan import make, with_required
+    from ..precision import Precision
     from . import conditioning
     from .outcome import WEIGHT_FLOOR
 
@@ -171,9 +172,10 @@ def floor(request, target: str) -> dict:
         reference = torch.cat([eager(x[None]) for x in images])
     thresholds = {k: dict(v) for k, v in plan.thresholds.items()}
     result = conditioning.floor(task, eager, images, reference, thresholds, inputs.calibration, inputs.labels)
-    if loaded.reference_model is not None and "int8" in thresholds:  # a quantized weight, against its float model
+    # a quantized weight, against its float model
+    if loaded.reference_model is not None and Precision.INT8 in thresholds:
         result[WEIGHT_FLOOR] = conditioning.weight_row(
-            task, loaded.model.eval(), images, reference, inputs.labels, thresholds["int8"]
+            task, loaded.model.eval(), images, reference, inputs.labels, thresholds[Precision.INT8]
         )
     result["seconds"] = round(time.perf_counter() - started, 3)
     return result

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from .. import files
 from ..formats import bundled_program
-from ..results import ArtifactResult, Kind, Reason, Status
+from ..results import ArtifactResult, BundledProgram, Kind, Reason, Status
 from . import cache
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def add_golden_program(session: BuildContext, entry: ArtifactResult) -> None:
         session.progress.note(f"{session.prefix}golden program {bpte.name} {FAILED}{type(e).__name__}: {first}")
         return
     verified = bundled_program.verify(bpte, details["rtol"], details["atol"])
-    entry.bundled_program = {**details, "verified": {"x86_64": verified}}
+    entry.bundled_program = BundledProgram.from_json({**details, "verified": {"x86_64": verified}})
     if not verified["passed"]:
         entry.status = Status.FAILED
         entry.reasons = [

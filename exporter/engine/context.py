@@ -16,10 +16,11 @@ import torch
 
 from .. import __version__, data, validation, weights
 from ..formats import FORMATS
+from ..precision import Precision
 from ..progress import Progress
 from ..quant import Calibration
 from ..release import manifest
-from ..results import ArtifactResult
+from ..results import ArtifactResult, InputDescription
 from ..tasks import Task, image_input
 from . import cache
 from .cache import BuildCache
@@ -188,21 +189,20 @@ class BuildContext(SharedContext):
         those artifacts."""
         return self._behind_preprocessing(self.loaded.eager) if self.takes_bytes else self.loaded.eager
 
-    def describe_fed(self, format_name: str, example: torch.Tensor) -> dict:
+    def describe_fed(self, format_name: str, example: torch.Tensor) -> InputDescription:
         """What an artifact of `format_name` takes, as the manifest and bundle.json record it."""
         own = FORMATS[format_name].own_image_input
         if own and self.takes_bytes:
-            return {"format": "own", "note": own}
-        return image_input.describe(self.plan.input_format, example)
+            return InputDescription(format="own", note=own)
+        return InputDescription.from_json(image_input.describe(self.plan.input_format, example))
 
-    def calibration(self, precision: str, format_name: str, log=lambda _message: None):
+    def calibration(self, precision: str, format_name: str, log=lambda _message: None) -> Calibration | None:
         """What a format quantizes with: for int8, the images (as the artifact takes them) plus the budget and how
-        to meet it."""
-        images = self.fed_to(format_name).calibration
-        if precision != "int8":
-            return images
+        to meet it; None for a precision that needs none."""
+        if precision != Precision.INT8:
+            return None
         return Calibration(
-            images,
+            self.fed_to(format_name).calibration,
             self.inputs.calibration_labels,
             dict(self.plan.quant_budget),
             dict(self.plan.quant_settings),

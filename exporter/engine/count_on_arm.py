@@ -21,7 +21,7 @@ from ..aarch64 import counter as counting_qemu
 from ..aarch64 import counting
 from ..errors import UsageError
 from ..progress import Progress
-from ..results import ArtifactResult, Manifest
+from ..results import ArtifactResult, Instructions, Manifest
 from . import cache
 
 if TYPE_CHECKING:
@@ -172,9 +172,11 @@ def add_counts(
         for name, row in rows.items():
             if name in records:
                 counted = records[name]["per_inference"]
-                row.instructions = {
-                    **records[name],
-                    "eager_per_inference": base,
-                    "ratio_to_eager": round(base / counted, 3) if base and counted else None,
-                }
+                row.instructions = Instructions.from_json(
+                    {
+                        **records[name],
+                        "eager_per_inference": base,
+                        "ratio_to_eager": round(base / counted, 3) if base and counted else None,
+                    }
+                )
     info["seconds"] = round(time.perf_counter() - started, 1)

@@ -15,7 +15,7 @@ import torch
 
 from .. import hostload
 from ..formats import FORMATS
-from ..results import ArtifactResult, texts
+from ..results import ArtifactResult, Memory, Profile, texts
 from . import cache
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def measure(session: BuildContext, entry: ArtifactResult) -> None:
     fmt = FORMATS[entry.format].format() if FORMATS[entry.format].installed() else None
     reason = _reason(entry, fmt)
     if reason is not None:
-        entry.memory = entry.profile = _unavailable(reason)
+        entry.update(memory=_unavailable(reason), profile=_unavailable(reason))
         return
     threads = session.latency["threads"]
     example = session.fed_to(entry.format).validation[:1]
@@ -80,28 +80,25 @@ def measure(session: BuildContext, entry: ArtifactResult) -> None:
     path = session.out / entry.path
     with session.progress.step(f"{session.prefix}memory and profile {entry.name}"):
         pixels = ["uint8"] if example.dtype == torch.uint8 else []  # a uint8-nhwc input; float32 by default
-        entry.memory = _measure("memory", fmt.memory, path, tuple(example.shape), threads, *pixels)
+        entry.memory = Memory.from_json(_measure("memory", fmt.memory, path, tuple(example.shape), threads, *pixels))
         if fmt.profile is not None:
             with hostload.Window() as window:
-                entry.profile = _measure("profile", fmt.profile, path, example, profile_runs(entry), threads)
-            if entry.profile.get("available"):  # its times are wall clock: a busy host stretches them
-                entry.profile["conditions"] = hostload.judged(window.conditions, threads)
+                profile = _measure("profile", fmt.profile, path, example, profile_runs(entry), threads)
+            if profile.get("available"):  # its times are wall clock: a busy host stretches them
+                profile["conditions"] = hostload.judged(window.conditions, threads)
+            entry.profile = Profile.from_json(profile)
         else:
-            entry.profile = _unavailable(f"{entry.format} has no profiler here")
+            entry.profile = Profile.from_json(_unavailable(f"{entry.format} has no profiler here"))
     torch.set_num_threads(threads)  # a runtime's profiler may have changed torch's; eager is timed with these
     # a profile taken on a busy host is measured again by the next build, as a latency is
-    if (
-        entry.memory.get("available")
-        and entry.profile.get("available", True)
-        and (entry.profile.get("conditions") or {}).get("reliable", True)
-    ):
+    if entry.memory.available and entry.profile.available and (entry.profile.conditions or {}).get("reliable", True):
         session.cache.store_json("memory", digest, {"memory": entry.memory, "profile": entry.profile})
 
 
 def profile_runs(entry: ArtifactResult) -> int:
     """How many inferences to profile: PROFILE_RUNS, or as many as fit PROFILE_BUDGET_MS at the artifact's
     validated latency (at least one)."""
-    p50 = (entry.latency_ms or {}).get("p50")
+    p50 = entry.latency_ms.p50 if entry.latency_ms else None
     if not p50 or p50 <= 0:
         return PROFILE_RUNS
     return max(1, min(PROFILE_RUNS, int(PROFILE_BUDGET_MS // p50)))

@@ -20,7 +20,7 @@ import torch
 
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, recommend, report
-from ..results import ArtifactResult, Kind, Manifest, Reason, Status, kinds, texts
+from ..results import ArtifactResult, CacheUse, Eager, Kind, Manifest, Reason, Status, Weight, kinds, texts
 from . import bundled_program_step, cache, conditioning, default_out, memory_profile, profiles, validate_on_arm
 from . import validate_sizes
 from .plan import ArtifactSpec, Plan, export_order, make_all, make as make_plan
@@ -238,9 +238,9 @@ def _run_validation(session: BuildContext, entry: ArtifactResult, step: str = ""
                 except ValueError as e:  # a stand-in that cannot be made says why; the artifact is not failed
                     entry.proxy_unavailable = str(e)
                     return True
-                entry.proxy = {
-                    label: _proxy_metrics(session, proxy, entry.thresholds) for label, proxy in proxies.items()
-                }
+                entry.update(
+                    proxy={label: _proxy_metrics(session, p, entry.thresholds) for label, p in proxies.items()}
+                )
             return True
         except Exception as e:  # made, but its runtime refuses it: a finding about this artifact, as an export's is
             entry.update(status=Status.FAILED, reasons=[Reason(Kind.DOES_NOT_LOAD, f"does not load: {_first_line(e)}")])
@@ -357,7 +357,7 @@ def _export_into(
     spec: ArtifactSpec,
     fmt,
     entry: ArtifactResult,
-    calibration,
+    calibration: Calibration | None,
     path: Path,
     step: str = "",
 ) -> bool:
@@ -375,7 +375,7 @@ def _export_into(
         **byte_input,
         # every setting, whichever format reads it (without dynamic_ranges, a static .pte was
         # reused for a build that asked for dynamic ranges)
-        quantization=(calibration.describe(BACKEND_SETTINGS) if isinstance(calibration, Calibration) else None),
+        quantization=calibration.describe(BACKEND_SETTINGS) if calibration is not None else None,
         # what an export reads: not the validation inputs or their labels beyond the example (the same artifact
         # serves a build that validates on more or fewer of them)
         **{k: v for k, v in session.digests.items() if k not in ("validation", "labels")},
@@ -411,7 +411,7 @@ def _export_into(
     entry.update(path=path.name, sha256=files.sha256(path), size_bytes=files.size(path))
     entry.input = session.describe_fed(spec.format, example)
     if bounds := validate_sizes.bounds_of(spec):  # any height and width within them
-        entry.input = {**entry.input, "size_range": list(bounds)}
+        entry.input = dataclasses.replace(entry.input, size_range=list(bounds))
     return True
 
 
@@ -900,7 +900,7 @@ def _note_eager_latency(session: BuildContext, doc: Manifest) -> None:
     """The build's one eager baseline in the manifest (eager.latency), with its spread over the build's rounds."""
     baseline = session.eager_latency(doc.artifacts)
     if baseline is not None:
-        doc.eager = {**doc.eager, "latency": baseline}
+        doc.eager = dataclasses.replace(doc.eager, latency=baseline)
 
 
 def _build_one(request: BuildRequest, session: BuildContext) -> dict:
@@ -914,12 +914,12 @@ def _build_one(request: BuildRequest, session: BuildContext) -> dict:
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=list(sys.argv),
         status=Status.BUILDING,
-        weight={
-            "name": loaded.weight_name,
-            "model": loaded.model_name,
-            "num_classes": loaded.num_classes,
-            "meta": weights.meta_summary(loaded.weights),
-        },
+        weight=Weight(
+            name=loaded.weight_name,
+            model=loaded.model_name,
+            num_classes=loaded.num_classes,
+            meta=weights.meta_summary(loaded.weights),
+        ),
         task=session.task.describe(),
         checkpoint=loaded.checkpoint,
         preprocessing=image_input.preprocessing(session.task, loaded.weights, plan.input_format),
@@ -932,7 +932,7 @@ def _build_one(request: BuildRequest, session: BuildContext) -> dict:
         tools=manifest.tool_versions(),
         host=manifest.host(plan.latency.threads),
         data=inputs.description,
-        eager={"accuracy": session.eager_accuracy, "reference": loaded.reference},
+        eager=Eager(accuracy=session.eager_accuracy, reference=loaded.reference),
     )
     files.write_text(out / "labels.txt", "".join(f"{label}\n" for label in loaded.labels))
     files.write_text(out / "preprocessing.json", json.dumps(doc.preprocessing, indent=2) + "\n")
@@ -957,10 +957,9 @@ def _build_one(request: BuildRequest, session: BuildContext) -> dict:
     )
     _post_build(session, doc)
     _note_eager_latency(session, doc)
-    doc.cache = {
-        "root": str(session.cache.root) if session.cache.root else None,
-        "events": list(session.cache.events),
-    }
+    doc.cache = CacheUse(
+        root=str(session.cache.root) if session.cache.root else None, events=list(session.cache.events)
+    )
     return _finish(out, doc, session.progress, session.prefix)
 
 
@@ -1005,9 +1004,9 @@ def validate(
     _preflight(plan)
     with progress.step("load weights"):
         recorded = doc.checkpoint
-        reference = (doc.eager.get("reference") or {}).get("checkpoint") or {}
+        reference = doc.eager.reference.checkpoint
         loaded = weights.load(
-            doc.weight["name"], checkpoint or recorded.path, verify=False, float_checkpoint=reference.get("path")
+            doc.weight.name, checkpoint or recorded.path, verify=False, float_checkpoint=reference and reference.path
         )
         if loaded.checkpoint.sha256 != recorded.sha256:
             raise UsageError(f"checkpoint {loaded.checkpoint.path} is not the one this build used (sha256 differs)")
@@ -1028,7 +1027,7 @@ def validate(
     doc.task = task.describe()
     doc.target["thresholds"] = plan.describe()["thresholds"]
     doc.data = inputs.description
-    doc.eager = {"accuracy": session.eager_accuracy, "reference": loaded.reference}
+    doc.eager = Eager(accuracy=session.eager_accuracy, reference=loaded.reference)
     for entry in doc.artifacts:
         entry.thresholds = plan.thresholds_for(entry.precision)
         if entry.path is not None:  # checked above; an artifact without a file keeps why it has none

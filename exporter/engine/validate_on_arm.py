@@ -9,6 +9,7 @@ Each row is cached by the artifact's bytes, the CPU, the runner, the inputs and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -128,7 +129,7 @@ def _golden(entry: ArtifactResult, out: Path) -> dict | None:
     golden = entry.bundled_program
     if not golden:
         return None
-    return {(out / entry.path).resolve(): (out / golden["path"], golden["rtol"], golden["atol"])}
+    return {(out / entry.path).resolve(): (out / golden.path, golden.rtol, golden.atol)}
 
 
 def _key(session: BuildContext, entry: ArtifactResult, cpu: str, runner) -> str:
@@ -139,7 +140,7 @@ def _key(session: BuildContext, entry: ArtifactResult, cpu: str, runner) -> str:
         runner=runner.info.get("key"),
         script=_script(),
         thresholds=entry.thresholds,
-        bundled_program=(entry.bundled_program or {}).get("sha256"),
+        bundled_program=entry.bundled_program.sha256 if entry.bundled_program else None,
         **{k: session.digests[k] for k in ("validation", "labels", "tools", "checkpoint", "reference", "task")},
     )
 
@@ -216,9 +217,9 @@ def add_rows(
     for entry in entries:
         entry.aarch64 = [rows[entry.name][cpu] for cpu in cpus]
         if entry.bundled_program:
-            entry.bundled_program["verified"].update(
-                {r.cpu: r.bundled_program for r in entry.aarch64 if r.bundled_program}
-            )
+            on_arm = {r.cpu: r.bundled_program for r in entry.aarch64 if r.bundled_program}
+            verified = {**(entry.bundled_program.verified or {}), **on_arm}
+            entry.bundled_program = dataclasses.replace(entry.bundled_program, verified=verified)
         judge_entry(entry)
     write()
     add_counts(session, doc, entries, runner, offline, request_cache_dir, runners)

@@ -64,7 +64,7 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool, sides=N
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    from ..quant import as_calibration, quantize_with_budget
+    from ..quant import quantize_with_budget
     from ..quant.fold import fold_constants
     from ..quant.pt2e import Pt2eBackend
     from .rewrites import (
@@ -102,7 +102,7 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool, sides=N
     exported, chunks = chunks_as_slices(exported) if rewrites else (exported, 0)
     if precision == Precision.INT8:  # quantized from the rewritten graph: a pad before a pool shares its input's int8
         backend = Pt2eBackend(model, example, exported)
-        quantized, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))
+        quantized, details["quantization"] = quantize_with_budget(model, backend, calib)
         with torch.no_grad():
             exported = torch.export.export(quantized, (example,), dynamic_shapes=dims)
     exported, cats = single_tensor_cats(exported) if rewrites else (exported, 0)
@@ -264,7 +264,6 @@ class ExecuTorchFormat(Format):
         and the better of the two programs on the check images is kept."""
         import dataclasses
 
-        from ..quant import as_calibration
         from ..quant.pt2e import Pt2eBackend
         from ..quant.search import better, lowered_quality, lowering_broke
 
@@ -274,20 +273,19 @@ class ExecuTorchFormat(Format):
         report = details.get("quantization")
         if report is None:
             return details
-        calibration = as_calibration(calib)
-        report["program"] = program = lowered_quality(model, lambda: self.load(path), calibration)
+        report["program"] = program = lowered_quality(model, lambda: self.load(path), calib)
         graph = report.get("after") or {}
         if graph.get("ranges") not in Pt2eBackend.fallback_range_methods or not lowering_broke(graph, program):
             return details
-        calibration.log(
+        calib.log(
             f"  int8 .pte: its graph met the budget ({_db(graph['psnr_db'])}) and the lowered program missed "
             f"it ({_db(program['psnr_db'])}): made again with static ranges"
         )
         first = path.read_bytes()
-        static = dataclasses.replace(calibration, settings={**calibration.settings, "dynamic_ranges": False})
+        static = dataclasses.replace(calib, settings={**calib.settings, "dynamic_ranges": False})
         remade = _lower(model, example, precision, static, path, rewrites, sides)
         remade_report = remade["quantization"]
-        remade_report["program"] = lowered_quality(model, lambda: self.load(path), calibration)
+        remade_report["program"] = lowered_quality(model, lambda: self.load(path), calib)
         keep_remade = better(remade_report["program"], program)
         fault = {
             "ranges": graph["ranges"],
@@ -305,7 +303,7 @@ class ExecuTorchFormat(Format):
             return details
         remade_report.update(
             lowering_fault=fault,
-            dynamic_ranges=calibration.settings.get("dynamic_ranges", True),
+            dynamic_ranges=calib.settings.get("dynamic_ranges", True),
             seconds=round(remade_report["seconds"] + report["seconds"], 1),
         )
         return remade
@@ -331,7 +329,6 @@ class ExecuTorchFormat(Format):
         that 6 validation digits drive 150x past their calibrated ranges)."""
         import dataclasses
 
-        from ..quant import as_calibration
         from ..quant.calibration import STATIC_RANGES
         from ..quant.pt2e import Pt2eBackend
 
@@ -344,8 +341,7 @@ class ExecuTorchFormat(Format):
             or ranges in Pt2eBackend.fallback_range_methods
         ):
             return None
-        calibration = as_calibration(calib)
-        return dataclasses.replace(calibration, settings={**calibration.settings, STATIC_RANGES: False})
+        return dataclasses.replace(calib, settings={**calib.settings, STATIC_RANGES: False})
 
     def memory(self, path: Path, input_shape, threads: int, dtype: str = "float32") -> dict:
         from . import memory as shared

@@ -40,9 +40,9 @@ if TYPE_CHECKING:  # the interface itself needs no torch
     from ..quant import Calibration
 
     Runner = Callable[[torch.Tensor], torch.Tensor]
-    # what export() quantizes with: a Calibration (images, budget, settings; the engine's int8), or for fp32 and
-    # direct use the images alone (or None): a list is taken as a Calibration with no budget (quant.as_calibration)
-    Calib = Calibration | list[torch.Tensor] | None
+    # what export() quantizes with: the calibration images with their budget and settings (int8), None for a
+    # precision that needs none
+    Calib = Calibration | None
 
 
 class SharedProxy:

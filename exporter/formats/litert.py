@@ -303,11 +303,11 @@ class LiteRTFormat(Format):
         if precision == Precision.INT8:
             from litert_torch.quantize.quant_config import QuantConfig
 
-            from ..quant import as_calibration, quantize_with_budget
+            from ..quant import quantize_with_budget
             from ..quant.pt2e import Pt2eBackend
 
             backend = Pt2eBackend(model, example, quantizer=LITERT)
-            model, details["quantization"] = quantize_with_budget(model, backend, as_calibration(calib))
+            model, details["quantization"] = quantize_with_budget(model, backend, calib)
             for module in model.modules():  # a PT2E graph computes as exported; the flag only makes the converter warn
                 module.training = False
             quantizer = LITERT.quantizer_class()().set_global(LITERT.config())
@@ -334,10 +334,9 @@ class LiteRTFormat(Format):
         if precision == Precision.INT8:
             # the search scored PT2E graphs in eager; the converter lowers the chosen one and can change its numbers:
             # the file itself is scored on the same check images (as the .pte's program is)
-            from ..quant import as_calibration
             from ..quant.search import lowered_quality
 
-            details["quantization"]["program"] = lowered_quality(eager, lambda: self.load(path), as_calibration(calib))
+            details["quantization"]["program"] = lowered_quality(eager, lambda: self.load(path), calib)
         return details
 
     def load(self, path: Path, threads: int | None = None):

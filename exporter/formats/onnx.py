@@ -30,7 +30,7 @@ import torch
 from .. import files
 from ..errors import UsageError
 from ..precision import Precision
-from ..quant import as_calibration, quantize_with_budget
+from ..quant import quantize_with_budget
 from ..quant.onnx_qdq import OnnxQdqBackend
 from . import dynamic_size
 from .interface import Format
@@ -408,7 +408,7 @@ class OnnxFormat(Format):
             half, folding = _half_graph(model)
             _export_graph(half, example, opset, path, external, exporter, bounds)
         elif precision == Precision.INT8:
-            quantization = _quantize(model, example, opset, as_calibration(calib), path, external, exporter, bounds)
+            quantization = _quantize(model, example, opset, calib, path, external, exporter, bounds)
         else:
             _export_graph(model, example, opset, path, external, exporter, bounds)
         proto = onnx.load(str(path), load_external_data=False)

@@ -8,15 +8,10 @@ manifest as the artifact's `details.quantization`."""
 from .calibration import ONNX_CALIBRATIONS, SETTINGS, Calibration
 
 
-def as_calibration(calib) -> Calibration:
-    """Formats accept a Calibration or, for direct use, a plain list of batch-1 images (no budget)."""
-    return calib if isinstance(calib, Calibration) else Calibration(list(calib))
-
-
 def quantize_with_budget(*args, **kwargs):
     from .search import quantize_with_budget as search  # torch is imported only when quantizing
 
     return search(*args, **kwargs)
 
 
-__all__ = ["Calibration", "ONNX_CALIBRATIONS", "SETTINGS", "as_calibration", "quantize_with_budget"]
+__all__ = ["Calibration", "ONNX_CALIBRATIONS", "SETTINGS", "quantize_with_budget"]
