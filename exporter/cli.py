@@ -23,6 +23,7 @@ from .thresholds import MIN_INPUTS
 
 if TYPE_CHECKING:
     from .build import BuildRequest
+    from .results import Manifest
 
 # 4096 px a side: past any torchvision weight's size (at most 1333), and 24 synthetic inputs already take 4.8 GB
 INPUT_SIDE = click.IntRange(min=1, max=4096)
@@ -256,27 +257,33 @@ def _format_option(key: str) -> Fill:
 
 
 def _emit(doc: dict, as_json: bool, quiet: bool, out: Path) -> None:
+    """The manifest's JSON record `doc` (what a build returns) on stdout with --json, else its report; exits 1 when
+    the build failed."""
     from .release import manifest, report
+    from .results import Manifest, Status
 
+    typed = Manifest.from_json(doc)
     if as_json:
         click.echo(manifest.dumps(doc), nl=False)
     elif not quiet:
-        click.echo(report.markdown(doc))
+        click.echo(report.markdown(typed))
         click.echo(f"report: {out / 'report.md'}\nmanifest: {out / 'manifest.json'}")
     if as_json or quiet:
-        _say_failures([doc])
-    sys.exit(1 if doc["status"] == "failed" else 0)
+        _say_failures([typed])
+    sys.exit(1 if typed.status is Status.FAILED else 0)
 
 
-def _say_failures(docs: list[dict]) -> None:
+def _say_failures(docs: list[Manifest]) -> None:
     """Without the report on the terminal (--quiet, --json), why a build exits 1: a line on stderr per failed
     artifact, with its reasons."""
+    from .results import Status, texts
+
     for doc in docs:
-        target = doc["target"]["name"]
-        for artifact in doc["artifacts"]:
-            if artifact["status"] == "failed":
-                why = "; ".join(reason["text"] for reason in artifact.get("reasons") or []) or "see the manifest"
-                click.echo(f"failed: {target} {artifact['name']}: {why}", err=True)
+        target = doc.target["name"]
+        for artifact in doc.artifacts:
+            if artifact.status is Status.FAILED:
+                why = "; ".join(texts(artifact.reasons)) or "see the manifest"
+                click.echo(f"failed: {target} {artifact.name}: {why}", err=True)
 
 
 def _build_request(**fields):
@@ -515,6 +522,7 @@ def build(request: BuildRequest, targets: tuple[str, ...], make_bundle: bool, qu
     """Export WEIGHT for a target, validate every artifact against eager PyTorch, write manifest and report."""
     from .build import build_targets, default_out, expand_targets, profiles
     from .progress import Progress
+    from .results import Manifest, Status
 
     if make_bundle:  # a target with no bundle selection is refused before the build, not after it
         from .release.bundle import check_target
@@ -522,8 +530,9 @@ def build(request: BuildRequest, targets: tuple[str, ...], make_bundle: bool, qu
         for target in expand_targets(targets):
             check_target(profiles.load(target)["name"])
     docs = build_targets(request, expand_targets(targets), Progress(quiet=quiet or as_json))
-    base = request.out or default_out(docs[0]["weight"]["name"], [doc["target"]["name"] for doc in docs])
-    if make_bundle and all(doc["status"] == "passed" for doc in docs):
+    typed = [Manifest.from_json(doc) for doc in docs]  # each target's manifest, from the JSON record a build returns
+    base = request.out or default_out(typed[0].weight.name, [doc.target["name"] for doc in typed])
+    if make_bundle and all(doc.status is Status.PASSED for doc in typed):
         from .release.bundle import make_bundles, zip_path
 
         for directory in make_bundles(base):
@@ -531,7 +540,7 @@ def build(request: BuildRequest, targets: tuple[str, ...], make_bundle: bool, qu
     if len(docs) == 1:
         _emit(docs[0], as_json, quiet, base)
     if as_json or quiet:
-        _say_failures(docs)
+        _say_failures(typed)
     if as_json:
         from .release import manifest
 
@@ -539,10 +548,10 @@ def build(request: BuildRequest, targets: tuple[str, ...], make_bundle: bool, qu
     elif not quiet:
         from .release import report
 
-        for doc in docs:
+        for doc in typed:
             click.echo(report.markdown(doc))
         click.echo(f"report: {base / 'report.html'} (all targets); manifests: {base}/<target>/manifest.json")
-    sys.exit(1 if any(doc["status"] == "failed" for doc in docs) else 0)
+    sys.exit(1 if any(doc.status is Status.FAILED for doc in typed) else 0)
 
 
 @main.command()

@@ -185,25 +185,36 @@ def test_the_requests_checks_write_nothing(tmp_path):
 def test_a_failed_build_without_its_report_says_why_on_stderr(monkeypatch, tmp_path, flag):
     """In CI a quiet build's exit 1 names each failed artifact and its reasons; a passing one says nothing."""
 
+    from .fake_manifest import complete
+
+    fidelity = {"samples": 8, "psnr_db": 60.0, "cosine": 1.0, "max_abs_error": 0.0}
+    fidelity |= {"top1_agreement": 1.0, "top5_agreement": 1.0}
+
     def artifact(name, status, *texts):
-        return {"name": name, "status": status, "reasons": [{"kind": "threshold", "text": t} for t in texts]}
+        fmt, precision = name.split("_")
+        made = {"path": f"{name}.bin", "sha256": "0" * 64, "size_bytes": 1, "fidelity": fidelity, "latency_ms": None}
+        reasons = [{"kind": "threshold", "text": t} for t in texts]
+        return {"name": name, "format": fmt, "precision": precision, "status": status, "reasons": reasons} | {
+            "thresholds": {},
+            **made,
+        }
 
     doc = {
         "weight": {"name": "W"},
         "target": {"name": "android"},
-        "status": "failed",
         "artifacts": [
             artifact("executorch_fp32", "passed"),
             artifact("litert_int8", "failed", "accuracy_drop 1.667 (needs <= 1)", "psnr_db 20 (needs >= 30)"),
         ],
     }
-    monkeypatch.setattr(api, "build_targets", lambda request, targets, progress=None: [doc])
+    built = [complete(doc)]  # what the build returns: each target's manifest record
+    monkeypatch.setattr(api, "build_targets", lambda request, targets, progress=None: built)
     monkeypatch.setattr("exporter.release.manifest.dumps", lambda d: "{}")
     result = run_cli("build", "resnet18", "--out", tmp_path / "o", flag)
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [
         "failed: android litert_int8: accuracy_drop 1.667 (needs <= 1); psnr_db 20 (needs >= 30)"
     ]
-    doc.update(status="passed", artifacts=[artifact("executorch_fp32", "passed")])
+    built[:] = [complete({**doc, "artifacts": [artifact("executorch_fp32", "passed")]})]
     result = run_cli("build", "resnet18", "--out", tmp_path / "o", flag)
     assert result.exit_code == 0 and result.stderr == ""

@@ -265,7 +265,7 @@ def _stored_build(tmp_path: Path, counts: dict):
     from .fake_manifest import complete, verdict
 
     instructions = {"per_inference": 1001, "unit": "instructions"} if "unavailable" not in counts else None
-    row = {"arch": "aarch64", "cpu": CPU, "emulated": True, "status": "passed", "reasons": []}
+    row = {"arch": "aarch64", "cpu": CPU, "emulated": True, "seconds": 12.0, "status": "passed", "reasons": []}
     row.update(dict.fromkeys(("latency_ms", "fidelity", "vs_x86")))
     artifact = {
         "name": "executorch_fp32",

@@ -275,6 +275,7 @@ def test_the_pick_is_in_the_manifest_and_is_the_sentence_both_reports_show(tmp_p
     doc = Manifest.from_json(complete({"artifacts": ARTIFACTS, "command": ["exporter"]}))
     written = pipeline._finish(tmp_path, doc, Progress(quiet=True))
     on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    read_back = Manifest.from_json(on_disk)
     assert (
         on_disk["recommended"]
         == written["recommended"]
@@ -282,7 +283,7 @@ def test_the_pick_is_in_the_manifest_and_is_the_sentence_both_reports_show(tmp_p
             "artifact": "litert_fp32",
             "ranked_by": "x86 latency",
             "smallest": "executorch_int8",
-            "why": recommend.line(on_disk),
+            "why": recommend.line(read_back),
         }
     )
     assert manifest.schema_problem(on_disk) is None
@@ -291,37 +292,44 @@ def test_the_pick_is_in_the_manifest_and_is_the_sentence_both_reports_show(tmp_p
     head, _, rest = why.partition(": ")
     page = html.unescape((tmp_path / "report.html").read_text())
     assert f"<b>{head}:</b> {rest}</p>" in page
-    markdown = recommend.line(on_disk, markdown=True)
+    markdown = recommend.line(read_back, markdown=True)
     assert markdown.replace("`", "") == why and markdown.count("`") == 4
     assert "**" + markdown.replace(": ", ":** ", 1) in (tmp_path / "report.md").read_text()
 
 
 def test_the_reports_show_the_manifests_sentence_not_one_computed_again():
-    doc = complete({"artifacts": ARTIFACTS, "command": ["exporter"]})
-    doc["recommended"] = {"artifact": "x", "ranked_by": "x86 latency", "smallest": None, "why": "Ship for android: x."}
+    record = complete({"artifacts": ARTIFACTS, "command": ["exporter"]})
+    record["recommended"] = {
+        "artifact": "x",
+        "ranked_by": "x86 latency",
+        "smallest": None,
+        "why": "Ship for android: x.",
+    }
+    doc = Manifest.from_json(record)
     assert recommend.shown(doc) == "Ship for android: x."
     assert "**Ship for android:** x." in report.markdown(doc)
-    del doc["recommended"]  # a manifest written before the field: computed as it always was
-    assert recommend.shown(doc) == recommend.line(doc)
+    del record["recommended"]  # a manifest written before the field: computed as it always was
+    doc = Manifest.from_json(record)
+    assert doc.recommended is None and recommend.shown(doc) == recommend.line(doc)
     assert recommend.shown(doc, markdown=True) == recommend.line(doc, markdown=True)
 
 
 def test_artifact_names_are_code_in_markdown_whole_names_only():
-    doc = complete({"artifacts": [_artifact("onnx_fp32", "onnx", "fp32", 1.0, 1.0)]})
-    doc["recommended"] = {
+    record = complete({"artifacts": [_artifact("onnx_fp32", "onnx", "fp32", 1.0, 1.0)]})
+    record["recommended"] = {
         "artifact": "onnx_fp32",
         "ranked_by": "x86 latency",
         "smallest": "onnx_fp32",
         "why": "Ship for jetson: onnx_fp32, the only one; not onnx_fp32x nor `onnx_fp32`.",
     }
-    assert recommend.shown(doc, markdown=True) == (
+    assert recommend.shown(Manifest.from_json(record), markdown=True) == (
         "Ship for jetson: `onnx_fp32`, the only one; not onnx_fp32x nor `onnx_fp32`."
     )
 
 
 def test_a_manifest_round_trips_its_pick_and_baseline():
     doc = complete({"artifacts": ARTIFACTS, "command": ["exporter"]})
-    doc["recommended"] = recommend.recommendation(doc).to_json()
+    doc["recommended"] = recommend.recommendation(Manifest.from_json(doc)).to_json()
     doc["eager"]["latency"] = _baseline(6.5, [6.5] * 5).to_json()
     assert manifest.schema_problem(doc) is None
     typed = Manifest.from_json(doc)

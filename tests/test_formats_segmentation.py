@@ -93,7 +93,7 @@ def inputs() -> torch.Tensor:
 def package(tmp_path_factory, segmentation_model, inputs):
     """One fp16 package (about 10 s to convert): it has both proxies, the weights' and fp16 eager."""
     path = tmp_path_factory.mktemp("coreml_segmentation") / "seg_fp16.mlpackage"
-    return path, coreml.FORMAT.export(segmentation_model, inputs[:1], "fp16", [], path, _meta("NCHW"))
+    return path, coreml.FORMAT.export(segmentation_model, inputs[:1], "fp16", None, path, _meta("NCHW"))
 
 
 def test_segmentation_package_has_image_input_and_one_nchw_output(package):
@@ -147,11 +147,11 @@ def test_classifier_package_unchanged(tmp_path):
     example = torch.rand(1, 3, SIZE, SIZE)
     meta = _meta(None)
     meta["preprocessing"].update(crop_size=[SIZE], input_size=None)
-    old = coreml.FORMAT.export(model, example, "fp16", [], tmp_path / "old.mlpackage", meta)
+    old = coreml.FORMAT.export(model, example, "fp16", None, tmp_path / "old.mlpackage", meta)
     # the "NC" layout is what a build without meta["task"] was. (Bytes are not compared: coremltools
     # numbers constants per process, so a second conversion in one process renames them.)
     new = coreml.FORMAT.export(
-        model, example, "fp16", [], tmp_path / "new.mlpackage", {**meta, "task": _meta("NC")["task"]}
+        model, example, "fp16", None, tmp_path / "new.mlpackage", {**meta, "task": _meta("NC")["task"]}
     )
     assert old == new
     assert new["outputs"] == {"classLabel": "label", "classLabel_probs": "probabilities", "logits": [1, CLASSES]}
@@ -179,14 +179,14 @@ def test_refuses_unknown_layout_and_mismatched_input_size(tmp_path, segmentation
     meta["task"]["output"]["layout"] = "NHWC"
     with pytest.raises(ValueError, match="output layout 'NHWC' is not supported"):
         coreml.FORMAT.export(
-            segmentation_model, torch.rand(1, 3, SIZE, SIZE), "fp16", [], tmp_path / "a.mlpackage", meta
+            segmentation_model, torch.rand(1, 3, SIZE, SIZE), "fp16", None, tmp_path / "a.mlpackage", meta
         )
     with pytest.raises(ValueError, match=r"input_size \[96, 96\] differs from the example's \[64, 64\]"):
         coreml.FORMAT.export(
             segmentation_model,
             torch.rand(1, 3, SIZE, SIZE),
             "fp16",
-            [],
+            None,
             tmp_path / "b.mlpackage",
             _meta("NCHW", size=96),
         )

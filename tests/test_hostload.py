@@ -20,6 +20,7 @@ from exporter.build import target_profile
 from exporter.engine.record import BuildRecord
 from exporter.engine.request import BuildRequest
 from exporter.release import html_report, recommend, report
+from exporter.results import Manifest, Status
 from exporter.tasks import Classification
 
 from .helpers import build_args, run_cli
@@ -170,8 +171,8 @@ def test_reports_say_which_latency_is_unreliable_and_why(android_build):
     assert all({"load_avg_1m", "other_cpu_s", "steal_s", "window_s"} <= set(a["latency_conditions"]) for a in timed)
     assert "Latency unreliable" not in (out / "report.md").read_text()
 
-    fastest = recommend.choose(doc)["fastest"]["name"]
-    noisy = _noisy(doc, [fastest])
+    fastest = recommend.choose(Manifest.from_json(doc))["fastest"].name
+    noisy = Manifest.from_json(_noisy(doc, [fastest]))  # the reports read the manifest typed
     text = report.markdown(noisy)
     assert (
         f"**Latency unreliable for 1 of {len(timed)} timed artifacts ({doc['host']['threads']} threads timed): a busy host"
@@ -182,7 +183,7 @@ def test_reports_say_which_latency_is_unreliable_and_why(android_build):
     assert "unreliable (see the latency notes)" in recommend.line(noisy)
     page = html_report.render([noisy], [out])
     assert page.count('class="busy"') == 2 and "other processes took 61% of the CPU" in page
-    assert noisy["status"] == doc["status"]
+    assert noisy.status is Status(doc["status"])
 
 
 def test_the_whole_build_cache_does_not_keep_a_noisy_latency(tmp_path, android_build):

@@ -282,7 +282,7 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
         assert profile.available and profile.runs == 2, profile
         assert profile.conditions["reliable"] == (not busy) and profile.conditions["reasons"] == busy
         assert len(session.cache.stored) == (0 if busy else 1)  # measured again by the next build, as latency is
-        profiles.append(profile_line(profile.to_json()))
+        profiles.append(profile_line(profile))
     assert "busy host" not in profiles[0] and "profiled on a busy host (load 9.0 on 2 cores" in profiles[1]
     # nor is a whole build whose profile was taken on a busy host kept for replay (exporter/engine/record.py)
     from exporter.engine.record import _unsettled_timing

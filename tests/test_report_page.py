@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from exporter.release import html_report, manifest, previews, recommend, report, svg_text
-from exporter.results import ArtifactResult
+from exporter.results import ArtifactResult, Latency, Manifest
 from exporter.tasks.classification import Classification
 from exporter.tasks.detection import Detection
 from exporter.tasks.segmentation import Segmentation
@@ -82,7 +82,7 @@ def _artifact(name, status="passed", size=2_000_000, p50=4.0, acc1=97.0, **extra
     return {**entry, **extra}
 
 
-def _doc(artifacts, target="android", task="classification"):
+def _record(artifacts, target="android", task="classification") -> dict:
     doc = {
         "schema_version": manifest.SCHEMA_VERSION,
         "exporter_version": "0.1.0",
@@ -112,6 +112,11 @@ def _doc(artifacts, target="android", task="classification"):
         "timings_s": {"eager reference": 1.0},
     }
     return complete(json.loads(manifest.dumps(doc)))  # as read back from manifest.json ("inf" for infinity)
+
+
+def _doc(artifacts, target="android", task="classification") -> Manifest:
+    """The manifest as the reports read it: typed, from the JSON record `_record` makes."""
+    return Manifest.from_json(_record(artifacts, target, task))
 
 
 # --- (a) SVG text: boxes from the SVG's own geometry ---
@@ -449,7 +454,7 @@ def test_ship_names_the_fastest_and_the_smallest_that_passed():
         ]
     )
     pick = recommend.choose(doc)
-    assert pick["fastest"]["name"] == "executorch_fp32" and pick["smallest"]["name"] == "executorch_int8"
+    assert pick["fastest"].name == "executorch_fp32" and pick["smallest"].name == "executorch_int8"
     text = recommend.line(doc)
     assert text.startswith(
         "Ship for android (2 passed): fastest executorch_fp32 (p50 3.00 ms); smallest executorch_int8 (11.00 MB)."
@@ -471,7 +476,7 @@ def test_an_untimed_artifact_can_be_the_smallest_but_not_the_fastest():
         ]
     )
     pick = recommend.choose(doc)
-    assert pick["fastest"]["name"] == "executorch_fp32" and pick["smallest"]["name"] == "executorch_int8"
+    assert pick["fastest"].name == "executorch_fp32" and pick["smallest"].name == "executorch_int8"
     only = _doc([_artifact("executorch_int8", p50=None, size=11_000_000, latency_ms=None)])
     assert (
         recommend.line(only)
@@ -516,7 +521,7 @@ def test_ship_for_android_chooses_across_runtimes_and_names_the_one_the_app_need
         "of the 2 that passed. The app then needs LiteRT (TensorFlow Lite, XNNPACK delegate)."
     )
     unknown = _doc([_artifact("someformat_fp32", p50=1.0)])
-    unknown["artifacts"][0]["format"] = "someformat"  # a format this exporter does not know (a newer one's): no runtime
+    unknown.artifacts[0].format = "someformat"  # a format this exporter does not know (a newer one's): no runtime
     assert (
         recommend.line(unknown) == "Ship for android: someformat_fp32, the only one that passed (p50 1.00 ms, 2.00 MB)."
     )
@@ -542,7 +547,7 @@ def test_nothing_passed_says_so():
 
 
 # --- (d) at phone width, and every line of report.md on the page ---
-def _every_note_doc() -> dict:
+def _every_note_doc() -> Manifest:
     """One build carrying every kind of line report.md writes: notes on each artifact, cache events, the data's note,
     the detections' decode, the eager reference, unreliable latency, aarch64 rows, wall time and thresholds."""
     delegation = {
@@ -603,7 +608,7 @@ def _every_note_doc() -> dict:
         "latency_ms": None,
         "seconds": 12.0,
     }
-    doc = _doc(
+    doc = _record(
         [
             _artifact(
                 "executorch_fp32",
@@ -630,13 +635,13 @@ def _every_note_doc() -> dict:
                 "torchscript_lite_fp32",
                 details={"xnnpack_rewrite": "unavailable", "xnnpack_rewrite_reason": "no XNNPACK in this torch"},
                 input={"size_range": [64, 256]},
-                sizes=[{"size": [64, 64], "status": "passed", "fidelity": {"pixel_agreement": 0.99}}],
+                sizes=[{"size": [64, 64], "images": 12, "status": "passed", "fidelity": {"pixel_agreement": 0.99}}],
             ),
         ]
     )
     doc["target"]["detection"] = {"kept_host_because": "no format of android takes NMS"}
     doc["eager"]["reference"] = {"kind": "unquantized float", "weight": "W", "checkpoint": None, "note": "its float"}
-    doc["cache"] = {"events": ["executorch_fp32 restored from the cache"]}
+    doc["cache"] = {"root": "/cache", "events": ["executorch_fp32 restored from the cache"]}
     doc["data"]["note"] = "12 of 13 images read; one was not an image"
     doc["aarch64"] = {
         "cpus": ["cortex-a76"],
@@ -645,7 +650,7 @@ def _every_note_doc() -> dict:
         "instructions": {"unavailable": "no plugin"},
     }
     doc["timings_s"] = {"eager reference": 1.2, "executorch_int8": 61.3}
-    return doc
+    return Manifest.from_json(doc)
 
 
 def _plain(text: str) -> str:
@@ -745,7 +750,7 @@ def test_the_metric_axis_stays_within_0_and_100_percent():
 
 def test_a_chart_with_nothing_to_plot_says_why():
     unlabeled = _doc([_artifact("a_fp32", accuracy=None)])
-    unlabeled["data"]["labeled"] = False
+    unlabeled.data["labeled"] = False
     assert "needs labeled --data" in html_report.accuracy_size_chart([unlabeled])
     unavailable = _doc([_artifact("coreml_fp16", status="unavailable", p50=None)])
     assert "No artifact has both a measured acc@1 and a size" in html_report.accuracy_size_chart([unavailable])
@@ -776,12 +781,13 @@ class _Int8Activation(torch.nn.Module):
 
 def test_an_int8_lookup_table_op_is_named_by_what_it_computes(tmp_path):
     from exporter.formats import executorch
+    from exporter.quant import Calibration
 
     torch.manual_seed(0)
     x = torch.randn(1, 3, 16, 16)
     path = tmp_path / "hardswish_int8.pte"
     executorch.FORMAT.export(
-        _Int8Activation(torch.nn.Hardswish()).eval(), x, "int8", [torch.randn(1, 3, 16, 16)] * 2, path, {}
+        _Int8Activation(torch.nn.Hardswish()).eval(), x, "int8", Calibration([torch.randn(1, 3, 16, 16)] * 2), path, {}
     )
     profile = executorch.FORMAT.profile(path, x, 1, 1)
     if not profile.get("available"):
@@ -801,6 +807,6 @@ def test_the_latency_chart_draws_the_builds_one_eager_baseline_once():
     shared = [full for _, _, full in _texts(html_report.latency_chart([doc]))[1]]
     assert shared.count("9.00 ms") == 1 and "eager (the build's baseline)" in shared
     assert not any(t.endswith("ms eager") for t in shared)
-    doc["artifacts"][1]["eager_latency_ms"] = _latency(11.0)
+    doc.artifacts[1].eager_latency_ms = Latency.from_json(_latency(11.0))
     apart = [full for _, _, full in _texts(html_report.latency_chart([doc]))[1]]
     assert {"9.00 ms eager", "11.00 ms eager"} <= set(apart) and "eager (the build's baseline)" not in apart

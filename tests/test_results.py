@@ -10,8 +10,10 @@ import pytest
 from exporter.coverage import outcome
 from exporter.engine import record
 from exporter.release import manifest, recommend
-from exporter.results import ArtifactResult, Kind, Reason, Status, jsonable, kinds, texts, threshold
+from exporter.results import ArtifactResult, Kind, Manifest, Reason, Status, jsonable, kinds, texts, threshold
 from exporter.thresholds import breaches
+
+from .fake_manifest import complete
 
 REWORDED = "said another way entirely"  # no sentence any code could recognise
 
@@ -121,7 +123,8 @@ def test_a_reworded_threshold_is_explained_by_the_floor_as_before():
 def test_not_made_and_unsettled_outcomes_are_read_from_kinds():
     not_made = _artifact([_reworded(Reason(Kind.NOT_MADE, "cannot take …"))], status="unavailable", path=None)
     unavailable = dict(not_made, name="b", reasons=[_reworded(Reason(Kind.UNAVAILABLE_HERE, "cannot take …"))])
-    pick = recommend.choose({"target": {"name": "t"}, "artifacts": [not_made, unavailable]})
+    artifacts = [{**a, "thresholds": {}} for a in (not_made, unavailable)]  # as a manifest holds them
+    pick = recommend.choose(Manifest.from_json(complete({"target": {"name": "t"}, "artifacts": artifacts})))
     assert (pick["not_made"], pick["unavailable"]) == (["a"], ["b"])
     # a crash may not repeat: not replayed; a threshold whose text happens to read like one is a settled verdict
     assert record._unsettled(_artifact([_reworded(Reason(Kind.EXPORT_FAILED, "export failed: x"))]))

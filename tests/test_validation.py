@@ -1,12 +1,13 @@
 """The metric formulas, checked against values worked out by hand."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from exporter import validation
-from exporter.results import Kind, Reason
+from exporter.results import ArtifactResult, Kind, Reason
 from exporter.tasks import Segmentation, classification
 from exporter.tasks.segmentation import confusion, miou
 from exporter.thresholds import breaches
@@ -288,16 +289,13 @@ def test_a_few_inputs_past_the_calibration_ranges_are_named_and_the_rest_judged(
     assert outliers["of"] == 64 and outliers["error_share"] > 0.9 and outliers["thresholds_met_without"]
     assert outliers["fidelity_without"]["samples"] == 64 - len(outliers["rows"])
     assert outliers["rms_over_median"]["max"] > validation.OUTLIER_RATIO and outliers["peak_over_median"] > 2
-    line = outliers_summary({"outlier_inputs": outliers, "thresholds": thresholds, "precision": "int8"})
+    failed = ArtifactResult("executorch_int8", "executorch", "int8", thresholds=thresholds, outlier_inputs=outliers)
+    line = outliers_summary(failed)
     count = len(outliers["rows"])
     assert line.startswith(f"{count} of 64 validation inputs carry") and f"the other {64 - count} meet the" in line
     assert "calibration" in line  # eager's outputs on them peak far past the median input's: the likely cause named
-    dynamic = {
-        "details": {"quantization": {"after": {"ranges": "dynamic"}}}
-    }  # ranges chosen per inference clip nothing
-    assert "calibration" not in outliers_summary(
-        {"outlier_inputs": outliers, "thresholds": thresholds, "precision": "int8", **dynamic}
-    )
+    dynamic = dataclasses.replace(failed, details={"quantization": {"after": {"ranges": "dynamic"}}})
+    assert "calibration" not in outliers_summary(dynamic)  # ranges chosen per inference clip nothing
 
     spread = reference + torch.randn(reference.shape, generator=torch.Generator().manual_seed(0)) * (
         (outputs - reference).pow(2).mean().sqrt()

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..precision import Precision
 from .. import data, formats, hostload, validation
 from ..device import detection_decode
 from ..quant import SETTINGS, Calibration
@@ -94,7 +95,7 @@ def bench_model(
     if "pte fp32" in rewrites:  # the same graph lowered without the rewrites, to show what they buy
         format_, _ = paths["pte fp32"]
         path = workdir / f"{name}_executorch_fp32_plain{format_.suffix}"
-        format_.export(model, example, "fp32", None, path, meta, rewrites=False)
+        format_.export(model, example, Precision.FP32, None, path, meta, rewrites=False)
         runners[UNREWRITTEN] = format_.load(path, threads)
     if "onnx fp32 (ORT)" in paths:
         format_, path = paths["onnx fp32 (ORT)"]
@@ -208,7 +209,7 @@ def _uint8_rows(name, model, task, example, meta, threads, workdir, runners, bui
             continue
         path = workdir / f"{name}_{fmt}_fp32_uint8{format_.suffix}"
         start = time.perf_counter()
-        format_.export(wrapped, pixels, "fp32", None, path, meta)
+        format_.export(wrapped, pixels, Precision.FP32, None, path, meta)
         build_s[label] = round(time.perf_counter() - start, 1)
         runners[label], fed[label] = format_.load(path, threads), pixels
         torch.set_num_threads(threads)
@@ -271,11 +272,11 @@ def _time_decode_in_graph(stand_in: StandIn, threads: int, workdir: Path, log) -
         return {}
     task, meta = stand_in.task, {"task": stand_in.task.describe()}
     heads_path, graph_path = workdir / "stand_in_heads.onnx", workdir / "stand_in_decode_in_graph.onnx"
-    format_.export(type(task).graph(stand_in.model), stand_in.images[0], "fp32", None, heads_path, meta)
+    format_.export(type(task).graph(stand_in.model), stand_in.images[0], Precision.FP32, None, heads_path, meta)
     format_.export(
         DetectionsInGraph.graph(stand_in.model),
         stand_in.images[0],
-        "fp32",
+        Precision.FP32,
         None,
         graph_path,
         meta,

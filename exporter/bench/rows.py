@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..precision import Precision
+
 # model -> the weight whose task, class count, input size and preprocessing it is benchmarked with
 MODELS = {
     "mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V2",
@@ -19,16 +21,16 @@ MODELS = {
 # (row label, format, precision, int8 budget): "plain" is PTQ with no fallback; "budget" keeps layers in
 # float until BUDGET_PSNR_DB holds on held-out calibration images, to show what fallback costs in speed
 RUNTIMES = [
-    ("pte fp32", "executorch", "fp32", None),
-    ("pte int8 plain", "executorch", "int8", "plain"),
-    ("pte int8 budget", "executorch", "int8", "budget"),
-    ("ptl fp32", "torchscript_lite", "fp32", None),
-    ("tflite fp32", "litert", "fp32", None),
-    ("tflite int8 plain", "litert", "int8", "plain"),
-    ("tflite int8 budget", "litert", "int8", "budget"),
-    ("onnx fp32 (ORT)", "onnx", "fp32", None),
-    ("onnx int8 plain (ORT)", "onnx", "int8", "plain"),
-    ("onnx int8 budget (ORT)", "onnx", "int8", "budget"),
+    ("pte fp32", "executorch", Precision.FP32, None),
+    ("pte int8 plain", "executorch", Precision.INT8, "plain"),
+    ("pte int8 budget", "executorch", Precision.INT8, "budget"),
+    ("ptl fp32", "torchscript_lite", Precision.FP32, None),
+    ("tflite fp32", "litert", Precision.FP32, None),
+    ("tflite int8 plain", "litert", Precision.INT8, "plain"),
+    ("tflite int8 budget", "litert", Precision.INT8, "budget"),
+    ("onnx fp32 (ORT)", "onnx", Precision.FP32, None),
+    ("onnx int8 plain (ORT)", "onnx", Precision.INT8, "plain"),
+    ("onnx int8 budget (ORT)", "onnx", Precision.INT8, "budget"),
 ]
 # The fp32 ONNX file again, in a session without ONNX Runtime's NCHWc layout transform: its blocked-layout
 # kernels exist for x86 only, and the aarch64 wheel (the Jetson's) runs the same file without them (its optimised

@@ -32,25 +32,31 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..precision import Precision
 from ..results import ArtifactResult, Kind, Reason, Status, kinds
 from ..thresholds import THRESHOLD_KEYS, breaches
 
 if TYPE_CHECKING:
     from .context import BuildContext
 
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = (Precision.FP32, Precision.FP16, Precision.INT8)  # the precisions eager can be rounded to
 STATIC = "int8_static"  # judged with the int8 thresholds
-FLOORS = {"fp32": ("fp32",), "fp16": ("fp16",), "int8": ("int8", STATIC)}  # the floors an artifact is judged against
+# the floors an artifact is judged against
+FLOORS = {
+    Precision.FP32: (Precision.FP32,),
+    Precision.FP16: (Precision.FP16,),
+    Precision.INT8: (Precision.INT8, STATIC),
+}
 # an artifact this far below its floor's PSNR is worse than that rounding explains. fp16 and int8 floors stand for
 # the artifact's own rounding: twice the floor's RMS error (over the 2026-11 coverage table, artifacts a floor
 # explains sit within 3.5 dB of it; MaxViT-T's int8 .pte 17 dB below, which no rounding explains). The fp32 floor is
 # eager's own float32 error; another float32 runtime's order of operations may err several times more (measured: a
 # digits MobileNetV3 whose classifier cancels a 1e6 shift, its fp32 .pte 17 dB below eager's float64 floor): 10x.
-PSNR_MARGIN_DB = {"fp32": 20.0, "fp16": 6.0, "int8": 6.0}
+PSNR_MARGIN_DB = {Precision.FP32: 20.0, Precision.FP16: 6.0, Precision.INT8: 6.0}
 HOW = {
-    "fp32": "eager computed in float64 instead of float32",
-    "fp16": "eager with its weights and every layer's output rounded to float16",
-    "int8": "eager with its weights rounded to int8 per channel and every layer's output to int8 (per tensor, "
+    Precision.FP32: "eager computed in float64 instead of float32",
+    Precision.FP16: "eager with its weights and every layer's output rounded to float16",
+    Precision.INT8: "eager with its weights rounded to int8 per channel and every layer's output to int8 (per tensor, "
     "each output's own range)",
     STATIC: "eager with its weights rounded to int8 per channel and every layer's output to int8 (ranges fixed "
     "on the calibration images)",
@@ -77,7 +83,7 @@ def _leaves(model: nn.Module) -> list[nn.Module]:
 
 def _rounded_weights(model: nn.Module, precision: str) -> nn.Module:
     model = copy.deepcopy(model).float().eval()
-    rnd = _round_fp16 if precision == "fp16" else (lambda t: _round_int8(t, per_channel=True))
+    rnd = _round_fp16 if precision == Precision.FP16 else (lambda t: _round_int8(t, per_channel=True))
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, _WEIGHTED):
@@ -88,7 +94,7 @@ def _rounded_weights(model: nn.Module, precision: str) -> nn.Module:
 def _rounded_copy(model: nn.Module, precision: str) -> nn.Module:
     """A copy of `model` whose weights and leaf-module outputs are rounded to `precision`."""
     model = _rounded_weights(model, precision)
-    rnd_out = _round_fp16 if precision == "fp16" else _round_int8
+    rnd_out = _round_fp16 if precision == Precision.FP16 else _round_int8
 
     def hook(_module, _inputs, output):
         if isinstance(output, torch.Tensor) and output.is_floating_point():
@@ -117,7 +123,7 @@ class _CallSites:
 def _static_copy(model: nn.Module, calibration: list[torch.Tensor]) -> nn.Module:
     """`model` with per-channel int8 weights and each leaf output fake-quantized to uint8 with an affine range
     observed (min/max, zero included) over `calibration`; values outside it clip."""
-    model = _rounded_weights(model, "int8")
+    model = _rounded_weights(model, Precision.INT8)
     sites = _CallSites(model)
     ranges: dict[tuple[int, int], tuple[float, float]] = {}
     observing = True
@@ -150,7 +156,7 @@ def outputs(model: nn.Module, images: torch.Tensor, precision: str, calibration=
     """`model`'s outputs on `images`, one image at a time (per-tensor scales are per image), as `precision`
     would leave them; float32 tensors (the fp32 row computes in float64). STATIC needs `calibration`
     (batch-1 images)."""
-    if precision == "fp32":
+    if precision == Precision.FP32:
         variant, cast = copy.deepcopy(model).double().eval(), torch.float64
     elif precision == STATIC:
         variant, cast = _static_copy(model, calibration), torch.float32

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..precision import Precision
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, recommend, report
 from ..results import ArtifactResult, CacheUse, Eager, Kind, Manifest, Reason, Status, Weight, kinds, texts
@@ -420,7 +421,7 @@ def _ranges_did_not_hold(entry: ArtifactResult) -> bool:
     inputs (not a degenerate reference, too few inputs or non-finite outputs, which no ranges change)."""
     quantization = entry.details.get("quantization") or {}
     return (
-        entry.precision == "int8"
+        entry.precision == Precision.INT8
         and entry.status is Status.FAILED
         and entry.fidelity is not None
         and bool(quantization.get("meets_budget"))
@@ -627,12 +628,11 @@ def _finish(out: Path, doc: Manifest, progress: Progress, prefix: str = "") -> d
     """Write the manifest and the reports; the manifest as its JSON file holds it (what a build returns)."""
     doc.status = doc.overall_status()
     doc.timings_s = _timings(progress, prefix)
-    doc.recommended = recommend.recommendation(manifest.record(doc))
+    doc.recommended = recommend.recommendation(doc)
     manifest.write(out, doc)
-    doc = manifest.record(doc)
     files.write_text(out / "report.md", report.markdown(doc))
     files.write_text(out / "report.html", html_report.render([doc], [out]))
-    return doc
+    return manifest.record(doc)
 
 
 @dataclass(frozen=True)
@@ -702,7 +702,9 @@ def _check_calibration(plans: list[Plan], classes: list[type[Task]], quantized: 
             []
             if quantized
             else [
-                a.label for a in plan.artifacts if a.precision == "int8" and not _refused_by_design(a, quantized, cls)
+                a.label
+                for a in plan.artifacts
+                if a.precision == Precision.INT8 and not _refused_by_design(a, quantized, cls)
             ]
         )
         if labels and plan.data.calib_size == 0:
@@ -736,7 +738,8 @@ def run(
         session = BuildContext.for_target(sessions[cls], plan, out, progress, prefix)
         docs.append(_whole_or_none(out, functools.partial(_build_one, request, session)))
     if not checked.single:
-        files.write_text(checked.base / "report.html", html_report.render(docs, checked.outs))
+        typed = [Manifest.from_json(doc) for doc in docs]  # each target's manifest as its JSON file holds it
+        files.write_text(checked.base / "report.html", html_report.render(typed, checked.outs))
     return checked.base, docs
 
 

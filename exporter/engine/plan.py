@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
+from ..precision import Precision
 from .. import hostload
 from ..errors import UsageError
 from ..formats import FORMATS
@@ -127,7 +128,7 @@ class Plan:
         """An eager-quantized weight is int8 whatever the profile asks: one int8 artifact per format."""
         by_format = {}
         for spec in self.artifacts:
-            by_format.setdefault(spec.format, replace(spec, precision="int8", name=None))
+            by_format.setdefault(spec.format, replace(spec, precision=Precision.INT8, name=None))
         return replace(self, artifacts=tuple(by_format.values()))
 
     def describe(self) -> dict:
@@ -158,7 +159,7 @@ def export_order(precisions: list[str]) -> list[int]:
     budget search: 2328 s of a random EfficientNet-B7's 3275-s Android build) last, each group in the target's
     order. A build stopped or failing in its int8 search has its float artifacts made; the manifest still lists
     artifacts in the target's order."""
-    return sorted(range(len(precisions)), key=lambda i: precisions[i] == "int8")
+    return sorted(range(len(precisions)), key=lambda i: precisions[i] == Precision.INT8)
 
 
 def _options_applied(targets: list[dict], options: Mapping) -> list[dict]:
@@ -184,7 +185,7 @@ def make(profile: dict, task: str) -> Plan:
     """A checked profile (profiles.load + with_overrides) resolved for one task."""
     resolved = profiles.for_task(profile, task)
     table = dict(resolved.get("quantization", {}))
-    budget = {**resolved.get("thresholds", {}).get("int8", {}), **table.pop("budget", {})}
+    budget = {**resolved.get("thresholds", {}).get(Precision.INT8, {}), **table.pop("budget", {})}
     latency = {**resolved.get("latency", {})}
     latency["threads"] = latency.get("threads") or hostload.usable_cores()
     return Plan(

@@ -9,6 +9,7 @@ import re
 import tomllib
 from pathlib import Path
 
+from ..precision import Precision
 from ..errors import UsageError
 from ..formats import FORMATS
 from ..quant import ONNX_CALIBRATIONS, SETTINGS as QUANT_SETTINGS
@@ -222,7 +223,7 @@ def check(profile: dict, where: str) -> None:
             _check_name(art["name"], f"{where} [[artifacts]]")
         if art.get("format") not in FORMATS:
             raise UsageError(f"{where}: unknown format {art.get('format')!r}; known: {', '.join(FORMATS)}")
-        if art.get("precision") not in ("fp32", "fp16", "int8"):
+        if art.get("precision") not in tuple(Precision):
             raise UsageError(f"{where}: unknown precision {art.get('precision')!r}")
         if not isinstance(art.get("options", {}), dict):
             raise UsageError(f"{where}: [[artifacts]] options must be a table")
@@ -281,7 +282,7 @@ def parse_threshold_override(text: str) -> tuple[str, str, float]:
         value = float(raw)
     except ValueError:
         raise UsageError(f"--threshold {text!r}: {raw!r} is not a number") from None
-    if precision and precision not in ("fp32", "fp16", "int8"):
+    if precision and precision not in tuple(Precision):
         raise UsageError(f"--threshold {text!r}: unknown precision {precision!r}")
     return precision or "*", key, _check_threshold(key, value, f"--threshold {text}")
 
@@ -292,7 +293,7 @@ def check_precisions(chosen: list[dict], thresholds=(), quant_budget=()) -> None
     build."""
     built = {a["precision"] for profile in chosen for a in profile["artifacts"]}
     wanted = [(f"--threshold {text}", parse_threshold_override(text)[0]) for text in thresholds]
-    wanted += [(f"--quant-budget {text}", "int8") for text in quant_budget]
+    wanted += [(f"--quant-budget {text}", Precision.INT8) for text in quant_budget]
     for option, precision in wanted:
         if precision != "*" and precision not in built:
             names = ", ".join(profile["name"] for profile in chosen)

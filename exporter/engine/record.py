@@ -22,7 +22,7 @@ from rich.markup import escape
 
 from .. import files
 from ..release import html_report, manifest, report
-from ..results import Kind, kinds, revived
+from ..results import Kind, Manifest, kinds, revived
 from . import cache, default_out
 from .cache import BuildCache
 from ..formats import FORMATS
@@ -213,7 +213,7 @@ class BuildRecord:
                     shutil.copyfile(self._blob(f["sha256"]), tmp)
                     if f["executable"]:
                         tmp.chmod(0o755)
-            docs = record["docs"]
+            docs, typed = record["docs"], []
             for doc, out in zip(docs, outs):
                 built = doc["created"]
                 doc.update(
@@ -230,10 +230,11 @@ class BuildRecord:
                     "build_record": self.key,
                 }
                 manifest.write(out, doc)
-                files.write_text(out / "report.md", report.markdown(doc))
-                files.write_text(out / "report.html", html_report.render([doc], [out]))
+                typed.append(Manifest.from_json(doc))
+                files.write_text(out / "report.md", report.markdown(typed[-1]))
+                files.write_text(out / "report.html", html_report.render([typed[-1]], [out]))
             if len(outs) > 1:
-                files.write_text(base / "report.html", html_report.render(docs, outs))
+                files.write_text(base / "report.html", html_report.render(typed, outs))
         return docs
 
     def store(self, base: Path, docs: list[dict], progress: Progress | None = None) -> None:

@@ -786,7 +786,7 @@ class CoreMLFormat(Format):
             weighted = _with_package_weights(model, _layer_weights(mlmodel))
         runners = {"weights": lambda x: weighted(x)}
         if _user_metadata(path)["compute_precision"] == Precision.FP16:
-            runners["fp16"] = EagerFp16(model)
+            runners[Precision.FP16] = EagerFp16(model)
         return runners
 
 

@@ -53,7 +53,7 @@ def rows(doc: dict) -> list[dict]:
                     "vs eager": _fidelity(row),
                     "vs x86": _versus_x86(row),
                     "instructions / inference": _instructions(row),
-                    "emulated run s": format(row.get("seconds", 0), ".0f"),
+                    "emulated run s": format(row.get("seconds") or 0, ".0f"),
                 }
             )
     return table

@@ -24,6 +24,7 @@ from pathlib import Path
 from .. import files
 from . import manifest
 from ..errors import UsageError
+from ..precision import Precision
 from ..results import texts
 
 # Bumped only when an existing reader would misread a bundle it used to read. "task" is additive: a
@@ -36,22 +37,22 @@ BUNDLE_VERSION = 1
 # an app should try them; the value is the artifact's role in bundle.json.
 SELECTION = {
     "android": {
-        ("executorch", "int8"): "primary",
-        ("executorch", "fp32"): "fallback",
-        ("litert", "int8"): "alternative",
-        ("litert", "fp32"): "alternative",
-        ("torchscript_lite", "fp32"): "alternative",  # PyTorch Mobile: end-of-life, last
+        ("executorch", Precision.INT8): "primary",
+        ("executorch", Precision.FP32): "fallback",
+        ("litert", Precision.INT8): "alternative",
+        ("litert", Precision.FP32): "alternative",
+        ("torchscript_lite", Precision.FP32): "alternative",  # PyTorch Mobile: end-of-life, last
     },
     "ios": {
-        ("coreml", "fp16"): "primary",
-        ("coreml", "fp32"): "fallback",
-        ("executorch", "int8"): "alternative",
-        ("executorch", "fp32"): "alternative",
+        ("coreml", Precision.FP16): "primary",
+        ("coreml", Precision.FP32): "fallback",
+        ("executorch", Precision.INT8): "alternative",
+        ("executorch", Precision.FP32): "alternative",
     },
     "jetson": {
-        ("onnx", "fp16"): "primary",
-        ("onnx", "fp32"): "fallback",
-        ("onnx", "int8"): "alternative",
+        ("onnx", Precision.FP16): "primary",
+        ("onnx", Precision.FP32): "fallback",
+        ("onnx", Precision.INT8): "alternative",
     },
 }
 

@@ -6,10 +6,11 @@ import base64
 import html
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
-from ..results import texts
-from . import arch_report, previews, recommend, svg_text
+from ..results import ArtifactResult, Manifest, Status, texts
+from . import arch_report, manifest, previews, recommend, svg_text
 from .report import COLUMNS, about, closing, latency_warnings, notes, outliers_summary, rows, task_name
 from .svg_text import Box
 
@@ -63,11 +64,11 @@ def _badge(status: str) -> str:
     return f'<span class="badge" style="background:{STATUS_COLOURS.get(status, "#57606a")}">{_esc(status)}</span>'
 
 
-def _named(docs: list[dict]):
+def _named(docs: list[Manifest]) -> Iterator[tuple[str, ArtifactResult]]:
     """(display name, artifact): names carry the target when several targets share the page."""
     for doc in docs:
-        for a in doc["artifacts"]:
-            yield (f"{doc['target']['name']}/{a['name']}" if len(docs) > 1 else a["name"]), a
+        for a in doc.artifacts:
+            yield (f"{doc.target['name']}/{a.name}" if len(docs) > 1 else a.name), a
 
 
 def _svg(label: str, width: float, height: float) -> str:
@@ -105,24 +106,24 @@ def _bar_chart(label: str, groups: list[tuple[str, list[tuple[float, str, str]]]
     return _svg(label, width, y + 2) + "".join(parts) + "</svg>"
 
 
-def latency_chart(docs: list[dict], width: int = CHART_WIDTH) -> str:
+def latency_chart(docs: list[Manifest], width: int = CHART_WIDTH) -> str:
     """Per artifact, its p50 (blue); eager's p50 (grey) once, when every artifact was timed against the build's one
     eager baseline, else beside each artifact as it was measured in the same run (manifests from before the
     baseline)."""
-    timed = [(name, a) for name, a in _named(docs) if a.get("latency_ms")]
+    timed = [(name, a) for name, a in _named(docs) if a.latency_ms is not None]
     if not timed:
         return "<p class=meta>No latency was measured on this host.</p>"
-    eager = {a["eager_latency_ms"]["p50"] for _, a in timed}
+    eager = {a.eager_latency_ms.p50 for _, a in timed}
     grey = "#8c959f"
-    groups = [(name, [(a["latency_ms"]["p50"], f"{a['latency_ms']['p50']:.2f} ms", "#0969da")]) for name, a in timed]
+    groups = [(name, [(a.latency_ms.p50, f"{a.latency_ms.p50:.2f} ms", "#0969da")]) for name, a in timed]
     if len(eager) == 1:
         (p50,) = eager
         groups.insert(0, ("eager (the build's baseline)", [(p50, f"{p50:.2f} ms", grey)]))
-        note = f"p50 latency, batch 1, {docs[0]['host']['threads']} threads; grey: eager, timed once for the build"
+        note = f"p50 latency, batch 1, {docs[0].host.threads} threads; grey: eager, timed once for the build"
     else:
         for (_, bars), (_, a) in zip(groups, timed):
-            bars.append((a["eager_latency_ms"]["p50"], f"{a['eager_latency_ms']['p50']:.2f} ms eager", grey))
-        note = f"p50 latency, batch 1, {docs[0]['host']['threads']} threads; grey: eager in the same run"
+            bars.append((a.eager_latency_ms.p50, f"{a.eager_latency_ms.p50:.2f} ms eager", grey))
+        note = f"p50 latency, batch 1, {docs[0].host.threads} threads; grey: eager in the same run"
     return _bar_chart("latency p50", groups, note, width)
 
 
@@ -178,17 +179,17 @@ def _axis_ranges(points, percent: bool) -> tuple[list[float], list[float]]:
     return ticks(0.0, max(xs) * 1.1), y_ticks
 
 
-def accuracy_size_chart(docs: list[dict], width: int = CHART_WIDTH, height: int = 250) -> str:
+def accuracy_size_chart(docs: list[Manifest], width: int = CHART_WIDTH, height: int = 250) -> str:
     """Each artifact's labeled metric against its size, on axes with round ticks; labels placed so that none
     overlaps another (svg_text.place), the point coloured by the artifact's status."""
     _, (metric, _, label) = COLUMNS[task_name(docs[0])]
     points = [
-        (name, a["size_bytes"] / 1e6, a["accuracy"][metric], a["status"])
+        (name, a.size_bytes / 1e6, a.accuracy[metric], str(a.status))
         for name, a in _named(docs)
-        if a.get("accuracy") and a.get("size_bytes") and a["accuracy"].get(metric) is not None
+        if a.accuracy and a.size_bytes and a.accuracy.get(metric) is not None
     ]
     if not points:
-        if not any(d["data"].get("labeled") for d in docs):
+        if not any(d.data.get("labeled") for d in docs):
             return "<p class=meta>Accuracy vs size needs labeled --data.</p>"
         return f"<p class=meta>No artifact has both a measured {_esc(label)} and a size: nothing to plot.</p>"
     percent = metric != "epe"
@@ -243,84 +244,82 @@ def accuracy_size_chart(docs: list[dict], width: int = CHART_WIDTH, height: int 
     return "".join(parts) + "</svg>"
 
 
-def _quantization(docs: list[dict]) -> str:
+def _quantization(docs: list[Manifest]) -> str:
     from .report import quantization_summary, retry_summary
 
     sections = []
     for name, a in _named(docs):
-        q = (a.get("details") or {}).get("quantization")
+        q = (a.details or {}).get("quantization")
         if q:
             chart = sensitivity_chart(name, q) or (
                 "<p class=meta>Plain PTQ met the budget: no layer sensitivity was needed.</p>"
                 if (q.get("before") or {}).get("meets_budget", True)
                 else "<p class=meta>No layer sensitivity was measured.</p>"
             )
-            retry = f"<p>{_esc(retry_summary(a['details']))}</p>" if a["details"].get("validation_retry") else ""
+            retry = f"<p>{_esc(retry_summary(a.details))}</p>" if a.details.get("validation_retry") else ""
             summary = _esc(quantization_summary(q).replace("**", ""))
             sections.append(f"<h3>{_name(name)}</h3><p>{summary}</p>{retry}{chart}")
     return "<h2>int8: budget and layer sensitivity</h2>" + "".join(sections) if sections else ""
 
 
-def _profiles(docs: list[dict]) -> str:
+def _profiles(docs: list[Manifest]) -> str:
     """Per artifact, side by side: its RAM figures and its top operators by time (manifest `memory`, `profile`)."""
-    from .report import busy_profile, memory_line, profile_line
+    from .report import busy_profile, memory_line, profile_line, profile_repeats_memory
 
     cards = []
     for name, a in _named(docs):
-        memory, profile = a.get("memory"), a.get("profile")
-        if not memory and not profile:
+        memory, profile = a.memory, a.profile
+        if memory is None and profile is None:
             continue
-        body = f"<p class=meta>{_esc(memory_line(memory or {}))}</p>"
-        if (profile or {}).get("available"):
+        body = f"<p class=meta>{_esc(memory_line(memory))}</p>"
+        if profile is not None and profile.available:
             ops = "".join(
-                f"<tr><td class=name>{_esc(o['op'])}</td><td>{o['ms']:.3f}</td><td>{_esc(o['count'])}</td>"
-                f"<td>{o['share']:.0%}</td></tr>"
-                for o in profile["ops"]
+                f"<tr><td class=name>{_esc(o.op)}</td><td>{o.ms:.3f}</td><td>{_esc(o.count)}</td>"
+                f"<td>{o.share:.0%}</td></tr>"
+                for o in profile.ops
             )
             body += (
                 _scroll(
                     "<table><thead><tr><th>operator</th><th>ms/run</th><th>calls</th><th>share</th></tr></thead>"
                     f"<tbody>{ops}</tbody></table>"
                 )
-                + f"<p class=meta>{profile['ops_ms']:.2f} ms in operators of "
-                f"{profile['wall_ms']:.2f} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''}"
+                + f"<p class=meta>{profile.ops_ms:.2f} ms in operators of "
+                f"{profile.wall_ms:.2f} ms a run, {profile.runs} profiled run{'s' if profile.runs != 1 else ''}"
                 f" apart from the timed ones; "
-                f"{_esc(profile['source'])}{_esc(busy_profile(profile))}</p>"
+                f"{_esc(profile.source)}{_esc(busy_profile(profile))}</p>"
             )
-        elif profile and profile != memory:
+        elif profile is not None and not profile_repeats_memory(profile, memory):
             body += f"<p class=meta>{_esc(profile_line(profile))}</p>"
         cards.append(f'<div style="flex:1 1 300px;min-width:0"><h3>{_name(name)}</h3>{body}</div>')
     return ("<h2>RAM and where the time goes</h2><div class=charts>" + "".join(cards) + "</div>") if cards else ""
 
 
-def _reasons(docs: list[dict]) -> str:
+def _reasons(docs: list[Manifest]) -> str:
     items = [
-        f"<li><b>{_name(name)}</b> {_badge(a['status'])} {_esc(r)}</li>"
+        f"<li><b>{_name(name)}</b> {_badge(str(a.status))} {_esc(r)}</li>"
         for name, a in _named(docs)
-        for r in texts(a.get("reasons"))
+        for r in texts(a.reasons)
     ]
     items += [
-        f"<li><b>{_name(name)}</b> {_esc(outliers_summary(a))}</li>"
-        for name, a in _named(docs)
-        if a.get("outlier_inputs")
+        f"<li><b>{_name(name)}</b> {_esc(outliers_summary(a))}</li>" for name, a in _named(docs) if a.outlier_inputs
     ]
     return f"<h2>Why not passed</h2><ul>{''.join(items)}</ul>" if items else ""
 
 
-def _latency_warning(docs: list[dict]) -> str:
+def _latency_warning(docs: list[Manifest]) -> str:
     """Beside the table and the latency chart: which latencies were taken on a busy host, and why."""
     parts = []
     for doc in docs:
         head, noisy = latency_warnings(doc)
         if head:
-            where = f"{doc['target']['name']}: " if len(docs) > 1 else ""
+            where = f"{doc.target['name']}: " if len(docs) > 1 else ""
             items = "".join(f"<li><b>{_esc(name)}</b>: {_esc(why)}</li>" for name, why in noisy)
             parts.append(f'<div class="busy"><p><b>{_esc(where + head)}:</b></p><ul>{items}</ul></div>')
     return "".join(parts)
 
 
-def _table(docs: list[dict]) -> str:
-    table = [({"target": d["target"]["name"]} if len(docs) > 1 else {}) | r for d in docs for r in rows(d)]
+def _table(docs: list[Manifest]) -> str:
+    table = [({"target": d.target["name"]} if len(docs) > 1 else {}) | r for d in docs for r in rows(d)]
     head = "".join(f"<th{' class=name' if h == 'artifact' else ''}>{_esc(h)}</th>" for h in table[0]) if table else ""
     body = "".join(
         "<tr>"
@@ -347,7 +346,7 @@ SAME = {
 }
 
 
-def _panels(doc: dict) -> str:
+def _panels(doc: Manifest) -> str:
     task = task_name(doc)
     if task == "video":
         return "the clip's middle frame | eager's five likeliest classes, eager (grey) over the artifact (blue; red when its top-1 differs)"
@@ -359,21 +358,21 @@ def _panels(doc: dict) -> str:
         return "input | eager mask | artifact mask, pixels whose class differs in white"
     if task == "optical_flow":
         return "frame 1 | eager's flow | the artifact's flow (hue: direction, saturation: length)"
-    score = ((doc.get("task") or {}).get("decode") or {}).get("match_score")
+    score = ((doc.task or {}).get("decode") or {}).get("match_score")
     return f"input | eager boxes | artifact boxes{f' (score ≥ {score})' if score is not None else ''}"
 
 
-def _preview(doc: dict, a: dict, name: str, directory: Path) -> str:
+def _preview(doc: Manifest, a: ArtifactResult, name: str, directory: Path) -> str:
     """One artifact's figure: the inputs where it departs most, open when the departure is one a person sees
     (a flipped class, a changed pixel, an unmatched box), folded into one line when only raw numbers move."""
-    path = Path(directory) / a["preview"]
+    path = Path(directory) / a.preview
     if not path.is_file():
         return ""
     img = f'<img alt="{_esc(name)}" src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}">'
-    rows = a.get("preview_rows")
+    rows = a.preview_rows
     if not rows:  # a manifest from before the rows were recorded: which inputs is not known
         return f"<figure><figcaption><b>{_esc(name)}</b>: {_esc(_panels(doc))}</figcaption>{img}</figure>"
-    count = (a.get("fidelity") or {}).get("samples") or doc["data"]["validation"]
+    count = (a.fidelity or {}).get("samples") or doc.data["validation"]
     if previews.visible(rows[0]):
         shown = sum(map(previews.visible, rows))
         which = (
@@ -392,20 +391,20 @@ def _preview(doc: dict, a: dict, name: str, directory: Path) -> str:
     return f"<details><summary>{summary}</summary><figure><figcaption>{caption}</figcaption>{img}</figure></details>"
 
 
-def _previews(docs: list[dict], dirs: list[Path] | None) -> str:
+def _previews(docs: list[Manifest], dirs: list[Path] | None) -> str:
     """Per artifact, the task's pictures (input | eager | artifact) of the inputs where it departs most from
     eager, inlined so that the page stays one file; artifacts bit-identical to eager share one line."""
     parts = []
     for doc, directory in zip(docs, dirs or []):
         identical = []
-        for a in doc["artifacts"]:
-            name = f"{doc['target']['name']}/{a['name']}" if len(docs) > 1 else a["name"]
-            if a.get("preview_rows") == []:
+        for a in doc.artifacts:
+            name = f"{doc.target['name']}/{a.name}" if len(docs) > 1 else a.name
+            if a.preview_rows == []:
                 identical.append(name)
-            elif a.get("preview"):
+            elif a.preview:
                 parts.append(_preview(doc, a, name, directory))
         if identical:
-            count = doc["data"]["validation"]
+            count = doc.data["validation"]
             parts.append(
                 f"<p>Bit-identical to eager on all {count} validation inputs, nothing to show: "
                 f"<b>{_esc(', '.join(identical))}</b>.</p>"
@@ -414,7 +413,7 @@ def _previews(docs: list[dict], dirs: list[Path] | None) -> str:
     return "<h2>Where the artifacts depart from eager</h2>" + "".join(parts) if parts else ""
 
 
-def _ship(docs: list[dict]) -> str:
+def _ship(docs: list[Manifest]) -> str:
     """One "ship this" line per target (exporter.release.recommend)."""
     lines = []
     for doc in docs:
@@ -423,50 +422,50 @@ def _ship(docs: list[dict]) -> str:
     return f'<div class="ship">{"".join(lines)}</div>'
 
 
-def _per_target(docs: list[dict], body) -> str:
+def _per_target(docs: list[Manifest], body) -> str:
     """body(doc) for each target, under the target's name when the page has several."""
     if len(docs) == 1:
         return body(docs[0])
-    return "".join(f"<h3>{_esc(doc['target']['name'])}</h3>{body(doc)}" for doc in docs)
+    return "".join(f"<h3>{_esc(doc.target['name'])}</h3>{body(doc)}" for doc in docs)
 
 
-def _about(docs: list[dict]) -> str:
+def _about(docs: list[Manifest]) -> str:
     """report.md's opening bullets (report.about): once when every target's are the same, else per target."""
 
-    def body(doc: dict) -> str:
+    def body(doc: Manifest) -> str:
         return '<ul class="meta">' + "".join(f"<li>{_inline(line)}</li>" for line in about(doc)) + "</ul>"
 
     return body(docs[0]) if all(about(doc) == about(docs[0]) for doc in docs) else _per_target(docs, body)
 
 
-def _notes(docs: list[dict]) -> str:
+def _notes(docs: list[Manifest]) -> str:
     """report.md's Notes, wall time and thresholds (report.notes, report.closing), per target: the same lines."""
 
-    def body(doc: dict) -> str:
+    def body(doc: Manifest) -> str:
         said = "".join(f"<li>{_inline(line)}</li>" for line in notes(doc))
         return (f"<ul>{said}</ul>" if said else "") + "".join(f"<p>{_inline(line)}</p>" for line in closing(doc))
 
     return "<h2>Notes</h2>" + _per_target(docs, body)
 
 
-def render(docs: list[dict], dirs: list[Path] | None = None) -> str:
+def render(docs: list[Manifest], dirs: list[Path] | None = None) -> str:
     """One page for one build, or for several targets of the same weight side by side; `dirs` are the
     builds' directories, where the pictures named by the manifests are."""
     first = docs[0]
-    status = "failed" if any(d["status"] == "failed" for d in docs) else "passed"
-    targets = ", ".join(d["target"]["name"] for d in docs)
+    status = "failed" if any(d.status is Status.FAILED for d in docs) else "passed"
+    targets = ", ".join(d.target["name"] for d in docs)
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{_esc(first["weight"]["name"])} → {_esc(targets)}</title>
+<title>{_esc(first.weight.name)} → {_esc(targets)}</title>
 <style>{CSS}</style></head><body>
-<h1>{_name(first["weight"]["name"])} → {_esc(targets)} {_badge(status)}</h1>
+<h1>{_name(first.weight.name)} → {_esc(targets)} {_badge(status)}</h1>
 {_about(docs)}
-<p class="meta">exporter {_esc(first["exporter_version"])}, torch {_esc(first["tools"].get("torch"))}</p>
+<p class="meta">exporter {_esc(first.exporter_version)}, torch {_esc(first.tools.get("torch"))}</p>
 {_ship(docs)}
 {_table(docs)}
 {_latency_warning(docs)}
 {_reasons(docs)}
-{arch_report.html(docs)}
+{arch_report.html([manifest.record(d) for d in docs])}
 {_notes(docs)}
 {_previews(docs, dirs)}
 {_quantization(docs)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from ..precision import Precision
 from .. import files
 from ..device import device_validate
 from ..formats import onnx as onnx_format
@@ -41,10 +42,10 @@ def trtexec_args(onnx_file: str, engine_file: str, precision: str, chw, options:
     args = [f"--onnx={onnx_file}", f"--saveEngine={engine_file}"]
     args += [f"--{k}Shapes={onnx_format.INPUT}:{n}x{shape}" for k, n in zip(("min", "opt", "max"), options["batch"])]
     args += [f"--memPoolSize=workspace:{options['workspace_mb']}M", f"--timingCacheFile={tensorrt_format.TIMING_CACHE}"]
-    if precision == "fp32":
+    if precision == Precision.FP32:
         args.append("--noTF32")
     elif trt_major < 11:  # TensorRT 11 removed the precision flags: the graph's own types decide
-        args.append("--fp16" if precision == "fp16" else "--int8")
+        args.append("--fp16" if precision == Precision.FP16 else "--int8")
     if options["dla_core"] is not None:
         args += [f"--useDLACore={options['dla_core']}", "--allowGPUFallback"]
     return args
@@ -88,7 +89,7 @@ def _warnings(doc: dict, onnx_entries: list[dict], builds: list[dict]) -> list[s
         dla = b["options"]["dla_core"]
         if dla is None:
             continue
-        if b["precision"] == "fp32":
+        if b["precision"] == Precision.FP32:
             warnings.append(
                 f"fp32 on DLA core {dla}: DLA runs only fp16 and int8, so every layer falls back to the GPU"
             )
@@ -97,7 +98,7 @@ def _warnings(doc: dict, onnx_entries: list[dict], builds: list[dict]) -> list[s
                 f"{b['precision']} on DLA core {dla}: layers DLA cannot run fall back to the GPU silently "
                 "(--allowGPUFallback); check placement with trtexec --profilingVerbosity=detailed --dumpLayerInfo"
             )
-        if b["precision"] == "int8":
+        if b["precision"] == Precision.INT8:
             warnings.append(
                 f"int8 on DLA core {dla}: the engine comes from explicit Q/DQ; layers left in fp32 between "
                 "Q/DQ pairs cannot run on DLA, and DLA support differs across TensorRT releases (none in 11.0-11.3)"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 from .. import hostload
-from ..results import texts
-from . import arch_report, recommend
+from ..precision import Precision
+from ..results import ArtifactResult, DataDescription, FormatDetails, Kind, Manifest, Memory, Profile, ProxyMetrics
+from ..results import SizeRow, texts
+from . import arch_report, manifest, recommend
 
 
 def _num(value, fmt: str, missing: str = "—") -> str:
@@ -17,12 +20,13 @@ def _num(value, fmt: str, missing: str = "—") -> str:
     return format(value, fmt)
 
 
-def _measured(doc: dict):
-    """Each artifact, then its proxy rows (stand-ins measured where the runtime is unavailable)."""
-    for a in doc["artifacts"]:
-        yield a["name"], a["status"], a
-        for label, metrics in (a.get("proxy") or {}).items():
-            yield f"{a['name']} [proxy: {label}]", "proxy " + metrics["status"], {**metrics, "size_bytes": None}
+def _measured(doc: Manifest) -> Iterator[tuple[str, str, ArtifactResult | ProxyMetrics, ArtifactResult | None]]:
+    """Each artifact, then its proxy rows (stand-ins measured where the runtime is unavailable): (name, status, what
+    was measured, the artifact itself; None for a proxy row, which has no size, memory or timing of its own)."""
+    for a in doc.artifacts:
+        yield a.name, str(a.status), a, a
+        for label, metrics in (a.proxy or {}).items():
+            yield f"{a.name} [proxy: {label}]", f"proxy {metrics.status}", metrics, None
 
 
 def quantization_summary(q: dict) -> str:
@@ -89,7 +93,7 @@ def _kinds_step(q: dict) -> str:
     )
 
 
-def retry_summary(details: dict) -> str:
+def retry_summary(details: FormatDetails) -> str:
     """One line: an int8 artifact made again after its calibrated ranges failed validation (validation_retry)."""
     retry = details["validation_retry"]
     if "first" in retry:
@@ -105,14 +109,12 @@ def retry_summary(details: dict) -> str:
     )
 
 
-def outliers_summary(a: dict) -> str:
+def outliers_summary(a: ArtifactResult) -> str:
     """One line: the few validation inputs that carry a failed artifact's error, and what the rest measure."""
-    o = a["outlier_inputs"]
+    o = a.outlier_inputs
     count, rest = len(o["rows"]), o["of"] - len(o["rows"])
     without = ", ".join(
-        f"{key} {_num(o['fidelity_without'].get(key), '.4g')}"
-        for key in a.get("thresholds", {})
-        if key in o["fidelity_without"]
+        f"{key} {_num(o['fidelity_without'].get(key), '.4g')}" for key in a.thresholds if key in o["fidelity_without"]
     )
     ratio, peak = o["rms_over_median"], o.get("peak_over_median")
     over = (
@@ -127,10 +129,9 @@ def outliers_summary(a: dict) -> str:
         f"{peaked}); the other {rest} {verdict} the fidelity thresholds ({without}); rows "
         f"{', '.join(map(str, o['rows'][:10]))}"
     )
-    static = "dynamic" not in (((a.get("details") or {}).get("quantization") or {}).get("after") or {}).get(
-        "ranges", ""
-    )
-    if a.get("precision") == "int8" and peak and peak >= 2 and static:  # ranges chosen per inference clip nothing
+    after = ((a.details or {}).get("quantization") or {}).get("after") or {}
+    static = "dynamic" not in after.get("ranges", "")  # ranges chosen per inference clip nothing
+    if a.precision == Precision.INT8 and peak and peak >= 2 and static:
         text += (
             " — likely activations past the ranges the calibration images set, which static int8 clips: "
             "calibration data with inputs like these (--data) widens them"
@@ -155,12 +156,12 @@ COLUMNS = {
 }
 
 
-def task_name(doc: dict) -> str:
-    return (doc.get("task") or {}).get("name", "classification")
+def task_name(doc: Manifest) -> str:
+    return (doc.task or {}).get("name", "classification")
 
 
-def eager_summary(doc: dict) -> str:
-    eager = doc["eager"].get("accuracy")
+def eager_summary(doc: Manifest) -> str:
+    eager = doc.eager.accuracy
     if not eager:
         return "**not measured** (no labeled --data)"
     if task_name(doc) == "segmentation":
@@ -172,23 +173,24 @@ def eager_summary(doc: dict) -> str:
     return f"acc@1 {eager['acc1']:.2f}%, acc@5 {eager['acc5']:.2f}%"
 
 
-def unreliable_latency(a: dict) -> bool:
+def unreliable_latency(a: ArtifactResult) -> bool:
     """Whether an artifact's latency was judged unreliable (exporter.hostload: a busy host, or timings that moved)."""
-    return not (a.get("latency_conditions") or {}).get("reliable", True)
+    return not (a.latency_conditions or {}).get("reliable", True)
 
 
-def latency_warnings(doc: dict) -> tuple[str, list[tuple[str, str]]]:
+def latency_warnings(doc: Manifest) -> tuple[str, list[tuple[str, str]]]:
     """('' , []) when every timed latency stands; else a headline and (artifact, why) per unreliable one."""
     noisy = [
-        (a["name"], "; ".join(a["latency_conditions"].get("reasons") or ["host busy"]))
-        for a in doc["artifacts"]
+        (a.name, "; ".join(a.latency_conditions.get("reasons") or ["host busy"]))
+        for a in doc.artifacts
         if unreliable_latency(a)
     ]
     if not noisy:
         return "", []
-    threads = (doc.get("host") or {}).get("threads")
+    threads = doc.host.threads
+    timed = sum(1 for a in doc.artifacts if a.latency_ms is not None)
     head = (
-        f"Latency unreliable for {len(noisy)} of {sum(1 for a in doc['artifacts'] if a.get('latency_ms'))} timed "
+        f"Latency unreliable for {len(noisy)} of {timed} timed "
         f"artifacts ({threads} threads timed): a busy host, or timings that moved between rounds; ratios to eager shown "
         "as measured, the verdict "
         "does not use them, and the cache does not keep them (the next run times them again)"
@@ -196,16 +198,18 @@ def latency_warnings(doc: dict) -> tuple[str, list[tuple[str, str]]]:
     return head, noisy
 
 
-def _latency_markdown(doc: dict) -> list[str]:
+def _latency_markdown(doc: Manifest) -> list[str]:
     head, noisy = latency_warnings(doc)
     return ["", f"**{head}:**", *(f"- `{name}`: {why}" for name, why in noisy)] if head else []
 
 
-def rows(doc: dict) -> list[dict]:
+def rows(doc: Manifest) -> list[dict]:
     table = []
     fidelity_columns, (metric, drop, label) = COLUMNS[task_name(doc)]
-    for name, status, a in _measured(doc):
-        fid, acc, lat = a.get("fidelity") or {}, a.get("accuracy") or {}, a.get("latency_ms") or {}
+    for name, status, m, own in _measured(doc):
+        fid, acc = m.fidelity or {}, m.accuracy or {}
+        lat, eager = m.latency_ms, m.eager_latency_ms
+        size, memory = (own.size_bytes, own.memory) if own is not None else (None, None)
         table.append(
             {
                 "artifact": name,
@@ -215,65 +219,69 @@ def rows(doc: dict) -> list[dict]:
                 f"{label} ({'drop' if 'drop' in drop else 'change'})": f"{_num(acc.get(metric), '.2f')} ({_num(acc.get(drop), '+.2f')})"
                 if acc
                 else "not measured",
-                "p50 ms": _num(lat.get("p50"), ".2f"),
-                "p90 ms": _num(lat.get("p90"), ".2f"),
-                "eager p50": _num((a.get("eager_latency_ms") or {}).get("p50"), ".2f"),
-                "speedup": _num(a.get("speedup_vs_eager"), ".2f", "—")
-                + ("×" if a.get("speedup_vs_eager") else "")
-                + (" (unreliable)" if unreliable_latency(a) else ""),
-                "MB": _num(a["size_bytes"] / 1e6 if a.get("size_bytes") else None, ".2f"),
+                "p50 ms": _num(lat.p50 if lat is not None else None, ".2f"),
+                "p90 ms": _num(lat.p90 if lat is not None else None, ".2f"),
+                "eager p50": _num(eager.p50 if eager is not None else None, ".2f"),
+                "speedup": _num(m.speedup_vs_eager, ".2f", "—")
+                + ("×" if m.speedup_vs_eager else "")
+                + (" (unreliable)" if own is not None and unreliable_latency(own) else ""),
+                "MB": _num(size / 1e6 if size else None, ".2f"),
                 "RAM MB": _num(
-                    ((a.get("memory") or {}).get("peak_rss_increase_bytes") or 0) / 1e6
-                    if (a.get("memory") or {}).get("available")
-                    else None,
-                    ".1f",
+                    (memory.peak_rss_increase_bytes or 0) / 1e6 if memory and memory.available else None, ".1f"
                 ),
             }
         )
     return table
 
 
-def memory_line(memory: dict) -> str:
-    """One line: what the artifact needs in RAM (exporter/engine/memory_profile.py)."""
-    if not memory.get("available"):
-        return f"memory not measured ({memory.get('reason', 'no measurement')})"
-    mb = lambda key: _num(memory[key] / 1e6, ".1f") if memory.get(key) is not None else "—"  # noqa: E731
+def memory_line(memory: Memory | None) -> str:
+    """One line: what the artifact needs in RAM (exporter/engine/memory_profile.py); None: not measured."""
+    if memory is None or not memory.available:
+        reason = memory.reason if memory is not None and memory.reason is not None else "no measurement"
+        return f"memory not measured ({reason})"
+    mb = lambda value: _num(value / 1e6, ".1f") if value is not None else "—"  # noqa: E731
     parts = [
-        f"needs {mb('peak_rss_increase_bytes')} MB RAM (peak over the runtime's own "
-        f"{mb('runtime_baseline_rss_bytes')} MB in a fresh process; process peak {mb('peak_rss_bytes')} MB)"
+        f"needs {mb(memory.peak_rss_increase_bytes)} MB RAM (peak over the runtime's own "
+        f"{mb(memory.runtime_baseline_rss_bytes)} MB in a fresh process; process peak {mb(memory.peak_rss_bytes)} MB)"
     ]
-    if "planned_bytes" in memory:
-        parts.append(f"planned memory {mb('planned_bytes')} MB")
-    if "constants_bytes" in memory:
-        parts.append(f"constants {mb('constants_bytes')} MB")
+    if memory.planned_bytes is not None:
+        parts.append(f"planned memory {mb(memory.planned_bytes)} MB")
+    if memory.constants_bytes is not None:
+        parts.append(f"constants {mb(memory.constants_bytes)} MB")
     return "; ".join(parts)
 
 
-def profile_line(profile: dict, top: int = 4) -> str:
+def profile_line(profile: Profile, top: int = 4) -> str:
     """One line: the top operators by time, e.g. "top ops by time: Conv 61%, …"."""
-    if not profile.get("available"):
-        return f"no operator profile ({profile.get('reason', 'not measured')})"
-    ops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in profile["ops"][:top])
+    if not profile.available:
+        return f"no operator profile ({profile.reason if profile.reason is not None else 'not measured'})"
+    ops = ", ".join(f"{o.op} {o.share:.0%}" for o in profile.ops[:top])
     return (
-        f"top ops by time: {ops} (of {_num(profile['ops_ms'], '.2f')} ms in operators, "
-        f"{_num(profile['wall_ms'], '.2f')} ms a run, {profile['runs']} profiled run{'s' if profile['runs'] != 1 else ''}; "
-        f"{profile['source']})" + busy_profile(profile)
+        f"top ops by time: {ops} (of {_num(profile.ops_ms, '.2f')} ms in operators, "
+        f"{_num(profile.wall_ms, '.2f')} ms a run, {profile.runs} profiled run{'s' if profile.runs != 1 else ''}; "
+        f"{profile.source})" + busy_profile(profile)
     )
 
 
-def busy_profile(profile: dict) -> str:
+def busy_profile(profile: Profile) -> str:
     """'' or what says the profile was taken on a busy host (its wall-clock times stretched)."""
-    busy = hostload.summary(profile.get("conditions") or {})
+    busy = hostload.summary(profile.conditions or {})
     return f"; profiled on a busy host ({busy}): its times are stretched, its shares less so" if busy else ""
 
 
-def sizes_line(a: dict) -> str:
-    """One line: the further sizes a dynamic-size artifact was judged at, and how it did at each."""
-    low, high = a["input"]["size_range"]
+def profile_repeats_memory(profile: Profile, memory: Memory | None) -> bool:
+    """Whether `profile` says no more than `memory` (one unavailable measurement, with the same reason, behind both):
+    the reports then say it once."""
+    return memory is not None and profile.to_json() == memory.to_json()
 
-    def one(row) -> str:
-        agreement = (row.get("fidelity") or {}).get("pixel_agreement")
-        drop = (row.get("accuracy") or {}).get("miou_drop_points")
+
+def sizes_line(a: ArtifactResult) -> str:
+    """One line: the further sizes a dynamic-size artifact was judged at, and how it did at each."""
+    low, high = a.input.size_range
+
+    def one(row: SizeRow) -> str:
+        agreement = (row.fidelity or {}).get("pixel_agreement")
+        drop = (row.accuracy or {}).get("miou_drop_points")
         measured = ", ".join(
             part
             for part in (
@@ -282,21 +290,21 @@ def sizes_line(a: dict) -> str:
             )
             if part
         )
-        return f"{row['size'][0]}x{row['size'][1]} {row['status']}" + (f" ({measured})" if measured else "")
+        return f"{row.size[0]}x{row.size[1]} {row.status}" + (f" ({measured})" if measured else "")
 
-    return f"any height and width from {low} to {high}; also validated at " + "; ".join(map(one, a["sizes"]))
+    return f"any height and width from {low} to {high}; also validated at " + "; ".join(map(one, a.sizes))
 
 
-def memory_profile_notes(a: dict) -> list[str]:
+def memory_profile_notes(a: ArtifactResult) -> list[str]:
     lines = []
-    if a.get("memory"):
-        lines.append(f"- `{a['name']}`: {memory_line(a['memory'])}")
-    if a.get("profile") and (a["profile"].get("available") or a["profile"] != a.get("memory")):
-        lines.append(f"- `{a['name']}`: {profile_line(a['profile'])}")
+    if a.memory is not None:
+        lines.append(f"- `{a.name}`: {memory_line(a.memory)}")
+    if a.profile is not None and (a.profile.available or not profile_repeats_memory(a.profile, a.memory)):
+        lines.append(f"- `{a.name}`: {profile_line(a.profile)}")
     return lines
 
 
-def scored_classes(data: dict) -> str:
+def scored_classes(data: DataDescription) -> str:
     """How many of the model's classes the labeled inputs cover (class folders read by name), or ""."""
     if "model_classes" not in data:
         return ""
@@ -306,20 +314,20 @@ def scored_classes(data: dict) -> str:
     )
 
 
-def about(doc: dict) -> list[str]:
+def about(doc: Manifest) -> list[str]:
     """What was built from what, where, on which data: report.md's opening bullets and report.html's list under its
     title (Markdown inline: **bold**, `code`)."""
-    host, data = doc["host"], doc["data"]
+    host, data = doc.host, doc.data
     lines = [
-        f"model: `{doc['weight']['model']}`, {doc['weight']['num_classes']} classes; "
-        f"checkpoint sha256 `{doc['checkpoint']['sha256'][:16]}…` ({doc['checkpoint']['source']})",
-        f"host: {host['cpu']}, {host['cores']} cores; **{host['threads']} threads** for eager and every runtime",
+        f"model: `{doc.weight.model}`, {doc.weight.num_classes} classes; "
+        f"checkpoint sha256 `{doc.checkpoint.sha256[:16]}…` ({doc.checkpoint.source})",
+        f"host: {host.cpu}, {host.cores} cores; **{host.threads} threads** for eager and every runtime",
         f"data: {data['source']}; {data['validation']} validation / {data['calibration']} calibration images (seed {data.get('seed')})"
         + scored_classes(data),
-        f"task: {task_name(doc)}, input {'x'.join(map(str, (doc.get('task') or {}).get('input_size', [])))}; "
+        f"task: {task_name(doc)}, input {'x'.join(map(str, (doc.task or {}).get('input_size', [])))}; "
         f"eager: {eager_summary(doc)}",
     ]
-    decode = doc["target"].get("detection") or {}
+    decode = doc.target.get("detection") or {}
     if decode.get("kept_host_because"):  # asked for final detections in the graph, which no format here takes
         lines.append(
             "detections: **raw heads**, decoded by detection_decode.py (asked: in the graph; no format of this "
@@ -327,9 +335,11 @@ def about(doc: dict) -> list[str]:
         )
     elif decode.get("decode") == "graph":
         lines.append("detections: **final, inside the graph** (torchvision's post-processing; no decode in the app)")
-    reference = doc["eager"].get("reference") or {}
-    if reference.get("note"):  # a quantized weight: which eager model the artifacts were measured against
-        lines.append(f"eager reference: **{reference['kind']}** — {reference['note']}")
+    reference = doc.eager.reference
+    if (
+        reference is not None and reference.note
+    ):  # a quantized weight: which eager model the artifacts were measured against
+        lines.append(f"eager reference: **{reference.kind}** — {reference.note}")
     return lines
 
 
@@ -343,53 +353,53 @@ def _delegation_note(d: dict) -> str:
     )
 
 
-def _artifact_notes(a: dict) -> list[str]:
-    notes = [f"`{a['name']}` {a['status']}: {reason}" for reason in texts(a.get("reasons"))]
+def _artifact_notes(a: ArtifactResult) -> list[str]:
+    notes = [f"`{a.name}` {a.status}: {reason}" for reason in texts(a.reasons)]
     said = []
-    if a.get("outlier_inputs"):
+    if a.outlier_inputs:
         said.append(outliers_summary(a))
-    details = a.get("details") or {}
+    details = a.details or {}
     if "delegation" in details:
         said.append(_delegation_note(details["delegation"]))
     if details.get("quantization"):
         said.append(quantization_summary(details["quantization"]))
     if details.get("validation_retry"):
         said.append(retry_summary(details))
-    notes += [f"`{a['name']}`: {text}" for text in said]
+    notes += [f"`{a.name}`: {text}" for text in said]
     notes += [line.removeprefix("- ") for line in memory_profile_notes(a)]
-    if a.get("sizes"):
-        notes.append(f"`{a['name']}`: {sizes_line(a)}")
-    notes += [f"`{a['name']}`: {r['text']}" for r in a.get("reasons") or [] if r["kind"] == "note"]
+    if a.sizes:
+        notes.append(f"`{a.name}`: {sizes_line(a)}")
+    notes += [f"`{a.name}`: {r.text}" for r in a.reasons if r.kind is Kind.NOTE]
     if details.get("xnnpack_rewrite") == "unavailable":
         notes.append(
-            f"`{a['name']}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})"
+            f"`{a.name}`: optimize_for_mobile unavailable, unoptimized lite model written ({details['xnnpack_rewrite_reason']})"
         )
     return notes
 
 
-def notes(doc: dict) -> list[str]:
+def notes(doc: Manifest) -> list[str]:
     """Everything said about the artifacts, the cache and the data beside the table: report.md's Notes and
     report.html's (Markdown inline)."""
-    lines = [note for a in doc["artifacts"] for note in _artifact_notes(a)]
-    lines += [f"cache: {event}" for event in (doc.get("cache") or {}).get("events", [])]
-    if doc["data"].get("note"):
-        lines.append(doc["data"]["note"])
+    lines = [note for a in doc.artifacts for note in _artifact_notes(a)]
+    lines += [f"cache: {event}" for event in (doc.cache.events if doc.cache is not None else [])]
+    if doc.data.get("note"):
+        lines.append(doc.data["note"])
     return lines
 
 
-def closing(doc: dict) -> list[str]:
+def closing(doc: Manifest) -> list[str]:
     """The build's wall time per step and the thresholds it was held to: report.md's last paragraphs."""
     lines = []
-    if doc.get("timings_s"):
-        steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in doc["timings_s"].items())
-        when = " of the build reused from the cache" if (doc.get("cache") or {}).get("build_record") else ""
+    if doc.timings_s:
+        steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in doc.timings_s.items())
+        when = " of the build reused from the cache" if doc.cache is not None and doc.cache.build_record else ""
         lines.append(f"Wall time per step{when}: {steps}.")
-    lines.append("Thresholds per precision: " + ", ".join(f"{p}: {t}" for p, t in doc["target"]["thresholds"].items()))
+    lines.append("Thresholds per precision: " + ", ".join(f"{p}: {t}" for p, t in doc.target["thresholds"].items()))
     return lines
 
 
-def markdown(doc: dict) -> str:
-    lines = [f"# {doc['weight']['name']} → {doc['target']['name']}: **{doc['status'].upper()}**", ""]
+def markdown(doc: Manifest) -> str:
+    lines = [f"# {doc.weight.name} → {doc.target['name']}: **{str(doc.status).upper()}**", ""]
     lines += [f"- {line}" for line in about(doc)]
     head, _, rest = recommend.shown(doc, markdown=True).partition(": ")
     lines += ["", f"**{head}:** {rest}", ""]
@@ -400,7 +410,7 @@ def markdown(doc: dict) -> str:
         lines.append("|" + "---|" * len(headers))
         lines += ["| " + " | ".join(str(r[h]) for h in headers) + " |" for r in table]
     lines += _latency_markdown(doc)
-    lines += arch_report.markdown(doc)
+    lines += arch_report.markdown(manifest.record(doc))  # arch_report reads the manifest's JSON record
     said = notes(doc)
     if said:
         lines += ["", "## Notes", *(f"- {note}" for note in said)]
