@@ -5,10 +5,14 @@ emulated instruction count (with eager's on the same core)."""
 from __future__ import annotations
 
 from html import escape
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..results import EmulatedRow, Manifest
 
 
-def _fidelity(row: dict) -> str:
-    fidelity = row.get("fidelity") or {}
+def _fidelity(row: EmulatedRow) -> str:
+    fidelity = row.fidelity or {}
     parts = []
     for key, label, fmt in (
         ("top1_agreement", "top-1", ".3f"),
@@ -22,8 +26,8 @@ def _fidelity(row: dict) -> str:
     return ", ".join(parts) or "—"
 
 
-def _versus_x86(row: dict) -> str:
-    vs = row.get("vs_x86")
+def _versus_x86(row: EmulatedRow) -> str:
+    vs = row.vs_x86
     if not vs:
         return "—"
     if vs["bit_identical"]:
@@ -31,36 +35,36 @@ def _versus_x86(row: dict) -> str:
     return f"max |Δ| {vs['max_abs_diff']:.3g} ({vs['rows_differing']} inputs differ)"
 
 
-def _instructions(row: dict) -> str:
-    counted = row.get("instructions")
+def _instructions(row: EmulatedRow) -> str:
+    counted = row.instructions
     if not counted:
         return "—"
-    ratio = counted.get("ratio_to_eager")
-    eager = f" (eager {counted['eager_per_inference'] / 1e6:.2f} M, ratio {ratio:.2f})" if ratio else ""
-    return f"{counted['per_inference'] / 1e6:.2f} M{eager}"
+    ratio = counted.ratio_to_eager
+    eager = f" (eager {counted.eager_per_inference / 1e6:.2f} M, ratio {ratio:.2f})" if ratio else ""
+    return f"{counted.per_inference / 1e6:.2f} M{eager}"
 
 
-def rows(doc: dict) -> list[dict]:
+def rows(doc: Manifest) -> list[dict[str, str]]:
     """One row per artifact and CPU, for both reports."""
     table = []
-    for entry in doc["artifacts"]:
-        for row in entry.get("aarch64", []):
+    for entry in doc.artifacts:
+        for row in entry.aarch64 or []:
             table.append(
                 {
-                    "artifact": entry["name"],
-                    "cpu": row["cpu"],
-                    "status": row["status"],
+                    "artifact": entry.name,
+                    "cpu": row.cpu,
+                    "status": row.status.value,
                     "vs eager": _fidelity(row),
                     "vs x86": _versus_x86(row),
                     "instructions / inference": _instructions(row),
-                    "emulated run s": format(row.get("seconds") or 0, ".0f"),
+                    "emulated run s": format(row.seconds or 0, ".0f"),
                 }
             )
     return table
 
 
-def summary_line(doc: dict) -> str | None:
-    arm = doc.get("aarch64")
+def summary_line(doc: Manifest) -> str | None:
+    arm = doc.aarch64
     if not arm:
         return None
     runner = arm.get("runner") or {}
@@ -86,7 +90,7 @@ def summary_line(doc: dict) -> str | None:
     return text + (f" Not run there: {not_run}." if not_run else "")
 
 
-def markdown(doc: dict) -> list[str]:
+def markdown(doc: Manifest) -> list[str]:
     line = summary_line(doc)
     if line is None:
         return []
@@ -99,7 +103,7 @@ def markdown(doc: dict) -> list[str]:
     return lines
 
 
-def html(docs: list[dict]) -> str:
+def html(docs: list[Manifest]) -> str:
     sections = []
     for doc in docs:
         line = summary_line(doc)
@@ -116,7 +120,7 @@ def html(docs: list[dict]) -> str:
             for r in table
         )
         sections.append(
-            f"<h3>{escape(doc['target']['name'])}</h3><p>{escape(line)}</p>"
+            f"<h3>{escape(doc.target['name'])}</h3><p>{escape(line)}</p>"
             + (f'<div class="scroll"><table><tr>{head}</tr>{body}</table></div>' if table else "")
         )
     return f"<h2>aarch64 (emulated)</h2>{''.join(sections)}" if sections else ""

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..results import ArtifactResult, Manifest, Status, texts
-from . import arch_report, manifest, previews, recommend, svg_text
+from . import arch_report, previews, recommend, svg_text
 from .report import COLUMNS, about, closing, latency_warnings, notes, outliers_summary, rows, task_name
 from .svg_text import Box
 
@@ -465,7 +465,7 @@ def render(docs: list[Manifest], dirs: list[Path] | None = None) -> str:
 {_table(docs)}
 {_latency_warning(docs)}
 {_reasons(docs)}
-{arch_report.html([manifest.record(d) for d in docs])}
+{arch_report.html(docs)}
 {_notes(docs)}
 {_previews(docs, dirs)}
 {_quantization(docs)}

@@ -9,7 +9,7 @@ from .. import hostload
 from ..precision import Precision
 from ..results import ArtifactResult, DataDescription, FormatDetails, Kind, Manifest, Memory, Profile, ProxyMetrics
 from ..results import SizeRow, texts
-from . import arch_report, manifest, recommend
+from . import arch_report, recommend
 
 
 def _num(value, fmt: str, missing: str = "—") -> str:
@@ -410,7 +410,7 @@ def markdown(doc: Manifest) -> str:
         lines.append("|" + "---|" * len(headers))
         lines += ["| " + " | ".join(str(r[h]) for h in headers) + " |" for r in table]
     lines += _latency_markdown(doc)
-    lines += arch_report.markdown(manifest.record(doc))  # arch_report reads the manifest's JSON record
+    lines += arch_report.markdown(doc)
     said = notes(doc)
     if said:
         lines += ["", "## Notes", *(f"- {note}" for note in said)]
