@@ -25,7 +25,7 @@ from .. import files
 from . import manifest
 from ..errors import UsageError
 from ..precision import Precision
-from ..results import texts
+from ..results import ArtifactResult, Manifest, Status, jsonable, texts
 
 # Bumped only when an existing reader would misread a bundle it used to read. "task" is additive: a
 # classification bundle reads as before, a bundle without "task" is classification, and apps decide
@@ -85,10 +85,11 @@ FLOAT_INPUT = {"format": "float32-nchw", "dtype": "float32", "layout": "NCHW"}
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip can store: entries carry no build time
 
 
-def _read_build(out: Path) -> dict:
-    doc = manifest.read_build(out)  # every key read below is there, of its type
-    check_target(doc["target"]["name"])
-    return doc
+def _read_build(out: Path) -> tuple[dict, Manifest]:
+    """The build's manifest as its JSON file holds it (what the checks of its files read) and as its values."""
+    record = manifest.read_build(out)  # every key read below is there, of its type
+    check_target(record["target"]["name"])
+    return record, Manifest.from_json(record)
 
 
 def check_target(name: str) -> None:
@@ -97,33 +98,33 @@ def check_target(name: str) -> None:
         raise UsageError(f"no bundle selection for target {name!r}; bundles exist for {', '.join(SELECTION)}")
 
 
-def _selected(doc: dict, allow_failed: bool) -> list[tuple[str, dict]]:
-    roles = SELECTION[doc["target"]["name"]]
-    matching = [(roles[key], a) for key in roles for a in doc["artifacts"] if (a["format"], a["precision"]) == key]
-    failed = [a for _, a in matching if a["status"] == "failed"]
+def _selected(doc: Manifest, allow_failed: bool) -> list[tuple[str, ArtifactResult]]:
+    roles = SELECTION[doc.target["name"]]
+    matching = [(roles[key], a) for key in roles for a in doc.artifacts if (a.format, a.precision) == key]
+    failed = [a for _, a in matching if a.status is Status.FAILED]
     if failed and not allow_failed:
-        names = "; ".join(f"{a['name']} ({_reasons(a)})" for a in failed)
+        names = "; ".join(f"{a.name} ({_reasons(a)})" for a in failed)
         raise UsageError(f"artifacts failed: {names}; pass --allow-failed to bundle the rest anyway")
-    chosen = [(role, a) for role, a in matching if a.get("path") is not None]  # a failed export has no file
+    chosen = [(role, a) for role, a in matching if a.path is not None]  # a failed export has no file
     if not chosen:
         raise UsageError(
-            f"{doc['target']['name']} build has none of the artifacts a bundle carries: "
+            f"{doc.target['name']} build has none of the artifacts a bundle carries: "
             f"{'; '.join(_why_missing(doc, key) for key in roles)}"
         )
     return chosen
 
 
-def _why_missing(doc: dict, key: tuple[str, str]) -> str:
+def _why_missing(doc: Manifest, key: tuple[str, str]) -> str:
     """Why the build has no file for the (format, precision) a bundle wants: not built, or its status and reasons."""
-    entries = [a for a in doc["artifacts"] if (a["format"], a["precision"]) == key]
+    entries = [a for a in doc.artifacts if (a.format, a.precision) == key]
     if not entries:
         return f"{key[0]}:{key[1]} is not in the build"
-    return "; ".join(f"{a['name']} {a['status']}, no file ({_reasons(a)})" for a in entries)
+    return "; ".join(f"{a.name} {a.status.value}, no file ({_reasons(a)})" for a in entries)
 
 
-def _reasons(entry: dict) -> str:
+def _reasons(entry: ArtifactResult) -> str:
     """An artifact's reasons on one line (an exception's message may run over several)."""
-    return " ".join(", ".join(texts(entry["reasons"])).split()) or "no reason recorded"
+    return " ".join(", ".join(texts(entry.reasons)).split()) or "no reason recorded"
 
 
 def _inside(root: Path, relative: str) -> Path:
@@ -151,45 +152,45 @@ def _dig(details: dict, dotted: str):
     return details
 
 
-def _runtime(doc: dict, entry: dict) -> dict:
-    tools, facts = RUNTIME[entry["format"]]
-    needs = {tool: doc["tools"].get(tool) for tool in tools}
-    needs.update({key: _dig(entry.get("details") or {}, path) for key, path in facts.items()})
+def _runtime(doc: Manifest, entry: ArtifactResult) -> dict:
+    tools, facts = RUNTIME[entry.format]
+    needs = {tool: doc.tools.get(tool) for tool in tools}
+    needs.update({key: _dig(entry.details or {}, path) for key, path in facts.items()})
     return needs
 
 
-def _artifact(doc: dict, role: str, entry: dict) -> dict:
+def _artifact(doc: Manifest, role: str, entry: ArtifactResult) -> dict:
     record = {
-        "name": entry["name"],
+        "name": entry.name,
         "role": role,
-        "file": entry["path"],
-        "format": entry["format"],
-        "precision": entry["precision"],
-        "status": entry["status"],
-        "reasons": entry["reasons"],
-        "sha256": entry["sha256"],
-        "size_bytes": entry["size_bytes"],
-        "thresholds": entry["thresholds"],
-        "fidelity": entry["fidelity"],
-        "golden_fidelity": entry.get("golden_fidelity"),  # what device_validate.py holds a device's run to
-        "accuracy": entry["accuracy"],
+        "file": entry.path,
+        "format": entry.format,
+        "precision": entry.precision,
+        "status": entry.status,
+        "reasons": entry.reasons,
+        "sha256": entry.sha256,
+        "size_bytes": entry.size_bytes,
+        "thresholds": entry.thresholds,
+        "fidelity": entry.fidelity,
+        "golden_fidelity": entry.golden_fidelity,  # what device_validate.py holds a device's run to
+        "accuracy": entry.accuracy,
         "runtime": _runtime(doc, entry),
     }
     # what the app feeds it: Core ML's own input (details), else the build's input format (absent in manifests
     # older than it: float32-nchw)
-    record["input"] = entry["details"]["input"] if entry["format"] == "coreml" else entry.get("input") or FLOAT_INPUT
-    golden_program = entry.get("bundled_program")
+    record["input"] = entry.details["input"] if entry.format == "coreml" else entry.input or FLOAT_INPUT
+    golden_program = entry.bundled_program
     if golden_program:
         # ExecuTorch's own golden program: the .pte with the golden inputs and its outputs, which the
         # runtime's verifier checks within rtol/atol (docs/validation.md); verified: where the build ran it
         record["bundled_program"] = {
-            "file": golden_program["path"],
-            "sha256": golden_program["sha256"],
-            "rtol": golden_program["rtol"],
-            "atol": golden_program["atol"],
-            "verified": golden_program.get("verified"),
+            "file": golden_program.path,
+            "sha256": golden_program.sha256,
+            "rtol": golden_program.rtol,
+            "atol": golden_program.atol,
+            "verified": golden_program.verified,
         }
-    memory = entry.get("memory") or {}
+    memory = entry.memory.to_json() if entry.memory else {}
     if memory.get("available"):  # how much RAM the app needs for it (measured on the build host, docs/validation.md)
         record["memory"] = {
             k: memory[k]
@@ -202,17 +203,17 @@ def _artifact(doc: dict, role: str, entry: dict) -> dict:
             )
             if k in memory
         }
-    if entry.get("aarch64"):  # the same artifact judged on emulated aarch64 CPUs (no latency: emulated), with its
+    if entry.aarch64:  # the same artifact judged on emulated aarch64 CPUs (no latency: emulated), with its
         # instruction counts there where they were made (labelled: not time)
         record["aarch64"] = [
             {
-                k: row.get(k)
+                k: getattr(row, k)
                 for k in ("cpu", "status", "reasons", "fidelity", "vs_x86", "emulated", "instructions")
-                if k != "instructions" or row.get(k)
+                if k != "instructions" or row.instructions
             }
-            for row in entry["aarch64"]
+            for row in entry.aarch64
         ]
-    engine = next((e for e in doc.get("jetson", {}).get("engines", []) if e["onnx"] == entry["path"]), None)
+    engine = next((e for e in (doc.jetson or {}).get("engines", []) if e["onnx"] == entry.path), None)
     if engine:
         # built on the device by build_engine.sh: engines do not carry across GPUs or TensorRT versions
         record["engine"] = {
@@ -220,7 +221,7 @@ def _artifact(doc: dict, role: str, entry: dict) -> dict:
             "batch_profile": engine["options"]["batch"],
             "tensorrt_major": sorted(int(m) for m in engine["trtexec"]),
         }
-    return record
+    return jsonable(record)
 
 
 def _listing(stage: Path) -> list[dict]:
@@ -249,39 +250,39 @@ def _write_zip(stage: Path, path: Path) -> None:
                 shutil.copyfileobj(src, dst, 1 << 20)
 
 
-def _describe(doc: dict, chosen: list[tuple[str, dict]], golden: dict, listed: list[dict]) -> dict:
+def _describe(doc: Manifest, chosen: list[tuple[str, ArtifactResult]], golden: dict, listed: list[dict]) -> dict:
     return {
         "bundle_version": BUNDLE_VERSION,
-        "target": doc["target"]["name"],
-        "weight": {k: doc["weight"][k] for k in ("name", "model", "num_classes")},
-        "task": doc["task"],
+        "target": doc.target["name"],
+        "weight": {"name": doc.weight.name, "model": doc.weight.model, "num_classes": doc.weight.num_classes},
+        "task": doc.task,
         "build": {
-            "exporter_version": doc["exporter_version"],
-            "created": doc["created"],
-            "validated": doc.get("validated"),
-            "status": doc["status"],
+            "exporter_version": doc.exporter_version,
+            "created": doc.created,
+            "validated": doc.validated,
+            "status": doc.status.value,
             "manifest": "manifest.json",
         },
         "labels": "labels.txt",
         "preprocessing": "preprocessing.json",
         "golden": golden,
-        "data": doc["data"],
-        "eager": doc["eager"],
+        "data": doc.data,
+        "eager": jsonable(doc.eager),
         "artifacts": [_artifact(doc, role, entry) for role, entry in chosen],
         # jetson: what finishes and checks the build on the device (the app's --golden runs the validator)
-        "device_kit": {k: doc["jetson"][k] for k in ("validator", "build_script")} if "jetson" in doc else None,
+        "device_kit": {k: doc.jetson[k] for k in ("validator", "build_script")} if doc.jetson is not None else None,
         "files": listed,
     }
 
 
-def _plan(out: Path, allow_failed: bool) -> tuple[dict, list[tuple[str, dict]], dict]:
+def _plan(out: Path, allow_failed: bool) -> tuple[Manifest, list[tuple[str, ArtifactResult]], dict]:
     """Everything that can be refused before a file is copied."""
-    doc = _read_build(out)
-    manifest.check_artifacts(out, doc)  # every one, not only those bundled: none is left unchecked unsaid
+    record, doc = _read_build(out)
+    manifest.check_artifacts(out, record)  # every one, not only those bundled: none is left unchecked unsaid
     chosen = _selected(doc, allow_failed)
-    manifest.check_side_files(out, doc)
+    manifest.check_side_files(out, record)
     golden = {key: path for key, path in GOLDEN.items() if files.build_file(out, path, missing_ok=True)}
-    task = doc["task"]
+    task = doc.task
     if task["name"] == "detection":
         decode = task.get("decode") or {}
         if "anchors" not in decode or not decode.get("code"):
@@ -319,22 +320,22 @@ def make_bundle(out_dir, allow_failed: bool = False, dest=None) -> Path:
     dest = Path(dest) if dest is not None else out / "bundle"
     fresh = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
-    target = doc["target"]["name"]
+    target = doc.target["name"]
     try:
         with files.atomic_path(dest / target) as stage, files.atomic_path(dest / f"{target}.zip") as zip_tmp:
             stage.mkdir()
             for _, entry in chosen:
-                _copy(out, stage, entry["path"], entry["sha256"])
-                if entry.get("bundled_program"):  # beside its .pte, as in the build directory
-                    _copy(out, stage, entry["bundled_program"]["path"], entry["bundled_program"]["sha256"])
-            for name, sha256 in doc.get("jetson", {}).get("sha256", {}).items():
+                _copy(out, stage, entry.path, entry.sha256)
+                if entry.bundled_program:  # beside its .pte, as in the build directory
+                    _copy(out, stage, entry.bundled_program.path, entry.bundled_program.sha256)
+            for name, sha256 in (doc.jetson or {}).get("sha256", {}).items():
                 _copy(out, stage, name, sha256)
             for name in (*SIDE_FILES, *golden.values()):
                 _copy(out, stage, name)
-            reference = (doc.get("preprocessing") or {}).get("reference")  # numpy: the app's resize (and crop)
+            reference = (doc.preprocessing or {}).get("reference")  # numpy: the app's resize (and crop)
             if reference:
                 _copy(out, stage, reference["file"])
-            decode = doc["task"].get("decode")
+            decode = (doc.task or {}).get("decode")
             if decode:  # detection: the apps find both where task.decode says
                 if decode["anchors"] and not _inside(stage, decode["anchors"]).exists():
                     _copy(out, stage, decode["anchors"])
