@@ -267,6 +267,7 @@ def test_fp16_onnx_folds_batchnorm_in_float32_before_the_cast(tmp_path):
     from torch.nn.utils.fusion import fuse_conv_bn_eval
 
     from exporter.formats import onnx as onnx_format
+    from exporter.formats.half import HalfModel
 
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -293,7 +294,7 @@ def test_fp16_onnx_folds_batchnorm_in_float32_before_the_cast(tmp_path):
     details = onnx_format.FORMAT.export(model, example, "fp16", None, tmp_path / "folded.onnx", {})
     assert details["batchnorm_folding_fp32"] == {"batchnorms": 1, "folded": 1}
     assert np.array_equal(conv_weight(tmp_path / "folded.onnx"), expected)
-    onnx_format._export_graph(onnx_format._HalfModel(model).eval(), example, 18, tmp_path / "half.onnx")
+    onnx_format._export_graph(HalfModel(model).eval(), example, 18, tmp_path / "half.onnx")
     assert not np.array_equal(conv_weight(tmp_path / "half.onnx"), expected)  # what the test tells apart
 
 

@@ -133,11 +133,12 @@ def test_a_head_shared_by_levels_gets_q_dq_at_every_call_in_onnx(tmp_path):
 
 
 def test_a_conv_whose_weight_the_onnx_exporter_named_stays_float_instead_of_failing_the_search(tmp_path):
-    from exporter.formats.onnx import INPUT, _export_graph, _fold_batchnorms
+    from exporter.formats.half import fold_batchnorms
+    from exporter.formats.onnx import INPUT, _export_graph
     from exporter.quant.onnx_qdq import OnnxQdqBackend
 
     torch.manual_seed(0)
-    model, folding = _fold_batchnorms(UntraceableConvBn().eval(), by_parts=True)
+    model, folding = fold_batchnorms(UntraceableConvBn().eval(), by_parts=True)
     assert folding == {"batchnorms": 2, "folded": 1}
     fp32 = tmp_path / "fp32.onnx"
     _export_graph(model, torch.randn(1, 3, 16, 16), 18, fp32, exporter="torchscript")

@@ -263,7 +263,7 @@ def test_a_half_part_takes_any_arguments_and_returns_float_as_its_part_does():
 
     import torch
 
-    from exporter.formats.onnx import _half_graph
+    from exporter.formats.half import half_graph
 
     Pair = collections.namedtuple("Pair", "sum extra")
 
@@ -289,7 +289,7 @@ def test_a_half_part_takes_any_arguments_and_returns_float_as_its_part_does():
     torch.manual_seed(0)
     graph = Graph().eval()
     graph.body.bn.running_var.uniform_(0.5, 2.0)
-    mixed, details = _half_graph(graph)
+    mixed, details = half_graph(graph)
     x = torch.randn(2, 3, 8, 8)
     out = mixed(x)
     assert out.dtype == torch.float32 and details["body"]["batchnorms"] == 1 and details["body"]["folded"] == 1
