@@ -456,7 +456,8 @@ BUILD_PARAMS = (
         "--format",
         "formats",
         multiple=True,
-        help="Only these formats, e.g. executorch or executorch:int8 (repeatable).",
+        help="Only these formats, e.g. executorch or executorch:int8 (repeatable); one the profile makes on request "
+        "(executorch:fp16) only when named with its precision.",
         into=sets("formats", list),
     ),
     option(

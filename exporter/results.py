@@ -408,6 +408,8 @@ class EmulatedRow(_Record):
     bundled_program: GoldenCheck | None = None  # the .pte's golden program, verified on this CPU
     # emulated instructions per inference at one thread on this CPU (not time), and eager's on the same CPU
     instructions: Instructions | None = None
+    # what this CPU lacks that the artifact was made for (an fp16 program on a core without FP16 arithmetic)
+    lacks: str | None = None
     reused_from_cache: bool | None = None
     extra: Extra = _extra()
 

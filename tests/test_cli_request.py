@@ -162,9 +162,25 @@ def test_a_request_overrides_its_targets_profile():
     untouched = profiles.with_overrides(own, BuildRequest("resnet18").overrides())
     assert (untouched["quantization"], untouched["artifacts"], untouched["latency"]) == (
         own.get("quantization", {}),
-        own["artifacts"],
+        [a for a in own["artifacts"] if not a.get("on_request")],
         own["latency"],
     )
+
+
+def test_an_artifact_made_on_request_is_made_only_when_named_with_its_precision():
+    """android.toml lists the fp16 .pte on request: a default build and `--format executorch` leave it out,
+    `--format executorch:fp16` makes it (alone, or beside the others named)."""
+
+    def made(*formats):
+        profile = profiles.with_overrides(
+            profiles.load("android"), BuildRequest("r", formats=list(formats)).overrides()
+        )
+        return [f"{a['format']}:{a['precision']}" for a in profile["artifacts"]]
+
+    assert "executorch:fp16" in [f"{a['format']}:{a['precision']}" for a in profiles.load("android")["artifacts"]]
+    assert "executorch:fp16" not in made() and made("executorch") == ["executorch:fp32", "executorch:int8"]
+    assert made("executorch:fp16") == ["executorch:fp16"]
+    assert made("executorch", "executorch:fp16") == ["executorch:fp32", "executorch:fp16", "executorch:int8"]
 
 
 def test_the_requests_checks_write_nothing(tmp_path):

@@ -1,5 +1,5 @@
 """On ARM kernels, for real (opt-in: EXPORTER_TEST_AARCH64=1; `.ci/run` sets it): a build with `--arch aarch64`
-judges the digits classifier's .pte fp32 and int8, its .tflite int8 and its ONNX int8 on two named emulated CPUs, and the
+judges the digits classifier's .pte fp32, fp16 and int8, its .tflite int8 and its ONNX int8 on two named emulated CPUs, and the
 .bpte golden programs verify there. The runner lives outside the clone (~/.cache/exporter/aarch64, or
 $EXPORTER_TEST_AARCH64_CACHE), so a second run on the same machine reuses it; on a fresh machine conftest.py
 starts setting it up in the background when the session starts, and this file runs late in the suite.
@@ -47,6 +47,8 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
             "--format",
             "executorch",
             "--format",
+            "executorch:fp16",
+            "--format",
             "litert:int8",
             "--format",
             "onnx:int8",
@@ -66,6 +68,7 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
         assert [step for step in doc["timings_s"] if "aarch64 runner" in step] == ["aarch64 runner"], doc["timings_s"]
         entries.update({e["path"]: e for e in doc["artifacts"] if e.get("path")})
     assert sorted(entries) == [
+        "mobilenet_v3_small_executorch_fp16.pte",
         "mobilenet_v3_small_executorch_fp32.pte",
         "mobilenet_v3_small_executorch_int8.pte",
         "mobilenet_v3_small_litert_int8.tflite",
@@ -122,6 +125,12 @@ def test_a_build_with_arch_aarch64_judges_the_digits_artifacts_on_two_arm_cores(
         for p, e in entries.items()
     }
     assert a76["mobilenet_v3_small_executorch_int8.pte"] < a76["mobilenet_v3_small_executorch_fp32.pte"], a76
+    # fp16: computed in half precision on the core with FP16 arithmetic, fewer instructions than fp32 there; the
+    # Armv8.0 core has none, and its row says so
+    assert a76["mobilenet_v3_small_executorch_fp16.pte"] < a76["mobilenet_v3_small_executorch_fp32.pte"], a76
+    fp16 = {r["cpu"]: r for r in entries["mobilenet_v3_small_executorch_fp16.pte"]["aarch64"]}
+    assert "FP16 arithmetic" in fp16["cortex-a53"]["lacks"] and "lacks" not in fp16["cortex-a76"], fp16
+    assert "`executorch_fp16` on cortex-a53: FP16 arithmetic" in (out / "android" / "report.md").read_text()
     assert "ranked by count" in (out / "android" / "report.md").read_text()
 
 

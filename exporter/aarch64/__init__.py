@@ -9,8 +9,20 @@ Importing this package imports neither torch nor numpy (docs/validation.md, "aar
 
 from __future__ import annotations
 
-from .cpus import FOR_TARGET, WHY
+from .cpus import FOR_TARGET, FP16_ARITHMETIC, WHY
 from .execute import Result, run, verify_bundled
 from .runner import Runner, cache_root, find, prepare
 
-__all__ = ["FOR_TARGET", "WHY", "Result", "Runner", "cache_root", "find", "prepare", "run", "verify_bundled"]
+__all__ = [
+    "FOR_TARGET",
+    "FP16_ARITHMETIC",
+    "FP16_ARITHMETIC_NEEDED",
+    "WHY",
+    "Result",
+    "Runner",
+    "cache_root",
+    "find",
+    "prepare",
+    "run",
+    "verify_bundled",
+]

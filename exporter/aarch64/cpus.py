@@ -22,6 +22,10 @@ WHY = {
     "neoverse-v1": "ARMv8.4 + SVE + i8mm + bf16: server core (Graviton3)",
     "cortex-a710": "ARMv9 + SVE2 + i8mm: big core of 2022 phones",
 }
+# Armv8.2-A FP16 arithmetic (FEAT_FP16): the cores of WHY that compute an fp16 program's ops in half precision.
+# The others (Armv8.0) still run it: cortex-a53 counted a digits MobileNetV3-Small fp16 .pte at 1.11x its fp32
+# program's instructions, cortex-a76 at 0.72x (docs/precisions.md).
+FP16_ARITHMETIC = frozenset({"cortex-a55", "cortex-a76", "neoverse-n2", "neoverse-n1", "neoverse-v1", "cortex-a710"})
 FOR_TARGET = {
     "android": ("cortex-a53", "cortex-a76", "neoverse-n2"),
     "jetson": ("cortex-a57", "cortex-a76"),

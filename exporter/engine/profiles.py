@@ -38,7 +38,8 @@ SECTIONS = {
 TASK_SECTIONS = {"thresholds": dict, "data": dict}
 DATA_KEYS = {"calib_size": int, "val_size": int, "seed": int}
 LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
-ARTIFACT_KEYS = {"name", "format", "precision", "options"}
+# on_request = true: made only when --format names it as FORMAT:PRECISION (a precision not yet measured on every task)
+ARTIFACT_KEYS = {"name", "format", "precision", "options", "on_request"}
 ARCHES = ("x86_64", "aarch64")  # x86_64: this host (always); aarch64: the emulated runner (exporter.aarch64)
 VALIDATE_KEYS = {"arch": list, "cpus": list, "count": bool, "reference_cpu": str}
 INPUT_KEYS = {"format": str, "size_range": list}
@@ -227,6 +228,8 @@ def check(profile: dict, where: str) -> None:
             raise UsageError(f"{where}: unknown precision {art.get('precision')!r}")
         if not isinstance(art.get("options", {}), dict):
             raise UsageError(f"{where}: [[artifacts]] options must be a table")
+        if not isinstance(art.get("on_request", False), bool):
+            raise UsageError(f"{where}: [[artifacts]] on_request must be true or false")
     _check_thresholds(profile.get("thresholds", {}), where, "thresholds")
     _check_quantization(profile.get("quantization", {}), where)
     _check_ints(profile.get("data", {}), DATA_KEYS, f"{where} [data]", 0)
@@ -336,15 +339,14 @@ def with_overrides(profile: dict, changes: Overrides) -> dict:
     overrides = profile.setdefault("overrides", {})
     _override_thresholds(profile, changes.thresholds)
     overrides["thresholds"] = [*overrides.get("thresholds", []), *changes.thresholds]
-    if changes.formats:
-        wanted = {f.strip() for f in changes.formats}
-        keep = [a for a in profile["artifacts"] if a["format"] in wanted or f"{a['format']}:{a['precision']}" in wanted]
-        if not keep:
-            choices = sorted({f"{a['format']}:{a['precision']}" for a in profile["artifacts"]})
-            raise UsageError(
-                f"--format {', '.join(sorted(wanted))} matches nothing in target {profile['name']}; choose from {', '.join(choices)}"
-            )
-        profile["artifacts"] = keep
+    wanted = {f.strip() for f in changes.formats}
+    keep = [a for a in profile["artifacts"] if _asked(a, wanted)]
+    if wanted and not keep:
+        choices = sorted({f"{a['format']}:{a['precision']}" for a in profile["artifacts"]})
+        raise UsageError(
+            f"--format {', '.join(sorted(wanted))} matches nothing in target {profile['name']}; choose from {', '.join(choices)}"
+        )
+    profile["artifacts"] = keep
     quantization = profile.setdefault("quantization", {})
     for text in changes.quant_budget:
         key, value = parse_quant_budget(text)
@@ -380,6 +382,15 @@ def with_overrides(profile: dict, changes: Overrides) -> dict:
         overrides.setdefault("validate", {}).update(arch=list(arch), cpus=list(cpus))
     check(profile, f"target {profile['name']} with CLI overrides")
     return profile
+
+
+def _asked(artifact: dict, wanted: set[str]) -> bool:
+    """Whether a build asking for `wanted` (--format; empty: the profile's own) makes `artifact`: one made only
+    on request is named with its precision."""
+    named = f"{artifact['format']}:{artifact['precision']}" in wanted
+    if artifact.get("on_request"):
+        return named
+    return not wanted or named or artifact["format"] in wanted
 
 
 def _override_thresholds(profile: dict, texts) -> None:

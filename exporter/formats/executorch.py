@@ -1,4 +1,5 @@
-"""ExecuTorch program (.pte) lowered to the XNNPACK delegate, fp32 or int8 (PT2E static, through exporter.quant)."""
+"""ExecuTorch program (.pte) lowered to the XNNPACK delegate: fp32, fp16 (float32 input and output), int8 (PT2E static,
+through exporter.quant) or dynamic int8 (activations quantized per inference, no calibration)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from ..precision import Precision
 from . import dynamic_size
+from .half import half_described, half_graph
 from .interface import Format
 from .memory import native_stderr_silenced as _native_stderr_silenced  # the runtime's C++ logging goes to fd 2
 
@@ -72,6 +74,7 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool, sides=N
         attention_as_matmuls,
         chunks_as_slices,
         drop_padding_taps,
+        half_activations_as_arithmetic,
         input_transform_as_affine,
         matmuls_as_bmm,
         means_keeping_dims,
@@ -89,6 +92,10 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool, sides=N
     model, trimmed = drop_padding_taps(model, example) if rewrites else (model, [])
     model, affine = input_transform_as_affine(model) if rewrites else (model, [])
     model, split = split_large_depthwise(model) if rewrites else (model, [])
+    model, half_activations = half_activations_as_arithmetic(model) if precision == Precision.FP16 else (model, [])
+    if precision == Precision.FP16:
+        model, details["batchnorm_folding_fp32"] = half_graph(model)
+        details["graph"] = half_described(details["batchnorm_folding_fp32"])
     with torch.no_grad():
         exported = torch.export.export(model, (example,), dynamic_shapes=dims)
         folded = upsamples = 0
@@ -105,6 +112,10 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool, sides=N
         quantized, details["quantization"] = quantize_with_budget(model, backend, calib)
         with torch.no_grad():
             exported = torch.export.export(quantized, (example,), dynamic_shapes=dims)
+    if precision == Precision.INT8_DYNAMIC:
+        quantized, details["dynamic_quantization"] = _dynamic_int8(model, example, exported)
+        with torch.no_grad():
+            exported = torch.export.export(quantized, (example,), dynamic_shapes=dims)
     exported, cats = single_tensor_cats(exported) if rewrites else (exported, 0)
     # after quantization: the attention computes in float either way, and the quantizer has no pattern for it
     exported, attention = attention_as_matmuls(exported) if rewrites else (exported, 0)
@@ -113,6 +124,7 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool, sides=N
         "padding_taps_dropped": trimmed,
         "input_transform_as_affine": affine,
         "large_depthwise_split": split,
+        "half_activations_as_arithmetic": half_activations,
         "padded_avg_pools_as_pad": pools,
         "adaptive_pools_as_pools": adaptive,
         "means_keeping_dims": means,
@@ -130,6 +142,23 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool, sides=N
     program = edge.to_executorch()
     path.write_bytes(program.buffer)
     return details
+
+
+def _dynamic_int8(model, example, exported) -> tuple[torch.nn.Module, dict]:
+    """int8 weights, activations quantized per inference (no calibration): the layers XNNPACK has a dynamic int8
+    kernel for (linears, and convolutions no ReLU follows; never a depthwise one), every other op in float."""
+    from ..quant.pt2e import DYNAMIC, Pt2eBackend
+
+    backend = Pt2eBackend(model, example, exported)
+    quantized = backend.quantize([], [example], DYNAMIC)
+    in_float = backend.float_closure([], DYNAMIC)
+    return quantized, {
+        "method": backend.describe(DYNAMIC),
+        "calibration": "none: each activation's range is taken per inference",
+        "layers": len(backend.layers()),
+        "int8_layers": len(backend.layers()) - len(in_float),
+        "float_layers": in_float,
+    }
 
 
 def runtime_version() -> str:
@@ -249,7 +278,7 @@ class ExecuTorchFormat(Format):
     (its own plan and a fresh process's peak RSS) and profile (ETDump)."""
 
     name, suffix, options = "executorch", ".pte", ("size_range",)
-    precisions = (Precision.FP32, Precision.INT8)
+    precisions = (Precision.FP32, Precision.FP16, Precision.INT8, Precision.INT8_DYNAMIC)
 
     def export(
         self, model, example, precision, calib, path: Path, meta: dict, rewrites: bool = True, size_range=None

@@ -63,6 +63,17 @@ def rows(doc: Manifest) -> list[dict[str, str]]:
     return table
 
 
+def lacking(doc: Manifest) -> list[str]:
+    """What a CPU lacks that an artifact was made for, one line each (an fp16 program on a core without FP16
+    arithmetic)."""
+    return [
+        f"`{entry.name}` on {row.cpu}: {row.lacks}"
+        for entry in doc.artifacts
+        for row in entry.aarch64 or []
+        if row.lacks
+    ]
+
+
 def summary_line(doc: Manifest) -> str | None:
     arm = doc.aarch64
     if not arm:
@@ -100,7 +111,8 @@ def markdown(doc: Manifest) -> list[str]:
         headers = list(table[0])
         lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         lines += ["| " + " | ".join(str(r[h]) for h in headers) + " |" for r in table]
-    return lines
+    notes = lacking(doc)
+    return lines + ["", *(f"- {note}" for note in notes)] if notes else lines
 
 
 def html(docs: list[Manifest]) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 from .. import files
 from . import manifest
 from ..errors import UsageError
-from ..precision import Precision
+from ..precision import FP16_ARITHMETIC_NEEDED, Precision
 from ..results import ArtifactResult, Manifest, Status, jsonable, texts
 
 # Bumped only when an existing reader would misread a bundle it used to read. "task" is additive: a
@@ -38,6 +38,8 @@ BUNDLE_VERSION = 1
 SELECTION = {
     "android": {
         ("executorch", Precision.INT8): "primary",
+        ("executorch", Precision.INT8_DYNAMIC): "alternative",
+        ("executorch", Precision.FP16): "alternative",  # on cores with FP16 arithmetic (record["cpu_needs"])
         ("executorch", Precision.FP32): "fallback",
         ("litert", Precision.INT8): "alternative",
         ("litert", Precision.FP32): "alternative",
@@ -47,6 +49,7 @@ SELECTION = {
         ("coreml", Precision.FP16): "primary",
         ("coreml", Precision.FP32): "fallback",
         ("executorch", Precision.INT8): "alternative",
+        ("executorch", Precision.FP16): "alternative",
         ("executorch", Precision.FP32): "alternative",
     },
     "jetson": {
@@ -176,6 +179,8 @@ def _artifact(doc: Manifest, role: str, entry: ArtifactResult) -> dict:
         "accuracy": entry.accuracy,
         "runtime": _runtime(doc, entry),
     }
+    if entry.precision == Precision.FP16 and entry.format in ("executorch", "litert"):
+        record["cpu_needs"] = FP16_ARITHMETIC_NEEDED
     # what the app feeds it: Core ML's own input (details), else the build's input format (absent in manifests
     # older than it: float32-nchw)
     record["input"] = entry.details["input"] if entry.format == "coreml" else entry.input or FLOAT_INPUT
