@@ -16,7 +16,6 @@ from .runner import Runner, cache_root, find, prepare
 __all__ = [
     "FOR_TARGET",
     "FP16_ARITHMETIC",
-    "FP16_ARITHMETIC_NEEDED",
     "WHY",
     "Result",
     "Runner",

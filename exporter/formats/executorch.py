@@ -146,7 +146,7 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool, sides=N
 
 def _dynamic_int8(model, example, exported) -> tuple[torch.nn.Module, dict]:
     """int8 weights, activations quantized per inference (no calibration): the layers XNNPACK has a dynamic int8
-    kernel for (linears, and convolutions no ReLU follows; never a depthwise one), every other op in float."""
+    kernel for (linears and convolutions, never a depthwise one), every other op in float."""
     from ..quant.pt2e import DYNAMIC, Pt2eBackend
 
     backend = Pt2eBackend(model, example, exported)
