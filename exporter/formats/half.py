@@ -30,6 +30,13 @@ class HalfPart(torch.nn.Module):
         return cast(self.part(*cast(args, torch.half), **cast(kwargs, torch.half)), torch.float)
 
 
+# ONNX's dynamo exporter writes each node's module path into the graph's metadata (pkg.torch.onnx.class_hierarchy,
+# namespace), these wrappers' qualified names included: they keep the names they had when they lived in onnx.py, so
+# the fp16 ONNX files this module makes stay byte-identical to those made before it.
+HalfModel.__module__ = HalfPart.__module__ = "exporter.formats.onnx"
+HalfModel.__qualname__, HalfPart.__qualname__ = "_HalfModel", "_HalfPart"
+
+
 def cast(value, dtype):
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() else value
