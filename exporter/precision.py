@@ -16,9 +16,17 @@ class Precision(StrEnum):
     # int8 weights, each activation quantized per inference from its own range: no calibration images (PT2E,
     # XNNPACKQuantizer is_dynamic: the layers XNNPACK has a dynamic int8 kernel for; the rest in float)
     INT8_DYNAMIC = "int8_dynamic"
+    # int8 weights, int16 activations with ranges fixed on the calibration images (LiteRT's static_wi8_ai16: the
+    # interpreter's builtin int16 kernels, not XNNPACK's)
+    W8A16 = "w8a16"
 
 
-# What an fp16 program for an Arm CPU (ExecuTorch/LiteRT through XNNPACK) asks of the core, as a bundle says it.
+# the precisions whose activation ranges are fixed on calibration images: their export is given them
+CALIBRATED = frozenset({Precision.INT8, Precision.W8A16})
+
+
+# What an fp16 .pte (ExecuTorch, XNNPACK) asks of an Arm core, as a bundle says it (an fp16 .tflite asks nothing:
+# XNNPACK computes it in fp32 on a core without FP16 arithmetic).
 FP16_ARITHMETIC_NEEDED = (
     "Armv8.2-A FP16 arithmetic (Cortex-A55, A75, A76 and later) for its gain; a core without it (Cortex-A53, "
     "A57, A72) runs it at more instructions than the fp32 program where counted (the aarch64 rows)"

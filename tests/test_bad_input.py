@@ -224,6 +224,7 @@ def _profile(tmp_path, name: str, extra: str = "", stem: str = "android") -> str
         ),
         (lambda t: ["--target", _profile(t, "d", stem="pixel"), "--bundle"], "no bundle selection for target"),
         (lambda t: ["--format", "executorch:int8", "--calib-size", "0"], "need calibration images"),
+        (lambda t: ["--format", "litert:w8a16", "--calib-size", "0"], "litert_w8a16 need calibration images"),
     ],
 )
 def test_a_build_that_cannot_finish_is_refused_before_it_writes(build, tmp_path, args, needle):

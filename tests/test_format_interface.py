@@ -130,7 +130,7 @@ def test_precision_is_its_string():
     """Members compare, hash, format and serialize as the strings target profiles and manifests hold."""
     import json
 
-    assert [str(p) for p in Precision] == ["fp32", "fp16", "int8", "int8_dynamic"]
+    assert [str(p) for p in Precision] == ["fp32", "fp16", "int8", "int8_dynamic", "w8a16"]
     assert Precision.INT8 == "int8" and {"int8": 1}[Precision.INT8] == 1 and Precision("fp16") is Precision.FP16
     assert json.dumps({Precision.FP16: Precision.INT8}) == '{"fp16": "int8"}' and f"{Precision.FP32}" == "fp32"
 

@@ -1,16 +1,19 @@
-"""The .pte precisions made on request: fp16 (`--format executorch:fp16`: half-precision weights and arithmetic
+"""The precisions made on request: the .pte's fp16 (`--format executorch:fp16`: half-precision weights and arithmetic
 inside the XNNPACK delegate, float32 input and output) and dynamic int8 (`executorch:int8_dynamic`: int8 weights,
-activations quantized per inference, no calibration), each judged by the one contract against eager with the
-profile's thresholds for its precision."""
+activations quantized per inference, no calibration), and the .tflite's fp16, dynamic int8 and w8a16 (ai-edge-
+quantizer's recipes on the fp32 file), each judged by the one contract against eager with the profile's thresholds
+for its precision."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from exporter.formats import litert
 from exporter.formats.executorch import FORMAT
 from exporter.tasks.image_input import ImageBytesInput
 
@@ -113,6 +116,69 @@ def test_a_dynamic_int8_program_needs_no_calibration_and_keeps_the_depthwise_lay
     assert path.stat().st_size < fp32.stat().st_size
 
 
+def _weight_types_and_metadata(path) -> tuple[set[str], dict[str, str]]:
+    """The tensor types of every operator's constant inputs, and the model's metadata (name -> text)."""
+    from ai_edge_litert import schema_py_generated as schema
+    from ai_edge_litert.tools import flatbuffer_utils
+
+    model = flatbuffer_utils.read_model_from_bytearray(bytearray(path.read_bytes()))
+    names = {v: k for k, v in vars(schema.TensorType).items() if not k.startswith("_")}
+    graph = model.subgraphs[0]
+    constant = {i for i, t in enumerate(graph.tensors) if np.size(model.buffers[t.buffer].data) > 0}
+    types = {names[graph.tensors[i].type] for op in graph.operators for i in op.inputs if i in constant}
+    metadata = {m.name.decode(): bytes(model.buffers[m.buffer].data).decode() for m in model.metadata or []}
+    return types, metadata
+
+
+def test_an_fp16_tflite_stores_half_weights_and_asks_xnnpack_for_fp16_arithmetic(tmp_path):
+    """float16 weights (half the bytes) and the metadata that lets XNNPACK compute in fp16 on a core with FP16
+    arithmetic (and in fp32 on one without, x86 here: the file's numbers here are fp32 arithmetic on fp16 weights)."""
+    model, x = _net(nn.Hardswish(), nn.Hardsigmoid()), torch.randn(2, 3, 32, 32)
+    fp32, fp16 = tmp_path / "net32.tflite", tmp_path / "net16.tflite"
+    litert.FORMAT.export(model, x[:1], "fp32", None, fp32, {})
+    details = litert.FORMAT.export(model, x[:1], "fp16", None, fp16, {})
+    assert details["recipe"]["recipe"] == "float_casting" and details["recipe"]["delegate_partitions"] == 1
+    types, metadata = _weight_types_and_metadata(fp16)
+    assert "FLOAT16" in types and metadata["reduced_precision_support"] == "fp16accfp16", (types, metadata)
+    types32, metadata32 = _weight_types_and_metadata(fp32)
+    assert "FLOAT16" not in types32 and "reduced_precision_support" not in metadata32
+    ref = model(x).detach()
+    out = litert.FORMAT.load(fp16, 1)(x)
+    assert out.dtype == torch.float32 and 40 < _psnr(out, ref) < 110, _psnr(out, ref)  # fp16-rounded weights
+    assert _psnr(litert.FORMAT.load(fp32, 1)(x), ref) > 110
+
+
+@pytest.mark.parametrize("precision", ["int8_dynamic", "w8a16"])
+def test_an_integer_tflite_takes_and_returns_float32_close_to_eager(tmp_path, precision):
+    """dynamic int8 needs no calibration images; w8a16 ranges its int16 activations on them, and its int16 input and
+    output are put back to float32 inside the file, as static int8's are."""
+    model, x = _net(nn.Hardswish(), nn.Hardsigmoid()), torch.randn(4, 3, 32, 32)
+    calib = [torch.randn(1, 3, 32, 32) for _ in range(8)] if precision == "w8a16" else None
+    path = tmp_path / "net.tflite"
+    details = litert.FORMAT.export(model, x[:1], precision, calib, path, {})
+    assert details["recipe"]["recipe"] == litert.RECIPES[precision]
+    assert [t["dtype"] for t in details["io"]["inputs"] + details["io"]["outputs"]] == ["float32", "float32"]
+    assert ("int16_interface" in details.get("io_rewritten", {})) == (precision == "w8a16"), details
+    out, ref = litert.FORMAT.load(path, 1)(x), model(x).detach()
+    assert out.dtype == torch.float32 and 35 < _psnr(out, ref) < 100, _psnr(out, ref)
+    if precision == "w8a16":
+        with pytest.raises(ValueError, match="needs calibration images"):
+            litert.FORMAT.export(model, x[:1], precision, None, tmp_path / "uncalibrated.tflite", {})
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8_dynamic", "w8a16"])
+def test_a_reduced_precision_tflite_takes_image_bytes(tmp_path, precision):
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    model = ImageBytesInput(_net(nn.Hardswish(), nn.Hardsigmoid()), mean, std).eval()
+    pixels = torch.randint(0, 256, (2, 32, 32, 3), dtype=torch.uint8)
+    calib = [torch.randint(0, 256, (1, 32, 32, 3), dtype=torch.uint8) for _ in range(8)]
+    path = tmp_path / "bytes.tflite"
+    details = litert.FORMAT.export(model, pixels[:1], precision, calib, path, {})
+    assert details["io"]["inputs"][0]["dtype"] == "uint8" and details["io"]["outputs"][0]["dtype"] == "float32"
+    out, ref = litert.FORMAT.load(path, 1)(pixels), model(pixels).detach()
+    assert out.dtype == torch.float32 and _psnr(out, ref) > 35, _psnr(out, ref)
+
+
 @pytest.mark.slow
 def test_trained_digits_fp16_and_dynamic_int8_programs_are_judged_by_their_precisions_thresholds(
     tmp_path, digits_model
@@ -122,13 +188,19 @@ def test_trained_digits_fp16_and_dynamic_int8_programs_are_judged_by_their_preci
     not half of fp32's: ExecuTorch 1.5.1's XNNPACK serializer keeps convolution weights in fp32 (converted when
     XNNPACK packs them at load), the linears are stored in fp16."""
     out = tmp_path / "build"
-    formats = ("executorch:fp32", "executorch:fp16", "executorch:int8_dynamic")
+    formats = ("executorch:fp32", "executorch:fp16", "executorch:int8_dynamic", "litert:fp16", "litert:int8_dynamic")
     result = run_cli(
         *build_args(digits_model, out, "--target", "android", "--calib-size", "0", *_each("--format", formats))
     )
     doc = json.loads((out / "manifest.json").read_text())
     by_name = {a["name"]: a for a in doc["artifacts"]}
-    assert list(by_name) == ["executorch_fp32", "executorch_fp16", "executorch_int8_dynamic"], result.output
+    assert list(by_name) == [
+        "executorch_fp32",
+        "executorch_fp16",
+        "executorch_int8_dynamic",
+        "litert_fp16",
+        "litert_int8_dynamic",
+    ], result.output
     for a in by_name.values():  # the verdict is the thresholds' for its precision, the exit code the verdicts'
         assert a["thresholds"] == doc["target"]["thresholds"][a["precision"]]
         assert (a["status"] == "passed") == (breaches(a, a["thresholds"]) == []), a["reasons"]
@@ -143,6 +215,12 @@ def test_trained_digits_fp16_and_dynamic_int8_programs_are_judged_by_their_preci
     assert dynamic["details"]["dynamic_quantization"]["int8_layers"] > 0
     assert dynamic["details"]["delegation"]["ops_outside_on_tensors"] == {}
     assert dynamic["size_bytes"] < 0.5 * by_name["executorch_fp32"]["size_bytes"]  # int8 weights where quantized
+    # the .tflite's fp16: half the fp32 .pte's bytes (float16 weights, none kept in fp32 as the .pte's convolutions
+    # are), fp16-rounded weights computed in fp32 here (x86 has no FP16 arithmetic: the file's hint falls back)
+    tflite16 = by_name["litert_fp16"]
+    assert tflite16["status"] == "passed" and tflite16["fidelity"]["psnr_db"] >= 40, tflite16["reasons"]
+    assert tflite16["size_bytes"] < 0.6 * by_name["executorch_fp32"]["size_bytes"]
+    assert by_name["litert_int8_dynamic"]["size_bytes"] < 0.5 * by_name["executorch_fp32"]["size_bytes"]
     report = (out / "report.md").read_text()
     assert "executorch_fp16" in report and "executorch_int8_dynamic" in report
     # the bundle lists them before fp32 (an app tries them first) and says which cores fp16 needs for its gain
@@ -153,9 +231,12 @@ def test_trained_digits_fp16_and_dynamic_int8_programs_are_judged_by_their_preci
         ("executorch_int8_dynamic", "alternative"),
         ("executorch_fp16", "alternative"),
         ("executorch_fp32", "fallback"),
+        ("litert_int8_dynamic", "alternative"),
+        ("litert_fp16", "alternative"),
     ]
     needs = {a["name"]: a.get("cpu_needs") for a in records}
     assert "FP16 arithmetic" in needs["executorch_fp16"] and needs["executorch_fp32"] is None
+    assert needs["litert_fp16"] is None  # XNNPACK computes it in fp32 where the core has no FP16 arithmetic
 
 
 def _each(option: str, values) -> list[str]:

@@ -16,7 +16,7 @@ import torch
 
 from .. import __version__, data, validation, weights
 from ..formats import FORMATS
-from ..precision import Precision
+from ..precision import CALIBRATED
 from ..progress import Progress
 from ..quant import Calibration
 from ..release import manifest
@@ -197,9 +197,9 @@ class BuildContext(SharedContext):
         return InputDescription.from_json(image_input.describe(self.plan.input_format, example))
 
     def calibration(self, precision: str, format_name: str, log=lambda _message: None) -> Calibration | None:
-        """What a format quantizes with: for int8, the images (as the artifact takes them) plus the budget and how
-        to meet it; None for a precision that needs none."""
-        if precision != Precision.INT8:
+        """What a format quantizes with: for int8 (and w8a16), the images (as the artifact takes them) plus the
+        budget and how to meet it; None for a precision that needs none."""
+        if precision not in CALIBRATED:
             return None
         return Calibration(
             self.fed_to(format_name).calibration,

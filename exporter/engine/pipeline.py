@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..precision import Precision
+from ..precision import CALIBRATED, Precision
 from .. import __version__, data, files, validation, weights
 from ..release import html_report, manifest, previews, recommend, report
 from ..results import ArtifactResult, CacheUse, Eager, Kind, Manifest, Reason, Status, Weight, kinds, texts
@@ -704,7 +704,7 @@ def _check_calibration(plans: list[Plan], classes: list[type[Task]], quantized: 
             else [
                 a.label
                 for a in plan.artifacts
-                if a.precision == Precision.INT8 and not _refused_by_design(a, quantized, cls)
+                if a.precision in CALIBRATED and not _refused_by_design(a, quantized, cls)
             ]
         )
         if labels and plan.data.calib_size == 0:

@@ -31,8 +31,10 @@ the file (formats/memory.py)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,8 @@ from ..quant.pt2e import Pt2eQuantizer
 from .interface import Format
 from .memory import native_stderr_silenced as _native_stderr_silenced  # the runtime logs to fd 2
 
+# the integer type of the interface tensors the quantizer writes
+INTERFACE_TYPE = {Precision.INT8: "int8", Precision.W8A16: "int16"}
 # how the int8 file's interface was written (details.io.interface)
 FLOAT_INTERFACE = (
     "no int8 input or output: the converter's int8 interface tensors (io_rewritten) put back inside the file (a "
@@ -136,9 +140,10 @@ def runtime_version() -> str:
 
 
 def float_interface(content: bytes) -> tuple[bytes, dict]:
-    """The model with every int8 input and output of its main subgraph made float32: a QUANTIZE op from a new float
-    input into the int8 tensor the input was, and a DEQUANTIZE op from the int8 tensor the output was into a new
-    float output (the tensors' own scale and zero point). Returns the model and what was rewritten."""
+    """The model with every int8 (or int16) input and output of its main subgraph made float32: a QUANTIZE op from a
+    new float input into the integer tensor the input was, and a DEQUANTIZE op from the integer tensor the output
+    was into a new float output (the tensors' own scale and zero point). Returns the model and what was
+    rewritten."""
     from ai_edge_litert import schema_py_generated as schema
     from ai_edge_litert.tools import flatbuffer_utils
 
@@ -147,11 +152,15 @@ def float_interface(content: bytes) -> tuple[bytes, dict]:
     changed: dict[int, int] = {}  # old interface tensor -> the new float one
     ops_first, ops_last = [], []
     replaced: dict[str, list] = {"inputs": [], "outputs": []}  # the int8 interface the converter wrote
+    integer = {schema.TensorType.INT8: "int8", schema.TensorType.INT16: "int16"}
+    kinds: set[str] = set()
     for role, indices in (("input", graph.inputs), ("output", graph.outputs)):
         for position, index in enumerate(indices):
             tensor = graph.tensors[index]
-            if tensor.type != schema.TensorType.INT8:
+            if tensor.type not in integer:
                 continue
+            kind = integer[tensor.type]
+            kinds.add(kind)
             quantization = tensor.quantization
             replaced[f"{role}s"].append(
                 {
@@ -163,7 +172,7 @@ def float_interface(content: bytes) -> tuple[bytes, dict]:
             floating = schema.TensorT()
             floating.shape, floating.shapeSignature = tensor.shape, tensor.shapeSignature
             floating.type, floating.buffer, floating.name = schema.TensorType.FLOAT32, 0, tensor.name
-            tensor.name = (tensor.name or b"") + b"_int8"
+            tensor.name = (tensor.name or b"") + b"_" + kind.encode()
             graph.tensors.append(floating)
             new = len(graph.tensors) - 1
             changed[index] = new
@@ -185,9 +194,10 @@ def float_interface(content: bytes) -> tuple[bytes, dict]:
             continue
         for entry in list(signature.inputs or []) + list(signature.outputs or []):
             entry.tensorIndex = changed.get(entry.tensorIndex, entry.tensorIndex)
+    (kind,) = kinds  # one integer type per file: int8 from the converter, int16 from the w8a16 recipe
     rewritten = {
-        "int8_interface": replaced,
-        "note": "the converter's int8 input/output tensors (scale and zero point above) made float32 by a "
+        f"{kind}_interface": replaced,
+        "note": f"the converter's {kind} input/output tensors (scale and zero point above) made float32 by a "
         "QUANTIZE op after the input and a DEQUANTIZE op before the output, inside the file",
     }
     return bytes(flatbuffer_utils.convert_object_to_bytearray(model)), rewritten
@@ -205,6 +215,94 @@ def _opcode(model, builtin: int) -> int:
     code.builtinCode, code.deprecatedBuiltinCode, code.version = builtin, min(builtin, 127), 2
     model.operatorCodes.append(code)
     return len(model.operatorCodes) - 1
+
+
+# ai-edge-quantizer's recipe for each precision made from the fp32 file (its weights, and for w8a16 its activations,
+# rewritten in the flatbuffer)
+RECIPES = {
+    Precision.FP16: "float_casting",  # weights stored as float16, dequantized where the runtime loads them
+    Precision.INT8_DYNAMIC: "dynamic_wi8_afp32",  # int8 weights per channel, activations quantized per inference
+    Precision.W8A16: "static_wi8_ai16",  # int8 weights, int16 activations with ranges from calibration images
+}
+# tflite::optimize's "reduced_precision_support" model metadata: XNNPACK's delegate then computes in fp16 where the
+# core has FP16 arithmetic (XNN_FLAG_HINT_FP16_INFERENCE: a hint; in fp32 elsewhere, x86 included)
+FP16_HINT = ("reduced_precision_support", "fp16accfp16")
+FP16_ARITHMETIC = (
+    "float16 weights; float16 arithmetic inside XNNPACK where the core has FP16 arithmetic (the file's "
+    f"{FP16_HINT[0]} metadata, {FP16_HINT[1]!r}), float32 arithmetic on the others (x86 included)"
+)
+
+
+@contextlib.contextmanager
+def _quiet_quantizer():
+    """ai-edge-quantizer draws tqdm bars on sys.stderr for graphs over 100 tensors (calibration and its
+    transformations take no switch), and its native code logs to fd 2: neither belongs in a build's output."""
+    with contextlib.redirect_stderr(io.StringIO()), _native_stderr_silenced(), warnings.catch_warnings():
+        # its calibration keeps every tensor, and the interpreter warns that this is for debugging
+        warnings.filterwarnings("ignore", "Enabling `experimental_preserve_all_tensors`", UserWarning)
+        yield
+
+
+def _quantizer(content: bytes, precision: Precision):
+    from ai_edge_quantizer import qtyping, quantizer, recipe
+
+    if precision != Precision.FP16:
+        return quantizer.Quantizer(content, getattr(recipe, RECIPES[precision])())
+    made = quantizer.Quantizer(content)
+    made.update_quantization_recipe(
+        regex=".*",
+        operation_name=qtyping.TFLOperationName.ALL_SUPPORTED,
+        algorithm_key=quantizer.AlgorithmName.FLOAT_CASTING,
+        op_config=qtyping.OpQuantizationConfig(
+            weight_tensor_config=qtyping.TensorQuantizationConfig(num_bits=16, dtype=qtyping.TensorDataType.FLOAT),
+            compute_precision=qtyping.ComputePrecision.FLOAT,
+            explicit_dequantize=True,
+        ),
+    )
+    return made
+
+
+def requantized(content: bytes, precision: Precision, calib) -> tuple[bytes, dict]:
+    """The fp32 file made `precision` by ai-edge-quantizer's recipe for it (RECIPES), calibrated on `calib`'s images
+    where the recipe fixes activation ranges; returns the file and what was done."""
+    made = _quantizer(content, precision)
+    ranges, calibration = None, "none: no activation range is fixed"
+    if made.need_calibration:
+        if not calib:
+            raise ValueError(f"litert {precision} needs calibration images")
+        signatures = _interpreter(content, 1).get_signature_list()
+        ((signature, io),) = signatures.items()
+        (name,) = io["inputs"]
+        with _quiet_quantizer():
+            ranges = made.calibrate({signature: [{name: np.asarray(x)} for x in calib]}, num_threads=1)
+        calibration = f"{len(calib)} images fix every activation's range (min and max)"
+    with _quiet_quantizer():
+        result = made.quantize(ranges, enable_progress_bar=False, enable_progress_report=False)
+    return bytes(result.quantized_model), {
+        "tool": f"ai-edge-quantizer {_version('ai-edge-quantizer')}",
+        "recipe": RECIPES[precision],
+        "calibration": calibration,
+    }
+
+
+def with_metadata(content: bytes, name: str, value: str) -> bytes:
+    """The model with one more metadata entry (`name`: `value`, in a buffer of its own)."""
+    from ai_edge_litert import schema_py_generated as schema
+    from ai_edge_litert.tools import flatbuffer_utils
+
+    model = flatbuffer_utils.read_model_from_bytearray(bytearray(content))
+    buffer = schema.BufferT()
+    buffer.data = list(value.encode())
+    model.buffers.append(buffer)
+    entry = schema.MetadataT()
+    entry.name, entry.buffer = name.encode(), len(model.buffers) - 1
+    model.metadata = list(model.metadata or []) + [entry]
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(model))
+
+
+def _delegate_partitions(interpreter) -> int:
+    """How many parts of the graph XNNPACK took (1: the whole graph; each op it leaves out splits it)."""
+    return sum(op["op_name"] == "DELEGATE" for op in interpreter._get_ops_details())
 
 
 def _interpreter(source: Path | bytes, threads: int | None):
@@ -291,7 +389,7 @@ class LiteRTFormat(Format):
     (ai-edge-litert has no per-operator profiler from Python: the engine says so)."""
 
     name, suffix = "litert", ".tflite"
-    precisions = (Precision.FP32, Precision.INT8)
+    precisions = (Precision.FP32, Precision.FP16, Precision.INT8, Precision.INT8_DYNAMIC, Precision.W8A16)
 
     def export(self, model, example, precision, calib, path: Path, meta: dict) -> dict:
         litert_torch = _import_converter()
@@ -312,7 +410,7 @@ class LiteRTFormat(Format):
                 module.training = False
             quantizer = LITERT.quantizer_class()().set_global(LITERT.config())
             quant_config = QuantConfig(pt2e_quantizer=quantizer)
-        elif precision != Precision.FP32:
+        elif precision not in self.precisions:
             raise ValueError(f"litert takes {' or '.join(self.precisions)}, not {precision}")
         # the converter's native code logs to fd 2 ("Estimated count of arithmetic ops"); an error still raises
         try:
@@ -323,12 +421,19 @@ class LiteRTFormat(Format):
             if refused is e:
                 raise
             raise refused from e
-        if precision == Precision.INT8:
+        if precision in RECIPES:
+            content, details["recipe"] = requantized(content, precision, calib)
+        if precision == Precision.FP16:
+            content = with_metadata(content, *FP16_HINT)
+            details["recipe"]["arithmetic"] = FP16_ARITHMETIC
+        if precision in INTERFACE_TYPE:
             content, details["io_rewritten"] = float_interface(content)
         interpreter = _interpreter(content, 1)
         details["io"] = _io(interpreter)
-        if precision == Precision.INT8:
-            details["io"]["interface"] = FLOAT_INTERFACE
+        if precision in INTERFACE_TYPE:
+            details["io"]["interface"] = FLOAT_INTERFACE.replace("int8", INTERFACE_TYPE[precision])
+        if precision in RECIPES:
+            details["recipe"]["delegate_partitions"] = _delegate_partitions(interpreter)
         details["ops"] = _op_counts(interpreter)
         path.write_bytes(content)
         if precision == Precision.INT8:

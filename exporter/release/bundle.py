@@ -42,6 +42,10 @@ SELECTION = {
         ("executorch", Precision.FP16): "alternative",  # on cores with FP16 arithmetic (record["cpu_needs"])
         ("executorch", Precision.FP32): "fallback",
         ("litert", Precision.INT8): "alternative",
+        ("litert", Precision.INT8_DYNAMIC): "alternative",
+        ("litert", Precision.FP16): "alternative",  # fp16 arithmetic where the core has it, fp32 elsewhere
+        # no w8a16: int16 kernels are the interpreter's reference ones, ~20x fp32's instructions on an Arm CPU
+        # (docs/precisions.md); a build makes it on request, for NPU delegates that take int16 activations
         ("litert", Precision.FP32): "alternative",
         ("torchscript_lite", Precision.FP32): "alternative",  # PyTorch Mobile: end-of-life, last
     },
@@ -179,7 +183,7 @@ def _artifact(doc: Manifest, role: str, entry: ArtifactResult) -> dict:
         "accuracy": entry.accuracy,
         "runtime": _runtime(doc, entry),
     }
-    if entry.precision == Precision.FP16 and entry.format in ("executorch", "litert"):
+    if entry.precision == Precision.FP16 and entry.format == "executorch":  # a .tflite's fp16 falls back to fp32
         record["cpu_needs"] = FP16_ARITHMETIC_NEEDED
     # what the app feeds it: Core ML's own input (details), else the build's input format (absent in manifests
     # older than it: float32-nchw)
