@@ -401,6 +401,15 @@ BUILD_PARAMS = (
         into=sets("cpus", list),
     ),
     option(
+        "--must-run-on",
+        "must_run_on",
+        multiple=True,
+        metavar="NAME",
+        help='An aarch64 CPU the app must run on (repeatable; validated on, implies --arch aarch64): "ship this" '
+        "never picks an artifact that failed there or was made for what it lacks (an fp16 .pte on cortex-a53).",
+        into=sets("must_run_on", list),
+    ),
+    option(
         "--count/--no-count",
         "count",
         default=None,

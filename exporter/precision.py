@@ -25,8 +25,11 @@ class Precision(StrEnum):
 CALIBRATED = frozenset({Precision.INT8, Precision.W8A16})
 
 
-# What an fp16 .pte (ExecuTorch, XNNPACK) asks of an Arm core, as a bundle says it (an fp16 .tflite asks nothing:
+# A CPU feature an artifact declares it needs (its details' "cpu_needs"), as formats write it and the aarch64 rows
+# and bundles read it: an fp16 .pte computes in half precision whatever the core (an fp16 .tflite needs nothing:
 # XNNPACK computes it in fp32 on a core without FP16 arithmetic).
+NEEDS_FP16_ARITHMETIC = "fp16_arithmetic"
+# ... as a bundle says it
 FP16_ARITHMETIC_NEEDED = (
     "Armv8.2-A FP16 arithmetic (Cortex-A55, A75, A76 and later) for its gain; a core without it (Cortex-A53, "
     "A57, A72) runs it at more instructions than the fp32 program where counted (the aarch64 rows)"

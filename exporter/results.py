@@ -494,15 +494,19 @@ class Recommendation:
     ranked_by: str  # "x86 latency" or "instructions on <cpu>"
     smallest: str | None
     why: str
+    not_picked: dict[str, str] = field(default_factory=dict)  # every other artifact: why it was not picked
 
     def to_json(self) -> dict:
-        return {"artifact": self.artifact, "ranked_by": self.ranked_by, "smallest": self.smallest, "why": self.why}
+        record = {"artifact": self.artifact, "ranked_by": self.ranked_by, "smallest": self.smallest, "why": self.why}
+        return record | ({"not_picked": dict(self.not_picked)} if self.not_picked else {})
 
     @classmethod
     def from_json(cls, record) -> Recommendation:
         if isinstance(record, Recommendation):
             return record
-        return cls(record["artifact"], record["ranked_by"], record.get("smallest"), record["why"])
+        return cls(
+            record["artifact"], record["ranked_by"], record.get("smallest"), record["why"], record.get("not_picked", {})
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -99,7 +99,9 @@ def test_the_arm_columns_give_millions_per_core_count_ratios_and_what_was_not_co
     }
     text = bench.table({"m": run, "n": {**_run(2.5), "instructions": {"unavailable": "no counting qemu"}}})
     a76 = text[text.index("on cortex-a76, millions") :]
-    assert "| m | 900.0 | 100.0 | 40.0 |" in a76 and "| 1.50× | — | — | — | 2.50× | 9.00× |" in a76
+    assert (
+        "| m | 900.0 | 100.0 | 40.0 |" in a76 and "| 1.50× | — | — | — | — | 2.50× | — | — | — | — | — | 9.00× |" in a76
+    )
     assert "on cortex-a53, millions" in text and "| m | 800.0 | 90.0 |" in text
     assert "- m: not counted: tflite fp32 on cortex-a53: RuntimeError: boom" in text
     assert "- n: unavailable (no counting qemu)" in text and "not time" in text
@@ -122,3 +124,36 @@ def test_the_bench_counts_on_the_profiles_cores_and_says_why_it_cannot(monkeypat
     arm = bench_counts.ArmCounter(["cortex-a76"], said.append, offline=True)
     assert arm.count("m", None, {}, None) == {"unavailable": "no aarch64 runner here"}
     assert said == ["ARM instruction counts: unavailable (no aarch64 runner here)"]
+
+
+def test_the_size_and_psnr_lines_name_each_file_and_say_what_the_psnr_is():
+    run = {**_run(2.5), "size_bytes": {"pte fp32": 6_100_000, "tflite fp16": 3_200_000}}
+    run["psnr_db"] = {"pte fp32": 131.2, "tflite fp16": 75.4}
+    text = bench.table({"m": run})
+    assert "- m: pte fp32 6.1 / 131.2, tflite fp16 3.2 / 75.4" in text and "random weights" in text
+
+
+def test_onnx_runtime_is_raced_with_its_own_int8_recipe(tmp_path):
+    """The bench's ORT int8 peer row: quantize_static's QDQ with uint8 activations (not our int8-activation Q/DQ),
+    run by ONNX Runtime, close to eager."""
+    import onnx
+    import torch
+    from torch import nn
+
+    from exporter.bench.measure import _ort_own_int8, _psnr_vs_eager
+    from exporter.formats.onnx import FORMAT
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1), nn.Flatten()).eval()
+    images = [torch.randn(1, 3, 16, 16) for _ in range(8)]
+    fp32 = tmp_path / "m.onnx"
+    FORMAT.export(model, images[0], "fp32", None, fp32, {})
+    own = _ort_own_int8(fp32, images, tmp_path / "own.onnx")
+    graph = onnx.load(str(own)).graph
+    activations = [n for n in graph.node if n.op_type == "QuantizeLinear"]
+    assert activations and all(
+        next(i for i in graph.initializer if i.name == n.input[2]).data_type == onnx.TensorProto.UINT8
+        for n in activations
+    )
+    psnr = _psnr_vs_eager(model, {"own": FORMAT.load(own, 1), "fp32": FORMAT.load(fp32, 1)}, images[:3])
+    assert 25 < psnr["own"] < psnr["fp32"], psnr

@@ -69,7 +69,7 @@ def test_every_option_reaches_the_request(built, tmp_path):
         "--checkpoint", "c.pt", "--no-verify", "--offline", "--float-checkpoint", "f.pt", "--labels", "l.txt",
         "--data", "d", "--input-size", "64", "96", "--calib-size", "0", "--val-size", "5", "--threads", "0",
         "--warmup", "3", "--iterations", "7", "--threshold", "int8.psnr_db=30", "--threshold", "fp32.psnr_db=60",
-        "--arch", "aarch64", "--cpu", "cortex-a53", "--cpu", "cortex-a76", "--no-count",
+        "--arch", "aarch64", "--cpu", "cortex-a53", "--cpu", "cortex-a76", "--must-run-on", "cortex-a55", "--no-count",
         "--input-format", "uint8-nhwc", "--input-size-range", "64", "320", "--detections", "graph",
         "--quant-budget", "psnr_db=30", "--no-fallback", "--format", "onnx", "--format", "executorch:int8",
         "--option", "batch=1:2:4", "--option", "fast=true", "--batch", "1:1:8", "--workspace", "64",
@@ -104,6 +104,7 @@ def test_every_option_reaches_the_request(built, tmp_path):
         float_checkpoint=Path("f.pt"),
         arch=["aarch64"],
         cpus=["cortex-a53", "cortex-a76"],
+        must_run_on=["cortex-a55"],
         count=False,
         input_format="uint8-nhwc",
         size_range=(64, 320),
@@ -165,6 +166,22 @@ def test_a_request_overrides_its_targets_profile():
         [a for a in own["artifacts"] if not a.get("on_request")],
         own["latency"],
     )
+
+
+def test_the_cores_an_app_must_run_on_are_validated_and_recorded_whatever_cpu_names():
+    from exporter.engine.plan import make
+
+    request = BuildRequest("r", cpus=["cortex-a76"], must_run_on=["cortex-a53"])
+    profile = profiles.with_overrides(profiles.load("android"), request.overrides())
+    assert profile["validate"]["cpus"] == ["cortex-a76", "cortex-a53"]
+    assert profile["validate"]["must_run_on"] == ["cortex-a53"] and "aarch64" in profile["validate"]["arch"]
+    assert make(profile, "classification").describe()["validate"]["must_run_on"] == ["cortex-a53"]
+    assert "must_run_on" not in make(profiles.load("android"), "classification").describe()["validate"]
+    with pytest.raises(UsageError, match="unknown"):
+        profiles.with_overrides(profiles.load("android"), BuildRequest("r", must_run_on=["cortex-z9"]).overrides())
+    broken = profiles.load("android") | {"validate": {"arch": ["x86_64"], "must_run_on": ["cortex-a53"]}}
+    with pytest.raises(UsageError, match="must_run_on"):
+        profiles.check(broken, "a profile")
 
 
 def test_an_artifact_made_on_request_is_made_only_when_named_with_its_precision():

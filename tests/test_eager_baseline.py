@@ -284,6 +284,8 @@ def test_the_pick_is_in_the_manifest_and_is_the_sentence_both_reports_show(tmp_p
             "ranked_by": "x86 latency",
             "smallest": "executorch_int8",
             "why": recommend.line(read_back),
+            # every other artifact, and why it was not picked
+            "not_picked": {"executorch_fp32": "p50 3.00 ms against litert_fp32's 1.50 ms on x86"},
         }
     )
     assert manifest.schema_problem(on_disk) is None
@@ -295,6 +297,8 @@ def test_the_pick_is_in_the_manifest_and_is_the_sentence_both_reports_show(tmp_p
     markdown = recommend.line(read_back, markdown=True)
     assert markdown.replace("`", "") == why and markdown.count("`") == 4
     assert "**" + markdown.replace(": ", ":** ", 1) in (tmp_path / "report.md").read_text()
+    not_picked = "Not picked: executorch_fp32: p50 3.00 ms against litert_fp32's 1.50 ms on x86."
+    assert f"<p>{not_picked}</p>" in page and not_picked in (tmp_path / "report.md").read_text().replace("`", "")
 
 
 def test_the_reports_show_the_manifests_sentence_not_one_computed_again():

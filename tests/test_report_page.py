@@ -527,6 +527,87 @@ def test_ship_for_android_chooses_across_runtimes_and_names_the_one_the_app_need
     )
 
 
+def _counted(name, counts: dict, psnr=41.0, lacks=None, **extra) -> dict:
+    """An artifact with an aarch64 row per core of `counts` (instructions per inference), passed there."""
+    rows = [
+        {
+            "arch": "aarch64",
+            "cpu": cpu,
+            "emulated": True,
+            "status": "passed",
+            "reasons": [],
+            "fidelity": None,
+            "vs_x86": None,
+            "latency_ms": None,
+            "instructions": {
+                "per_inference": n,
+                "warmup": n,
+                "unit": "emulated instructions (not time)",
+                "eager_per_inference": None,
+                "ratio_to_eager": None,
+            },
+            **({"lacks": lacks} if lacks and cpu == "cortex-a53" else {}),
+        }
+        for cpu, n in counts.items()
+    ]
+    entry = _artifact(name, aarch64=rows, **extra)
+    entry["precision"] = name.split("_", 1)[1]
+    entry["fidelity"] = {**entry["fidelity"], "psnr_db": psnr}
+    return entry
+
+
+def _counted_doc(artifacts, must_run_on=()) -> Manifest:
+    record = _record(artifacts)
+    record["aarch64"] = {"cpus": ["cortex-a53", "cortex-a76"], "instructions": {"reference_cpu": "cortex-a76"}}
+    record["target"]["validate"] = {"cpus": ["cortex-a53", "cortex-a76"], "reference_cpu": "cortex-a76"}
+    if must_run_on:
+        record["target"]["validate"]["must_run_on"] = list(must_run_on)
+    return Manifest.from_json(record)
+
+
+LACKS = "FP16 arithmetic (Armv8.2-A FEAT_FP16): cortex-a53 has none, so this fp16 program cannot compute in half"
+
+
+def test_ship_by_count_says_why_each_other_artifact_was_not_picked_and_keeps_off_a_core_the_app_must_run_on():
+    artifacts = [
+        _counted("executorch_fp32", {"cortex-a53": 38_800_000, "cortex-a76": 28_500_000}, size=6_100_000),
+        _counted("executorch_fp16", {"cortex-a53": 43_000_000, "cortex-a76": 20_500_000}, lacks=LACKS, size=4_900_000),
+        _counted("litert_fp16", {"cortex-a53": 38_100_000, "cortex-a76": 22_600_000}, psnr=75.0, size=3_200_000),
+        _artifact("executorch_int8", status="failed"),
+        _artifact("coreml_fp16", status="unavailable", p50=None),
+    ]
+    doc = _counted_doc(artifacts)
+    pick = recommend.choose(doc)
+    # the ExecuTorch and LiteRT fp16 programs are within 1.5x of each other (a tie across runtimes): the one closer
+    # to eager wins, whatever the x86 p50 (every _artifact has p50 4.0 here)
+    assert pick["fastest"].name == "litert_fp16" and pick["smallest"].name == "litert_fp16"
+    why = recommend.not_picked(doc)
+    assert list(why) == ["executorch_fp32", "executorch_fp16", "executorch_int8", "coreml_fp16"]
+    assert why["executorch_fp32"] == "1.26x the instructions of litert_fp16 on cortex-a76"
+    assert why["executorch_fp16"].startswith(
+        "0.91x the instructions of litert_fp16 on cortex-a76 (a tie across runtimes"
+    )
+    assert why["executorch_int8"] == "failed: top1_agreement 0.91 (needs >= 0.97)"
+    assert why["coreml_fp16"].startswith("not validated: ")
+    # an app that must run on cortex-a53: the fp16 .pte, made for what that core lacks, is not picked even alone
+    alone = _counted_doc(artifacts[:2], must_run_on=["cortex-a53"])
+    assert recommend.choose(alone)["fastest"].name == "executorch_fp32"
+    assert recommend.not_picked(alone) == {"executorch_fp16": f"not for cortex-a53, which the app must run on: {LACKS}"}
+    none = _counted_doc(artifacts[1:2], must_run_on=["cortex-a53"])
+    assert recommend.line(none) == "Nothing to ship for android: none of the 1 that passed runs on cortex-a53."
+    unvalidated = _counted_doc([_counted("executorch_fp32", {"cortex-a76": 1})], must_run_on=["cortex-a53"])
+    assert recommend.choose(unvalidated)["excluded"] == {
+        "executorch_fp32": "not validated on cortex-a53, which the app must run on"
+    }
+    # the manifest records the reasons, and both reports show them under "Ship for"
+    doc.recommended = recommend.recommendation(doc)
+    assert doc.recommended.to_json()["not_picked"] == why
+    assert Manifest.from_json(json.loads(manifest.dumps(doc.to_json()))).recommended.not_picked == why
+    md, page = report.markdown(doc), html_report.render([doc], [])
+    assert "Not picked: `executorch_fp32`: 1.26x the instructions of litert_fp16 on cortex-a76;" in md
+    assert "Not picked: executorch_fp32: 1.26x" in _plain(page)
+
+
 def test_nothing_passed_says_so():
     doc = _doc(
         [

@@ -12,6 +12,7 @@ from ..aarch64 import counting
 from ..engine import profiles
 from ..release.recommend import COUNT_TIE
 from ..errors import UsageError
+from .rows import ORT_OWN_INT8
 
 UNIT = "emulated aarch64 instructions per inference, one thread (qemu TCG plugin): not time"
 WARMUP, RUNS = 1, 2  # on the example, then two other images: three inputs, the counted two on images of their own
@@ -20,8 +21,14 @@ RATIOS = [
     ("pte fp32 vs ORT fp32", "pte fp32", "onnx fp32 (ORT)"),
     ("pte fp32 vs tflite fp32", "pte fp32", "tflite fp32"),
     ("pte int8 vs ORT int8", "pte int8 plain", "onnx int8 plain (ORT)"),
+    ("pte int8 vs ORT's own int8", "pte int8 plain", ORT_OWN_INT8),
     ("pte int8 vs tflite int8", "pte int8 plain", "tflite int8 plain"),
     ("pte int8 vs pte fp32", "pte int8 plain", "pte fp32"),
+    ("pte fp16 vs pte fp32", "pte fp16", "pte fp32"),
+    ("tflite fp16 vs tflite fp32", "tflite fp16", "tflite fp32"),
+    ("pte fp16 vs tflite fp16", "pte fp16", "tflite fp16"),
+    ("pte dynamic vs pte fp32", "pte int8 dynamic", "pte fp32"),
+    ("tflite dynamic vs tflite fp32", "tflite int8 dynamic", "tflite fp32"),
     ("eager / pte fp32", "pte fp32", "eager"),
 ]
 

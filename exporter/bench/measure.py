@@ -26,6 +26,7 @@ from .rows import (
     CALIBRATION_IMAGES,
     MODELS,
     ORT_AS_ON_ARM,
+    ORT_OWN_INT8,
     PROFILED,
     RUNTIMES,
     UINT8_RUNTIMES,
@@ -100,6 +101,11 @@ def bench_model(
     if "onnx fp32 (ORT)" in paths:
         format_, path = paths["onnx fp32 (ORT)"]
         runners[ORT_AS_ON_ARM] = format_.load(path, threads, nchwc=False)
+        start = time.perf_counter()
+        own = _ort_own_int8(path, inputs.calibration, workdir / f"{name}_onnx_int8_ort_own.onnx")
+        build_s[ORT_OWN_INT8] = round(time.perf_counter() - start, 1)
+        paths[ORT_OWN_INT8], runners[ORT_OWN_INT8] = (format_, own), format_.load(own, threads)
+        torch.set_num_threads(threads)
     fed = _uint8_rows(name, model, task, example, meta, threads, workdir, runners, build_s, log)
     timing, conditions = validation.measure_latency_on_host(
         runners, example, warmup, iterations, rounds=10, examples=fed
@@ -116,6 +122,11 @@ def bench_model(
         "memory_bytes": memory,
         "profiles": _profiles(name, paths, example, threads, log),  # after the timed rounds
         "rewrites": rewrites,
+        "size_bytes": {label: path.stat().st_size for label, (_, path) in paths.items() if path.is_file()},
+        # the images the ARM columns count on; random weights: how much each file's arithmetic rounds, not accuracy
+        "psnr_db": _psnr_vs_eager(
+            model, {label: runners[label] for label in paths}, [example, *inputs.calibration[:2]]
+        ),
     }
     if arm is not None:  # after every timed round: qemu never runs beside a timing
         images = torch.cat([example, *inputs.calibration[:2]]).numpy()
@@ -123,6 +134,62 @@ def bench_model(
     if isinstance(task, Detection):
         result |= _detection_timings(name, model, example, task, weights, threads, workdir, log)
     return result
+
+
+def _ort_own_int8(fp32: Path, images: list, out: Path) -> Path:
+    """ORT_OWN_INT8: the fp32 ONNX file quantized as ONNX Runtime's documentation does it (quant_pre_process, then
+    quantize_static: QDQ, uint8 activations, per-channel int8 weights), calibrated on `images`."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from ..formats.onnx import INPUT
+
+    class Feeds(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter([{INPUT: x.contiguous().numpy()} for x in images])
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    prepared = out.with_name(f"{out.stem}_prepared.onnx")
+    quant_pre_process(str(fp32), str(prepared))
+    quantize_static(
+        str(prepared),
+        str(out),
+        Feeds(),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+    )
+    return out
+
+
+def _flat(output) -> torch.Tensor:
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return torch.cat([_flat(o) for o in output])
+    return torch.as_tensor(output).detach().float().flatten()
+
+
+def _psnr_vs_eager(model, runners: dict, images: list) -> dict[str, float]:
+    """Each runner's PSNR against eager on `images`, one at a time (where a runner returns only a graph's first
+    output, on that output)."""
+    with torch.no_grad():
+        reference = [_flat(model(x)) for x in images]
+    found = {}
+    for label, run in runners.items():
+        try:
+            outputs = [_flat(run(x)) for x in images]
+        except Exception:  # a runner that cannot take this input here: no PSNR, never a failed benchmark
+            continue
+        if any(o.numel() > r.numel() for o, r in zip(outputs, reference)):
+            continue
+        out, ref = torch.cat(outputs), torch.cat([r[: o.numel()] for o, r in zip(outputs, reference)])
+        noise = float((out - ref).pow(2).mean())
+        found[label] = round(10 * float(np.log10(float(ref.pow(2).mean()) / noise)), 1) if noise else float("inf")
+    return found
 
 
 def _calibrations(images: list, task) -> dict[str, Calibration]:

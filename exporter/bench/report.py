@@ -6,7 +6,7 @@ from __future__ import annotations
 from .. import hostload
 from ..quant import SETTINGS
 from . import counts
-from .rows import BUDGET_PSNR_DB, ORT_AS_ON_ARM, RATIOS, REGRESSION, RUNTIMES, UNREWRITTEN
+from .rows import BUDGET_PSNR_DB, ORT_AS_ON_ARM, ORT_OWN_INT8, RATIOS, REGRESSION, RUNTIMES, UNREWRITTEN
 
 
 def _host_lines(results: dict) -> list[str]:
@@ -70,8 +70,22 @@ def rewrites_line(rewrites: dict) -> str:
     return "; ".join(lines)
 
 
+def _size_and_psnr(results: dict, labels: list[str]) -> list[str]:
+    """Per model, each file's size and its outputs' PSNR against eager (random weights: the rounding, not accuracy)."""
+    if not any(r.get("size_bytes") for r in results.values()):
+        return []
+    lines = ["", "size MB / PSNR dB against eager (three images; random weights: how much each file rounds):", ""]
+    for model, r in results.items():
+        sizes, psnr = r.get("size_bytes") or {}, r.get("psnr_db") or {}
+        shown = [label for label in labels if label in sizes]
+        lines.append(
+            f"- {model}: " + ", ".join(f"{label} {sizes[label] / 1e6:.1f} / {psnr.get(label, '—')}" for label in shown)
+        )
+    return lines
+
+
 def table(results: dict) -> str:
-    labels = ["eager", "eager NHWC"] + [label for label, *_ in RUNTIMES] + [ORT_AS_ON_ARM, UNREWRITTEN]
+    labels = ["eager", "eager NHWC"] + [label for label, *_ in RUNTIMES] + [ORT_OWN_INT8, ORT_AS_ON_ARM, UNREWRITTEN]
     lines = [
         "| model | "
         + " | ".join(f"{label} p50 ms" for label in labels)
@@ -105,7 +119,8 @@ def table(results: dict) -> str:
     for model, r in results.items():
         for label, rewrite in (r.get("rewrites") or {}).items():
             lines.append(f"- {model} {label} rewritten before lowering: {rewrites_line(rewrite)}")
-    lines += counts.table(results, [label for label, *_ in RUNTIMES])
+    lines += _size_and_psnr(results, labels)
+    lines += counts.table(results, [label for label, *_ in RUNTIMES] + [ORT_OWN_INT8])
     lines += _host_lines(results)
     lines += [
         "",

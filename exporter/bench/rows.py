@@ -22,10 +22,15 @@ MODELS = {
 # float until BUDGET_PSNR_DB holds on held-out calibration images, to show what fallback costs in speed
 RUNTIMES = [
     ("pte fp32", "executorch", Precision.FP32, None),
+    ("pte fp16", "executorch", Precision.FP16, None),
+    ("pte int8 dynamic", "executorch", Precision.INT8_DYNAMIC, None),
     ("pte int8 plain", "executorch", Precision.INT8, "plain"),
     ("pte int8 budget", "executorch", Precision.INT8, "budget"),
     ("ptl fp32", "torchscript_lite", Precision.FP32, None),
     ("tflite fp32", "litert", Precision.FP32, None),
+    ("tflite fp16", "litert", Precision.FP16, None),
+    ("tflite int8 dynamic", "litert", Precision.INT8_DYNAMIC, None),
+    ("tflite w8a16", "litert", Precision.W8A16, "plain"),  # calibrated ranges, no budget search
     ("tflite int8 plain", "litert", Precision.INT8, "plain"),
     ("tflite int8 budget", "litert", Precision.INT8, "budget"),
     ("onnx fp32 (ORT)", "onnx", Precision.FP32, None),
@@ -36,6 +41,10 @@ RUNTIMES = [
 # kernels exist for x86 only, and the aarch64 wheel (the Jetson's) runs the same file without them (its optimised
 # graph has no NCHWc node), so this is the graph ONNX Runtime runs on ARM, timed on this host.
 ORT_AS_ON_ARM = "onnx fp32 (ORT, no NCHWc)"
+# ONNX Runtime raced with its own int8 recipe (its quantization docs: quant_pre_process, then quantize_static to QDQ
+# with uint8 activations and per-channel int8 weights, calibrated on the same images), not our TensorRT-style Q/DQ
+# (int8 activations), which its CPU kernels do not accelerate: the peer at its best (a bench row, not a product file)
+ORT_OWN_INT8 = "onnx int8 (ORT quantize_static)"
 # (row label, format, the float row it is compared with): the fp32 file again, taking uint8 N x H x W x 3
 UINT8_RUNTIMES = [
     ("pte fp32 uint8", "executorch", "pte fp32"),

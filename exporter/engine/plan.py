@@ -85,6 +85,7 @@ class ValidateSettings:
     cpus: tuple[str, ...] = ()
     count: bool = True  # instructions per inference on each CPU (exporter.aarch64.counting), where it can count
     reference_cpu: str | None = None  # the core "ship this" ranks by count on (None, or not among cpus: x86 latency)
+    must_run_on: tuple[str, ...] = ()  # the cores an app must run on: "ship this" never picks what cannot
 
     @property
     def aarch64_cpus(self) -> tuple[str, ...]:
@@ -100,7 +101,7 @@ class ValidateSettings:
             "cpus": list(self.cpus),
             "count": self.count,
             "reference_cpu": self.reference_cpu,
-        }
+        } | ({"must_run_on": list(self.must_run_on)} if self.must_run_on else {})
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ def make(profile: dict, task: str) -> Plan:
             tuple(resolved.get("validate", {}).get("cpus", [])),
             resolved.get("validate", {}).get("count", True),
             resolved.get("validate", {}).get("reference_cpu"),
+            tuple(resolved.get("validate", {}).get("must_run_on", [])),
         ),
         input_format=resolved.get("input", {}).get("format", profiles.INPUT_FORMATS[0]),
         size_range=_size_range(resolved),

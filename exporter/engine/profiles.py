@@ -41,7 +41,7 @@ LATENCY_KEYS = {"threads": int, "warmup": int, "iterations": int}
 # on_request = true: made only when --format names it as FORMAT:PRECISION (a precision not yet measured on every task)
 ARTIFACT_KEYS = {"name", "format", "precision", "options", "on_request"}
 ARCHES = ("x86_64", "aarch64")  # x86_64: this host (always); aarch64: the emulated runner (exporter.aarch64)
-VALIDATE_KEYS = {"arch": list, "cpus": list, "count": bool, "reference_cpu": str}
+VALIDATE_KEYS = {"arch": list, "cpus": list, "count": bool, "reference_cpu": str, "must_run_on": list}
 INPUT_KEYS = {"format": str, "size_range": list}
 MAX_SIDE = 4096  # the largest side a dynamic-size graph is exported for (an [input] size_range bound)
 # float32-nchw: the normalized tensor torchvision's transforms make; uint8-nhwc: the RGB bytes an app's bitmap holds,
@@ -204,6 +204,12 @@ def _check_validate(table: dict, artifacts: list, where: str) -> None:
         raise UsageError(
             f"{where}: reference_cpu '{reference}' must be one of cpus ({', '.join(cpus) or 'none named'})"
         )
+    must = table.get("must_run_on", [])
+    if not isinstance(must, list) or any(c not in cpus for c in must) or (must and "aarch64" not in arches):
+        raise UsageError(
+            f"{where}: must_run_on (the cores an app must run on) must list cores among cpus "
+            f"({', '.join(cpus) or 'none named'}) with aarch64 in arch, got {must!r}"
+        )
     if "aarch64" in arches and not cpus and any(_runs_on_aarch64(a.get("format")) for a in artifacts):
         raise UsageError(
             f"{where}: arch includes aarch64 but no cpus are named; e.g. cpus = {list(named.FOR_TARGET['android'])}"
@@ -333,8 +339,8 @@ def parse_quant_budget(text: str) -> tuple[str, object]:
 
 def with_overrides(profile: dict, changes: Overrides) -> dict:
     """The profile with the request's `changes`: `arch` adds architectures to [validate] arch, `cpus` replaces its
-    cpus, `count` its count, `input_format` its [input] format, `detections` its [detection] decode, `size_range` its
-    [input] size_range."""
+    cpus, `must_run_on` adds cores an app must run on (validated on, whatever `cpus`), `count` its count,
+    `input_format` its [input] format, `detections` its [detection] decode, `size_range` its [input] size_range."""
     profile = copy.deepcopy(profile)
     overrides = profile.setdefault("overrides", {})
     _override_thresholds(profile, changes.thresholds)
@@ -370,16 +376,22 @@ def with_overrides(profile: dict, changes: Overrides) -> dict:
         if value is not None:
             profile.setdefault(section, {})[key] = value
             overrides.setdefault(section, {})[key] = value
-    arch, cpus = changes.arch, changes.cpus
-    if arch or cpus:
+    arch, cpus, must = changes.arch, changes.cpus, changes.must_run_on
+    if arch or cpus or must:
         validate = profile.setdefault("validate", {})
         validate["arch"] = list(
-            dict.fromkeys([*validate.get("arch", ["x86_64"]), *arch, *(["aarch64"] if cpus else [])])
+            dict.fromkeys([*validate.get("arch", ["x86_64"]), *arch, *(["aarch64"] if cpus or must else [])])
         )
-        validate["cpus"] = list(dict.fromkeys(cpus)) or validate.get("cpus", [])
+        must = list(dict.fromkeys([*validate.get("must_run_on", []), *must]))
+        # the cores an app must run on are validated whatever --cpu names
+        validate["cpus"] = list(dict.fromkeys([*(cpus or validate.get("cpus", [])), *must]))
+        if must:
+            validate["must_run_on"] = must
         if validate.get("reference_cpu") not in validate["cpus"]:  # --cpus left it out: rank by x86 latency
             validate.pop("reference_cpu", None)
         overrides.setdefault("validate", {}).update(arch=list(arch), cpus=list(cpus))
+        if changes.must_run_on:
+            overrides["validate"]["must_run_on"] = list(changes.must_run_on)
     check(profile, f"target {profile['name']} with CLI overrides")
     return profile
 

@@ -21,6 +21,7 @@ class Overrides:
     iterations: int | None = None
     arch: tuple[str, ...] = ()  # added to [validate] arch
     cpus: tuple[str, ...] = ()  # replace [validate] cpus
+    must_run_on: tuple[str, ...] = ()  # added to [validate] must_run_on (and to its cpus)
     count: bool | None = None  # [validate] count
     input_format: str | None = None  # [input] format
     detections: str | None = None  # [detection] decode
@@ -53,6 +54,9 @@ class BuildRequest:
     float_checkpoint: Path | None = None  # a quantized weight's float model, the eager reference
     arch: list[str] = field(default_factory=list)  # validate on these architectures too (aarch64: emulated)
     cpus: list[str] = field(default_factory=list)  # the emulated aarch64 CPUs, replacing the profile's
+    must_run_on: list[str] = field(
+        default_factory=list
+    )  # cores an app must run on: an artifact that cannot is not picked
     count: bool | None = None  # instruction counts on those CPUs; None: the profile's [validate] count
     input_format: str | None = None  # float32-nchw or uint8-nhwc; None: the profile's [input] format
     size_range: tuple[int, int] | None = None  # MIN, MAX sides of a dynamic-size graph; None: the profile's
@@ -76,6 +80,7 @@ class BuildRequest:
             iterations=self.iterations,
             arch=tuple(self.arch),
             cpus=tuple(self.cpus),
+            must_run_on=tuple(self.must_run_on),
             count=self.count,
             input_format=self.input_format,
             detections=self.detections,

@@ -20,7 +20,7 @@ import torch
 
 from .. import aarch64, files, validation
 from ..formats import FORMATS
-from ..precision import Precision
+from ..precision import NEEDS_FP16_ARITHMETIC
 from ..results import ArtifactResult, EmulatedRow, Kind, Manifest, Reason, Status
 from . import cache
 from .count_on_arm import add_counts
@@ -70,7 +70,7 @@ def _flat(result_outputs: list, count: int) -> torch.Tensor:
 def row(session: BuildContext, entry: ArtifactResult, cpu: str, result, x86: torch.Tensor | None) -> EmulatedRow:
     """One CPU's row for one artifact: the validation contract on the emulated outputs, never timed."""
     where = {"cpu": cpu, "why": aarch64.WHY.get(cpu, ""), "seconds": result.seconds, "runtime": result.info}
-    if entry.precision == Precision.FP16 and cpu not in aarch64.FP16_ARITHMETIC:
+    if NEEDS_FP16_ARITHMETIC in entry.details.get("cpu_needs", ()) and cpu not in aarch64.FP16_ARITHMETIC:
         where["lacks"] = (
             f"FP16 arithmetic (Armv8.2-A FEAT_FP16): {cpu} has none, so this fp16 program cannot compute in half precision there"
         )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..precision import Precision
+from ..precision import NEEDS_FP16_ARITHMETIC, Precision
 from . import dynamic_size
 from .half import half_described, half_graph
 from .interface import Format
@@ -96,6 +96,7 @@ def _lower(model, example, precision, calib, path: Path, rewrites: bool, sides=N
     if precision == Precision.FP16:
         model, details["batchnorm_folding_fp32"] = half_graph(model)
         details["graph"] = half_described(details["batchnorm_folding_fp32"])
+        details["cpu_needs"] = [NEEDS_FP16_ARITHMETIC]  # XNNPACK runs a half graph in fp16 on any core
     with torch.no_grad():
         exported = torch.export.export(model, (example,), dynamic_shapes=dims)
         folded = upsamples = 0

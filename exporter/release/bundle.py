@@ -24,7 +24,7 @@ from pathlib import Path
 from .. import files
 from . import manifest
 from ..errors import UsageError
-from ..precision import FP16_ARITHMETIC_NEEDED, Precision
+from ..precision import FP16_ARITHMETIC_NEEDED, NEEDS_FP16_ARITHMETIC, Precision
 from ..results import ArtifactResult, Manifest, Status, jsonable, texts
 
 # Bumped only when an existing reader would misread a bundle it used to read. "task" is additive: a
@@ -183,7 +183,7 @@ def _artifact(doc: Manifest, role: str, entry: ArtifactResult) -> dict:
         "accuracy": entry.accuracy,
         "runtime": _runtime(doc, entry),
     }
-    if entry.precision == Precision.FP16 and entry.format == "executorch":  # a .tflite's fp16 falls back to fp32
+    if NEEDS_FP16_ARITHMETIC in entry.details.get("cpu_needs", ()):
         record["cpu_needs"] = FP16_ARITHMETIC_NEEDED
     # what the app feeds it: Core ML's own input (details), else the build's input format (absent in manifests
     # older than it: float32-nchw)

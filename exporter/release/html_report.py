@@ -419,6 +419,9 @@ def _ship(docs: list[Manifest]) -> str:
     for doc in docs:
         head, _, rest = recommend.shown(doc).partition(": ")
         lines.append(f"<p><b>{_esc(head)}:</b> {_esc(rest)}</p>")
+        others = recommend.not_picked_line(doc)
+        if others:
+            lines.append(f"<p>{_esc(others)}</p>")
     return f'<div class="ship">{"".join(lines)}</div>'
 
 

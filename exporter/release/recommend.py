@@ -1,20 +1,24 @@
-"""Which artifact to ship, per target: the fastest that passed and the smallest that passed (bytes).
+"""Which artifact to ship, per target: the fastest that passed and the smallest that passed (bytes), and why each
+other artifact was not picked.
 
 "Fastest" is the fewest emulated instructions per inference on the profile's reference core where every artifact
 that passed was counted there (`[validate] reference_cpu`, an out-of-order core: the device's ISA, and the same
 count on a quiet or a busy host), else the x86 p50. Counts rank exactly within one runtime; between runtimes a
 difference under COUNT_TIE is a tie (measured: cross-engine counts are off by up to 1.8x on the same phone table,
-docs/benchmarks.md), which the x86 p50 then breaks.
+docs/benchmarks.md), which fidelity to eager (PSNR) then breaks, then size: not the x86 p50, which says nothing of
+an Arm core's fp16 (x86 has no FP16 arithmetic: an fp16 program's p50 there was 3.6x its fp32's).
 
 Only measured numbers count and only artifacts that passed: one without a latency (not timed on this host)
-can be the smallest but never the fastest; a failed or unvalidated (unavailable) one is never picked."""
+can be the smallest but never the fastest; a failed or unvalidated (unavailable) one is never picked. A profile's
+`[validate] must_run_on` names the cores an app must run on: an artifact not passed on each of them, or made for
+what one of them lacks (an fp16 program on a core without FP16 arithmetic), is not picked either."""
 
 from __future__ import annotations
 
 import re
 
 from ..formats import FORMATS
-from ..results import ArtifactResult, Kind, Manifest, Recommendation, Status, kinds
+from ..results import ArtifactResult, Kind, Manifest, Recommendation, Status, kinds, texts
 
 
 def _p50(a: ArtifactResult) -> float:
@@ -36,17 +40,43 @@ def reference_cpu(doc: Manifest) -> str | None:
     return ((doc.aarch64 or {}).get("instructions") or {}).get("reference_cpu")
 
 
-def _fewest_instructions(passed: list[ArtifactResult], cpu: str) -> ArtifactResult:
-    """The pick by count on `cpu`: the lowest count of each runtime, then, where runtimes come within COUNT_TIE of
-    the lowest, the x86 p50 among those (then size, then name)."""
+def _psnr(a: ArtifactResult) -> float:
+    value = (a.fidelity or {}).get("psnr_db")
+    return float(value) if isinstance(value, (int, float)) else float("-inf")
+
+
+def _lowest_per_runtime(passed: list[ArtifactResult], cpu: str) -> dict[str, ArtifactResult]:
     best: dict[str, ArtifactResult] = {}
     for a in sorted(passed, key=lambda a: (_count(a, cpu), _size(a), a.name)):
         best.setdefault(_app_runtime(a), a)
+    return best
+
+
+def _fewest_instructions(passed: list[ArtifactResult], cpu: str) -> ArtifactResult:
+    """The pick by count on `cpu`: the lowest count of each runtime, then, where runtimes come within COUNT_TIE of
+    the lowest, the closest to eager among those (PSNR; then size, then name)."""
+    best = _lowest_per_runtime(passed, cpu)
     lowest = min(_count(a, cpu) for a in best.values())
     close = [a for a in best.values() if _count(a, cpu) <= COUNT_TIE * lowest]
-    if len(close) == 1:
-        return close[0]
-    return min(close, key=lambda a: (_p50(a), _count(a, cpu), _size(a), a.name))
+    return min(close, key=lambda a: (-_psnr(a), _size(a), a.name))
+
+
+def must_run_on(doc: Manifest) -> tuple[str, ...]:
+    return tuple((doc.target.get("validate") or {}).get("must_run_on") or ())
+
+
+def _cannot_serve(artifact: ArtifactResult, cores: tuple[str, ...]) -> str | None:
+    """Why an app that must run on `cores` cannot ship `artifact` (None: it can)."""
+    rows = {row.cpu: row for row in artifact.aarch64 or []}
+    for cpu in cores:
+        row = rows.get(cpu)
+        if row is None:
+            return f"not validated on {cpu}, which the app must run on"
+        if row.status is not Status.PASSED:
+            return f"failed on {cpu}, which the app must run on: {'; '.join(texts(row.reasons))}"
+        if row.lacks:
+            return f"not for {cpu}, which the app must run on: {row.lacks}"
+    return None
 
 
 def _size(a: ArtifactResult) -> float:
@@ -59,14 +89,18 @@ def _refused_by_design(artifact: ArtifactResult) -> bool:
 
 
 def choose(doc: Manifest) -> dict:
-    """{"passed": names, "ranked_by": what "fastest" was decided by, "fastest": its ArtifactResult or None,
-    "smallest": its ArtifactResult or None, "failed": names, "unavailable": names (no runtime here), "not_made":
-    names (the format cannot take this model)}; ties go to the other measure, then to the name."""
-    passed = [a for a in doc.artifacts if a.status is Status.PASSED]
+    """{"passed": names (that can serve every core of must_run_on), "excluded": {name: why} (passed, but cannot),
+    "ranked_by": what "fastest" was decided by, "fastest": its ArtifactResult or None, "smallest": its
+    ArtifactResult or None, "failed": names, "unavailable": names (no runtime here), "not_made": names (the format
+    cannot take this model)}; ties go to the other measure, then to the name."""
+    cores = must_run_on(doc)
+    excluded = {a.name: why for a in doc.artifacts if a.status is Status.PASSED and (why := _cannot_serve(a, cores))}
+    passed = [a for a in doc.artifacts if a.status is Status.PASSED and a.name not in excluded]
     cpu = reference_cpu(doc)
     by_count = bool(passed) and cpu is not None and all(_count(a, cpu) for a in passed)
     return {
         "passed": [a.name for a in passed],
+        "excluded": excluded,
         "ranked_by": f"instructions on {cpu}" if by_count else "x86 latency",
         "fastest": _fewest_instructions(passed, cpu)
         if by_count
@@ -108,6 +142,9 @@ def line(doc: Manifest, markdown: bool = False) -> str:
     )
     if pick["not_made"]:
         unvalidated += f" Not made for this model (the notes say why): {', '.join(map(code, pick['not_made']))}."
+    if not pick["passed"] and pick["excluded"]:
+        cores = ", ".join(must_run_on(doc))
+        return f"Nothing to ship for {target}: none of the {len(pick['excluded'])} that passed runs on {cores}."
     if not pick["passed"]:
         failed = f"{len(pick['failed'])} failed" if pick["failed"] else "none was validated"
         return f"Nothing to ship for {target}: no artifact passed ({failed}).{unvalidated}"
@@ -129,12 +166,45 @@ def line(doc: Manifest, markdown: bool = False) -> str:
     return f"Ship for {target} ({count} passed): {'; '.join(parts)}.{unvalidated}"
 
 
+def not_picked(doc: Manifest) -> dict[str, str]:
+    """Why each artifact of `doc` other than the picks was not picked, in the manifest's order: it failed (its
+    reasons), was not validated or not made, cannot serve a core the app must run on, or costs more than the
+    fastest by what "fastest" was ranked by (a tie across runtimes lost on fidelity or size says so)."""
+    pick = choose(doc)
+    fastest, cpu = pick["fastest"], reference_cpu(doc) if pick["ranked_by"] != "x86 latency" else None
+    picked = {a.name for a in (fastest, pick["smallest"]) if a is not None}
+    passed = [a for a in doc.artifacts if a.name in pick["passed"]]
+    runtime_lowest = set(map(id, _lowest_per_runtime(passed, cpu).values())) if cpu is not None else set()
+    why: dict[str, str] = {}
+    for a in doc.artifacts:
+        if a.name in picked:
+            continue
+        if a.status is not Status.PASSED:
+            kind = "failed" if a.status is Status.FAILED else "not made" if _refused_by_design(a) else "not validated"
+            why[a.name] = f"{kind}: {'; '.join(texts(a.reasons)) or a.status}"
+        elif a.name in pick["excluded"]:
+            why[a.name] = pick["excluded"][a.name]
+        elif fastest is None:
+            why[a.name] = "not the smallest, and none was timed"
+        elif cpu is not None:
+            ratio = _count(a, cpu) / _count(fastest, cpu)
+            tie = id(a) in runtime_lowest and _app_runtime(a) != _app_runtime(fastest) and ratio <= COUNT_TIE
+            why[a.name] = f"{ratio:.2f}x the instructions of {fastest.name} on {cpu}" + (
+                f" (a tie across runtimes: {fastest.name} is closer to eager or smaller)" if tie else ""
+            )
+        else:
+            why[a.name] = f"p50 {_p50(a):.2f} ms against {fastest.name}'s {_p50(fastest):.2f} ms on x86"
+    return why
+
+
 def recommendation(doc: Manifest) -> Recommendation:
     """The pick as the manifest records it (`recommended`): the fastest that passed, what it was ranked by, the
-    smallest that passed, and `line`'s sentence, the one the reports show (`shown`)."""
+    smallest that passed, `line`'s sentence, the one the reports show (`shown`), and why the others were not."""
     pick = choose(doc)
     named = lambda artifact: artifact.name if artifact else None  # noqa: E731
-    return Recommendation(named(pick["fastest"]), pick["ranked_by"], named(pick["smallest"]), line(doc))
+    return Recommendation(
+        named(pick["fastest"]), pick["ranked_by"], named(pick["smallest"]), line(doc), not_picked(doc)
+    )
 
 
 def shown(doc: Manifest, markdown: bool = False) -> str:
@@ -151,6 +221,16 @@ def shown(doc: Manifest, markdown: bool = False) -> str:
         return why
     pattern = re.compile(r"(?<![\w`])(" + "|".join(map(re.escape, names)) + r")(?![\w`])")
     return pattern.sub(r"`\1`", why)
+
+
+def not_picked_line(doc: Manifest, markdown: bool = False) -> str | None:
+    """The reports' line under "Ship for": why each other artifact was not picked (the manifest's
+    `recommended.not_picked`, computed for a manifest written before it), or None when there is none."""
+    why = doc.recommended.not_picked if doc.recommended is not None else not_picked(doc)
+    if not why:
+        return None
+    code = (lambda n: f"`{n}`") if markdown else (lambda n: n)
+    return "Not picked: " + "; ".join(f"{code(name)}: {reason}" for name, reason in why.items()) + "."
 
 
 def _speed(fastest: ArtifactResult | None, cpu: str | None) -> str | None:

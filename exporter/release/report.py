@@ -403,6 +403,8 @@ def markdown(doc: Manifest) -> str:
     lines += [f"- {line}" for line in about(doc)]
     head, _, rest = recommend.shown(doc, markdown=True).partition(": ")
     lines += ["", f"**{head}:** {rest}", ""]
+    others = recommend.not_picked_line(doc, markdown=True)
+    lines += [others, ""] if others else []
     table = rows(doc)
     if table:
         headers = list(table[0])
