@@ -81,6 +81,13 @@ def read_bpte(jar: Path, bpte: Path, work: Path) -> dict:
     }
 
 
+def servable(jar: Path, cpuinfo: str, bundle: dict, work: Path) -> dict:
+    """The CPU features the app reads from `cpuinfo`, and per artifact of `bundle` whether it keeps it."""
+    directory = case(work, "servable", "servable", cpuinfo=cpuinfo, bundle=bundle)
+    run(jar, work)
+    return json.loads((directory / "servable.json").read_text())
+
+
 def takes(jar: Path, bundle: dict, work: Path) -> dict:
     """What the app feeds each of the bundle's artifacts: "uint8", "float32" or "refused: <why>"."""
     directory = case(work, "takes", "takes", bundle=bundle)

@@ -106,6 +106,25 @@ def test_the_app_feeds_each_artifact_what_its_input_says(app, tmp_path):
     }
 
 
+# /proc/cpuinfo's Features as Linux prints them for each core (arch/arm64/kernel/cpuinfo.c's names)
+A53 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid"
+A76 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp"
+
+
+@pytest.mark.parametrize(
+    "cores, features",
+    [([A76] * 4, ["fp16_arithmetic"]), ([A53] * 4, []), ([A53] * 4 + [A76] * 4, []), ([], [])],
+    ids=["big-cores", "armv8.0", "mixed", "no-features-line"],
+)
+def test_the_app_keeps_off_an_artifact_that_needs_what_a_core_lacks(app, tmp_path, cores, features):
+    """bundle.json's cpu_needs against /proc/cpuinfo: an fp16 .pte is kept only where every core has FP16 arithmetic
+    (a thread may run on any core); an artifact that needs nothing is always kept."""
+    cpuinfo = "".join(f"processor\t: {i}\nFeatures\t: {flags}\nCPU part\t: 0xd0b\n\n" for i, flags in enumerate(cores))
+    artifacts = [{"name": "executorch_fp16", "cpu_needs": ["fp16_arithmetic"]}, {"name": "executorch_fp32"}]
+    read = kotlin_app.servable(app, cpuinfo, {"artifacts": artifacts}, tmp_path)
+    assert read == {"features": features, "kept": {"executorch_fp16": bool(features), "executorch_fp32": True}}
+
+
 def _ties_ordered(boxes: np.ndarray, scores: np.ndarray) -> np.ndarray:
     """`boxes` with each run of equal `scores` (detections in descending score) sorted by x1, y1."""
     boxes, start = boxes.copy(), 0

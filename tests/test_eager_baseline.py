@@ -241,9 +241,11 @@ def test_a_build_times_eager_alone_once_for_all_its_targets_and_records_the_spre
 
 
 def test_a_build_whose_eager_baseline_was_timed_on_a_busy_host_is_not_kept_whole():
-    quiet = {"conditions": {"reliable": True}}
-    assert not _unsettled_timing([{"eager": {"latency": quiet}, "artifacts": []}])
-    assert _unsettled_timing([{"eager": {"latency": {"conditions": {"reliable": False}}}, "artifacts": []}])
+    def built(baseline: EagerBaseline) -> Manifest:
+        return Manifest.from_json(complete({"eager": {"accuracy": None, "latency": baseline.to_json()}}))
+
+    assert not _unsettled_timing([built(_baseline(5.0, [5.0, 5.1]))])
+    assert _unsettled_timing([built(_baseline(5.0, [5.0, 9.0], reliable=False, reasons=["busy"]))])
 
 
 def _artifact(name: str, fmt: str, precision: str, p50: float, mb: float) -> dict:

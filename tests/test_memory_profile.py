@@ -3,8 +3,10 @@ fp32/int8 and .ptl, and a small ONNX file in ONNX Runtime. Guarantees, not this 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -287,6 +289,9 @@ def test_a_slow_artifact_is_profiled_fewer_times_and_a_profile_from_a_busy_host_
     # nor is a whole build whose profile was taken on a busy host kept for replay (exporter/engine/record.py)
     from exporter.engine.record import _unsettled_timing
 
-    record = profile.to_json()
-    assert not _unsettled_timing([{"artifacts": [{"profile": dict(record, conditions={"reliable": True})}]}])
-    assert _unsettled_timing([{"artifacts": [{"profile": record}]}])
+    def built(profile) -> SimpleNamespace:  # what the record reads of a typed manifest
+        artifact = SimpleNamespace(latency_conditions=None, profile=profile)
+        return SimpleNamespace(eager=SimpleNamespace(latency=None), artifacts=[artifact])
+
+    assert not _unsettled_timing([built(dataclasses.replace(profile, conditions={"reliable": True}))])
+    assert _unsettled_timing([built(profile)])

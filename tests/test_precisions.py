@@ -235,7 +235,8 @@ def test_trained_digits_fp16_and_dynamic_int8_programs_are_judged_by_their_preci
         ("litert_fp16", "alternative"),
     ]
     needs = {a["name"]: a.get("cpu_needs") for a in records}
-    assert "FP16 arithmetic" in needs["executorch_fp16"] and needs["executorch_fp32"] is None
+    assert needs["executorch_fp16"] == ["fp16_arithmetic"] and needs["executorch_fp32"] is None
+    assert "FP16 arithmetic" in {a["name"]: a.get("cpu_needs_why") for a in records}["executorch_fp16"]
     assert needs["litert_fp16"] is None  # XNNPACK computes it in fp32 where the core has no FP16 arithmetic
 
 

@@ -126,15 +126,19 @@ def test_not_made_and_unsettled_outcomes_are_read_from_kinds():
     artifacts = [{**a, "thresholds": {}} for a in (not_made, unavailable)]  # as a manifest holds them
     pick = recommend.choose(Manifest.from_json(complete({"target": {"name": "t"}, "artifacts": artifacts})))
     assert (pick["not_made"], pick["unavailable"]) == (["a"], ["b"])
+
     # a crash may not repeat: not replayed; a threshold whose text happens to read like one is a settled verdict
-    assert record._unsettled(_artifact([_reworded(Reason(Kind.EXPORT_FAILED, "export failed: x"))]))
-    assert not record._unsettled(_artifact([threshold("psnr_db", "export failed: psnr_db 25", 25.0, 30.0).to_json()]))
+    def unsettled(reasons, **fields) -> bool:  # read as the build record reads it: from the typed manifest
+        return record._unsettled(ArtifactResult.from_json({**_artifact(reasons, **fields), "thresholds": {}}))
+
+    assert unsettled([_reworded(Reason(Kind.EXPORT_FAILED, "export failed: x"))])
+    assert not unsettled([threshold("psnr_db", "export failed: psnr_db 25", 25.0, 30.0).to_json()])
     # an emulated CPU's failure to run is its verdict there, replayed as before
     arm = Reason(Kind.DOES_NOT_RUN, "could not run on aarch64: x").on_cpu("cortex-a53")
-    assert not record._unsettled(_artifact([arm.to_json()]))
+    assert not unsettled([arm.to_json()])
     golden = Reason(Kind.BUNDLED_PROGRAM_FAILED, REWORDED)
-    assert record._unsettled(_artifact([], status="passed", details={"golden_program": golden.to_json()}))
-    assert not record._unsettled(_artifact([], status="passed", details={"golden_program": Reason(Kind.NOTE, "x")}))
+    assert unsettled([], status="passed", details={"golden_program": golden.to_json()})
+    assert not unsettled([], status="passed", details={"golden_program": Reason(Kind.NOTE, "x")})
 
 
 def test_the_int8_remake_reads_which_thresholds_broke_from_the_reasons_kinds():

@@ -67,6 +67,8 @@ def rewrites_line(rewrites: dict) -> str:
         for m in rewrites.get("input_transform_as_affine", [])
     ]
     lines += [f"{rewrites[name]} {what}" for name, what in COUNTED_REWRITES.items() if rewrites.get(name)]
+    halved = rewrites.get("half_activations_as_arithmetic")
+    lines += [f"{len(halved)} fp16 hard sigmoid(s) or SiLU(s) as their arithmetic"] if halved else []
     return "; ".join(lines)
 
 

@@ -22,7 +22,7 @@ from rich.markup import escape
 
 from .. import files
 from ..release import html_report, manifest, report
-from ..results import Kind, Manifest, kinds, revived
+from ..results import ArtifactResult, Kind, Manifest, kinds
 from . import cache, default_out
 from .cache import BuildCache
 from ..formats import FORMATS
@@ -73,17 +73,16 @@ def _tree(directory: Path, known: dict | None = None) -> dict:
     return listing
 
 
-def _inputs(request, docs: list[dict]) -> dict:
-    checkpoint = docs[0]["checkpoint"]
-    read = {checkpoint["path"]: checkpoint["sha256"]}
-    reference = docs[0]["eager"].get("reference") or {}
-    if reference.get("checkpoint"):  # a quantized weight's float model
-        read[reference["checkpoint"]["path"]] = reference["checkpoint"]["sha256"]
+def _inputs(request, docs: list[Manifest]) -> dict:
+    checkpoint, reference = docs[0].checkpoint, docs[0].eager.reference
+    read = {checkpoint.path: checkpoint.sha256}
+    if reference is not None and reference.checkpoint is not None:  # a quantized weight's float model
+        read[reference.checkpoint.path] = reference.checkpoint.sha256
     if request.labels:
         read[str(Path(request.labels).absolute())] = files.sha256(request.labels)
     trees = {str(Path(request.data).absolute()): _tree(Path(request.data))} if request.data else {}
     # a float model looked for and not found: once it is there, the build validates against it instead
-    absent = [reference["looked_for"]] if reference.get("looked_for") else []
+    absent = [reference.looked_for] if reference is not None and reference.looked_for else []
     return {"files": read, "trees": trees, "absent": absent}
 
 
@@ -102,16 +101,16 @@ def _inputs_unchanged(recorded: dict) -> bool:
     return True
 
 
-def _written(doc: dict) -> list[str]:
+def _written(doc: Manifest) -> list[str]:
     """The files a build wrote into its directory (as its manifest describes them), less those rendered at restore."""
     names = [n for n in manifest.BUILD_FILES if n not in RENDERED] + [
         *manifest.BUILD_FOLDERS,
-        *(doc.get("jetson") or {}).get("sha256", {}),
+        *(doc.jetson or {}).get("sha256", {}),
     ]
-    names += [a["path"] for a in doc["artifacts"] if a.get("path")]
-    names += [a["bundled_program"]["path"] for a in doc["artifacts"] if a.get("bundled_program")]
-    code = ((doc.get("task") or {}).get("decode") or {}).get("code")  # a task's device files (detection's decode)
-    reference = ((doc.get("preprocessing") or {}).get("reference") or {}).get("file")  # an image task's resize
+    names += [a.path for a in doc.artifacts if a.path]
+    names += [a.bundled_program.path for a in doc.artifacts if a.bundled_program]
+    code = ((doc.task or {}).get("decode") or {}).get("code")  # a task's device files (detection's decode)
+    reference = ((doc.preprocessing or {}).get("reference") or {}).get("file")  # an image task's resize
     return list(dict.fromkeys(names + [name for name in (code, reference) if name]))
 
 
@@ -129,38 +128,37 @@ def _files_under(directory: Path, names: list[str]) -> list[Path]:
     return found
 
 
-def _unsettled(artifact: dict) -> bool:
+def _unsettled(artifact: ArtifactResult) -> bool:
     """Whether the artifact's outcome is a crash that may not happen again: its export, load or run on this host
     failed (an emulated CPU's verdict stands), or its golden program could not be made."""
-    golden = (artifact.get("details") or {}).get("golden_program")
-    return any(r.kind in UNSETTLED and r.cpu is None for r in revived(artifact["reasons"])) or (
+    golden = (artifact.details or {}).get("golden_program")
+    return any(r.kind in UNSETTLED and r.cpu is None for r in artifact.reasons) or (
         Kind.BUNDLED_PROGRAM_FAILED in kinds([golden] if golden else [])
     )
 
 
-def _unsettled_timing(docs: list[dict]) -> bool:
+def _unsettled_timing(docs: list[Manifest]) -> bool:
     """Whether the build's eager baseline, or any artifact's latency or operator profile, was judged unreliable
     (exporter.hostload: timed on a busy host)."""
-    baselines = [((doc.get("eager") or {}).get("latency") or {}).get("conditions") or {} for doc in docs]
+    baselines = [doc.eager.latency.conditions for doc in docs if doc.eager.latency is not None]
     return not all(b.get("reliable", True) for b in baselines) or any(
-        not (a.get("latency_conditions") or {}).get("reliable", True)
-        or not ((a.get("profile") or {}).get("conditions") or {}).get("reliable", True)
+        not (a.latency_conditions or {}).get("reliable", True)
+        or not ((a.profile.conditions if a.profile else None) or {}).get("reliable", True)
         for doc in docs
-        for a in doc["artifacts"]
+        for a in doc.artifacts
     )
 
 
-def _counts_missing(docs: list[dict]) -> bool:
+def _counts_missing(docs: list[Manifest]) -> bool:
     """Whether a build counted instructions only in part: the counter unavailable then, a program whose count failed
     (the emulated process died or timed out), or an aarch64 row left without counts. A later build may count them."""
     for doc in docs:
-        counts = (doc.get("aarch64") or {}).get("instructions")
+        counts = (doc.aarch64 or {}).get("instructions")
         if counts is None:
             continue
         if "unavailable" in counts or counts.get("failed"):
             return True
-        rows = [row for entry in doc.get("artifacts") or [] for row in entry.get("aarch64") or []]
-        if any(row.get("instructions") is None for row in rows):
+        if any(row.instructions is None for entry in doc.artifacts for row in entry.aarch64 or []):
             return True
     return False
 
@@ -187,11 +185,12 @@ class BuildRecord:
     def restore(self, progress: Progress) -> list[dict] | None:
         """The earlier build's manifests, with its files restored into --out; None when there is none."""
         record = self.cache.fetch_json("builds", self.key)
-        if record is None or _unsettled_timing(record["docs"]) or _counts_missing(record["docs"]):
+        recorded = [Manifest.from_json(doc) for doc in record["docs"]] if record is not None else []
+        if record is None or _unsettled_timing(recorded) or _counts_missing(recorded):
             return None
         if not _inputs_unchanged(record["inputs"]):
             return None
-        base = Path(self.request.out or default_out(record["docs"][0]["weight"]["name"], record["targets"]))
+        base = Path(self.request.out or default_out(recorded[0].weight.name, record["targets"]))
         outs = self._outs(base, record["targets"])
         for out in dict.fromkeys([base, *outs]):
             files.check_out_dir(out, self.request.force)
@@ -238,17 +237,19 @@ class BuildRecord:
         return docs
 
     def store(self, base: Path, docs: list[dict], progress: Progress | None = None) -> None:
-        if any(_unsettled(a) for doc in docs for a in doc["artifacts"]):
+        """Records the build whose manifests (JSON, as written) are `docs`, its files stored by content."""
+        typed = [Manifest.from_json(doc) for doc in docs]
+        if any(_unsettled(a) for doc in typed for a in doc.artifacts):
             return  # a crash in a converter or a runtime may not happen again; only settled outcomes are replayed
-        if _unsettled_timing(docs):
+        if _unsettled_timing(typed):
             return  # latency or a profile timed on a busy host is not settled: the next run times it again
         if self._key() != self.key:
             return  # tools or exporter code changed while it built: the result belongs to neither key
-        targets = [doc["target"]["name"] for doc in docs]
+        targets = [doc.target["name"] for doc in typed]
         written = {}
         earlier_events, new_blobs = len(self.cache.events), []
         with self.cache.unless_disk_full("this build, for an unchanged re-run,"):
-            for doc, out in zip(docs, self._outs(base, targets)):
+            for doc, out in zip(typed, self._outs(base, targets)):
                 for path in _files_under(out, _written(doc)):
                     digest = files.file_sha256(path)  # one blob per file: a graph and its external data apart
                     blob = self._blob(digest)
@@ -263,7 +264,7 @@ class BuildRecord:
                 "builds",
                 self.key,
                 {
-                    "inputs": _inputs(self.request, docs),
+                    "inputs": _inputs(self.request, typed),
                     "targets": targets,
                     "files": written,
                     "docs": docs,

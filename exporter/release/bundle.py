@@ -183,8 +183,11 @@ def _artifact(doc: Manifest, role: str, entry: ArtifactResult) -> dict:
         "accuracy": entry.accuracy,
         "runtime": _runtime(doc, entry),
     }
-    if NEEDS_FP16_ARITHMETIC in entry.details.get("cpu_needs", ()):
-        record["cpu_needs"] = FP16_ARITHMETIC_NEEDED
+    needs = list(entry.details.get("cpu_needs") or [])
+    if needs:  # what an app checks on the device before it loads the file (apps/android: /proc/cpuinfo)
+        record["cpu_needs"] = needs
+    if NEEDS_FP16_ARITHMETIC in needs:
+        record["cpu_needs_why"] = FP16_ARITHMETIC_NEEDED
     # what the app feeds it: Core ML's own input (details), else the build's input format (absent in manifests
     # older than it: float32-nchw)
     record["input"] = entry.details["input"] if entry.format == "coreml" else entry.input or FLOAT_INPUT

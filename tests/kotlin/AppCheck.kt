@@ -20,6 +20,7 @@ fun main(args: Array<String>) {
             "decode" -> decode(case, spec)
             "bpte" -> bpte(case)
             "takes" -> takes(case, spec)
+            "servable" -> servable(case, spec)
             else -> throw IllegalArgumentException("unknown check $check")
         }
     }
@@ -83,6 +84,18 @@ private fun takes(case: File, spec: JSONObject) {
         fed.put(artifact.getString("name"), feeds)
     }
     File(case, "takes.json").writeText(fed.toString())
+}
+
+/** case.json's cpuinfo and bundle -> servable.json: the features read, and per artifact whether it is kept. */
+private fun servable(case: File, spec: JSONObject) {
+    val features = cpuFeatures(spec.getString("cpuinfo"))
+    val artifacts = spec.getJSONObject("bundle").getJSONArray("artifacts")
+    val kept = JSONObject()
+    for (i in 0 until artifacts.length()) {
+        val artifact = artifacts.getJSONObject(i)
+        kept.put(artifact.getString("name"), servable(artifact, features))
+    }
+    File(case, "servable.json").writeText(JSONObject().put("features", JSONArray(features.sorted())).put("kept", kept).toString())
 }
 
 private fun littleEndian(values: FloatArray): ByteArray {

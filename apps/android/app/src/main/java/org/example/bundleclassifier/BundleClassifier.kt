@@ -86,15 +86,17 @@ class BundleClassifier(context: Context, runtime: String? = null) {
     }
 
     /**
-     * The first artifact in bundle.json's order that passed, has a runtime here (or is of the one [runtime] names)
-     * and loads; one that did not pass only when none of those loads.
+     * The first artifact in bundle.json's order that passed, has a runtime here (or is of the one [runtime] names),
+     * needs no CPU feature this device lacks (cpu_needs: an fp16 program on a core without FP16 arithmetic) and
+     * loads; one that did not pass only when none of those loads.
      */
     private fun loadFirstThatLoads(context: Context, runtime: String?): Pair<JSONObject, ModelRunner> {
         val formats = if (runtime.isNullOrEmpty()) RUNTIMES else listOf(runtime)
         require(formats.all { it in RUNTIMES }) { "runtime $runtime: this app has ${RUNTIMES.joinToString(" and ")}" }
         val artifacts = bundle.getJSONArray("artifacts")
+        val features = cpuFeatures(File("/proc/cpuinfo").readText())
         val candidates = (0 until artifacts.length()).map { artifacts.getJSONObject(it) }
-            .filter { it.getString("format") in formats }
+            .filter { it.getString("format") in formats && servable(it, features) }
             .sortedBy { it.getString("status") != "passed" } // stable: keeps the bundle's order otherwise
         check(candidates.isNotEmpty()) { "the bundle has no ${formats.joinToString(" or ")} file" }
         val errors = mutableListOf<String>()

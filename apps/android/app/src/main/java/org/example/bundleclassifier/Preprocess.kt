@@ -18,6 +18,25 @@ fun takesBytes(artifact: JSONObject): Boolean {
     return dtype == "uint8"
 }
 
+/**
+ * The CPU features named by bundle.json's artifacts[].cpu_needs that every core of this device has, from
+ * /proc/cpuinfo's Features lines (one per core: a phone's big and little cores may differ, and a thread may run on
+ * either). "fp16_arithmetic" is Armv8.2-A FP16 arithmetic, the kernel's "asimdhp" flag (Cortex-A55, A75, A76 and
+ * later; not Cortex-A53, A57, A72).
+ */
+fun cpuFeatures(cpuinfo: String): Set<String> {
+    val cores = cpuinfo.lines().filter { it.startsWith("Features") }.map {
+        it.substringAfter(':').trim().split(Regex("\\s+")).toSet()
+    }
+    return if (cores.isNotEmpty() && cores.all { "asimdhp" in it }) setOf("fp16_arithmetic") else emptySet()
+}
+
+/** Whether a device with [features] has every CPU feature a bundle.json artifact needs (cpu_needs; none: it does). */
+fun servable(artifact: JSONObject, features: Set<String>): Boolean {
+    val needs = artifact.optJSONArray("cpu_needs") ?: return true
+    return (0 until needs.length()).all { needs.getString(it) in features }
+}
+
 /** 8-bit RGB, row by row, 3 bytes a pixel: what a uint8-nhwc artifact takes (1 x H x W x 3). */
 class RgbImage(val width: Int, val height: Int, val bytes: ByteArray)
 
