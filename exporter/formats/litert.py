@@ -1,5 +1,6 @@
 """LiteRT (TensorFlow Lite) flatbuffer (.tflite) from litert-torch, run by ai-edge-litert's interpreter (XNNPACK
-delegate, as on Android), fp32 or int8 (PT2E static, through exporter.quant's shared budget search).
+delegate, as on Android), fp32 or int8 (PT2E static, through exporter.quant's shared budget search); fp16, dynamic
+int8 and w8a16 are the fp32 file rewritten by ai-edge-quantizer's recipes (RECIPES; docs/precisions.md).
 
 fp32: `litert_torch.convert(model, (example,))`, which exports with torch.export and lowers to TFLite ops.
 
