@@ -319,12 +319,16 @@ def test_a_build_whose_golden_program_failed_is_not_replayed_from_the_whole_buil
     stored = []
     record = object.__new__(BuildRecord)  # store decides before it reads anything of its own but its key
     record.key, record._key = "its key", lambda: stored.append("went on") or "another key"
+    from .fake_manifest import complete, verdict
+
+    def built(golden: Reason) -> dict:  # a manifest as a build writes it, its one .pte's golden program `golden`
+        entry = {"name": "executorch_fp32", "format": "executorch", "precision": "fp32", **verdict("executorch")}
+        entry |= {"path": "model.pte", "sha256": "ab" * 32, "size_bytes": 6, "thresholds": {}}
+        entry |= dict.fromkeys(("fidelity", "accuracy", "eager_latency_ms", "speedup_vs_eager"))
+        return complete({"artifacts": [entry | {"details": {"golden_program": golden.to_json()}}]})
+
     failed = Reason(Kind.BUNDLED_PROGRAM_FAILED, bundled_program_step.FAILED + "RuntimeError: out of memory")
-    entry = {"reasons": [], "details": {"golden_program": failed.to_json()}}
-    record.store(Path("unused"), [{"artifacts": [entry]}])
+    record.store(Path("unused"), [built(failed)])
     assert stored == []
-    entry["details"]["golden_program"] = Reason(
-        Kind.NOTE, "not made: the program is 2.37 GiB, ..."
-    ).to_json()  # settled
-    record.store(Path("unused"), [{"artifacts": [entry]}])
+    record.store(Path("unused"), [built(Reason(Kind.NOTE, "not made: the program is 2.37 GiB, ..."))])  # settled
     assert stored == ["went on"]
